@@ -1,0 +1,129 @@
+// tsgen_sync.cuh -- signals, waits with timeouts, and barriers.
+//
+// Hand-written; inlined into every generated source after tsgen_ptx.cuh.
+//
+// Signals are 64-bit epoch counters that only grow: call number `epoch`
+// (1, 2, 3, ...) raises a signal to a value derived from `epoch`, and the
+// waiter waits for that value, so back-to-back calls and CUDA graph replay
+// need no reset kernel. Every spin loop has a timeout (TSGEN_TIMEOUT_NS, set
+// from the spec's sync.timeout_ms; 0 = wait forever) after which it prints who
+// waited for what and traps: a hang becomes an error with a diagnosis.
+#ifndef TSGEN_SYNC_CUH
+#define TSGEN_SYNC_CUH
+
+#include <stdint.h>
+#include <stdio.h>
+
+#ifndef TSGEN_TIMEOUT_NS
+#define TSGEN_TIMEOUT_NS 10000000000ull  // 10 s
+#endif
+
+// Where a wait happens, for the timeout message.
+struct tsgen_site {
+  const char* what;  // name of the signal array, e.g. "ready"
+  int rank;          // rank that waits
+  int owner;         // rank whose memory holds the signal
+  int index;         // element of the signal array
+};
+
+static __device__ __forceinline__ tsgen_site tsgen_make_site(const char* what, int rank,
+                                                            int owner, int index) {
+  tsgen_site s;
+  s.what = what;
+  s.rank = rank;
+  s.owner = owner;
+  s.index = index;
+  return s;
+}
+
+// Out of line and noreturn: the printf stays out of the spin loop, and callers
+// need not save live registers around the call (which would count as spills).
+static __device__ __noinline__ __attribute__((noreturn)) void tsgen_timeout_trap(tsgen_site site, const char* cmp,
+                                                       uint64_t expected, uint64_t seen) {
+  printf("tsgen: timeout: rank %d block %d thread %d waited %llu ms on %s[%d] (memory of "
+         "rank %d) for a value %s %llu; last seen %llu\n",
+         site.rank, (int)blockIdx.x, (int)threadIdx.x,
+         (unsigned long long)(TSGEN_TIMEOUT_NS / 1000000ull), site.what, site.index, site.owner,
+         cmp, (unsigned long long)expected, (unsigned long long)seen);
+  __trap();
+}
+
+// wait_<cmp>_acquire_<scope>(signal, expected, site): spin until
+// `*signal <cmp> expected` with acquire loads at that scope; returns the value
+// seen. gpu scope for signals raised on the same GPU, sys for peers'.
+#define TSGEN_DEFINE_WAIT(CMP, OP, SCOPE)                                                    \
+  static __device__ __forceinline__ uint64_t wait_##CMP##_acquire_##SCOPE(                   \
+      const uint64_t* signal, uint64_t expected, tsgen_site site) {                          \
+    uint64_t seen = ld_acquire_##SCOPE##_global_u64(signal);                                 \
+    if (seen OP expected) return seen;                                                       \
+    const uint64_t start = globaltimer_ns();                                                 \
+    for (uint32_t spins = 1;; ++spins) {                                                     \
+      seen = ld_acquire_##SCOPE##_global_u64(signal);                                        \
+      if (seen OP expected) return seen;                                                     \
+      if (TSGEN_TIMEOUT_NS != 0 && (spins & 255u) == 0 &&                                    \
+          globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS)                             \
+        tsgen_timeout_trap(site, #OP, expected, seen);                                       \
+    }                                                                                        \
+  }
+
+#define TSGEN_DEFINE_WAITS(SCOPE)      \
+  TSGEN_DEFINE_WAIT(eq, ==, SCOPE)     \
+  TSGEN_DEFINE_WAIT(ne, !=, SCOPE)     \
+  TSGEN_DEFINE_WAIT(ge, >=, SCOPE)     \
+  TSGEN_DEFINE_WAIT(gt, >, SCOPE)      \
+  TSGEN_DEFINE_WAIT(le, <=, SCOPE)     \
+  TSGEN_DEFINE_WAIT(lt, <, SCOPE)
+
+// wait_{eq,ne,ge,gt,le,lt}_acquire_gpu / wait_{...}_acquire_sys
+TSGEN_DEFINE_WAITS(gpu)
+TSGEN_DEFINE_WAITS(sys)
+#undef TSGEN_DEFINE_WAITS
+#undef TSGEN_DEFINE_WAIT
+
+// Symmetric memory: every rank lays its buffers out the same way inside one
+// allocation whose base address, per rank, is peers[rank]. A local pointer is
+// turned into the same element on rank `peer` by rebasing its offset.
+template <typename T>
+static __device__ __forceinline__ T* tsgen_peer_ptr(T* local, char* const* peers, int rank,
+                                                    int peer) {
+  return (T*)(peers[peer] + ((const char*)local - peers[rank]));
+}
+
+// Barrier over all blocks of one grid (they must all be resident: the
+// runtime checks the grid fits on the device). `counter` is a zero-initialized
+// u64 that only grows: use number `generation` (1, 2, ...) of it waits for
+// generation * gridDim.x arrivals. A grid that uses the barrier k times per
+// call passes generation = (epoch - 1) * k + j for its j-th use (j = 1..k).
+static __device__ __forceinline__ void tsgen_barrier_blocks(uint64_t* counter,
+                                                            uint64_t generation, int rank) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // release: this block's writes (ordered before by __syncthreads) become
+    // visible to every block that acquires the counter after our arrival.
+    red_add_release_gpu_global_u64(counter, 1ull);
+    wait_ge_acquire_gpu(counter, generation * (uint64_t)gridDim.x,
+                        tsgen_make_site("barrier_blocks", rank, rank, 0));
+  }
+  __syncthreads();
+}
+
+// Barrier over all ranks and all their blocks. `counter` is as above (two
+// uses per barrier); `flags` holds WORLD u64 slots per rank: rank r raises
+// slot r in every peer's flags to `generation`, then waits until all its own
+// slots reach it. Pass generation as for tsgen_barrier_blocks, counting uses
+// of this barrier.
+template <int WORLD>
+static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint64_t* flags,
+                                                         char* const* peers, int rank,
+                                                         uint64_t generation) {
+  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+  if (blockIdx.x == 0 && threadIdx.x < WORLD) {
+    const int peer = threadIdx.x;
+    st_release_sys_global_u64(tsgen_peer_ptr(flags, peers, rank, peer) + rank, generation);
+    wait_ge_acquire_sys(flags + peer, generation,
+                        tsgen_make_site("barrier_all.flags", rank, rank, peer));
+  }
+  tsgen_barrier_blocks(counter, 2 * generation, rank);
+}
+
+#endif  // TSGEN_SYNC_CUH

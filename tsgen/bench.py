@@ -1,0 +1,159 @@
+"""`tsgen bench`: time a spec's kernel and the copy engine in the same run.
+
+For the copy primitives the baseline is cudaMemcpyPeerAsync moving the same
+bytes between the same GPUs. Two patterns:
+  pair: only rank 0 runs (to its ring neighbour): one link direction, timed
+        with CUDA events on rank 0's stream;
+  ring: every rank runs at once (each to its neighbour), timed on the host
+        around all ranks' work; GB/s is per rank.
+Each size: warm-up calls, then the median of `reps` timings of `iters` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from .errors import RuntimeSetupError
+from .harness import materialize
+from .ops import get_family
+from .spec import load_spec
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMG]?)i?B?", text.strip(), re.IGNORECASE)
+    if not m:
+        raise RuntimeSetupError(f"size {text!r}: write a number with an optional K, M or G suffix")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """`1K:1G` (powers of two between), `1M:1G:4` (factor 4), or `1M,256M`."""
+    if ":" in text:
+        parts = text.split(":")
+        lo, hi = parse_size(parts[0]), parse_size(parts[1])
+        factor = int(parts[2]) if len(parts) > 2 else 2
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= factor
+        return out
+    return [parse_size(t) for t in text.split(",")]
+
+
+def human(n: int) -> str:
+    for unit in ("G", "M", "K"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
+def bench_copy(
+    spec_path: str | Path,
+    gpus: int,
+    sizes: list[int],
+    iters: int = 20,
+    reps: int = 5,
+    patterns: tuple[str, ...] = ("pair", "ring"),
+    arch: str = "sm_90a",
+    echo: Callable[[str], None] = print,
+) -> list[dict]:
+    from .runtime import World
+
+    loaded = load_spec(spec_path)
+    spec = loaded.model
+    family = get_family(spec.op)
+    if family.count_unit != "bytes":
+        raise RuntimeSetupError(f"{spec_path}: bench compares byte-copy ops with the copy engine; {spec.op} is not one")
+    manifest = materialize(loaded)
+    rows = []
+    with World(gpus) as world:
+        cp = world.cp
+        module = world.load(manifest, arch=arch)
+        streams = []
+        for dev in world.devices:
+            with cp.cuda.Device(dev):
+                streams.append(cp.cuda.Stream(non_blocking=True))
+        shift = spec.params.shift
+        put = family.direction == "put"
+        for nbytes in sizes:
+            bufs = module.alloc(nbytes)
+            try:
+                for rank in range(gpus):
+                    with cp.cuda.Device(world.devices[rank]):
+                        bufs.array("src", rank)[...] = cp.random.randint(0, 256, nbytes, dtype=cp.uint8)
+                world.synchronize()
+                for pattern in patterns:
+                    ranks = [0] if pattern == "pair" else list(range(gpus))
+
+                    def kernel_calls():
+                        for _ in range(iters):
+                            module.launch(bufs, ranks=ranks, streams=streams)
+
+                    def engine_calls():
+                        for _ in range(iters):
+                            for r in ranks:
+                                peer = (r + shift) % gpus
+                                # same direction of data as the kernel
+                                s_rank, d_rank = (r, peer) if put else (peer, r)
+                                with cp.cuda.Device(world.devices[r]):
+                                    cp.cuda.runtime.memcpyPeerAsync(
+                                        bufs.bases[d_rank] + bufs.by_name["dst"].offset, world.devices[d_rank],
+                                        bufs.bases[s_rank] + bufs.by_name["src"].offset, world.devices[s_rank],
+                                        nbytes, streams[r].ptr)
+
+                    t_kernel = _time(world, streams, ranks, kernel_calls, iters, reps)
+                    t_engine = _time(world, streams, ranks, engine_calls, iters, reps)
+                    row = {
+                        "op": spec.op, "spec": spec.name, "gpus": gpus, "pattern": pattern, "bytes": nbytes,
+                        "kernel_us": t_kernel * 1e6, "copy_engine_us": t_engine * 1e6,
+                        "kernel_GBps": nbytes / t_kernel / 1e9, "copy_engine_GBps": nbytes / t_engine / 1e9,
+                    }
+                    row["ratio"] = row["kernel_GBps"] / row["copy_engine_GBps"]
+                    rows.append(row)
+                    echo(f"{spec.name:12s} {pattern:4s} {human(nbytes):>6s}  kernel {row['kernel_GBps']:7.1f} GB/s  "
+                         f"memcpyPeer {row['copy_engine_GBps']:7.1f} GB/s  ratio {row['ratio']:.3f}")
+            finally:
+                bufs.free()
+    return rows
+
+
+def _time(world, streams, ranks, calls, iters, reps) -> float:
+    """Median seconds per call. One rank: CUDA events on its stream; several: host
+    clock around all of them after a full synchronize."""
+    cp = world.cp
+    calls()  # warm-up
+    world.synchronize()
+    samples = []
+    for _ in range(reps):
+        if len(ranks) == 1:
+            r = ranks[0]
+            with cp.cuda.Device(world.devices[r]):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(streams[r])
+            calls()
+            with cp.cuda.Device(world.devices[r]):
+                end.record(streams[r])
+                end.synchronize()
+                samples.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / iters)
+        else:
+            world.synchronize()
+            t0 = time.perf_counter()
+            calls()
+            for r in ranks:
+                with cp.cuda.Device(world.devices[r]):
+                    streams[r].synchronize()
+            samples.append((time.perf_counter() - t0) / iters)
+    world.synchronize()
+    return statistics.median(samples)
+
+
+def write_results(rows: list[dict], json_path: Path, meta: dict) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -1,0 +1,117 @@
+"""The `tsgen` command line.
+
+Exit codes: 0 ok, 1 a check failed (stale outputs, wrong results, a
+timeout), 2 bad input (spec, arguments, environment).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import SpecError, TsgenError
+
+
+def _reports_errors(fn):
+    """Turn TsgenError into its message on stderr and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as e:
+            for line in e.problems:
+                click.echo(line, err=True)
+            n = len(e.problems)
+            click.echo(f"tsgen: {n} problem{'s' if n > 1 else ''} in the spec; nothing was written", err=True)
+            sys.exit(e.exit_code)
+        except TsgenError as e:
+            click.echo(f"tsgen: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tsgen")
+def main() -> None:
+    """Generate readable, self-contained CUDA sources for multi-GPU communication kernels."""
+
+
+@main.command()
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("-o", "--out", "out_dir", default="generated", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path), help="output folder")
+@click.option("--check", is_flag=True, help="write nothing; exit 1 with a diff if an output is stale, missing or orphaned")
+@click.option("--prune", is_flag=True, help="delete generated files no spec produces any more")
+@click.option("--compile", "do_compile", is_flag=True, help="also compile each source with nvcc (cached)")
+@click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture for --compile")
+@_reports_errors
+def build(paths, out_dir, check, prune, do_compile, arch):
+    """Render specs (files or folders; default specs/) into OUT/NAME.cu + NAME.json."""
+    from .build import build as run_build
+    from .toolchain import compile_source
+
+    paths = list(paths) or [Path("specs")]
+    result = run_build(paths, out_dir, check=check, prune=prune)
+    if check:
+        click.echo(f"tsgen: {len(result.rendered)} spec(s) up to date in {out_dir}")
+    else:
+        click.echo(
+            f"tsgen: {len(result.rendered)} spec(s): {len(result.written)} file(s) written, "
+            f"{len(result.unchanged)} unchanged in {out_dir}"
+        )
+        for p in result.orphans:
+            click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
+    if do_compile:
+        for r in result.rendered:
+            res = compile_source(out_dir / f"{r.name}.cu", arch=arch)
+            worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.report.values()), default=0)
+            regs = max((v.get("registers", 0) for v in res.report.values()), default=0)
+            click.echo(f"  {r.name}.cu -> {res.output} ({'cached' if res.cached else 'compiled'}; "
+                       f"max {regs} registers, {worst} spill bytes)")
+
+
+@main.command("list")
+def list_ops():
+    """Every op kind, one line each."""
+    from .ops import families
+
+    for f in families():
+        click.echo(f"{f.kind:16s} {f.summary}")
+
+
+@main.command()
+def schema():
+    """Print the JSON Schema (draft-07) of spec files."""
+    from .schema import json_schema_text
+
+    click.echo(json_schema_text(), nl=False)
+
+
+@main.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@click.option("--gpus", type=int, required=True, help="world size: GPUs to run on")
+@click.option("--count", type=int, default=None, help="elements (or bytes) per rank; default from the spec")
+@click.option("--iters", type=int, default=None, help="back-to-back calls; default from the spec")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--arch", default="sm_90a", show_default=True)
+@click.option("--probe-timeout", is_flag=True,
+              help="launch only rank 0 with a signal that never comes; expect the timeout message")
+@_reports_errors
+def test(spec, gpus, count, iters, seed, arch, probe_timeout):
+    """Run SPEC on GPUs against its NumPy reference; exit 1 on any mismatch."""
+    from .harness import probe_timeout as run_probe, run_test
+
+    if probe_timeout:
+        sys.exit(run_probe(spec, gpus, arch=arch))
+    ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

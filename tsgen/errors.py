@@ -1,0 +1,38 @@
+"""Exceptions that carry the CLI exit code they map to.
+
+Exit codes: 0 ok, 1 a check failed (stale outputs, wrong results),
+2 bad input (spec, arguments, environment).
+"""
+
+from __future__ import annotations
+
+
+class TsgenError(Exception):
+    """Base class: a message meant for the user and an exit code."""
+
+    exit_code = 2
+
+
+class SpecError(TsgenError):
+    """A spec file is missing, unparsable or invalid.
+
+    ``problems`` holds one ``FILE:LINE:COL: field: what is wrong`` line each.
+    """
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class ToolchainError(TsgenError):
+    """nvcc / cuobjdump missing, or a compile failed."""
+
+
+class RuntimeSetupError(TsgenError):
+    """The GPUs, peer access or buffers do not fit what a kernel needs."""
+
+
+class CheckFailed(TsgenError):
+    """A check ran and found a problem (stale output, wrong result)."""
+
+    exit_code = 1

@@ -1,0 +1,178 @@
+"""`tsgen test` and `tsgen bench`: run a spec on GPUs against its reference.
+
+Each call: fresh seeded inputs on every rank (call 0 uses an integer
+pattern that makes a misplaced chunk visible), outputs poisoned with a byte
+that changes from call to call, one launch on every rank, then every output
+compared bit for bit with the NumPy reference. Signals are never reset
+between calls: the epoch just counts up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import RuntimeSetupError
+from .ops import get_family
+from .render import render, write_if_different
+from .spec import LoadedSpec, load_spec
+from .toolchain import cache_dir
+
+
+def materialize(loaded: LoadedSpec) -> Path:
+    """Render the spec into the cache (so tests always match the spec); manifest path."""
+    rendered = render(loaded, base=loaded.path.resolve().parent.parent)
+    out = cache_dir() / "render" / loaded.sha256[:16]
+    for name, text in rendered.files().items():
+        write_if_different(out / name, text)
+    return out / f"{rendered.name}.json"
+
+
+def poison_byte(call: int) -> int:
+    return (0xA5 + 0x3B * call) & 0xFF
+
+
+def as_bits(a: np.ndarray) -> np.ndarray:
+    """Same-size unsigned view: compare exactly, NaN payloads included."""
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+@dataclass
+class RankTally:
+    wrong: int = 0
+    checked: int = 0
+    first: list[str] = field(default_factory=list)
+
+
+def run_test(
+    spec_path: str | Path,
+    gpus: int,
+    count: int | None = None,
+    iters: int | None = None,
+    seed: int = 0,
+    arch: str = "sm_90a",
+    echo: Callable[[str], None] = print,
+) -> bool:
+    from .runtime import World
+
+    loaded = load_spec(spec_path)
+    spec = loaded.model
+    family = get_family(spec.op)
+    if gpus not in spec.world_sizes:
+        raise RuntimeSetupError(
+            f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; --gpus {gpus} is not one"
+        )
+    count = spec.test.count if count is None else count
+    iters = spec.test.iters if iters is None else iters
+    manifest = materialize(loaded)
+    tallies = [RankTally() for _ in range(gpus)]
+    t0 = time.perf_counter()
+    with World(gpus) as world:
+        module = world.load(manifest, arch=arch)
+        bufs = module.alloc(count)
+        try:
+            outputs = [s for s in bufs.slots if s.role == "output"]
+            for call in range(iters):
+                rng = np.random.default_rng([seed, call])
+                inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
+                expected = family.reference(spec, gpus, count, inputs)
+                for rank in range(gpus):
+                    with world.cp.cuda.Device(world.devices[rank]):
+                        for name, per_rank in inputs.items():
+                            bufs.array(name, rank).set(per_rank[rank].view(bufs.array(name, rank).dtype))
+                        for s in outputs:
+                            bufs.array(s.name, rank).view(np.uint8)[...] = poison_byte(call)
+                world.synchronize()
+                module.launch(bufs)
+                world.synchronize()
+                for rank in range(gpus):
+                    for s in outputs:
+                        got = as_bits(bufs.array(s.name, rank).get())
+                        want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
+                        bad = np.flatnonzero(got != want)
+                        t = tallies[rank]
+                        t.checked += got.size
+                        t.wrong += bad.size
+                        if bad.size and len(t.first) < 3:
+                            i = int(bad[0])
+                            t.first.append(
+                                f"call {call}: {s.name}[{i}] = {got[i]:#x}, expected {want[i]:#x} "
+                                f"({bad.size} wrong{', poison left: unwritten' if (got[bad] == _poison_value(got.dtype, call)).all() else ''})"
+                            )
+        finally:
+            bufs.free()
+    elapsed = time.perf_counter() - t0
+    ok = True
+    for rank, t in enumerate(tallies):
+        status = "PASS" if t.wrong == 0 else "FAIL"
+        ok &= t.wrong == 0
+        echo(f"{spec.name} rank {rank}/{gpus}: {status}  {iters} calls x {count} {family.count_unit}, "
+             f"{t.wrong} wrong of {t.checked}")
+        for line in t.first:
+            echo(f"    {line}")
+    echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs ({elapsed:.1f} s)")
+    return ok
+
+
+def _poison_value(dtype: np.dtype, call: int) -> int:
+    b = poison_byte(call)
+    v = 0
+    for _ in range(dtype.itemsize):
+        v = (v << 8) | b
+    return v
+
+
+def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeout_ms: int = 300) -> int:
+    """Launch only rank 0 of a spec whose kernel waits on a peer: the wait never
+    completes, so the kernel must print the timeout diagnosis and trap.
+    Returns 0 when that happened, 1 otherwise (a hang would be a test failure
+    of its own: the probe itself is bounded by the timeout)."""
+    from .runtime import World
+
+    loaded = load_spec(spec_path)
+    spec = loaded.model
+    if not get_family(spec.op).blocks_wait:
+        raise RuntimeSetupError(f"{spec_path}: op {spec.op} never waits; probe a signal or barrier spec")
+    short = spec.model_copy(update={"sync": spec.sync.model_copy(update={"timeout_ms": timeout_ms})})
+    probe = LoadedSpec(loaded.path, loaded.text + f"\n# probe timeout_ms={timeout_ms}\n", short)
+    manifest = materialize(probe)
+    with World(gpus) as world:
+        module = world.load(manifest, arch=arch)
+        bufs = module.alloc(1024)
+        # Capture what the device printf writes to this process's stdout.
+        sys.stdout.flush()
+        saved = os.dup(1)
+        with tempfile.TemporaryFile(mode="w+b") as captured:
+            os.dup2(captured.fileno(), 1)
+            try:
+                start = time.perf_counter()
+                module.launch(bufs, ranks=[0])
+                try:
+                    world.synchronize()
+                    failed = None
+                except RuntimeSetupError as e:
+                    failed = str(e)
+                waited = time.perf_counter() - start
+            finally:
+                sys.stdout.flush()
+                os.dup2(saved, 1)
+                os.close(saved)
+            captured.seek(0)
+            printed = captured.read().decode(errors="replace")
+        # The context is dead after a trap: leak the heap rather than touch it.
+        bufs.bases = []
+        world.backend._heaps.clear()
+    print(printed.rstrip())
+    if failed and "tsgen: timeout" in printed:
+        print(f"probe: the wait timed out after {waited:.2f} s as it should ({failed.splitlines()[0]})")
+        return 0
+    print(f"probe: expected a timeout trap; kernel {'failed: ' + failed if failed else 'finished'} "
+          f"after {waited:.2f} s without the message")
+    return 1

@@ -1,0 +1,33 @@
+"""Registry of op families: the table of what exists.
+
+Adding an op kind = one module here with its family (spec schema, plan,
+reference) + one template under templates/ops/, listed in _MODULES.
+"""
+
+from __future__ import annotations
+
+from .base import OpFamily
+from . import primitives
+
+_MODULES = [primitives]
+
+_FAMILIES: dict[str, OpFamily] = {}
+for _module in _MODULES:
+    for _family in _module.FAMILIES:
+        assert _family.kind not in _FAMILIES, f"op kind {_family.kind} defined twice"
+        _FAMILIES[_family.kind] = _family
+
+
+def get_family(kind: str) -> OpFamily:
+    """The family of op `kind`; KeyError if there is none."""
+    if not isinstance(kind, str):
+        raise KeyError(kind)
+    return _FAMILIES[kind]
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def families() -> list[OpFamily]:
+    return [_FAMILIES[k] for k in family_names()]

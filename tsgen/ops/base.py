@@ -1,0 +1,202 @@
+"""What every op family provides, and the plan data it hands the renderer.
+
+An op family is small and declarative: a spec model (its `params`), a
+template, the symmetric buffers its kernels use, a NumPy reference, and the
+bytes it moves. Every kernel of every family has the same leading arguments
+
+    (char* const* peers, int rank, uint64_t epoch, uint64_t count, <buffers>)
+
+so the runtime launches any kernel from its manifest with no per-op glue:
+`peers` is the table of each rank's symmetric-heap base, `epoch` the call
+number (1, 2, ...) that signals count up to, `count` the run-time size in
+the family's unit (bytes or elements), then one pointer per buffer, in the
+order the family lists them, each pointing into the calling rank's heap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..spec import SpecBase
+
+# dtype name -> (C type, numpy dtype)
+DTYPES: dict[str, tuple[str, str]] = {
+    "uint8": ("uint8_t", "uint8"),
+    "int32": ("int32_t", "int32"),
+    "uint32": ("uint32_t", "uint32"),
+    "uint64": ("uint64_t", "uint64"),
+    "float32": ("float", "float32"),
+    "float16": ("__half", "float16"),
+    "bfloat16": ("__nv_bfloat16", "bfloat16"),
+}
+
+LEADING_ARGS: tuple[tuple[str, str, str], ...] = (
+    ("peers", "char* const*", "peers"),
+    ("rank", "int", "rank"),
+    ("epoch", "uint64_t", "epoch"),
+    ("count", "uint64_t", "count"),
+)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A symmetric buffer: same size and offset on every rank.
+
+    Elements per rank = per_count * count + fixed. `role` tells the harness
+    what to do with it: fill `input`s with data, poison `output`s before each
+    call and compare them after, leave `scratch` alone, and zero `signal`s
+    once at allocation (or fill them with `init` bytes) and never again.
+    """
+
+    name: str
+    dtype: str
+    role: str  # input | output | scratch | signal
+    per_count: int = 1
+    fixed: int = 0
+    init: int = 0  # byte value signals start at
+
+    def elems(self, count: int) -> int:
+        return self.per_count * count + self.fixed
+
+    @property
+    def ctype(self) -> str:
+        return DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    ctype: str
+    role: str  # peers | rank | epoch | count | buffer
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One extern "C" entry point: the op compiled for one world size."""
+
+    name: str
+    world_size: int
+    grid: int
+    block: int
+    smem: int
+    args: tuple[Arg, ...]
+
+    @property
+    def launcher(self) -> str:
+        return f"{self.name}_launch"
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "launcher": self.launcher,
+            "world_size": self.world_size,
+            "grid": [self.grid, 1, 1],
+            "block": [self.block, 1, 1],
+            "shared_bytes": self.smem,
+            "args": [asdict(a) for a in self.args],
+        }
+
+
+@dataclass
+class Plan:
+    """Everything the template renders from and the manifest records."""
+
+    family: "OpFamily"
+    spec: SpecBase
+    buffers: tuple[Buffer, ...]
+    kernels: tuple[Kernel, ...]
+    constants: dict[str, int] = field(default_factory=dict)  # compile-time, per module
+
+
+class OpFamily:
+    """Subclasses set the class attributes and override the methods below."""
+
+    kind: ClassVar[str]
+    summary: ClassVar[str]
+    Spec: ClassVar[type[SpecBase]]
+    template: ClassVar[str]  # file under templates/ops/
+    count_unit: ClassVar[str] = "elements"  # or "bytes"
+    # True when blocks wait on other blocks (barriers, signals from the same
+    # grid): the runtime then refuses a grid that cannot be resident at once.
+    blocks_wait: ClassVar[bool] = False
+
+    # -- validation beyond field types -------------------------------------
+    def check(self, spec: Any) -> list[tuple[tuple, str]]:
+        """Cross-field problems as (field path, message); [] when the spec is fine."""
+        return []
+
+    def template_vars(self, spec: Any) -> dict[str, Any]:
+        """Extra names the op's template uses (beyond spec, plan, constants)."""
+        return {}
+
+    # -- plan ---------------------------------------------------------------
+    def buffers(self, spec: Any) -> tuple[Buffer, ...]:
+        raise NotImplementedError
+
+    def constants(self, spec: Any) -> dict[str, int]:
+        """Compile-time constants beyond the launch shape (e.g. SHIFT)."""
+        return {}
+
+    def plan(self, spec: Any) -> Plan:
+        buffers = self.buffers(spec)
+        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
+            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers
+        )
+        kernels = tuple(
+            Kernel(
+                name=f"{spec.name}_w{w}",
+                world_size=w,
+                grid=spec.launch.blocks,
+                block=spec.launch.threads,
+                smem=0,
+                args=args,
+            )
+            for w in spec.world_sizes
+        )
+        constants = {
+            "THREADS": spec.launch.threads,
+            "BLOCKS": spec.launch.blocks,
+            "UNROLL": spec.launch.unroll,
+        }
+        constants.update(self.constants(spec))
+        return Plan(self, spec, buffers, kernels, constants)
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(
+        self, spec: Any, world: int, count: int, rng: np.random.Generator, pattern: bool
+    ) -> dict[str, list[np.ndarray]]:
+        """Per-rank input arrays. `pattern`: values that encode (rank, index)."""
+        out: dict[str, list[np.ndarray]] = {}
+        for b in self.buffers(spec):
+            if b.role != "input":
+                continue
+            n = b.elems(count)
+            out[b.name] = [fill(b.dtype, n, rng, pattern, r) for r in range(world)]
+        return out
+
+    def reference(
+        self, spec: Any, world: int, count: int, inputs: dict[str, list[np.ndarray]]
+    ) -> dict[str, list[np.ndarray]]:
+        raise NotImplementedError
+
+    def bytes_moved(self, spec: Any, world: int, count: int) -> int:
+        """Bytes each rank sends over the fabric per call (for GB/s)."""
+        return 0
+
+
+def fill(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int) -> np.ndarray:
+    """Random data, or an integer pattern that makes a misplaced chunk visible."""
+    npdt = np.dtype(DTYPES[dtype][1]) if dtype != "bfloat16" else np.dtype("uint16")
+    if pattern:
+        idx = np.arange(n, dtype=np.uint64)
+        if npdt.itemsize == 1:
+            # 8 bits cannot hold (rank, index): mix them so a shifted chunk differs.
+            return ((idx * 7 + idx // 251 + rank * 101) & 0xFF).astype(np.uint8)
+        return ((np.uint64(rank + 1) << np.uint64(24)) | (idx & np.uint64(0xFFFFFF))).astype(npdt)
+    if npdt.kind == "f":
+        return rng.standard_normal(n).astype(npdt)
+    info = np.iinfo(npdt)
+    return rng.integers(info.min, info.max, size=n, endpoint=True, dtype=npdt)

@@ -1,0 +1,231 @@
+"""World: N GPUs, symmetric buffers, and manifest-driven launches.
+
+A `World` owns a backend (how symmetric memory and the peer table are made)
+and loads generated modules onto every rank. A `Module` is one generated
+source, compiled and loaded per device; `Module.alloc(count)` lays out the
+manifest's buffers in one symmetric heap per rank; `Module.launch` calls the
+kernel for this world size on every rank with the same leading arguments
+(peers, rank, epoch, count) and one pointer per buffer. Nothing here knows
+about individual ops.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import RuntimeSetupError
+from .backends import Backend, SingleProcessBackend, cupy_or_error
+
+ALIGN = 256  # every buffer starts on a 256-byte boundary of the heap
+
+
+def np_dtype(name: str) -> np.dtype:
+    """NumPy dtype for a manifest dtype; bfloat16 travels as its 16 bits."""
+    return np.dtype("uint16" if name == "bfloat16" else name)
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: str
+    role: str
+    offset: int
+    elems: int
+    init_byte: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.elems * np_dtype(self.dtype).itemsize
+
+
+def layout(manifest: dict, count: int) -> tuple[list[Slot], int]:
+    """Offsets of every buffer in the symmetric heap, and the heap size."""
+    slots, offset = [], 0
+    for b in manifest["buffers"]:
+        elems = b["elems"]["per_count"] * count + b["elems"]["fixed"]
+        slot = Slot(b["name"], b["dtype"], b["role"], offset, elems, b.get("init_byte", 0))
+        slots.append(slot)
+        offset += -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
+    return slots, max(offset, ALIGN)
+
+
+def check_array(array: Any, *, name: str, rank: int, device: int, dtype: str, elems: int) -> None:
+    """Raise RuntimeSetupError unless `array` is a CuPy array of the right dtype,
+    size and device for buffer `name` on `rank`. Pure: testable without a GPU."""
+    where = f"buffer {name!r} of rank {rank}"
+    if isinstance(array, np.ndarray):
+        raise RuntimeSetupError(f"{where}: got a NumPy array on the host; pass a CuPy array on GPU {device}")
+    if not hasattr(array, "device") or not hasattr(array, "dtype"):
+        raise RuntimeSetupError(f"{where}: got {type(array).__name__}; pass a CuPy array on GPU {device}")
+    want = np_dtype(dtype)
+    if np.dtype(array.dtype) != want:
+        raise RuntimeSetupError(f"{where}: dtype {np.dtype(array.dtype)} but the kernel takes {dtype}")
+    if int(array.size) != elems:
+        raise RuntimeSetupError(
+            f"{where}: {int(array.size)} elements (shape {tuple(array.shape)}) but this call needs {elems}"
+        )
+    got = getattr(array.device, "id", array.device)
+    if got != device:
+        raise RuntimeSetupError(f"{where}: array is on GPU {got}, rank {rank} runs on GPU {device}")
+
+
+class Buffers:
+    """The symmetric heap of one module for one `count`, on every rank."""
+
+    def __init__(self, module: "Module", count: int):
+        self.module, self.count = module, count
+        self.slots, self.heap_bytes = layout(module.manifest, count)
+        self.by_name = {s.name: s for s in self.slots}
+        world = module.world
+        self.bases = world.backend.alloc_heap(self.heap_bytes)
+        cp = world.cp
+        for rank in range(world.size):
+            with cp.cuda.Device(world.devices[rank]):
+                for s in self.slots:
+                    if s.role == "signal":
+                        cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
+                cp.cuda.runtime.deviceSynchronize()
+        self.peer_tables = world.backend.peer_tables(self.bases)
+        self.epoch = 0  # calls made so far; signals wait for values derived from it
+
+    def array(self, name: str, rank: int):
+        """CuPy view of buffer `name` on `rank` (no copy)."""
+        s = self.by_name[name]
+        world = self.module.world
+        cp = world.cp
+        mem = cp.cuda.UnownedMemory(self.bases[rank] + s.offset, s.nbytes, self, device_id=world.devices[rank])
+        return cp.ndarray((s.elems,), dtype=np_dtype(s.dtype), memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def set(self, name: str, rank: int, array: Any) -> None:
+        """Copy a user array into buffer `name` of `rank`, after checking it fits."""
+        s = self.by_name[name]
+        world = self.module.world
+        check_array(array, name=name, rank=rank, device=world.devices[rank], dtype=s.dtype, elems=s.elems)
+        with world.cp.cuda.Device(world.devices[rank]):
+            self.array(name, rank)[...] = array.reshape(-1)
+
+    def free(self) -> None:
+        if self.bases:
+            self.module.world.backend.free_heap(self.bases)
+            self.bases = []
+
+
+class Module:
+    """One generated source loaded on every rank of a World."""
+
+    def __init__(self, world: "World", manifest_path: Path, arch: str):
+        from ..toolchain import compile_source
+
+        self.world = world
+        self.manifest_path = Path(manifest_path)
+        self.manifest = json.loads(self.manifest_path.read_text())
+        sizes = self.manifest["world_sizes"]
+        if world.size not in sizes:
+            raise RuntimeSetupError(
+                f"{self.manifest['name']}: compiled for world sizes {sizes}, not {world.size}; "
+                f"add {world.size} to world_sizes in {self.manifest['spec']}"
+            )
+        self.kernel = next(k for k in self.manifest["kernels"] if k["world_size"] == world.size)
+        source = self.manifest_path.with_name(self.manifest["source"])
+        self.binary = compile_source(source, arch=arch).output
+        cp = world.cp
+        self.functions = []
+        for dev in world.devices:
+            with cp.cuda.Device(dev):
+                mod = cp.RawModule(path=str(self.binary))
+                self.functions.append(mod.get_function(self.kernel["name"]))
+        if self.manifest.get("blocks_wait", False):
+            world.check_resident(self.kernel, self.functions[0])
+
+    def alloc(self, count: int) -> Buffers:
+        return Buffers(self, count)
+
+    def launch(
+        self,
+        buffers: Buffers,
+        ranks: Sequence[int] | None = None,
+        epoch: int | None = None,
+        streams: Sequence[Any] | None = None,
+    ) -> int:
+        """Launch the kernel on `ranks` (default: all) without waiting; returns the epoch used."""
+        world, cp = self.world, self.world.cp
+        if epoch is None:
+            buffers.epoch += 1
+            epoch = buffers.epoch
+        grid = tuple(self.kernel["grid"])
+        block = tuple(self.kernel["block"])
+        smem = self.kernel["shared_bytes"]
+        for rank in ranks if ranks is not None else range(world.size):
+            args: list[Any] = []
+            for a in self.kernel["args"]:
+                role = a["role"]
+                if role == "peers":
+                    args.append(buffers.peer_tables[rank])
+                elif role == "rank":
+                    args.append(np.int32(rank))
+                elif role == "epoch":
+                    args.append(np.uint64(epoch))
+                elif role == "count":
+                    args.append(np.uint64(buffers.count))
+                else:
+                    args.append(np.uint64(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
+            with cp.cuda.Device(world.devices[rank]):
+                stream = streams[rank] if streams is not None else cp.cuda.Stream.null
+                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+        return epoch
+
+
+class World:
+    """N GPUs driven by one backend; the context manager frees what it made."""
+
+    def __init__(self, size: int, backend: Backend | None = None):
+        self.cp = cupy_or_error()
+        self.backend = backend or SingleProcessBackend(size, self.cp)
+        self.size = size
+        self.devices = self.backend.devices
+
+    def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
+        return Module(self, Path(manifest), arch)
+
+    def synchronize(self) -> None:
+        """Wait for every rank; a failed kernel raises with the rank named."""
+        for rank, dev in enumerate(self.devices):
+            try:
+                with self.cp.cuda.Device(dev):
+                    self.cp.cuda.runtime.deviceSynchronize()
+            except self.cp.cuda.runtime.CUDARuntimeError as e:
+                raise RuntimeSetupError(f"rank {rank} (GPU {dev}): kernel failed: {e}") from e
+
+    def check_resident(self, kernel: dict, function: Any) -> None:
+        """Kernels whose blocks wait on each other need every block resident at once."""
+        cp = self.cp
+        blocks = kernel["grid"][0]
+        threads = kernel["block"][0]
+        props = cp.cuda.runtime.getDeviceProperties(self.devices[0])
+        sms = props["multiProcessorCount"]
+        try:
+            per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                function.ptr, threads, kernel["shared_bytes"]
+            )
+        except Exception:  # older CuPy: bound by threads alone
+            per_sm = max(1, props["maxThreadsPerMultiProcessor"] // threads)
+        if blocks > sms * per_sm:
+            raise RuntimeSetupError(
+                f"{kernel['name']}: grid of {blocks} blocks cannot all be resident "
+                f"({sms} SMs x {per_sm} blocks per SM); its blocks wait on each other, so it "
+                f"would hang. Lower launch.blocks to <= {sms * per_sm}"
+            )
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
