@@ -9,6 +9,7 @@ between calls: the epoch just counts up.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -59,7 +60,11 @@ def run_test(
     seed: int = 0,
     arch: str = "sm_90a",
     echo: Callable[[str], None] = print,
+    mutate: Callable[[str], str] | None = None,
 ) -> bool:
+    """True when every output of every call on every rank matched. `mutate`
+    edits the generated source before compiling: negative controls use it to
+    remove a barrier or a wait and show that the test then fails."""
     from .runtime import World
 
     loaded = load_spec(spec_path)
@@ -72,6 +77,8 @@ def run_test(
     count = spec.test.count if count is None else count
     iters = spec.test.iters if iters is None else iters
     manifest = materialize(loaded)
+    if mutate is not None:
+        manifest = _mutated(manifest, mutate)
     tallies = [RankTally() for _ in range(gpus)]
     t0 = time.perf_counter()
     with World(gpus) as world:
@@ -119,6 +126,19 @@ def run_test(
             echo(f"    {line}")
     echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs ({elapsed:.1f} s)")
     return ok
+
+
+def _mutated(manifest: Path, mutate: Callable[[str], str]) -> Path:
+    """Copy of a rendered module with its source edited (for negative controls)."""
+    source = manifest.with_name(manifest.stem + ".cu")
+    text = source.read_text()
+    changed = mutate(text)
+    if changed == text:
+        raise ValueError("mutation left the source unchanged")
+    out = manifest.parent / "mutated" / hashlib.sha256(changed.encode()).hexdigest()[:16]
+    write_if_different(out / source.name, changed)
+    write_if_different(out / manifest.name, manifest.read_text())
+    return out / manifest.name
 
 
 def _poison_value(dtype: np.dtype, call: int) -> int:
