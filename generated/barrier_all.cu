@@ -677,6 +677,13 @@ TSGEN_DEFINE_WAITS(sys)
 #undef TSGEN_DEFINE_WAITS
 #undef TSGEN_DEFINE_WAIT
 
+// Spin for about `ns` nanoseconds (test aid: staggers writers so that a
+// missing barrier shows up as wrong data instead of a lucky pass).
+static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+  const uint64_t start = globaltimer_ns();
+  while (globaltimer_ns() - start < ns) __nanosleep(256);
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
@@ -817,12 +824,16 @@ constexpr int THREADS = 256;
 constexpr int BLOCKS = 32;
 constexpr int UNROLL = 4;
 constexpr int SHIFT = 1;
+constexpr int STAGGER_NS = 20000;
 
 // Every rank stages src, all ranks meet at a barrier, each rank reads the
 // stage of rank (r + SHIFT) % WORLD into dst, and a second barrier keeps the
-// next call from overwriting a stage a peer is still reading.
+// next call from overwriting a stage a peer is still reading. Rank r starts
+// staging r * STAGGER_NS ns late, so without the barrier the ranks whose
+// neighbour starts later would read a stale stage.
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {
+  if (STAGGER_NS > 0) tsgen_sleep_ns((uint64_t)STAGGER_NS * rank);
   const uint64_t tid = (uint64_t)blockIdx.x * THREADS + threadIdx.x;
   const uint64_t nthreads = (uint64_t)BLOCKS * THREADS;
   for (uint64_t i = tid; i < count; i += nthreads) stage[i] = src[i];

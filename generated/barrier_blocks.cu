@@ -676,6 +676,13 @@ TSGEN_DEFINE_WAITS(sys)
 #undef TSGEN_DEFINE_WAITS
 #undef TSGEN_DEFINE_WAIT
 
+// Spin for about `ns` nanoseconds (test aid: staggers writers so that a
+// missing barrier shows up as wrong data instead of a lucky pass).
+static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+  const uint64_t start = globaltimer_ns();
+  while (globaltimer_ns() - start < ns) __nanosleep(256);
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
@@ -815,12 +822,16 @@ namespace barrier_blocks {
 constexpr int THREADS = 256;
 constexpr int BLOCKS = 132;
 constexpr int UNROLL = 4;
+constexpr int STAGGER_NS = 20000;
 
 // Block b stages chunk b of src, every block meets at the grid barrier, then
 // block b copies chunk BLOCKS-1-b -- staged by another block -- into dst.
-// Without the barrier a block would read a chunk not yet (re)written.
+// Without the barrier a block would read a chunk not yet (re)written: block b
+// starts staging b * STAGGER_NS / BLOCKS ns late, so for every b < BLOCKS / 2
+// the chunk it reads is staged by a block that starts later than it does.
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {
+  if (STAGGER_NS > 0) tsgen_sleep_ns((uint64_t)STAGGER_NS * blockIdx.x / BLOCKS);
   uint64_t begin, end;
   tsgen_chunk(count, BLOCKS, blockIdx.x, &begin, &end);
   for (uint64_t i = begin + threadIdx.x; i < end; i += THREADS) stage[i] = src[i];

@@ -4,6 +4,8 @@ calls each, bit-exact against the NumPy reference; and the timeout path.
 Skipped with a reason on machines without enough GPUs (CI has none).
 """
 
+import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +23,17 @@ pytestmark = pytest.mark.gpu
 def test_primitive_on_gpus(spec, world):
     need_gpus(world)
     lines = []
-    assert run_test(spec, world, echo=lines.append), "\n".join(lines)
+    ok = run_test(spec, world, echo=lines.append)
+    record("correctness", {"spec": spec.stem, "world": world, "pass": ok, "lines": lines})
+    assert ok, "\n".join(lines)
+
+
+def record(kind, row):
+    """Append a result row to $TSGEN_RESULTS_DIR/KIND.jsonl (device runs collect these)."""
+    out = os.environ.get("TSGEN_RESULTS_DIR")
+    if out:
+        with open(os.path.join(out, f"{kind}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 @pytest.mark.parametrize("spec", ["signal_wait_ge_peer", "barrier_all", "simple_shift"])
@@ -35,6 +47,7 @@ def test_wait_that_never_completes_times_out(spec):
         capture_output=True, text=True, timeout=120,
     )
     out = proc.stdout + proc.stderr
+    record("timeout_probe", {"spec": spec, "rc": proc.returncode, "output": out})
     assert proc.returncode == 0, out
     assert "tsgen: timeout: rank 0" in out, out
 
@@ -43,6 +56,7 @@ def test_wait_that_never_completes_times_out(spec):
 # generated source; the same test must then fail, or it proves nothing.
 NEGATIVE_CONTROLS = {
     "barrier_blocks": ("tsgen_barrier_blocks(counter, epoch, rank);", ""),
+    "barrier_all": ("tsgen_barrier_all<WORLD>(counter, flags, peers, rank, 2 * epoch - 1);", ""),
     # wait for >= 0: satisfied at once, i.e. no wait
     "signal_wait_ge_peer": ("wait_ge_acquire_sys(signal, epoch,", "wait_ge_acquire_sys(signal, 0ull,"),
     "simple_shift": ("wait_ge_acquire_sys(ready, epoch * BLOCKS,", "wait_ge_acquire_sys(ready, 0ull,"),
@@ -58,4 +72,5 @@ def test_negative_control_fails(spec):
     lines = []
     ok = run_test(f"specs/{spec}.yaml", 2, iters=20, echo=lines.append,
                   mutate=lambda text: text.replace(old, new))
+    record("negative_control", {"spec": spec, "removed": old, "pass": ok, "lines": lines})
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)

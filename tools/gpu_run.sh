@@ -15,9 +15,10 @@ fi
 export TSGEN_CACHE_DIR=/tmp/tsgen-cache
 { nvidia-smi; nvidia-smi topo -m; python3 -c 'import cupy; print("cupy", cupy.__version__)'; } > "$OUT/env.txt" 2>&1
 head -20 "$OUT/env.txt"
-python3 -m tsgen build specs -o /tmp/gen --compile > "$OUT/compile.txt" 2>&1 || { tail -30 "$OUT/compile.txt"; exit 1; }
+python3 -m tsgen build specs -o /tmp/gen --compile >> "$OUT/env.txt" 2>&1 || { tail -30 "$OUT/env.txt"; exit 1; }
 K=${1:-}
-timeout 420 python3 -m pytest tests/test_gpu.py -q -x -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+export TSGEN_RESULTS_DIR="$OUT"
+timeout 420 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout 240 python3 tools/bench_primitives.py "$OUT" --gpus 2 2>&1 | tee "$OUT/bench.txt" | tail -40
+  timeout 240 python3 tools/bench_primitives.py "$OUT" --gpus 2 2>&1 | tail -40
 fi

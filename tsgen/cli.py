@@ -7,6 +7,7 @@ timeout), 2 bad input (spec, arguments, environment).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -108,7 +109,12 @@ def test(spec, gpus, count, iters, seed, arch, probe_timeout):
     from .harness import probe_timeout as run_probe, run_test
 
     if probe_timeout:
-        sys.exit(run_probe(spec, gpus, arch=arch))
+        code = run_probe(spec, gpus, arch=arch)
+        # The trap left this process's CUDA contexts dead: skip the teardown
+        # that would try (and loudly fail) to unload modules from them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo)
     sys.exit(0 if ok else 1)
 

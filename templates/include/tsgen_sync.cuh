@@ -80,6 +80,13 @@ TSGEN_DEFINE_WAITS(sys)
 #undef TSGEN_DEFINE_WAITS
 #undef TSGEN_DEFINE_WAIT
 
+// Spin for about `ns` nanoseconds (test aid: staggers writers so that a
+// missing barrier shows up as wrong data instead of a lucky pass).
+static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
+  const uint64_t start = globaltimer_ns();
+  while (globaltimer_ns() - start < ns) __nanosleep(256);
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.

@@ -255,10 +255,23 @@ class SignalWaitFamily(OpFamily):
 # ---------------------------------------------------------------------------
 
 
+class StaggerParams(StrictModel):
+    stagger_ns: int = Field(
+        20000, ge=0, le=10_000_000,
+        description="writers start staggered by up to this many ns (by block or rank) so that a "
+        "barrier that does not hold shows up as wrong data; 0 = no stagger",
+    )
+
+
 class BarrierBlocksSpec(SpecBase):
     """Spec of op `barrier_blocks`: a barrier over all blocks of one grid."""
 
     op: Literal["barrier_blocks"]
+    params: StaggerParams = StaggerParams()
+
+
+class BarrierAllParams(ShiftParams, StaggerParams):
+    pass
 
 
 class BarrierBlocksFamily(OpFamily):
@@ -279,6 +292,9 @@ class BarrierBlocksFamily(OpFamily):
             Buffer("counter", "uint64", "signal", per_count=0, fixed=1),
         )
 
+    def constants(self, spec):
+        return {"STAGGER_NS": spec.params.stagger_ns}
+
     def reference(self, spec, world, count, inputs):
         return {"dst": [a.copy() for a in inputs["src"]]}
 
@@ -287,7 +303,7 @@ class BarrierAllSpec(SpecBase):
     """Spec of op `barrier_all`: a barrier over all ranks (and all their blocks)."""
 
     op: Literal["barrier_all"]
-    params: ShiftParams = ShiftParams()
+    params: BarrierAllParams = BarrierAllParams()
 
 
 class BarrierAllFamily(OpFamily):
@@ -313,7 +329,7 @@ class BarrierAllFamily(OpFamily):
         )
 
     def constants(self, spec):
-        return {"SHIFT": spec.params.shift}
+        return {"SHIFT": spec.params.shift, "STAGGER_NS": spec.params.stagger_ns}
 
     def reference(self, spec, world, count, inputs):
         return {"dst": _ring(inputs["src"], -spec.params.shift)}
