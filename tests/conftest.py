@@ -30,3 +30,26 @@ def need_gpus(n: int):
 @pytest.fixture(autouse=True)
 def _chdir_root(monkeypatch):
     monkeypatch.chdir(ROOT)
+
+
+class CliResult:
+    def __init__(self, code: int, stdout: str, stderr: str):
+        self.code, self.stdout, self.stderr = code, stdout, stderr
+
+    def __repr__(self) -> str:
+        return f"exit {self.code}\n--- stdout\n{self.stdout}--- stderr\n{self.stderr}"
+
+
+def run_cli(*args: str) -> CliResult:
+    """`tsgen ARGS` in this process (click's CliRunner), in the current folder:
+    exit code, stdout and stderr apart. Unexpected exceptions propagate."""
+    from click.testing import CliRunner
+
+    from tsgen.cli import main
+
+    try:
+        runner = CliRunner(mix_stderr=False)  # click < 8.2
+    except TypeError:
+        runner = CliRunner()  # click >= 8.2 keeps stderr apart by itself
+    r = runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return CliResult(r.exit_code, r.stdout, r.stderr)

@@ -37,8 +37,12 @@ def parse_sizes(text: str) -> list[int]:
     """`1K:1G` (powers of two between), `1M:1G:4` (factor 4), or `1M,256M`."""
     if ":" in text:
         parts = text.split(":")
+        if len(parts) > 3 or (len(parts) == 3 and not parts[2].strip().isdigit()):
+            raise RuntimeSetupError(f"sizes {text!r}: write LO:HI or LO:HI:FACTOR (FACTOR a whole number)")
         lo, hi = parse_size(parts[0]), parse_size(parts[1])
         factor = int(parts[2]) if len(parts) > 2 else 2
+        if lo < 1 or factor < 2 or lo > hi:
+            raise RuntimeSetupError(f"sizes {text!r}: need 1 <= LO <= HI and FACTOR >= 2")
         out = []
         while lo <= hi:
             out.append(lo)

@@ -119,5 +119,27 @@ def test(spec, gpus, count, iters, seed, arch, probe_timeout):
     sys.exit(0 if ok else 1)
 
 
+@main.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@click.option("--gpus", type=int, required=True, help="world size: GPUs to run on")
+@click.option("--sizes", default="1M:1G:4", show_default=True, help="LO:HI[:FACTOR] or a comma list (K, M, G suffixes)")
+@click.option("--iters", type=int, default=20, show_default=True, help="calls per timing")
+@click.option("--pattern", "patterns", multiple=True, type=click.Choice(["pair", "ring"]),
+              help="pair: rank 0 only; ring: every rank at once (default both)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--arch", default="sm_90a", show_default=True)
+@_reports_errors
+def bench(spec, gpus, sizes, iters, patterns, json_path, arch):
+    """Time SPEC's kernel against the copy engine (cudaMemcpyPeer) in the same run."""
+    import datetime
+
+    from .bench import bench_copy, parse_sizes, write_results
+
+    rows = bench_copy(spec, gpus, parse_sizes(sizes), iters=iters,
+                      patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo)
+    if json_path:
+        write_results(rows, json_path, {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat()})
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -155,13 +155,30 @@ def _mark(node: yaml.Node) -> Pos:
     return Pos(node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+_MAP_TAG, _SEQ_TAG = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+
+
+def _scalar(node: yaml.Node) -> Any:
+    """A scalar's value by the safe loader's rules (int, bool, float, null, str): an
+    empty value is null; an unknown or unsafe tag raises ConstructorError with its mark."""
+    return yaml.SafeLoader("").construct_object(node)
+
+
 def _construct(node: yaml.Node, path: tuple, loc: _Located, problems: list[tuple[Pos, str, str]]):
     """Plain-Python value of a composed node, recording positions as it goes."""
     loc.value_pos[path] = _mark(node)
+    if not isinstance(node, yaml.ScalarNode) and node.tag not in (_MAP_TAG, _SEQ_TAG):
+        # as the safe loader would: a tag on a list or mapping is not silently dropped
+        raise yaml.constructor.ConstructorError(
+            None, None, f"could not determine a constructor for the tag {node.tag!r}", node.start_mark
+        )
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = yaml.safe_load(yaml.serialize(key_node))
+            if not isinstance(key_node, yaml.ScalarNode):
+                problems.append((_mark(key_node), _dotted(path), "keys must be plain names, not lists or mappings"))
+                continue
+            key = _scalar(key_node)
             child = path + (key,)
             loc.key_pos[child] = _mark(key_node)
             if key in out:
@@ -171,7 +188,7 @@ def _construct(node: yaml.Node, path: tuple, loc: _Located, problems: list[tuple
     if isinstance(node, yaml.SequenceNode):
         return [_construct(v, path + (i,), loc, problems) for i, v in enumerate(node.value)]
     # Scalars: let the safe constructor resolve ints, bools, floats, nulls.
-    return yaml.safe_load(yaml.serialize(node))
+    return _scalar(node)
 
 
 def _dotted(path: tuple) -> str:
@@ -232,24 +249,30 @@ def load_spec(path: str | Path, display_path: str | None = None) -> LoadedSpec:
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise SpecError([f"{shown}:1:1: <file>: cannot read: {e}"]) from None
 
+    def yaml_problem(e: yaml.MarkedYAMLError, what: str) -> SpecError:
+        mark = e.problem_mark or e.context_mark
+        pos = Pos(mark.line + 1, mark.column + 1) if mark else Pos(1, 1)
+        return SpecError([_fmt(shown, pos, "<yaml>", f"{what}: {e.problem}")])
+
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        pos = Pos(mark.line + 1, mark.column + 1) if mark else Pos(1, 1)
-        raise SpecError([_fmt(shown, pos, "<yaml>", f"YAML syntax error: {e.problem}")]) from None
+        raise yaml_problem(e, "YAML syntax error") from None
     if root is None or not isinstance(root, yaml.MappingNode):
         raise SpecError([_fmt(shown, Pos(1, 1), "<spec>", "a spec is a YAML mapping of fields")])
 
     loc = _Located()
     structural: list[tuple[Pos, str, str]] = []
-    data = _construct(root, (), loc, structural)
+    try:
+        data = _construct(root, (), loc, structural)
+    except yaml.MarkedYAMLError as e:  # a tag the safe loader does not construct
+        raise yaml_problem(e, "YAML value not allowed") from None
     if structural:
         raise SpecError([_fmt(shown, p, f, m) for p, f, m in structural])
 
     op = data.get("op")
     if op is None:
-        raise SpecError([_fmt(shown, Pos(1, 1), "op", f"missing; one of: {', '.join(family_names())}")])
+        raise SpecError([_fmt(shown, loc.find(("op",)), "op", f"missing; one of: {', '.join(family_names())}")])
     try:
         family = get_family(op)
     except KeyError:

@@ -195,7 +195,13 @@ def fill(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int)
         if npdt.itemsize == 1:
             # 8 bits cannot hold (rank, index): mix them so a shifted chunk differs.
             return ((idx * 7 + idx // 251 + rank * 101) & 0xFF).astype(np.uint8)
-        return ((np.uint64(rank + 1) << np.uint64(24)) | (idx & np.uint64(0xFFFFFF))).astype(npdt)
+        # Bit patterns, viewed as the dtype (a float conversion would round or overflow
+        # them): 16 bits hold rank < 8 over 11 bits of index, no NaN/inf for fp16/bf16.
+        if npdt.itemsize == 2:
+            bits = (np.uint64(rank) << np.uint64(11)) | (idx & np.uint64(0x7FF))
+        else:
+            bits = (np.uint64(rank + 1) << np.uint64(24)) | (idx & np.uint64(0xFFFFFF))
+        return bits.astype(np.dtype(f"u{npdt.itemsize}")).view(npdt)
     if npdt.kind == "f":
         return rng.standard_normal(n).astype(npdt)
     info = np.iinfo(npdt)

@@ -1,0 +1,132 @@
+"""The command line: exit codes (0 ok, 1 check failed, 2 bad input) and what
+it prints, on a machine without GPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, gpu_count, run_cli
+from tsgen import __version__
+from tsgen.ops import get_family
+
+KINDS = ["put_warp", "put_block", "get_warp", "get_block", "remote_st", "remote_ld",
+         "signal_wait", "barrier_blocks", "barrier_all", "simple_shift"]
+
+
+def tsgen(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m tsgen ARGS` in a fresh interpreter, in the repo root."""
+    return subprocess.run([sys.executable, "-m", "tsgen", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.fixture
+def no_cupy_env(tmp_path):
+    """Environment in which `import cupy` fails, whatever is installed."""
+    shadow = tmp_path / "shadow"
+    (shadow / "cupy").mkdir(parents=True)
+    (shadow / "cupy" / "__init__.py").write_text('raise ImportError("No module named \'cupy\' (hidden by the test)")\n')
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow)] + [p for p in [env.get("PYTHONPATH")] if p])
+    probe = subprocess.run([sys.executable, "-c", "import cupy"], capture_output=True, text=True, env=env)
+    assert probe.returncode != 0 and "hidden by the test" in probe.stderr
+    return env
+
+
+def test_version():
+    p = tsgen("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"tsgen, version {__version__}\n"
+
+
+def test_help_lists_commands():
+    r = run_cli("--help")
+    assert r.code == 0
+    for cmd in ("build", "list", "schema", "test"):
+        assert any(line.split()[:1] == [cmd] for line in r.stdout.splitlines()), (cmd, r.stdout)
+
+
+def test_list():
+    r = run_cli("list")
+    assert r.code == 0, r
+    lines = r.stdout.splitlines()
+    assert len(lines) == len(KINDS)
+    assert sorted(line.split()[0] for line in lines) == sorted(KINDS)
+    for line in lines:
+        kind, summary = line.split(None, 1)
+        assert summary == get_family(kind).summary
+
+
+def test_unknown_command_and_option():
+    assert run_cli("frobnicate").code == 2
+    r = run_cli("build", "--no-such-option")
+    assert r.code == 2 and "No such option" in r.stderr
+
+
+def test_build_writes_and_reports(tmp_path):
+    r = run_cli("build", "specs/put_block.yaml", "specs/barrier_all.yaml", "-o", tmp_path / "out")
+    assert r.code == 0, r
+    assert r.stdout == f"tsgen: 2 spec(s): 4 file(s) written, 0 unchanged in {tmp_path / 'out'}\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "barrier_all.cu", "barrier_all.json", "put_block.cu", "put_block.json"]
+
+
+def test_test_without_cupy(no_cupy_env):
+    p = tsgen("test", "specs/put_block.yaml", "--gpus", "2", env=no_cupy_env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("tsgen: running kernels needs CuPy: `pip install tsgen[cuda13]`"), p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this machine has a GPU: `tsgen test` would run")
+def test_test_without_gpu():
+    """With whatever is installed here (CuPy or not), no usable GPU -> exit 2, one clear line."""
+    p = tsgen("test", "specs/put_block.yaml", "--gpus", "2")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "needs CuPy" in err or "no usable CUDA device" in err or "no CUDA device" in err, err
+
+
+def test_test_world_size_not_compiled(no_cupy_env):
+    """Checked before CuPy is touched: the message is about world sizes, not CuPy."""
+    p = tsgen("test", "specs/put_block.yaml", "--gpus", "5", env=no_cupy_env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr == "tsgen: specs/put_block.yaml: compiled for world sizes [2, 3, 4]; --gpus 5 is not one\n"
+
+
+def test_probe_timeout_on_op_that_never_waits(no_cupy_env):
+    p = tsgen("test", "specs/put_block.yaml", "--gpus", "2", "--probe-timeout", env=no_cupy_env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr == ("tsgen: specs/put_block.yaml: op put_block never waits; "
+                        "probe a signal or barrier spec\n")
+
+
+def test_test_bad_spec(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: t\nop: put_block\nworld_sizes: [2]\nlaunch:\n  blocks: 0\n")
+    r = run_cli("test", bad, "--gpus", "2")
+    assert r.code == 2, r
+    assert r.stderr.splitlines()[0] == f"{bad}:5:3: launch.blocks: Input should be greater than or equal to 1"
+    r = run_cli("test", tmp_path / "missing.yaml", "--gpus", "2")
+    assert r.code == 2, r
+    assert r.stderr.splitlines()[0] == f"{tmp_path / 'missing.yaml'}:1:1: <file>: no such file"
+
+
+def test_test_needs_gpus_option():
+    r = run_cli("test", "specs/put_block.yaml")
+    assert r.code == 2 and "--gpus" in r.stderr
+
+
+def test_check_exit_code_1(tmp_path, monkeypatch):
+    """A failed check is 1, not 2: stale output is not bad input."""
+    out = tmp_path / "out"
+    assert run_cli("build", "specs/put_warp.yaml", "-o", out).code == 0
+    (out / "put_warp.cu").write_text((out / "put_warp.cu").read_text() + "// edited by hand\n")
+    r = run_cli("build", "specs/put_warp.yaml", "-o", out, "--check")
+    assert r.code == 1, r
+    assert r.stderr.startswith(f"tsgen: stale: {out / 'put_warp.cu'}\n")
+    assert "-// edited by hand" in r.stderr.splitlines()

@@ -1,0 +1,290 @@
+"""The parts of the runtime and harness that need no GPU: heap layout, array
+checks, poison bytes, size parsing, and every op family's NumPy reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, SPECS
+from tsgen.bench import parse_size, parse_sizes
+from tsgen.errors import RuntimeSetupError
+from tsgen.harness import _poison_value, as_bits, poison_byte
+from tsgen.ops import family_names, get_family
+from tsgen.runtime.world import ALIGN, check_array, layout, np_dtype
+
+# ---------------------------------------------------------------------------
+# layout
+# ---------------------------------------------------------------------------
+
+
+def _buf(name, dtype, per_count, fixed, role="scratch", init=0):
+    return {"name": name, "dtype": dtype, "role": role,
+            "elems": {"per_count": per_count, "fixed": fixed}, "init_byte": init}
+
+
+def test_layout_offsets_sizes_and_order():
+    manifest = {"buffers": [
+        _buf("a", "uint8", 1, 0, "input"),  # 1000 B -> 1024
+        _buf("empty", "uint32", 0, 0),  # 0 B, still its own slot
+        _buf("sig", "uint64", 0, 1, "signal", init=0xFF),  # 8 B -> 256
+        _buf("h", "float16", 2, 3, "output"),  # (2*1000+3)*2 = 4006 B -> 4096
+        _buf("bf", "bfloat16", 1, 0),  # 2000 B -> 2048
+    ]}
+    slots, heap = layout(manifest, 1000)
+    assert [s.name for s in slots] == ["a", "empty", "sig", "h", "bf"]
+    assert [s.elems for s in slots] == [1000, 0, 1, 2003, 1000]
+    assert [s.nbytes for s in slots] == [1000, 0, 8, 4006, 2000]
+    assert [s.offset for s in slots] == [0, 1024, 1280, 1536, 5632]
+    assert heap == 5632 + 2048
+    assert [s.role for s in slots] == ["input", "scratch", "signal", "output", "scratch"]
+    assert slots[2].init_byte == 0xFF and slots[0].init_byte == 0
+
+
+def test_layout_all_empty_and_no_buffers():
+    slots, heap = layout({"buffers": [_buf("x", "uint8", 1, 0), _buf("y", "uint64", 1, 0)]}, 0)
+    assert [s.offset for s in slots] == [0, ALIGN]
+    assert heap == 2 * ALIGN
+    assert layout({"buffers": []}, 123) == ([], ALIGN)
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("count", [1, 17, 4000037])
+def test_layout_of_shipped_manifests(path, count):
+    manifest = json.loads((ROOT / "generated" / f"{path.stem}.json").read_text())
+    slots, heap = layout(manifest, count)
+    assert [s.name for s in slots] == [b["name"] for b in manifest["buffers"]]
+    end = 0
+    for s, b in zip(slots, manifest["buffers"]):
+        assert s.offset % ALIGN == 0
+        assert s.offset >= end, "slots overlap or are out of order"
+        assert s.elems == b["elems"]["per_count"] * count + b["elems"]["fixed"]
+        assert s.nbytes == s.elems * np_dtype(b["dtype"]).itemsize
+        end = s.offset + max(s.nbytes, 1)
+    assert heap % ALIGN == 0 and end <= heap < end + ALIGN
+
+
+# ---------------------------------------------------------------------------
+# check_array
+# ---------------------------------------------------------------------------
+
+
+class FakeDevice:
+    def __init__(self, id):
+        self.id = id
+
+
+class FakeArray:
+    """What check_array looks at on a CuPy array."""
+
+    def __init__(self, dtype, shape, device):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.size = int(np.prod(shape))
+        self.device = FakeDevice(device)
+
+
+def _check(array, dtype="float32", elems=12, device=1):
+    check_array(array, name="src", rank=1, device=device, dtype=dtype, elems=elems)
+
+
+def test_check_array_accepts_a_fitting_array():
+    assert _check(FakeArray("float32", (12,), 1)) is None
+    assert _check(FakeArray("float32", (3, 4), 1)) is None  # any shape of the right size
+    assert _check(FakeArray("uint16", (12,), 1), dtype="bfloat16") is None
+
+
+@pytest.mark.parametrize("array,message", [
+    (np.zeros(12, np.float32),
+     "buffer 'src' of rank 1: got a NumPy array on the host; pass a CuPy array on GPU 1"),
+    ([0.0] * 12, "buffer 'src' of rank 1: got list; pass a CuPy array on GPU 1"),
+    (FakeArray("float64", (12,), 1), "buffer 'src' of rank 1: dtype float64 but the kernel takes float32"),
+    (FakeArray("float32", (3, 5), 1),
+     "buffer 'src' of rank 1: 15 elements (shape (3, 5)) but this call needs 12"),
+    (FakeArray("float32", (12,), 0), "buffer 'src' of rank 1: array is on GPU 0, rank 1 runs on GPU 1"),
+], ids=["numpy", "list", "dtype", "size", "device"])
+def test_check_array_refuses(array, message):
+    with pytest.raises(RuntimeSetupError) as e:
+        _check(array)
+    assert str(e.value) == message
+    assert e.value.exit_code == 2
+
+
+def test_check_array_bfloat16_is_not_float16():
+    with pytest.raises(RuntimeSetupError, match="dtype float16 but the kernel takes bfloat16"):
+        _check(FakeArray("float16", (12,), 1), dtype="bfloat16")
+
+
+# ---------------------------------------------------------------------------
+# harness helpers
+# ---------------------------------------------------------------------------
+
+
+def test_poison_byte_changes_every_call():
+    values = [poison_byte(c) for c in range(1000)]
+    assert all(0 <= v <= 0xFF for v in values)
+    assert all(a != b for a, b in zip(values, values[1:]))
+    assert values[0] == 0xA5
+    assert _poison_value(np.dtype("uint32"), 0) == 0xA5A5A5A5
+    assert _poison_value(np.dtype("uint16"), 1) == poison_byte(1) * 0x0101
+
+
+def test_as_bits_is_an_exact_same_size_view():
+    a = np.array([0.0, -0.0, np.nan], dtype=np.float32)
+    a[2] = np.frombuffer(np.uint32(0x7FC00123).tobytes(), np.float32)[0]  # NaN with a payload
+    bits = as_bits(a)
+    assert bits.dtype == np.uint32
+    assert bits.tolist() == [0, 0x80000000, 0x7FC00123]
+    assert np.shares_memory(bits, a)
+    assert as_bits(np.zeros(3, np.float16)).dtype == np.uint16
+    assert as_bits(np.zeros(3, np.uint8)).dtype == np.uint8
+    assert as_bits(np.zeros(3, np.int32)).dtype == np.uint32
+
+
+# ---------------------------------------------------------------------------
+# bench sizes
+# ---------------------------------------------------------------------------
+
+
+def test_parse_sizes():
+    assert parse_sizes("1K:1M") == [1 << k for k in range(10, 21)]
+    assert parse_sizes("1M,256M") == [1 << 20, 256 << 20]
+    assert parse_sizes("1M:1G:4") == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    assert parse_sizes("3K:10K") == [3 << 10, 6 << 10]
+    assert parse_sizes("4096") == [4096]
+    assert parse_size("2KiB") == parse_size("2kb") == parse_size(" 2K ") == 2048
+
+
+@pytest.mark.parametrize("text", ["abc", "1X", "1M,,2M", "-1K:1M", "1M:1G:x", "1M:1G:1", "1M:1G:0",
+                                  "0:1M", "1G:1M", "1:2:3:4", ""])
+def test_parse_sizes_rejects(text):
+    with pytest.raises(RuntimeSetupError):
+        parse_sizes(text)
+
+
+# ---------------------------------------------------------------------------
+# NumPy references (world 3) and inputs
+# ---------------------------------------------------------------------------
+
+W = 3
+
+
+def _spec(op, **fields):
+    base = {"name": "t", "op": op, "world_sizes": [2, 3, 4]}
+    base.update(fields)
+    return get_family(op).Spec.model_validate(base)
+
+
+def _inputs(n=5):
+    return [np.arange(n, dtype=np.uint32) + 100 * (r + 1) for r in range(W)]
+
+
+def _put(src, shift=1):
+    return {(r + shift) % W: src[r] for r in range(W)}  # dst rank -> expected
+
+
+def _get(src, shift=1):
+    return {r: src[(r + shift) % W] for r in range(W)}
+
+
+REFERENCE_CASES = {
+    "put_warp": (_spec("put_warp"), _put),
+    "put_block": (_spec("put_block"), _put),
+    "get_warp": (_spec("get_warp"), _get),
+    "get_block": (_spec("get_block"), _get),
+    "remote_st": (_spec("remote_st", params={"semantics": "release", "scope": "sys"}), _put),
+    "remote_ld": (_spec("remote_ld", params={"semantics": "acquire", "scope": "gpu"}), _get),
+    "signal_wait_peer": (_spec("signal_wait", params={"where": "peer"}), _put),
+    "signal_wait_local": (_spec("signal_wait", params={"where": "local"}), lambda src: dict(enumerate(src))),
+    "barrier_blocks": (_spec("barrier_blocks"), lambda src: dict(enumerate(src))),
+    "barrier_all": (_spec("barrier_all"), _get),
+    "simple_shift": (_spec("simple_shift"), _put),
+}
+
+
+def test_reference_cases_cover_every_op():
+    assert {c[0].op for c in REFERENCE_CASES.values()} == set(family_names())
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCE_CASES))
+def test_reference(case):
+    spec, expect = REFERENCE_CASES[case]
+    src = _inputs()
+    out = get_family(spec.op).reference(spec, W, 5, {"src": src})
+    assert list(out) == ["dst"]
+    want = expect(src)
+    for rank in range(W):
+        assert out["dst"][rank].tolist() == want[rank].tolist(), (case, rank)
+        assert not np.shares_memory(out["dst"][rank], src[rank]), "reference must copy"
+
+
+@pytest.mark.parametrize("op", ["put_block", "get_warp", "barrier_all", "simple_shift"])
+def test_reference_shift_2(op):
+    spec = _spec(op, world_sizes=[3], params={"shift": 2})
+    src = _inputs()
+    out = get_family(op).reference(spec, W, 5, {"src": src})["dst"]
+    put = op in ("put_block", "simple_shift")
+    for r in range(W):
+        if put:
+            assert out[(r + 2) % W].tolist() == src[r].tolist()
+        else:
+            assert out[r].tolist() == src[(r + 2) % W].tolist()
+
+
+SIMPLE_SHIFT_DTYPES = ["uint8", "int32", "uint32", "float32", "float16", "bfloat16"]
+
+
+def _bits(a):
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+@pytest.mark.parametrize("case", sorted(REFERENCE_CASES))
+def test_pattern_inputs_differ_across_ranks(case):
+    spec, _ = REFERENCE_CASES[case]
+    family = get_family(spec.op)
+    count = 1000
+    inputs = family.make_inputs(spec, W, count, np.random.default_rng(0), pattern=True)
+    assert set(inputs) == {b.name for b in family.buffers(spec) if b.role == "input"}
+    for name, per_rank in inputs.items():
+        assert len(per_rank) == W
+        bits = [_bits(a) for a in per_rank]
+        n = next(b for b in family.buffers(spec) if b.name == name).elems(count)
+        assert all(b.size == n for b in bits)
+        for a in range(W):
+            for b in range(a + 1, W):
+                assert not np.any(bits[a] == bits[b]), (case, name, a, b)
+
+
+@pytest.mark.parametrize("dtype", SIMPLE_SHIFT_DTYPES)
+def test_pattern_inputs_every_dtype(dtype):
+    """Pattern values encode (rank, index): distinct across ranks and along a rank
+    (within the pattern's period), finite for float types."""
+    spec = _spec("simple_shift", dtype=dtype)
+    family = get_family("simple_shift")
+    n = 2048
+    src = family.make_inputs(spec, 8, n, np.random.default_rng(0), pattern=True)["src"]
+    assert all(a.dtype == np_dtype(dtype) for a in src)
+    bits = [_bits(a) for a in src]
+    if dtype == "uint8":  # 8 bits: only the same index must differ across ranks
+        for a in range(8):
+            for b in range(a + 1, 8):
+                assert not np.any(bits[a] == bits[b]), (a, b)
+    else:
+        assert len(np.unique(np.concatenate(bits))) == 8 * n
+    if dtype in ("float32", "float16"):
+        assert all(np.isfinite(a).all() for a in src)
+    if dtype == "bfloat16":  # exponent all ones = inf / NaN
+        assert all(((b >> 7) & 0xFF != 0xFF).all() for b in bits)
+
+
+def test_random_inputs_are_seeded():
+    spec = _spec("simple_shift", dtype="float16")
+    family = get_family("simple_shift")
+    a = family.make_inputs(spec, W, 100, np.random.default_rng([0, 1]), pattern=False)["src"]
+    b = family.make_inputs(spec, W, 100, np.random.default_rng([0, 1]), pattern=False)["src"]
+    c = family.make_inputs(spec, W, 100, np.random.default_rng([0, 2]), pattern=False)["src"]
+    assert all(np.array_equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+    assert not np.array_equal(_bits(a[0]), _bits(c[0]))
+    assert not np.array_equal(_bits(a[0]), _bits(a[1]))

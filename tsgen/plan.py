@@ -1,0 +1,335 @@
+"""Communication plans as data, and their CPU verifier.
+
+A collective's plan says, for every rank, what each block of the kernel
+does, in order: wait for signals, copy or reduce one slice of memory (its
+share of a step), raise signals. The generated kernel is an interpreter of
+exactly this table (rendered as a __constant__ array), and `tsgen verify`
+executes the same table on the CPU under many interleavings of ranks and
+blocks, so what is verified is what runs.
+
+Memory is named by Slice: a buffer, an offset in units of the run-time
+`count`, and a piece of that unit (a unit split into `pieces` parts with
+16-byte aligned boundaries). Signals are u64 counters that only grow: a
+wait in call `epoch` waits until the counter reaches epoch x (the number of
+adds the counter receives per call), which the plan computes, so every
+wait is matched by construction and nothing is reset between calls.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+MAX_SRCS = 8
+MAX_WAITS = 8
+MAX_SIGNALS = 8
+
+
+@dataclass(frozen=True, order=True)
+class Slice:
+    buffer: str
+    unit: int = 0
+    piece: int = 0
+    pieces: int = 1
+
+    def __str__(self) -> str:
+        p = f"[{self.piece}/{self.pieces}]" if self.pieces > 1 else ""
+        return f"{self.buffer}@{self.unit}{p}"
+
+
+@dataclass(frozen=True)
+class SignalRef:
+    rank: int  # whose memory holds the counter
+    name: str  # signal buffer
+    index: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of one rank, split evenly over `blocks` blocks.
+
+    op: "copy" (dst = src), "reduce" (dst = sum of srcs, fp32 accumulation)
+    or "none" (only waits and signals). Each block doing a share waits for
+    `waits` (counters in this rank's memory) first, and raises each of
+    `signals` by one after its share is written.
+    """
+
+    op: str
+    dst: tuple[int, Slice] | None = None  # (rank whose memory is written, slice)
+    srcs: tuple[tuple[int, Slice], ...] = ()
+    waits: tuple[tuple[str, int], ...] = ()
+    signals: tuple[SignalRef, ...] = ()
+    blocks: int = 1
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Share:
+    step: int  # index into the rank's steps
+    share: int  # which share of the step this block does
+    shares: int
+
+
+@dataclass
+class RankPlan:
+    steps: list[Step]
+    blocks: list[list[Share]] = field(default_factory=list)  # per block, in order
+
+
+@dataclass
+class CommPlan:
+    """Everything a collective does at one world size."""
+
+    world: int
+    nblocks: int
+    ranks: list[RankPlan]
+    buffers: dict[str, str]  # name -> role: input | output | scratch | inout
+    signals: dict[str, int]  # name -> number of u64 counters per rank
+    expected: dict[tuple[int, Slice], Counter]  # (rank, output slice) -> contributions
+    per_call: dict[tuple[int, str, int], int] = field(default_factory=dict)
+
+    def wait_target(self, rank: int, name: str, index: int) -> int:
+        return self.per_call.get((rank, name, index), 0)
+
+
+def schedule(world: int, nblocks: int, steps_per_rank: list[list[Step]], **kw) -> CommPlan:
+    """Assign shares of steps to blocks (step order, round robin) and count the
+    adds each signal receives per call."""
+    ranks = []
+    for steps in steps_per_rank:
+        blocks: list[list[Share]] = [[] for _ in range(nblocks)]
+        b = 0
+        for i, step in enumerate(steps):
+            for s in range(step.blocks):
+                blocks[b % nblocks].append(Share(i, s, step.blocks))
+                b += 1
+        ranks.append(RankPlan(steps, blocks))
+    plan = CommPlan(world=world, nblocks=nblocks, ranks=ranks, **kw)
+    per_call: Counter = Counter()
+    for rp in ranks:
+        for step in rp.steps:
+            for sig in step.signals:
+                per_call[(sig.rank, sig.name, sig.index)] += step.blocks
+    plan.per_call = dict(per_call)
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------
+
+
+class PlanError(Exception):
+    pass
+
+
+@dataclass
+class _Cell:
+    value: Counter | None = None
+    call: int = -1  # call (1-based) that last wrote it
+    writes: int = 0  # writes during that call
+
+
+class _Sim:
+    """One execution of `calls` back-to-back calls on every rank."""
+
+    def __init__(self, plan: CommPlan, calls: int):
+        self.plan, self.calls = plan, calls
+        self.call = [0] * plan.world  # call each rank is in (0 = not started)
+        self.done = [False] * plan.world
+        self.pos = [[0] * plan.nblocks for _ in range(plan.world)]  # next share per block
+        self.phase = [[0] * plan.nblocks for _ in range(plan.world)]  # 0 wait, 1 op+signal
+        self.signals: Counter = Counter()
+        self.mem: dict[tuple[int, Slice], _Cell] = {}
+        self.errors: list[str] = []
+
+    # -- memory -------------------------------------------------------------
+    def _start_call(self, r: int) -> None:
+        self.call[r] += 1
+        for name, role in self.plan.buffers.items():
+            if role in ("input", "inout"):
+                for (rank, sl) in list(self.mem):
+                    if rank == r and sl.buffer == name:
+                        del self.mem[(rank, sl)]
+        self.pos[r] = [0] * self.plan.nblocks
+        self.phase[r] = [0] * self.plan.nblocks
+
+    def _read(self, reader: int, rank: int, sl: Slice, what: str) -> Counter:
+        role = self.plan.buffers[sl.buffer]
+        k = self.call[reader]
+        if self.call[rank] != k or self._finished_call(rank):
+            self.errors.append(
+                f"call {k}: rank {reader} reads {sl} of rank {rank} while rank {rank} is "
+                f"{'in call ' + str(self.call[rank]) if not self._finished_call(rank) else 'past call ' + str(self.call[rank])} ({what})"
+            )
+        if role in ("input",) or (role == "inout" and (rank, sl) not in self.mem):
+            return Counter({(rank, sl.buffer, sl.unit, sl.piece): 1})
+        cell = self.mem.get((rank, sl))
+        if cell is None or cell.call != k:
+            self.errors.append(f"call {k}: rank {reader} reads {sl} of rank {rank} before it was written this call ({what})")
+            return Counter({("garbage",): 1})
+        return cell.value
+
+    def _write(self, writer: int, rank: int, sl: Slice, value: Counter, what: str) -> None:
+        k = self.call[writer]
+        if self.call[rank] != k or self._finished_call(rank):
+            self.errors.append(
+                f"call {k}: rank {writer} writes {sl} of rank {rank} while rank {rank} is "
+                f"{'in call ' + str(self.call[rank]) if not self._finished_call(rank) else 'past call ' + str(self.call[rank])}: "
+                f"it may overwrite data not yet consumed, or land after the kernel returned ({what})"
+            )
+        cell = self.mem.setdefault((rank, sl), _Cell())
+        if cell.call == k:
+            cell.writes += 1
+            if self.plan.buffers[sl.buffer] in ("output", "inout"):
+                self.errors.append(f"call {k}: {sl} of rank {rank} written twice ({what})")
+        else:
+            cell.call, cell.writes = k, 1
+        cell.value = value
+
+    def _finished_call(self, r: int) -> bool:
+        return all(self.pos[r][b] >= len(self.plan.ranks[r].blocks[b]) for b in range(self.plan.nblocks))
+
+    # -- execution ----------------------------------------------------------
+    def enabled(self) -> list[tuple[int, int]]:
+        """(rank, block) pairs that can make progress now."""
+        out = []
+        for r in range(self.plan.world):
+            if self.done[r]:
+                continue
+            if self.call[r] == 0 or self._finished_call(r):
+                out.append((r, -1))  # start the next call (or finish)
+                continue
+            for b in range(self.plan.nblocks):
+                shares = self.plan.ranks[r].blocks[b]
+                if self.pos[r][b] < len(shares) and self._ready(r, b):
+                    out.append((r, b))
+        return out
+
+    def _ready(self, r: int, b: int) -> bool:
+        if self.phase[r][b] == 1:
+            return True
+        share = self.plan.ranks[r].blocks[b][self.pos[r][b]]
+        step = self.plan.ranks[r].steps[share.step]
+        k = self.call[r]
+        return all(self.signals[(r, n, i)] >= k * self.plan.wait_target(r, n, i) for n, i in step.waits)
+
+    def advance(self, r: int, b: int) -> None:
+        if b == -1:
+            if self.call[r] == self.calls:
+                self.done[r] = True
+            else:
+                self._start_call(r)
+            return
+        share = self.plan.ranks[r].blocks[b][self.pos[r][b]]
+        step = self.plan.ranks[r].steps[share.step]
+        if self.phase[r][b] == 0:  # waits passed
+            self.phase[r][b] = 1
+            return
+        what = f"rank {r} block {b} step {share.step} ({step.note or step.op})"
+        if step.op in ("copy", "reduce"):
+            total: Counter = Counter()
+            for rank, sl in step.srcs:
+                total.update(self._read(r, rank, sl, what))
+            # shares of one step write disjoint parts: the last share completes the slice
+            dst_rank, dst = step.dst
+            key = (dst_rank, dst)
+            partial = self.mem.get(("share", r, share.step, self.call[r]))  # type: ignore[arg-type]
+            done_shares = (partial.writes if partial else 0) + 1
+            self.mem[("share", r, share.step, self.call[r])] = _Cell(None, self.call[r], done_shares)  # type: ignore[index]
+            if done_shares == share.shares:
+                self._write(r, dst_rank, dst, total, what)
+        for sig in step.signals:
+            self.signals[(sig.rank, sig.name, sig.index)] += 1
+        self.phase[r][b] = 0
+        self.pos[r][b] += 1
+
+    def stuck_report(self) -> str:
+        lines = []
+        for r in range(self.plan.world):
+            for b in range(self.plan.nblocks):
+                shares = self.plan.ranks[r].blocks[b]
+                if self.done[r] or self.pos[r][b] >= len(shares):
+                    continue
+                step = self.plan.ranks[r].steps[shares[self.pos[r][b]].step]
+                k = self.call[r]
+                for n, i in step.waits:
+                    need = k * self.plan.wait_target(r, n, i)
+                    if self.signals[(r, n, i)] < need:
+                        lines.append(f"rank {r} block {b} (call {k}) waits for {n}[{i}] >= {need}, "
+                                     f"has {self.signals[(r, n, i)]}")
+        return "\n".join(lines[:16])
+
+
+def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) -> list[str]:
+    """Run the plan under many interleavings; return problems ([] = proven for these)."""
+    problems: list[str] = []
+    # Static checks: every wait has adds; every signal raised is awaited.
+    waited = {(r, n, i) for r, rp in enumerate(plan.ranks) for s in rp.steps for n, i in s.waits}
+    for r, n, i in sorted(waited):
+        if plan.wait_target(r, n, i) == 0:
+            problems.append(f"rank {r} waits for {n}[{i}] but no step ever raises it")
+    for key in sorted(plan.per_call):
+        if key not in waited:
+            problems.append(f"signal {key[1]}[{key[2]}] of rank {key[0]} is raised but never awaited")
+    for r, rp in enumerate(plan.ranks):
+        for s in rp.steps:
+            if len(s.srcs) > MAX_SRCS or len(s.waits) > MAX_WAITS or len(s.signals) > MAX_SIGNALS:
+                problems.append(f"rank {r}: step {s.note} exceeds the table limits")
+    pieces: dict[str, int] = {}
+    for rp in plan.ranks:
+        for s in rp.steps:
+            for _, sl in ([s.dst] if s.dst else []) + list(s.srcs):
+                if pieces.setdefault(sl.buffer, sl.pieces) != sl.pieces:
+                    problems.append(f"buffer {sl.buffer} is cut into {pieces[sl.buffer]} and {sl.pieces} pieces")
+    if problems:
+        return problems
+
+    rng = random.Random(seed)
+    orders = ["random"] * schedules + ["rank_first", "rank_last", "block_reverse"]
+    for trial, order in enumerate(orders):
+        sim = _Sim(plan, calls)
+        steps = 0
+        while True:
+            ready = sim.enabled()
+            if not ready:
+                break
+            if order == "random":
+                r, b = rng.choice(ready)
+            elif order == "rank_first":
+                r, b = min(ready)
+            elif order == "rank_last":
+                r, b = max(ready, key=lambda x: (x[0], -x[1]))
+            else:
+                r, b = max(ready, key=lambda x: (x[1], x[0]))
+            sim.advance(r, b)
+            steps += 1
+            if sim.errors:
+                break
+        if sim.errors:
+            problems += [f"[{order} schedule {trial}] {e}" for e in sim.errors[:5]]
+            break
+        if not all(sim.done):
+            problems.append(f"[{order} schedule {trial}] deadlock: no block can proceed\n" + sim.stuck_report())
+            break
+        # Outputs: each written exactly once per call with the expected value.
+        for (rank, sl), want in plan.expected.items():
+            cell = sim.mem.get((rank, sl))
+            if cell is None or cell.call != calls:
+                problems.append(f"[{order} schedule {trial}] {sl} of rank {rank} never written in call {calls}")
+            elif cell.value != want:
+                problems.append(
+                    f"[{order} schedule {trial}] {sl} of rank {rank} = {_fmt(cell.value)}, expected {_fmt(want)}"
+                )
+        for (rank, n, i), per in plan.per_call.items():
+            if sim.signals[(rank, n, i)] != calls * per:
+                problems.append(f"signal {n}[{i}] of rank {rank} reached {sim.signals[(rank, n, i)]}, not {calls * per}")
+        if problems:
+            break
+    return problems
+
+
+def _fmt(value: Iterable) -> str:
+    return "{" + ", ".join(f"r{k[0]}:{k[1]}@{k[2]}.{k[3]}" if len(k) == 4 else str(k) for k in sorted(value, key=str)) + "}"
