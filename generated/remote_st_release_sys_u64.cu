@@ -9,14 +9,17 @@
 // remote store with explicit memory semantics, one 64-bit access per element.
 //
 // Calling convention (every kernel of this file):
-//   char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst
+//   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst
 // peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// epoch: call number 1, 2, ... (signals count up to it, nothing is reset);
+// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
+// epoch, the call number 1, 2, ... that signals count up to, from it and
+// advances it at the end: nothing is reset, and CUDA graph replay works);
 // count: run-time size in elements; then one pointer per buffer
 // into this rank's symmetric heap (same offsets on every rank).
-// Buffers (elements per rank = per_count * count + fixed):
-//   src      uint64_t       input  1 * count + 0
-//   dst      uint64_t       output 1 * count + 0
+// Buffers (elements per rank):
+//   calls    uint64_t       signal 2
+//   src      uint64_t       input  count
+//   dst      uint64_t       output count
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -681,6 +684,23 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
 
+// Call counter: calls[0] = calls completed on this rank, calls[1] = blocks
+// finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
+// last block to finish a call advances calls[0]. The next call on the stream
+// starts after this kernel ends, so every block of it sees the new value.
+static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+  return ld_relaxed_gpu_global_u64(calls) + 1;
+}
+
+static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // relaxed is enough: the next call is ordered after this kernel by the stream
+    const uint64_t finished = atom_add_relaxed_gpu_global_u64(calls + 1, 1ull) + 1;
+    if (finished == epoch * (uint64_t)gridDim.x) st_relaxed_gpu_global_u64(calls, epoch);
+  }
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
@@ -838,35 +858,41 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 }  // namespace remote_st_release_sys_u64
 
 // World size 2: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w2(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+  const uint64_t epoch = tsgen_call_begin(calls);
   remote_st_release_sys_u64::run<2>(peers, rank, epoch, count, src, dst);
+  tsgen_call_end(calls, epoch);
 }
 
 // Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_st_release_sys_u64_w2_launch(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
-  remote_st_release_sys_u64_w2<<<64, 256, 0, stream>>>(peers, rank, epoch, count, src, dst);
+extern "C" cudaError_t remote_st_release_sys_u64_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
+  remote_st_release_sys_u64_w2<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
   return cudaGetLastError();
 }
 
 // World size 3: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w3(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+  const uint64_t epoch = tsgen_call_begin(calls);
   remote_st_release_sys_u64::run<3>(peers, rank, epoch, count, src, dst);
+  tsgen_call_end(calls, epoch);
 }
 
 // Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_st_release_sys_u64_w3_launch(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
-  remote_st_release_sys_u64_w3<<<64, 256, 0, stream>>>(peers, rank, epoch, count, src, dst);
+extern "C" cudaError_t remote_st_release_sys_u64_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
+  remote_st_release_sys_u64_w3<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
   return cudaGetLastError();
 }
 
 // World size 4: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w4(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+  const uint64_t epoch = tsgen_call_begin(calls);
   remote_st_release_sys_u64::run<4>(peers, rank, epoch, count, src, dst);
+  tsgen_call_end(calls, epoch);
 }
 
 // Host launcher for C++ projects that vendor this file.
-extern "C" cudaError_t remote_st_release_sys_u64_w4_launch(char* const* peers, int rank, uint64_t epoch, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
-  remote_st_release_sys_u64_w4<<<64, 256, 0, stream>>>(peers, rank, epoch, count, src, dst);
+extern "C" cudaError_t remote_st_release_sys_u64_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
+  remote_st_release_sys_u64_w4<<<64, 256, 0, stream>>>(peers, rank, calls, count, src, dst);
   return cudaGetLastError();
 }
 

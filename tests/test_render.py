@@ -91,8 +91,8 @@ def test_manifest(path):
     assert [b["name"] for b in m["buffers"]] == [b.name for b in plan.buffers]
     for b, pb in zip(m["buffers"], plan.buffers):
         assert b["dtype"] == pb.dtype and b["role"] == pb.role
-        assert b["elems"] == {"per_count": pb.per_count, "fixed": pb.fixed}
-        assert b["role"] in ("input", "output", "scratch", "signal")
+        assert b["elems"] == {"per_count": pb.per_count, "per_world_count": pb.per_world_count, "fixed": pb.fixed}
+        assert b["role"] in ("input", "output", "inout", "scratch", "signal")
     assert [k["name"] for k in m["kernels"]] == [f"{name}_w{w}" for w in spec.world_sizes]
     source = (ROOT / "generated" / f"{name}.cu").read_text()
     for k in m["kernels"]:
@@ -102,9 +102,11 @@ def test_manifest(path):
         assert k["launcher"] == f"{k['name']}_launch"
         args = k["args"]
         assert [(a["name"], a["role"]) for a in args[:4]] == [
-            ("peers", "peers"), ("rank", "rank"), ("epoch", "epoch"), ("count", "count")]
-        assert [a["ctype"] for a in args[:4]] == ["char* const*", "int", "uint64_t", "uint64_t"]
-        assert [a["name"] for a in args[4:]] == [b["name"] for b in m["buffers"]]
+            ("peers", "peers"), ("rank", "rank"), ("calls", "calls"), ("count", "count")]
+        assert [a["ctype"] for a in args[:4]] == ["char* const*", "int", "uint64_t*", "uint64_t"]
+        # the call counter is the heap's first buffer, passed as `calls`
+        assert m["buffers"][0]["name"] == "calls"
+        assert [a["name"] for a in args[4:]] == [b["name"] for b in m["buffers"][1:]]
         assert all(a["role"] == "buffer" for a in args[4:])
         params = ", ".join(f"{a['ctype']} {a['name']}" for a in args)
         assert (f'extern "C" __global__ void __launch_bounds__({spec.launch.threads}) '
@@ -257,8 +259,9 @@ def test_schema_is_draft07():
         assert ref.startswith("#/definitions/"), ref
         assert ref.split("/")[-1] in schema["definitions"], ref
     ops = {f for f in schema["properties"]["op"]["enum"]}
-    assert ops == {"put_warp", "put_block", "get_warp", "get_block", "remote_st", "remote_ld",
-                   "signal_wait", "barrier_blocks", "barrier_all", "simple_shift"}
+    from tsgen.ops import family_names
+
+    assert ops == set(family_names())
     assert sorted(b["if"]["properties"]["op"]["const"] for b in schema["allOf"]) == sorted(ops)
 
 

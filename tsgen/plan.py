@@ -143,7 +143,26 @@ class _Sim:
         self.phase = [[0] * plan.nblocks for _ in range(plan.world)]  # 0 wait, 1 op+signal
         self.signals: Counter = Counter()
         self.mem: dict[tuple[int, Slice], _Cell] = {}
+        self.shares_done: Counter = Counter()  # (rank, step, call) -> shares written
+        self.partial: dict[tuple[int, int, int], Counter] = {}  # value read by the first share
         self.errors: list[str] = []
+        self.total = [sum(len(b) for b in rp.blocks) for rp in plan.ranks]
+        self.remaining = [0] * plan.world
+        # (rank, block) with work left in the current call; (rank, -1) = rank between calls
+        self._waits: dict[tuple[int, int], list] = {}
+        self.active: list[tuple[int, int]] = [(r, -1) for r in range(plan.world)]
+        self.where: dict[tuple[int, int], int] = {a: i for i, a in enumerate(self.active)}
+
+    def _activate(self, item: tuple[int, int]) -> None:
+        self.where[item] = len(self.active)
+        self.active.append(item)
+
+    def _deactivate(self, item: tuple[int, int]) -> None:
+        i = self.where.pop(item)
+        last = self.active.pop()
+        if i < len(self.active):
+            self.active[i] = last
+            self.where[last] = i
 
     # -- memory -------------------------------------------------------------
     def _start_call(self, r: int) -> None:
@@ -155,6 +174,7 @@ class _Sim:
                         del self.mem[(rank, sl)]
         self.pos[r] = [0] * self.plan.nblocks
         self.phase[r] = [0] * self.plan.nblocks
+        self.remaining[r] = self.total[r]
 
     def _read(self, reader: int, rank: int, sl: Slice, what: str) -> Counter:
         role = self.plan.buffers[sl.buffer]
@@ -190,7 +210,7 @@ class _Sim:
         cell.value = value
 
     def _finished_call(self, r: int) -> bool:
-        return all(self.pos[r][b] >= len(self.plan.ranks[r].blocks[b]) for b in range(self.plan.nblocks))
+        return self.remaining[r] == 0
 
     # -- execution ----------------------------------------------------------
     def enabled(self) -> list[tuple[int, int]]:
@@ -208,20 +228,40 @@ class _Sim:
                     out.append((r, b))
         return out
 
+    def candidates(self) -> list[tuple[int, int]]:
+        """(rank, block) pairs with work left, ready or not (kept up to date by advance)."""
+        return self.active
+
+    def is_ready(self, r: int, b: int) -> bool:
+        return b == -1 or self._ready(r, b)
+
     def _ready(self, r: int, b: int) -> bool:
         if self.phase[r][b] == 1:
             return True
         share = self.plan.ranks[r].blocks[b][self.pos[r][b]]
-        step = self.plan.ranks[r].steps[share.step]
+        waits = self._waits.get((r, share.step))
+        if waits is None:
+            step = self.plan.ranks[r].steps[share.step]
+            waits = self._waits[(r, share.step)] = [((r, n, i), self.plan.wait_target(r, n, i)) for n, i in step.waits]
         k = self.call[r]
-        return all(self.signals[(r, n, i)] >= k * self.plan.wait_target(r, n, i) for n, i in step.waits)
+        signals = self.signals
+        for key, per in waits:
+            if signals[key] < k * per:
+                return False
+        return True
 
     def advance(self, r: int, b: int) -> None:
         if b == -1:
+            self._deactivate((r, -1))
             if self.call[r] == self.calls:
                 self.done[r] = True
             else:
                 self._start_call(r)
+                for blk, shares in enumerate(self.plan.ranks[r].blocks):
+                    if shares:
+                        self._activate((r, blk))
+                if self.remaining[r] == 0:
+                    self._activate((r, -1))
             return
         share = self.plan.ranks[r].blocks[b][self.pos[r][b]]
         step = self.plan.ranks[r].steps[share.step]
@@ -233,18 +273,25 @@ class _Sim:
             total: Counter = Counter()
             for rank, sl in step.srcs:
                 total.update(self._read(r, rank, sl, what))
-            # shares of one step write disjoint parts: the last share completes the slice
+            # Shares of one step write disjoint parts of the slice: model the slice as
+            # written when its last share lands, with what every share read agreeing.
             dst_rank, dst = step.dst
-            key = (dst_rank, dst)
-            partial = self.mem.get(("share", r, share.step, self.call[r]))  # type: ignore[arg-type]
-            done_shares = (partial.writes if partial else 0) + 1
-            self.mem[("share", r, share.step, self.call[r])] = _Cell(None, self.call[r], done_shares)  # type: ignore[index]
-            if done_shares == share.shares:
+            key = (r, share.step, self.call[r])
+            first = self.partial.setdefault(key, total)
+            if first != total:
+                self.errors.append(f"call {self.call[r]}: shares of {what} read different data")
+            self.shares_done[key] += 1
+            if self.shares_done[key] == share.shares:
                 self._write(r, dst_rank, dst, total, what)
         for sig in step.signals:
             self.signals[(sig.rank, sig.name, sig.index)] += 1
         self.phase[r][b] = 0
         self.pos[r][b] += 1
+        self.remaining[r] -= 1
+        if self.pos[r][b] == len(self.plan.ranks[r].blocks[b]):
+            self._deactivate((r, b))
+            if self.remaining[r] == 0:
+                self._activate((r, -1))
 
     def stuck_report(self) -> str:
         lines = []
@@ -293,18 +340,37 @@ def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) 
         sim = _Sim(plan, calls)
         steps = 0
         while True:
-            ready = sim.enabled()
-            if not ready:
-                break
             if order == "random":
-                r, b = rng.choice(ready)
-            elif order == "rank_first":
-                r, b = min(ready)
-            elif order == "rank_last":
-                r, b = max(ready, key=lambda x: (x[0], -x[1]))
-            else:
-                r, b = max(ready, key=lambda x: (x[1], x[0]))
-            sim.advance(r, b)
+                # Uniform among ready blocks: a few random probes, then a full scan.
+                cands = sim.candidates()
+                pick = None
+                for _ in range(8):
+                    if not cands:
+                        break
+                    c = cands[rng.randrange(len(cands))]
+                    if sim.is_ready(*c):
+                        pick = c
+                        break
+                if pick is None:
+                    ready = [c for c in cands if sim.is_ready(*c)]
+                    if not ready:
+                        break
+                    pick = rng.choice(ready)
+                sim.advance(*pick)
+                steps += 1
+                if sim.errors:
+                    break
+                continue
+            key = {"rank_first": lambda x: x, "rank_last": lambda x: (-x[0], x[1]),
+                   "block_reverse": lambda x: (-x[1], x[0])}[order]
+            pick = next((c for c in sorted(sim.candidates(), key=key) if sim.is_ready(*c)), None)
+            if pick is None:
+                break
+            # the chosen block runs as far as it can before anyone else moves
+            while pick in sim.where and sim.is_ready(*pick) and not sim.errors:
+                sim.advance(*pick)
+                if pick[1] == -1:
+                    break
             steps += 1
             if sim.errors:
                 break
@@ -333,3 +399,54 @@ def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) 
 
 def _fmt(value: Iterable) -> str:
     return "{" + ", ".join(f"r{k[0]}:{k[1]}@{k[2]}.{k[3]}" if len(k) == 4 else str(k) for k in sorted(value, key=str)) + "}"
+
+
+# ---------------------------------------------------------------------------
+# Rendering the plan as C tables (used by templates/ops/collective.cu.j2)
+# ---------------------------------------------------------------------------
+
+_OPS = {"none": "TSGEN_OP_NONE", "copy": "TSGEN_OP_COPY", "reduce": "TSGEN_OP_REDUCE"}
+
+
+def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
+    """Initializer text of the step / share / block tables, one commented line per entry."""
+
+    def sl(rank_slice: tuple[int, Slice] | None) -> str:
+        if rank_slice is None:
+            return "{0, 0, 0, 1, 0, 0}"
+        rank, s = rank_slice
+        ro = 1 if plan.buffers.get(s.buffer) == "input" else 0
+        return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
+
+    steps, step_base, shares, first = [], [], [], []
+    for r, rp in enumerate(plan.ranks):
+        step_base.append(len(steps))
+        for i, st in enumerate(rp.steps):
+            srcs = ", ".join(sl(x) for x in st.srcs)
+            waits = ", ".join(f"{{{buffer_index[n]}, 0, {idx}, {plan.wait_target(r, n, idx)}}}" for n, idx in st.waits)
+            sigs = ", ".join(f"{{{g.rank}, {buffer_index[g.name]}, {g.index}}}" for g in st.signals)
+            what = _describe(r, st)
+            steps.append((f"{{{_OPS[st.op]}, {len(st.srcs)}, {len(st.waits)}, {len(st.signals)}, {sl(st.dst)}, "
+                          f"{{{srcs}}}, {{{waits}}}, {{{sigs}}}}}", f"rank {r} step {i}: {what}"))
+        row = []
+        for b, lst in enumerate(rp.blocks):
+            row.append(len(shares))
+            for sh in lst:
+                shares.append((f"{{{sh.step}, {sh.share}, {sh.shares}}}", f"rank {r} block {b}: step {sh.step} share {sh.share}/{sh.shares}"))
+        row.append(len(shares))
+        first.append(row)
+    return {"steps": steps, "step_base": step_base, "shares": shares, "first": first}
+
+
+def _describe(r: int, st: Step) -> str:
+    parts = [st.note or st.op]
+    if st.waits:
+        parts.append("wait " + ", ".join(f"{n}[{i}]" for n, i in st.waits))
+    if st.op != "none":
+        srcs = " + ".join(f"r{q}:{s}" for q, s in st.srcs)
+        parts.append(f"r{st.dst[0]}:{st.dst[1]} = {srcs}")
+    if st.signals:
+        parts.append("signal " + ", ".join(f"r{g.rank}:{g.name}[{g.index}]" for g in st.signals))
+    if st.blocks > 1:
+        parts.append(f"{st.blocks} blocks")
+    return "; ".join(parts)

@@ -87,6 +87,23 @@ static __device__ __forceinline__ void tsgen_sleep_ns(uint64_t ns) {
   while (globaltimer_ns() - start < ns) __nanosleep(256);
 }
 
+// Call counter: calls[0] = calls completed on this rank, calls[1] = blocks
+// finished so far. Every block reads its epoch (calls[0] + 1) on entry; the
+// last block to finish a call advances calls[0]. The next call on the stream
+// starts after this kernel ends, so every block of it sees the new value.
+static __device__ __forceinline__ uint64_t tsgen_call_begin(const uint64_t* calls) {
+  return ld_relaxed_gpu_global_u64(calls) + 1;
+}
+
+static __device__ __forceinline__ void tsgen_call_end(uint64_t* calls, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // relaxed is enough: the next call is ordered after this kernel by the stream
+    const uint64_t finished = atom_add_relaxed_gpu_global_u64(calls + 1, 1ull) + 1;
+    if (finished == epoch * (uint64_t)gridDim.x) st_relaxed_gpu_global_u64(calls, epoch);
+  }
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.

@@ -7,9 +7,9 @@ reference) + one template under templates/ops/, listed in _MODULES.
 from __future__ import annotations
 
 from .base import OpFamily
-from . import primitives
+from . import collectives, primitives
 
-_MODULES = [primitives]
+_MODULES = [primitives, collectives]
 
 _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:

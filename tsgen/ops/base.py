@@ -4,13 +4,15 @@ An op family is small and declarative: a spec model (its `params`), a
 template, the symmetric buffers its kernels use, a NumPy reference, and the
 bytes it moves. Every kernel of every family has the same leading arguments
 
-    (char* const* peers, int rank, uint64_t epoch, uint64_t count, <buffers>)
+    (char* const* peers, int rank, uint64_t* calls, uint64_t count, <buffers>)
 
 so the runtime launches any kernel from its manifest with no per-op glue:
-`peers` is the table of each rank's symmetric-heap base, `epoch` the call
-number (1, 2, ...) that signals count up to, `count` the run-time size in
-the family's unit (bytes or elements), then one pointer per buffer, in the
-order the family lists them, each pointing into the calling rank's heap.
+`peers` is the table of each rank's symmetric-heap base, `calls` this
+rank's call counter (the kernel derives its epoch, the call number 1, 2, ...
+that signals count up to, from it and advances it as it ends, so CUDA graph
+replay needs no host-side epoch), `count` the run-time size in the family's
+unit (bytes or elements), then one pointer per buffer, in the order the
+family lists them, each pointing into the calling rank's heap.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ DTYPES: dict[str, tuple[str, str]] = {
 LEADING_ARGS: tuple[tuple[str, str, str], ...] = (
     ("peers", "char* const*", "peers"),
     ("rank", "int", "rank"),
-    ("epoch", "uint64_t", "epoch"),
+    ("calls", "uint64_t*", "calls"),
     ("count", "uint64_t", "count"),
 )
 
@@ -45,7 +47,8 @@ LEADING_ARGS: tuple[tuple[str, str, str], ...] = (
 class Buffer:
     """A symmetric buffer: same size and offset on every rank.
 
-    Elements per rank = per_count * count + fixed. `role` tells the harness
+    Elements per rank = (per_count + per_world_count * world) * count + fixed.
+    `role` tells the harness
     what to do with it: fill `input`s with data, poison `output`s before each
     call and compare them after, leave `scratch` alone, and zero `signal`s
     once at allocation (or fill them with `init` bytes) and never again.
@@ -53,24 +56,28 @@ class Buffer:
 
     name: str
     dtype: str
-    role: str  # input | output | scratch | signal
+    role: str  # input | output | inout | scratch | signal
     per_count: int = 1
     fixed: int = 0
     init: int = 0  # byte value signals start at
+    per_world_count: int = 0
 
-    def elems(self, count: int) -> int:
-        return self.per_count * count + self.fixed
+    def elems(self, count: int, world: int = 1) -> int:
+        return (self.per_count + self.per_world_count * world) * count + self.fixed
 
     @property
     def ctype(self) -> str:
         return DTYPES[self.dtype][0]
 
 
+CALLS = Buffer("calls", "uint64", "signal", per_count=0, fixed=2)
+
+
 @dataclass(frozen=True)
 class Arg:
     name: str
     ctype: str
-    role: str  # peers | rank | epoch | count | buffer
+    role: str  # peers | rank | calls | count | buffer
 
 
 @dataclass(frozen=True)
@@ -141,9 +148,11 @@ class OpFamily:
         return {}
 
     def plan(self, spec: Any) -> Plan:
-        buffers = self.buffers(spec)
+        # Every module's heap starts with its call counter: [0] calls completed,
+        # [1] blocks finished (the last block of a call advances [0]).
+        buffers = (CALLS,) + tuple(self.buffers(spec))
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
-            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers
+            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS
         )
         kernels = tuple(
             Kernel(
@@ -173,7 +182,7 @@ class OpFamily:
         for b in self.buffers(spec):
             if b.role != "input":
                 continue
-            n = b.elems(count)
+            n = b.elems(count, world)
             out[b.name] = [fill(b.dtype, n, rng, pattern, r) for r in range(world)]
         return out
 

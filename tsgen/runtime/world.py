@@ -5,7 +5,7 @@ and loads generated modules onto every rank. A `Module` is one generated
 source, compiled and loaded per device; `Module.alloc(count)` lays out the
 manifest's buffers in one symmetric heap per rank; `Module.launch` calls the
 kernel for this world size on every rank with the same leading arguments
-(peers, rank, epoch, count) and one pointer per buffer. Nothing here knows
+(peers, rank, calls, count) and one pointer per buffer. Nothing here knows
 about individual ops.
 """
 
@@ -43,11 +43,12 @@ class Slot:
         return self.elems * np_dtype(self.dtype).itemsize
 
 
-def layout(manifest: dict, count: int) -> tuple[list[Slot], int]:
+def layout(manifest: dict, count: int, world: int = 1) -> tuple[list[Slot], int]:
     """Offsets of every buffer in the symmetric heap, and the heap size."""
     slots, offset = [], 0
     for b in manifest["buffers"]:
-        elems = b["elems"]["per_count"] * count + b["elems"]["fixed"]
+        e = b["elems"]
+        elems = (e["per_count"] + e.get("per_world_count", 0) * world) * count + e["fixed"]
         slot = Slot(b["name"], b["dtype"], b["role"], offset, elems, b.get("init_byte", 0))
         slots.append(slot)
         offset += -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
@@ -79,7 +80,7 @@ class Buffers:
 
     def __init__(self, module: "Module", count: int):
         self.module, self.count = module, count
-        self.slots, self.heap_bytes = layout(module.manifest, count)
+        self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
         self.by_name = {s.name: s for s in self.slots}
         world = module.world
         self.bases = world.backend.alloc_heap(self.heap_bytes)
@@ -91,7 +92,6 @@ class Buffers:
                         cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
                 cp.cuda.runtime.deviceSynchronize()
         self.peer_tables = world.backend.peer_tables(self.bases)
-        self.epoch = 0  # calls made so far; signals wait for values derived from it
 
     def array(self, name: str, rank: int):
         """CuPy view of buffer `name` on `rank` (no copy)."""
@@ -149,14 +149,12 @@ class Module:
         self,
         buffers: Buffers,
         ranks: Sequence[int] | None = None,
-        epoch: int | None = None,
         streams: Sequence[Any] | None = None,
-    ) -> int:
-        """Launch the kernel on `ranks` (default: all) without waiting; returns the epoch used."""
+    ) -> None:
+        """Launch the kernel on `ranks` (default: all) without waiting. The call
+        number lives on the device (buffer `calls`), so launches may be captured
+        in CUDA graphs and replayed."""
         world, cp = self.world, self.world.cp
-        if epoch is None:
-            buffers.epoch += 1
-            epoch = buffers.epoch
         grid = tuple(self.kernel["grid"])
         block = tuple(self.kernel["block"])
         smem = self.kernel["shared_bytes"]
@@ -168,8 +166,8 @@ class Module:
                     args.append(buffers.peer_tables[rank])
                 elif role == "rank":
                     args.append(np.int32(rank))
-                elif role == "epoch":
-                    args.append(np.uint64(epoch))
+                elif role == "calls":
+                    args.append(np.uint64(buffers.bases[rank] + buffers.by_name["calls"].offset))
                 elif role == "count":
                     args.append(np.uint64(buffers.count))
                 else:
@@ -177,7 +175,6 @@ class Module:
             with cp.cuda.Device(world.devices[rank]):
                 stream = streams[rank] if streams is not None else cp.cuda.Stream.null
                 self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
-        return epoch
 
 
 class World:

@@ -1,0 +1,281 @@
+// tsgen_plan.cuh -- the interpreter of communication plans.
+//
+// Hand-written; inlined into every collective after tsgen_copy.cuh.
+//
+// A plan is data (see tsgen/plan.py): per rank a list of steps, per block
+// the list of step shares it executes in order. A share: wait until every
+// listed counter of this rank reaches epoch * per_call (acquire, sys scope),
+// copy or reduce its part of the step's element range, then add 1 to every
+// listed counter (release, sys scope) in whichever rank's memory holds it.
+// `tsgen verify` runs the same tables on the CPU under many interleavings.
+#ifndef TSGEN_PLAN_CUH
+#define TSGEN_PLAN_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define TSGEN_MAX_SRCS 8
+#define TSGEN_MAX_WAITS 8
+#define TSGEN_MAX_SIGNALS 8
+
+enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
+
+// Part of a data buffer: unit `unit` of `count` elements, piece `piece` of
+// `pieces` (piece boundaries are multiples of 16 bytes within the unit).
+struct tsgen_slice {
+  int8_t rank;      // whose memory
+  uint8_t buf;      // index into the kernel's buffer table
+  uint8_t read_only;  // source not written while the kernel runs: ld.global.nc
+  uint8_t pieces;
+  uint16_t unit;
+  uint16_t piece;
+};
+
+struct tsgen_wait {
+  uint8_t buf;       // signal buffer (this rank's memory)
+  uint8_t pad;
+  uint16_t index;
+  uint32_t per_call; // adds the counter receives per call
+};
+
+struct tsgen_signal {
+  int8_t rank;  // whose memory holds the counter
+  uint8_t buf;
+  uint16_t index;
+};
+
+struct tsgen_step {
+  uint8_t op, nsrc, nwait, nsignal;
+  tsgen_slice dst;
+  tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_wait wait[TSGEN_MAX_WAITS];
+  tsgen_signal signal[TSGEN_MAX_SIGNALS];
+};
+
+// Loop over sources, unrolled to the table limit so that arrays indexed by j
+// stay in registers (a run-time index would move them to local memory).
+#define TSGEN_FOR_SRC(j, n) _Pragma("unroll") for (int j = 0; j < TSGEN_MAX_SRCS; ++j) if (j < (n))
+
+struct tsgen_share {
+  uint16_t step, share, shares;
+};
+
+// Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
+template <typename T>
+static __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
+                                                         int share, int shares, uint64_t* lo,
+                                                         uint64_t* hi) {
+  constexpr uint64_t VEC = 16 / sizeof(T);
+  uint64_t piece = (count + s.pieces - 1) / s.pieces;
+  piece = (piece + VEC - 1) / VEC * VEC;
+  uint64_t b = (uint64_t)s.piece * piece, e = b + piece;
+  b = b < count ? b : count;
+  e = e < count ? e : count;
+  uint64_t part = (e - b + shares - 1) / shares;
+  part = (part + VEC - 1) / VEC * VEC;
+  uint64_t sb = b + (uint64_t)share * part, se = sb + part;
+  *lo = (uint64_t)s.unit * count + (sb < e ? sb : e);
+  *hi = (uint64_t)s.unit * count + (se < e ? se : e);
+}
+
+template <typename T>
+static __device__ __forceinline__ T* tsgen_slice_ptr(const tsgen_slice& s, char* const* bufs,
+                                                     char* const* peers, int rank) {
+  T* local = (T*)bufs[s.buf];
+  return s.rank == rank ? local : tsgen_peer_ptr(local, peers, rank, s.rank);
+}
+
+// Copy n elements; fast path when both ends share their alignment mod 16.
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_copy_elems(T* dst, const T* src, uint64_t n,
+                                                        bool read_only, uint32_t tid,
+                                                        uint32_t nthreads) {
+  const uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+  if (((d ^ s) & 15) == 0) {
+    uint64_t head = ((16 - (d & 15)) & 15) / sizeof(T);
+    head = head < n ? head : n;
+    for (uint64_t i = tid; i < head; i += nthreads) dst[i] = src[i];
+    if (read_only)
+      tsgen_copy<UNROLL, true>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+    else
+      tsgen_copy<UNROLL, false>(dst + head, src + head, (n - head) * sizeof(T), tid, nthreads);
+  } else {
+    for (uint64_t i = tid; i < n; i += nthreads) dst[i] = src[i];  // slow path: misaligned
+  }
+}
+
+// fp32 (int32) accumulation of 16-byte vectors of T.
+template <typename T> struct tsgen_vec_math;
+template <> struct tsgen_vec_math<float> {
+  typedef float acc_t;
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
+    a[0] += __uint_as_float(v.x); a[1] += __uint_as_float(v.y);
+    a[2] += __uint_as_float(v.z); a[3] += __uint_as_float(v.w);
+  }
+  static __device__ __forceinline__ uint4 pack(const acc_t* a) {
+    return make_uint4(__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
+                      __float_as_uint(a[3]));
+  }
+  static __device__ __forceinline__ acc_t load1(const float* p) { return *p; }
+  static __device__ __forceinline__ float store1(acc_t a) { return a; }
+};
+template <> struct tsgen_vec_math<int32_t> {
+  typedef int32_t acc_t;
+  static constexpr int N = 4;
+  static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
+    a[0] += (int32_t)v.x; a[1] += (int32_t)v.y; a[2] += (int32_t)v.z; a[3] += (int32_t)v.w;
+  }
+  static __device__ __forceinline__ uint4 pack(const acc_t* a) {
+    return make_uint4((uint32_t)a[0], (uint32_t)a[1], (uint32_t)a[2], (uint32_t)a[3]);
+  }
+  static __device__ __forceinline__ acc_t load1(const int32_t* p) { return *p; }
+  static __device__ __forceinline__ int32_t store1(acc_t a) { return a; }
+};
+template <> struct tsgen_vec_math<__nv_bfloat16> {
+  typedef float acc_t;
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 f = __bfloat1622float2(*(const __nv_bfloat162*)&w[i]);
+      a[2 * i] += f.x;
+      a[2 * i + 1] += f.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const acc_t* a) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+      w[i] = *(uint32_t*)&h;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  static __device__ __forceinline__ acc_t load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  static __device__ __forceinline__ __nv_bfloat16 store1(acc_t a) { return __float2bfloat16_rn(a); }
+};
+template <> struct tsgen_vec_math<__half> {
+  typedef float acc_t;
+  static constexpr int N = 8;
+  static __device__ __forceinline__ void add(acc_t* a, uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 f = __half22float2(*(const __half2*)&w[i]);
+      a[2 * i] += f.x;
+      a[2 * i + 1] += f.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const acc_t* a) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h = __floats2half2_rn(a[2 * i], a[2 * i + 1]);
+      w[i] = *(uint32_t*)&h;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  static __device__ __forceinline__ acc_t load1(const __half* p) { return __half2float(*p); }
+  static __device__ __forceinline__ __half store1(acc_t a) { return __float2half_rn(a); }
+};
+
+// dst[i] = sum_j srcs[j][i] for i < n, accumulating in acc_t (fp32 for 16-bit
+// types). Sources are summed in table order on every rank, so every rank
+// computes bit-identical results.
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs, int nsrc,
+                                                          uint64_t n, uint32_t tid,
+                                                          uint32_t nthreads) {
+  typedef tsgen_vec_math<T> M;
+  typedef typename M::acc_t acc_t;
+  uintptr_t any = (uintptr_t)dst;
+  TSGEN_FOR_SRC(j, nsrc) any |= (uintptr_t)srcs[j];
+  uint64_t nvec = (any & 15) == 0 ? n / M::N : 0;  // misaligned: all scalar
+  uint4* d = (uint4*)dst;
+  uint64_t i = tid;
+  for (; i + (uint64_t)(UNROLL - 1) * nthreads < nvec; i += (uint64_t)UNROLL * nthreads) {
+    acc_t acc[UNROLL][M::N];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int k = 0; k < M::N; ++k) acc[u][k] = 0;
+    TSGEN_FOR_SRC(j, nsrc) {
+      uint4 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) v[u] = ld_weak_global_v4((const uint4*)srcs[j] + i + (uint64_t)u * nthreads);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) M::add(acc[u], v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) st_weak_global_v4(d + i + (uint64_t)u * nthreads, M::pack(acc[u]));
+  }
+  for (; i < nvec; i += nthreads) {
+    acc_t acc[M::N];
+#pragma unroll
+    for (int k = 0; k < M::N; ++k) acc[k] = 0;
+    TSGEN_FOR_SRC(j, nsrc) M::add(acc, ld_weak_global_v4((const uint4*)srcs[j] + i));
+    st_weak_global_v4(d + i, M::pack(acc));
+  }
+  for (uint64_t e = nvec * M::N + tid; e < n; e += nthreads) {
+    acc_t acc = 0;
+    TSGEN_FOR_SRC(j, nsrc) acc += M::load1(srcs[j] + e);
+    dst[e] = M::store1(acc);
+  }
+}
+
+// Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
+// thread in flight per source (their fp32 accumulators cost registers; with
+// several sources there is as much memory parallelism as a copy's UNROLL).
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
+                                                      const tsgen_share* shares, int first,
+                                                      int last, int rank, uint64_t epoch,
+                                                      uint64_t count, char* const* bufs,
+                                                      char* const* peers,
+                                                      const char* const* names) {
+  for (int k = first; k < last; ++k) {
+    const tsgen_share sh = shares[k];
+    const tsgen_step& st = steps[sh.step];
+    if (threadIdx.x < st.nwait) {  // one thread per counter
+      const tsgen_wait w = st.wait[threadIdx.x];
+      wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+                          tsgen_make_site(names[w.buf], rank, rank, w.index));
+    }
+    __syncthreads();
+    if (st.op != TSGEN_OP_NONE) {
+      uint64_t lo, hi;
+      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
+      T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      if (hi > lo) {
+        if (st.op == TSGEN_OP_COPY) {
+          uint64_t slo, shi;
+          tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
+          const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
+          tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                                      threadIdx.x, blockDim.x);
+        } else {
+          T* srcs[TSGEN_MAX_SRCS];
+          TSGEN_FOR_SRC(j, st.nsrc) {
+            uint64_t slo, shi;
+            tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
+            srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+          }
+          tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                        blockDim.x);
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < st.nsignal) {  // one thread per counter
+      const tsgen_signal s = st.signal[threadIdx.x];
+      uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
+    }
+  }
+}
+
+#endif  // TSGEN_PLAN_CUH

@@ -1,0 +1,533 @@
+"""Collectives as plans: allgather, reduce_scatter, all_to_all, all_reduce, broadcast.
+
+Each family builds, for every world size, a CommPlan (tsgen/plan.py): the
+steps every rank takes, the signals between them, and the contributions
+every output slice must end up with. The template renders the plan as
+tables that one interpreter kernel executes (templates/include/
+tsgen_plan.cuh), and `tsgen verify` executes the same plan on the CPU.
+
+Conventions (as NCCL's): `count` is elements per rank of the smaller side:
+allgather takes count and returns world x count; reduce_scatter takes
+world x count and returns count; all_to_all moves world x count each way,
+count to each peer; all_reduce and broadcast take and return count.
+Every call begins with an entry signal to every peer ("I am in call e: my
+inputs are ready and my outputs from call e-1 have been consumed"), and no
+rank writes into a peer or reads a peer's memory before that peer's entry.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..plan import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule
+from ..spec import SpecBase, StrictModel
+from .base import CALLS, Buffer, OpFamily, fill
+
+CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
+
+
+class CollectiveParams(StrictModel):
+    in_place: bool = Field(False, description="output overwrites the input buffer (NCCL's in-place layout)")
+    blocks_per_peer: int = Field(8, ge=1, le=64, description="blocks that copy to (or from) each peer")
+    pieces: int = Field(1, ge=1, le=16, description="pipeline depth: each transfer is cut into this many signalled pieces")
+
+
+class AllgatherParams(CollectiveParams):
+    direction: Literal["push", "pull"] = Field("push", description="push: write into peers; pull: read from peers")
+
+
+class AllReduceParams(CollectiveParams):
+    algorithm: Literal["one_shot", "two_shot"] = Field(
+        "two_shot", description="one_shot: every rank reads every peer's input and reduces all of it; "
+        "two_shot: reduce-scatter by push, then allgather by push")
+
+
+class BroadcastParams(CollectiveParams):
+    root: int = Field(0, ge=0, le=7, description="rank whose input every rank receives")
+
+
+def _spec(kind: str, params: type) -> type[SpecBase]:
+    return type(
+        f"{kind.title().replace('_', '')}Spec",
+        (SpecBase,),
+        {
+            "__annotations__": {"op": Literal[kind], "dtype": CollectiveDtype, "params": params},
+            "dtype": "bfloat16",
+            "params": params(),
+            "__doc__": f"Spec of collective `{kind}`.",
+        },
+    )
+
+
+def _entry(r: int, w: int, to: list[int] | None = None) -> Step:
+    peers = [p for p in range(w) if p != r] if to is None else to
+    return Step("none", signals=tuple(SignalRef(p, "entry", r) for p in peers), note="entry: signal every peer")
+
+
+def _final(waits: list[tuple[str, int]], note: str) -> list[Step]:
+    """Wait-only steps (at most MAX_WAITS counters each: one thread waits per counter)."""
+    return [Step("none", waits=tuple(waits[i:i + MAX_WAITS]), note=note) for i in range(0, len(waits), MAX_WAITS)]
+
+
+def _ring(r: int, w: int) -> list[int]:
+    """Peers in rank-rotated order: r+1, r+2, ... (spreads load over links)."""
+    return [(r + k) % w for k in range(1, w)]
+
+
+class CollectiveFamily(OpFamily):
+    """Shared machinery; subclasses build steps and the numeric reference."""
+
+    template = "collective.cu.j2"
+    blocks_wait = True
+    reduces = False
+
+    def __init__(self):
+        self.Spec = _spec(self.kind, self.Params)
+
+    # -- plan ---------------------------------------------------------------
+    def comm_plan(self, spec: Any, w: int) -> CommPlan:
+        raise NotImplementedError
+
+    def signal_sizes(self, spec: Any, w: int) -> dict[str, int]:
+        raise NotImplementedError
+
+    def buffers(self, spec):
+        out = []
+        for name, (role, units) in self.data_buffers(spec).items():
+            # units: count-sized units per rank; "W" = one per rank of the world
+            per_count, per_world = (0, 1) if units == "W" else (units, 0)
+            out.append(Buffer(name, spec.dtype, role, per_count=per_count, per_world_count=per_world))
+        wmax = max(spec.world_sizes)
+        for name, n in self.signal_sizes(spec, wmax).items():
+            out.append(Buffer(name, "uint64", "signal", per_count=0, fixed=n))
+        return tuple(out)
+
+    def data_buffers(self, spec) -> dict[str, tuple[str, int | str]]:
+        raise NotImplementedError
+
+    def check(self, spec):
+        problems = []
+        need = max(self.min_blocks(spec, w) for w in spec.world_sizes)
+        if spec.launch.blocks < 1:
+            problems.append((("launch", "blocks"), "need at least one block"))
+        if spec.launch.blocks > 132:
+            problems.append((("launch", "blocks"), "collectives wait across blocks: at most 132 (one per SM)"))
+        return problems + self.extra_check(spec)
+
+    def extra_check(self, spec):
+        return []
+
+    def min_blocks(self, spec, w) -> int:
+        return 1
+
+    def template_vars(self, spec):
+        plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}
+        table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
+        return {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        out = {}
+        for b in self.buffers(spec):
+            if b.role in ("input", "inout"):
+                out[b.name] = [_values(spec.dtype, b.elems(count, world), rng, pattern, r) for r in range(world)]
+        return out
+
+    def tolerance(self, spec, world, count, inputs) -> dict[str, list[np.ndarray]] | None:
+        """Allowed absolute error per output element; None: bit-exact."""
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Numeric helpers (bfloat16 travels as uint16 bits)
+# ---------------------------------------------------------------------------
+
+
+def to_f64(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def from_f64(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        u = x.astype(np.float32).view(np.uint32)
+        return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    if dtype == "int32":
+        return x.astype(np.int64).astype(np.int32)
+    return x.astype(np.dtype(dtype))
+
+
+EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-23, "int32": 0.0}
+
+
+def _values(dtype: str, n: int, rng: np.random.Generator, pattern: bool, rank: int) -> np.ndarray:
+    if pattern:
+        return fill(dtype, n, rng, True, rank)
+    if dtype == "int32":
+        return rng.integers(-1000, 1000, size=n, dtype=np.int32)
+    return from_f64(rng.standard_normal(n), dtype)
+
+
+# ---------------------------------------------------------------------------
+# allgather
+# ---------------------------------------------------------------------------
+
+
+class AllgatherFamily(CollectiveFamily):
+    kind = "allgather"
+    Params = AllgatherParams
+    summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
+
+    def data_buffers(self, spec):
+        if spec.params.in_place:
+            return {"dst": ("inout", "W")}
+        return {"src": ("input", 1), "dst": ("output", "W")}
+
+    def signal_sizes(self, spec, w):
+        return {"entry": w, ("arrive" if spec.params.direction == "push" else "done"): w}
+
+    def comm_plan(self, spec, w):
+        p = spec.params
+        bpp = p.blocks_per_peer
+        steps = []
+        for r in range(w):
+            src = (r, Slice("dst", r)) if p.in_place else (r, Slice("src", 0))
+            s = [_entry(r, w)]
+            for q in _ring(r, w):
+                if p.direction == "push":
+                    s.append(Step("copy", dst=(q, Slice("dst", r)), srcs=(src,), waits=(("entry", q),),
+                                  signals=(SignalRef(q, "arrive", r),), blocks=bpp, note=f"put to rank {q}"))
+                else:
+                    qsrc = (q, Slice("dst", q)) if p.in_place else (q, Slice("src", 0))
+                    s.append(Step("copy", dst=(r, Slice("dst", q)), srcs=(qsrc,), waits=(("entry", q),),
+                                  signals=(SignalRef(q, "done", r),), blocks=bpp, note=f"get from rank {q}"))
+            if not p.in_place:
+                s.append(Step("copy", dst=(r, Slice("dst", r)), srcs=(src,), blocks=bpp, note="local copy"))
+            name = "arrive" if p.direction == "push" else "done"
+            s += (_final([(name, q) for q in range(w) if q != r],
+                            "wait for every peer's data" if p.direction == "push" else "wait until every peer has read our input"))
+            steps.append(s)
+        origin = "dst" if p.in_place else "src"
+        expected = {(q, Slice("dst", j)): Counter({(j, origin, j if p.in_place else 0, 0): 1})
+                    for q in range(w) for j in range(w) if not (p.in_place and q == j)}
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers,
+                        signals=self.signal_sizes(spec, w), expected=expected)
+
+    def reference(self, spec, world, count, inputs):
+        if spec.params.in_place:
+            mine = [inputs["dst"][r][r * count:(r + 1) * count] for r in range(world)]
+        else:
+            mine = inputs["src"]
+        full = np.concatenate([m[:count] for m in mine])
+        return {"dst": [full.copy() for _ in range(world)]}
+
+    def bytes_moved(self, spec, world, count):
+        return count * np.dtype("uint16" if spec.dtype == "bfloat16" else spec.dtype).itemsize * world
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def _reduce_tolerance(dtype: str, parts: list[np.ndarray]) -> np.ndarray:
+    """|error| allowed for a sum of `parts` (fp32 accumulation, one rounding to dtype)."""
+    if dtype == "int32":
+        return np.zeros(parts[0].shape)
+    mag = sum(np.abs(to_f64(p, dtype)) for p in parts)
+    return 2 * EPS[dtype] * mag + 2 * EPS["float32"] * len(parts) * mag + 1e-30
+
+
+def _sum(dtype: str, parts: list[np.ndarray]) -> np.ndarray:
+    total = sum(to_f64(p, dtype) for p in parts)
+    return from_f64(total, dtype)
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter: push each peer's chunk into its inbox, reduce locally
+# ---------------------------------------------------------------------------
+
+
+class ReduceScatterFamily(CollectiveFamily):
+    kind = "reduce_scatter"
+    Params = CollectiveParams
+    summary = ("rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, "
+               "pipelined in pieces, reduce locally in fp32)")
+
+    def data_buffers(self, spec):
+        if spec.params.in_place:
+            return {"dst": ("inout", "W"), "inbox": ("scratch", "W")}
+        return {"src": ("input", "W"), "dst": ("output", 1), "inbox": ("scratch", "W")}
+
+    def signal_sizes(self, spec, w):
+        return {"entry": w, "arrive": w * spec.params.pieces}
+
+    def comm_plan(self, spec, w):
+        p = spec.params
+        P, bpp = p.pieces, p.blocks_per_peer
+        src_buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            s = [_entry(r, w)]
+            for i in range(P):
+                for q in _ring(r, w):
+                    s.append(Step("copy", dst=(q, Slice("inbox", r, i, P)), srcs=((r, Slice(src_buf, q, i, P)),),
+                                  waits=(("entry", q),), signals=(SignalRef(q, "arrive", r * P + i),),
+                                  blocks=max(1, bpp // P), note=f"piece {i} of chunk {q} to rank {q}'s inbox"))
+            for i in range(P):
+                dst = (r, Slice("dst", r, i, P)) if p.in_place else (r, Slice("dst", 0, i, P))
+                srcs = ((r, Slice(src_buf, r, i, P)),) + tuple((r, Slice("inbox", q, i, P)) for q in range(w) if q != r)
+                s.append(Step("reduce", dst=dst, srcs=srcs,
+                              waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
+                              blocks=max(1, bpp // P), note=f"reduce piece {i}"))
+            steps.append(s)
+        expected = {}
+        for r in range(w):
+            for i in range(P):
+                sl = Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)
+                expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
+
+    def _parts(self, spec, world, count, inputs, r):
+        src = inputs["dst" if spec.params.in_place else "src"]
+        return [src[q][r * count:(r + 1) * count] for q in range(world)]
+
+    def reference(self, spec, world, count, inputs):
+        out = []
+        for r in range(world):
+            total = _sum(spec.dtype, self._parts(spec, world, count, inputs, r))
+            if spec.params.in_place:
+                full = inputs["dst"][r].copy()
+                full[r * count:(r + 1) * count] = total
+                total = full
+            out.append(total)
+        return {"dst": out}
+
+    def tolerance(self, spec, world, count, inputs):
+        out = []
+        for r in range(world):
+            tol = _reduce_tolerance(spec.dtype, self._parts(spec, world, count, inputs, r))
+            if spec.params.in_place:
+                full = np.zeros(world * count)
+                full[r * count:(r + 1) * count] = tol
+                tol = full
+            out.append(tol)
+        return {"dst": out}
+
+
+# ---------------------------------------------------------------------------
+# all_to_all
+# ---------------------------------------------------------------------------
+
+
+class AllToAllFamily(CollectiveFamily):
+    kind = "all_to_all"
+    Params = CollectiveParams
+    summary = "chunk q of rank r's input lands as chunk r of rank q's output (push)"
+
+    def data_buffers(self, spec):
+        if spec.params.in_place:
+            return {"dst": ("inout", "W"), "inbox": ("scratch", "W")}
+        return {"src": ("input", "W"), "dst": ("output", "W")}
+
+    def signal_sizes(self, spec, w):
+        return {"entry": w, "arrive": w} | ({"sent": w} if spec.params.in_place else {})
+
+    def comm_plan(self, spec, w):
+        p = spec.params
+        bpp = p.blocks_per_peer
+        steps = []
+        for r in range(w):
+            s = [_entry(r, w)]
+            for q in _ring(r, w):
+                if p.in_place:
+                    # into q's inbox; our own chunk q is overwritten only after it has been sent
+                    s.append(Step("copy", dst=(q, Slice("inbox", r)), srcs=((r, Slice("dst", q)),),
+                                  waits=(("entry", q),),
+                                  signals=(SignalRef(q, "arrive", r), SignalRef(r, "sent", q)),
+                                  blocks=bpp, note=f"chunk {q} to rank {q}'s inbox"))
+                else:
+                    s.append(Step("copy", dst=(q, Slice("dst", r)), srcs=((r, Slice("src", q)),),
+                                  waits=(("entry", q),), signals=(SignalRef(q, "arrive", r),),
+                                  blocks=bpp, note=f"chunk {q} to rank {q}"))
+            if p.in_place:
+                for q in _ring(r, w):
+                    s.append(Step("copy", dst=(r, Slice("dst", q)), srcs=((r, Slice("inbox", q)),),
+                                  waits=(("arrive", q), ("sent", q)), blocks=bpp,
+                                  note=f"rank {q}'s chunk from the inbox"))
+            else:
+                s.append(Step("copy", dst=(r, Slice("dst", r)), srcs=((r, Slice("src", r)),), blocks=bpp,
+                              note="own chunk"))
+                s += (_final([("arrive", q) for q in range(w) if q != r], "wait for every peer's chunk"))
+            steps.append(s)
+        origin = "dst" if p.in_place else "src"
+        expected = {(q, Slice("dst", j)): Counter({(j, origin, q, 0): 1}) for q in range(w) for j in range(w)
+                    if not (p.in_place and q == j)}
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
+
+    def reference(self, spec, world, count, inputs):
+        src = inputs["dst" if spec.params.in_place else "src"]
+        return {"dst": [np.concatenate([src[j][q * count:(q + 1) * count] for j in range(world)])
+                        for q in range(world)]}
+
+
+# ---------------------------------------------------------------------------
+# all_reduce
+# ---------------------------------------------------------------------------
+
+
+class AllReduceFamily(CollectiveFamily):
+    kind = "all_reduce"
+    Params = AllReduceParams
+    summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
+
+    def data_buffers(self, spec):
+        two = spec.params.algorithm == "two_shot"
+        if spec.params.in_place:
+            return {"dst": ("inout", 1)} | ({"inbox": ("scratch", "W")} if two else {"scratch": ("scratch", 1)})
+        return {"src": ("input", 1), "dst": ("output", 1)} | ({"inbox": ("scratch", "W")} if two else {})
+
+    def signal_sizes(self, spec, w):
+        P = spec.params.pieces
+        if spec.params.algorithm == "one_shot":
+            return {"entry": w, "done": w} | ({"reduced": 1} if spec.params.in_place else {})
+        return {"entry": w, "arrive": w * P, "reduced": P, "gathered": w * P}
+
+    def comm_plan(self, spec, w):
+        return self._one_shot(spec, w) if spec.params.algorithm == "one_shot" else self._two_shot(spec, w)
+
+    def _one_shot(self, spec, w):
+        p = spec.params
+        nb = p.blocks_per_peer
+        buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            s = [_entry(r, w)]
+            srcs = tuple((q, Slice(buf, 0)) for q in [r] + _ring(r, w))
+            done = tuple(SignalRef(q, "done", r) for q in range(w) if q != r)
+            if p.in_place:  # our result may overwrite our input only once every peer has read it
+                s.append(Step("reduce", dst=(r, Slice("scratch", 0)), srcs=srcs,
+                              waits=tuple(("entry", q) for q in range(w) if q != r),
+                              signals=done + (SignalRef(r, "reduced", 0),), blocks=nb, note="sum every rank's input"))
+                s.append(Step("copy", dst=(r, Slice("dst", 0)), srcs=((r, Slice("scratch", 0)),),
+                              waits=tuple(("done", q) for q in range(w) if q != r) + (("reduced", 0),),
+                              blocks=nb, note="result over our input"))
+            else:
+                s.append(Step("reduce", dst=(r, Slice("dst", 0)), srcs=srcs,
+                              waits=tuple(("entry", q) for q in range(w) if q != r),
+                              signals=done, blocks=nb, note="sum every rank's input"))
+                s += (_final([("done", q) for q in range(w) if q != r], "wait until every peer has read our input"))
+            steps.append(s)
+        expected = {(r, Slice("dst", 0)): Counter({(q, buf, 0, 0): 1 for q in range(w)}) for r in range(w)}
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
+
+    def _two_shot(self, spec, w):
+        p = spec.params
+        P, bpp = p.pieces, p.blocks_per_peer
+        n = w * P  # the count is cut into w parts of P pieces: part q (pieces q*P..) is reduced by rank q
+        buf = "dst" if p.in_place else "src"
+        nb = max(1, bpp // P)
+        steps = []
+        for r in range(w):
+            s = [_entry(r, w)]
+            for i in range(P):  # reduce-scatter: push part q to rank q's inbox
+                for q in _ring(r, w):
+                    s.append(Step("copy", dst=(q, Slice("inbox", r, q * P + i, n)),
+                                  srcs=((r, Slice(buf, 0, q * P + i, n)),), waits=(("entry", q),),
+                                  signals=(SignalRef(q, "arrive", r * P + i),), blocks=nb,
+                                  note=f"part {q} piece {i} to rank {q}"))
+            for i in range(P):
+                mine = r * P + i
+                srcs = ((r, Slice(buf, 0, mine, n)),) + tuple((r, Slice("inbox", q, mine, n)) for q in range(w) if q != r)
+                s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)), srcs=srcs,
+                              waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
+                              signals=(SignalRef(r, "reduced", i),), blocks=nb, note=f"reduce our part, piece {i}"))
+                for q in _ring(r, w):  # allgather: push the reduced piece to every peer
+                    s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
+                                  waits=(("reduced", i), ("entry", q)), signals=(SignalRef(q, "gathered", r * P + i),),
+                                  blocks=nb, note=f"reduced piece {i} to rank {q}"))
+            s += (_final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
+                            "wait for every peer's reduced parts"))
+            steps.append(s)
+        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
+                    for r in range(w) for k in range(n)}
+        buffers = {nm: role for nm, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
+
+    def reference(self, spec, world, count, inputs):
+        parts = inputs["dst" if spec.params.in_place else "src"]
+        total = _sum(spec.dtype, parts)
+        return {"dst": [total.copy() for _ in range(world)]}
+
+    def tolerance(self, spec, world, count, inputs):
+        parts = inputs["dst" if spec.params.in_place else "src"]
+        tol = _reduce_tolerance(spec.dtype, parts)
+        return {"dst": [tol for _ in range(world)]}
+
+
+# ---------------------------------------------------------------------------
+# broadcast
+# ---------------------------------------------------------------------------
+
+
+class BroadcastFamily(CollectiveFamily):
+    kind = "broadcast"
+    Params = BroadcastParams
+    summary = "every rank ends with the root's input (the root pushes to every peer)"
+
+    def extra_check(self, spec):
+        bad = [w for w in spec.world_sizes if spec.params.root >= w]
+        if bad:
+            return [(("params", "root"), f"root {spec.params.root} is not a rank at world size {bad[0]}")]
+        return []
+
+    def data_buffers(self, spec):
+        if spec.params.in_place:
+            return {"dst": ("inout", 1)}
+        return {"src": ("input", 1), "dst": ("output", 1)}
+
+    def signal_sizes(self, spec, w):
+        return {"entry": w, "arrive": 1}
+
+    def comm_plan(self, spec, w):
+        p = spec.params
+        root, bpp = p.root, p.blocks_per_peer
+        buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            if r != root:
+                steps.append([_entry(r, w, to=[root])] + _final([("arrive", 0)], "wait for the root's data"))
+                continue
+            s = []
+            for q in _ring(r, w):
+                s.append(Step("copy", dst=(q, Slice("dst", 0)), srcs=((r, Slice(buf, 0)),), waits=(("entry", q),),
+                              signals=(SignalRef(q, "arrive", 0),), blocks=bpp, note=f"put to rank {q}"))
+            if not p.in_place:
+                s.append(Step("copy", dst=(r, Slice("dst", 0)), srcs=((r, Slice("src", 0)),), blocks=bpp,
+                              note="local copy"))
+            steps.append(s)
+        expected = {(q, Slice("dst", 0)): Counter({(root, buf, 0, 0): 1}) for q in range(w)
+                    if not (p.in_place and q == root)}
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
+
+    def reference(self, spec, world, count, inputs):
+        src = inputs["dst" if spec.params.in_place else "src"]
+        return {"dst": [src[spec.params.root].copy() for _ in range(world)]}
+
+
+FAMILIES: list[OpFamily] = [AllgatherFamily(), ReduceScatterFamily(), AllToAllFamily(), AllReduceFamily(),
+                            BroadcastFamily()]
