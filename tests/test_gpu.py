@@ -18,8 +18,18 @@ from tsgen.harness import run_test
 pytestmark = pytest.mark.gpu
 
 
+def _is_collective(spec_path):
+    import yaml
+
+    return yaml.safe_load(spec_path.read_text())["op"] in COLLECTIVE_OPS
+
+
+COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
+PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s)]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("spec", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("spec", PRIMITIVE_SPECS, ids=lambda p: p.stem)
 def test_primitive_on_gpus(spec, world):
     need_gpus(world)
     lines = []
@@ -75,3 +85,35 @@ def test_negative_control_fails(spec):
                   mutate=lambda text: text.replace(old, new))
     record("negative_control", {"spec": spec, "removed": old, "pass": ok, "lines": lines})
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------
+
+COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("spec", COLLECTIVE_SPECS, ids=lambda p: "collective-" + p.stem)
+def test_collective_odd_count(spec, world):
+    """The shipped spec's test count (not a multiple of 8: misaligned chunks take the
+    element-wise path), its iters back-to-back calls, bit-exact or within tolerance."""
+    need_gpus(world)
+    lines = []
+    ok = run_test(spec, world, echo=lines.append)
+    record("correctness", {"spec": spec.stem, "world": world, "pass": ok, "lines": lines})
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32"])
+@pytest.mark.parametrize("spec", ["allgather", "reduce_scatter", "all_to_all", "all_reduce_one_shot",
+                                  "all_reduce_two_shot", "broadcast", "allgather_pull"])
+def test_collective_dtype_matrix(spec, dtype, world):
+    """Every collective in every dtype on the vector path (count a multiple of 8)."""
+    need_gpus(world)
+    lines = []
+    ok = run_test(f"specs/{spec}.yaml", world, count=65536, iters=5, dtype=dtype, echo=lines.append)
+    record("dtype_matrix", {"spec": spec, "dtype": dtype, "world": world, "pass": ok, "lines": lines[-1:]})
+    assert ok, "\n".join(lines)

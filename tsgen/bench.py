@@ -161,3 +161,98 @@ def _time(world, streams, ranks, calls, iters, reps) -> float:
 def write_results(rows: list[dict], json_path: Path, meta: dict) -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# Collectives: tsgen (CUDA graphs per GPU) against NCCL and symm-mem
+# ---------------------------------------------------------------------------
+
+def per_rank_count(op: str, nbytes: int, dtype: str, world: int) -> int:
+    """tsgen's `count` for an nccl-tests size in bytes (see tsgen.baselines.elem_counts)."""
+    from .baselines import elem_counts
+
+    c = elem_counts(op, nbytes, dtype, world)
+    return {"allgather": c.n_in, "reduce_scatter": c.n_out, "all_to_all": c.n_in // world}.get(op, c.n_in)
+
+
+def _fill_random(cp, arr, dtype: str) -> None:
+    """Random normal data of `dtype` into a CuPy array (bfloat16 as its bits)."""
+    n = arr.size
+    if dtype == "int32":
+        arr[...] = cp.random.randint(-1000, 1000, n, dtype=cp.int32)
+    elif dtype == "bfloat16":
+        f = cp.random.standard_normal(n, dtype=cp.float32)
+        arr[...] = (f.view(cp.uint32) >> 16).astype(cp.uint16)
+    else:
+        arr[...] = cp.random.standard_normal(n).astype(arr.dtype)
+
+
+def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, reps: int = 7,
+                     arch: str = "sm_90a", echo: Callable[[str], None] = print,
+                     max_sets: int = 32) -> list[dict]:
+    """Median time per call of the spec's collective at each size (bytes, nccl-tests
+    convention). Each GPU replays a CUDA graph of back-to-back calls (so one host
+    thread's launch skew is paid once per graph, not per call); calls rotate over
+    several buffer sets below 64 MiB so small sizes are not timed on a hot L2.
+    Time per call = max over ranks of (graph time / calls)."""
+    from .baselines import busbw_factor, rotation_slots
+    from .runtime import World
+
+    loaded = load_spec(spec_path)
+    spec = loaded.model
+    manifest = materialize(loaded)
+    rows = []
+    with World(gpus) as world:
+        cp = world.cp
+        module = world.load(manifest, arch=arch)
+        streams = []
+        for dev in world.devices:
+            with cp.cuda.Device(dev):
+                streams.append(cp.cuda.Stream(non_blocking=True))
+        for nbytes in sizes:
+            count = per_rank_count(spec.op, nbytes, spec.dtype, gpus)
+            probe = module.alloc(count)
+            heap = probe.heap_bytes
+            sets = [probe] + [module.alloc(count) for _ in range(min(max_sets, rotation_slots(nbytes, heap)) - 1)]
+            try:
+                for b in sets:
+                    for r in range(gpus):
+                        with cp.cuda.Device(world.devices[r]):
+                            for s in b.slots:
+                                if s.role in ("input", "inout"):
+                                    _fill_random(cp, b.array(s.name, r), spec.dtype)
+                world.synchronize()
+                calls = len(sets) * max(1, -(-iters // len(sets)))
+                for _ in range(2):  # warm-up: every set once
+                    for b in sets:
+                        module.launch(b, streams=streams)
+                world.synchronize()
+                graphs = []
+                for r in range(gpus):
+                    with cp.cuda.Device(world.devices[r]):
+                        streams[r].begin_capture()
+                        for i in range(calls):
+                            module.launch(sets[i % len(sets)], ranks=[r], streams=streams)
+                        graphs.append(streams[r].end_capture())
+                samples = []
+                for _ in range(reps):
+                    events = []
+                    for r in range(gpus):
+                        with cp.cuda.Device(world.devices[r]):
+                            start, end = cp.cuda.Event(), cp.cuda.Event()
+                            start.record(streams[r])
+                            graphs[r].launch(streams[r])
+                            end.record(streams[r])
+                            events.append((start, end))
+                    world.synchronize()
+                    samples.append(max(cp.cuda.get_elapsed_time(s, e) for s, e in events) / 1e3 / calls)
+                t = statistics.median(samples)
+            finally:
+                for b in sets:
+                    b.free()
+            row = {"backend": "tsgen", "spec": spec.name, "op": spec.op, "dtype": spec.dtype, "bytes": nbytes,
+                   "world": gpus, "time_us": t * 1e6, "algbw_GBps": nbytes / t / 1e9,
+                   "busbw_GBps": nbytes / t / 1e9 * busbw_factor(spec.op, gpus), "sets": len(sets), "calls": calls}
+            rows.append(row)
+            echo(f"{spec.name:28s} {human(nbytes):>6s}  {row['time_us']:9.1f} us  busbw {row['busbw_GBps']:7.1f} GB/s")
+    return rows

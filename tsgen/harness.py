@@ -27,6 +27,21 @@ from .spec import LoadedSpec, load_spec
 from .toolchain import cache_dir
 
 
+def with_overrides(loaded: LoadedSpec, **update) -> LoadedSpec:
+    """The spec with some top-level fields replaced, validated again."""
+    from .errors import SpecError
+
+    data = loaded.model.model_dump()
+    data.update(update)
+    family = get_family(loaded.model.op)
+    try:
+        model = family.Spec.model_validate(data)
+    except Exception as e:  # pydantic ValidationError
+        raise SpecError([f"{loaded.path}:1:1: <override>: {e}"]) from None
+    note = "".join(f"\n# override {k}={v}" for k, v in sorted(update.items()))
+    return LoadedSpec(loaded.path, loaded.text + note + "\n", model)
+
+
 def materialize(loaded: LoadedSpec) -> Path:
     """Render the spec into the cache (so tests always match the spec); manifest path."""
     rendered = render(loaded, base=loaded.path.resolve().parent.parent)
@@ -61,6 +76,7 @@ def run_test(
     arch: str = "sm_90a",
     echo: Callable[[str], None] = print,
     mutate: Callable[[str], str] | None = None,
+    dtype: str | None = None,
 ) -> bool:
     """True when every output of every call on every rank matched. `mutate`
     edits the generated source before compiling: negative controls use it to
@@ -68,6 +84,8 @@ def run_test(
     from .runtime import World
 
     loaded = load_spec(spec_path)
+    if dtype is not None:  # same spec, another element type (the dtype matrix of the GPU tests)
+        loaded = with_overrides(loaded, dtype=dtype, name=f"{loaded.model.name}_{dtype}")
     spec = loaded.model
     family = get_family(spec.op)
     if gpus not in spec.world_sizes:

@@ -1,0 +1,134 @@
+"""tsgen collectives against NCCL (and PyTorch symm-mem for all_reduce), same run.
+
+Usage: python tools/bench_collectives.py OUT_DIR [--gpus 4] [--sizes 64K,256K,1M,256M,1G]
+       [--ops allgather,reduce_scatter,...] [--variants default|tune]
+Writes OUT_DIR/collectives_bench_w{gpus}.json and .md and prints the table.
+"""
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tsgen.baselines import run_baselines  # noqa: E402
+from tsgen.bench import bench_collective, human, parse_sizes  # noqa: E402
+
+# op -> list of (spec file, param overrides, launch.blocks)
+SHIPPED = {
+    "allgather": [("allgather", {}, None)],
+    "reduce_scatter": [("reduce_scatter", {}, None)],
+    "all_to_all": [("all_to_all", {}, None)],
+    "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot", {}, None)],
+    "broadcast": [("broadcast", {}, None)],
+}
+TUNE = {
+    "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b)) for b in (8, 32)]
+    + [("allgather_pull", {}, None)],
+    "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b))
+                       for b, p in ((16, 1), (32, 4), (32, 8))],
+    "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b)) for b in (8, 32)],
+    "all_reduce": [("all_reduce_two_shot", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b))
+                   for b, p in ((16, 1), (32, 4))] + [("all_reduce_one_shot", {"blocks_per_peer": 8}, 32)],
+    "broadcast": [],
+}
+
+
+def variant_spec(tmp: Path, name: str, params: dict, blocks, dtype: str | None) -> tuple[str, Path]:
+    path = ROOT / "specs" / f"{name}.yaml"
+    if not params and blocks is None and dtype is None:
+        return name, path
+    data = yaml.safe_load(path.read_text())
+    data["params"] = {**data.get("params", {}), **params}
+    if blocks is not None:
+        data["launch"]["blocks"] = blocks
+    if dtype is not None:
+        data["dtype"] = dtype
+    label = name + "".join(f"_{k[:1]}{v}" for k, v in params.items()) + (f"_B{blocks}" if blocks else "")
+    data["name"] = label
+    out = tmp / f"{label}.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return label, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--sizes", default="64K,256K,1M,256M,1G")
+    ap.add_argument("--ops", default="allgather,reduce_scatter,all_to_all,all_reduce,broadcast")
+    ap.add_argument("--tune", action="store_true", help="also time tuning variants")
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args()
+    sizes = parse_sizes(args.sizes)
+    tmp = Path(tempfile.mkdtemp())
+    rows = []
+    for op in args.ops.split(","):
+        variants = SHIPPED[op] + (TUNE[op] if args.tune else [])
+        dtype = args.dtype
+        for name, params, blocks in variants:
+            label, path = variant_spec(tmp, name, params, blocks, dtype)
+            try:
+                for r in bench_collective(path, args.gpus, sizes):
+                    r["variant"] = label
+                    rows.append(r)
+            except Exception as e:  # keep the run going; report the failure in the table
+                print(f"{label}: FAILED: {e}", flush=True)
+                rows.append({"backend": "tsgen", "variant": label, "op": op, "error": str(e)[:500]})
+        dt = dtype or yaml.safe_load((ROOT / "specs" / f"{variants[0][0]}.yaml").read_text())["dtype"]
+        try:
+            for r in run_baselines(op, dt, sizes, args.gpus, timeout=400):
+                r["variant"] = r["backend"]
+                rows.append(r)
+                print(f"{r['backend']:28s} {human(r['bytes']):>6s}  "
+                      f"{(r['time_us'] or float('nan')):9.1f} us  busbw {(r['busbw_GBps'] or float('nan')):7.1f} GB/s"
+                      f"{'  ' + str(r['skipped']) if r.get('skipped') else ''}", flush=True)
+        except Exception as e:
+            print(f"baselines for {op}: FAILED: {e}", flush=True)
+            rows.append({"backend": "nccl", "variant": "nccl", "op": op, "error": str(e)[:2000]})
+    dev = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip().splitlines()
+    meta = {"command": "python tools/bench_collectives.py $OUT " + " ".join(sys.argv[2:]),
+            "device": dev, "date": datetime.date.today().isoformat(), "gpus": args.gpus,
+            "timing": "tsgen: one process, a CUDA graph of back-to-back calls per GPU, time per call = "
+                      "max over GPUs of graph time / calls, median of 7; buffers rotate below 64 MiB. "
+                      "NCCL / symm-mem: one process per GPU, CUDA graphs, max over ranks, median."}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"collectives_bench_w{args.gpus}"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    md = render_md(rows, meta)
+    (args.out / f"{stem}.md").write_text(md)
+    print(md)
+
+
+def render_md(rows, meta) -> str:
+    lines = [f"# tsgen collectives vs NCCL ({meta['date']}, {meta['device'][0] if meta['device'] else '?'} x{meta['gpus']})",
+             "", f"Command: `{meta['command']}`", "", meta["timing"], "",
+             "| op | variant | size | time us | busbw GB/s | NCCL us | NCCL busbw | busbw ratio | time ratio | wrong |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    nccl = {(r["op"], r["bytes"]): r for r in rows if r.get("backend") == "nccl" and r.get("time_us")}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['variant']} | - | FAILED: {r['error'][:120]} | | | | | | |")
+            continue
+        if not r.get("time_us"):
+            continue
+        n = nccl.get((r["op"], r["bytes"]))
+        ratio = f"{r['busbw_GBps'] / n['busbw_GBps']:.2f}" if n else "-"
+        tratio = f"{r['time_us'] / n['time_us']:.2f}" if n else "-"
+        lines.append(f"| {r['op']} | {r['variant']} | {human(r['bytes'])} | {r['time_us']:.1f} | {r['busbw_GBps']:.1f} | "
+                     f"{n['time_us']:.1f} | {n['busbw_GBps']:.1f} | {ratio} | {tratio} | {r.get('wrong', '-')} |"
+                     if n else f"| {r['op']} | {r['variant']} | {human(r['bytes'])} | {r['time_us']:.1f} | "
+                     f"{r['busbw_GBps']:.1f} | - | - | - | - | {r.get('wrong', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
