@@ -93,6 +93,12 @@ def main():
         except Exception as e:
             print(f"baselines for {op}: FAILED: {e}", flush=True)
             rows.append({"backend": "nccl", "variant": "nccl", "op": op, "error": str(e)[:2000]})
+        write(args, rows)  # after every op, so a run cut short still leaves its numbers
+    md = write(args, rows)
+    print(md)
+
+
+def write(args, rows) -> str:
     dev = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip().splitlines()
     meta = {"command": "python tools/bench_collectives.py $OUT " + " ".join(sys.argv[2:]),
@@ -105,7 +111,7 @@ def main():
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     md = render_md(rows, meta)
     (args.out / f"{stem}.md").write_text(md)
-    print(md)
+    return md
 
 
 def render_md(rows, meta) -> str:
