@@ -1,0 +1,108 @@
+"""Plans and their CPU verifier: every shipped collective verifies at world sizes
+2..8, and broken plans (a signal, a wait or a chunk offset changed) fail, so the
+verifier is load-bearing. The full run is `tsgen verify specs` (in .ci/run)."""
+
+import dataclasses
+
+import pytest
+
+from conftest import SPECS
+
+from tsgen.ops import get_family
+from tsgen.plan import SignalRef, Slice, verify
+from tsgen.spec import load_spec
+
+COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")]
+
+
+def _plan(spec_path, w):
+    spec = load_spec(spec_path).model
+    spec = spec.model_copy(update={"world_sizes": [w]})
+    return get_family(spec.op).comm_plan(spec, w)
+
+
+def test_some_collectives_ship():
+    assert {load_spec(s).model.op for s in COLLECTIVES} == {
+        "allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
+
+
+@pytest.mark.parametrize("w", [2, 3, 5, 8])
+@pytest.mark.parametrize("spec", COLLECTIVES, ids=lambda p: p.stem)
+def test_shipped_plans_verify(spec, w):
+    assert verify(_plan(spec, w), schedules=4) == []
+
+
+def _first_copy(plan, rank):
+    return next(i for i, s in enumerate(plan.ranks[rank].steps) if s.op == "copy" and s.dst[0] != rank)
+
+
+def test_wrong_chunk_offset_fails():
+    plan = _plan("specs/allgather.yaml", 3)
+    i = _first_copy(plan, 1)
+    st = plan.ranks[1].steps[i]
+    plan.ranks[1].steps[i] = dataclasses.replace(st, dst=(st.dst[0], dataclasses.replace(st.dst[1], unit=0)))
+    problems = verify(plan, schedules=10)
+    assert problems and any("written twice" in p or "expected" in p or "never written" in p for p in problems), problems
+
+
+def test_missing_wait_for_peer_entry_fails():
+    """Without the entry wait, a push can land in a peer still in the previous call."""
+    plan = _plan("specs/reduce_scatter.yaml", 3)
+    for r in range(3):
+        plan.ranks[r].steps = [dataclasses.replace(s, waits=tuple(w for w in s.waits if w[0] != "entry"))
+                               if s.op == "copy" else s for s in plan.ranks[r].steps]
+        # keep the entry signals awaited by something so only the race remains
+        plan.ranks[r].steps.append(dataclasses.replace(plan.ranks[r].steps[-1], op="none", dst=None, srcs=(),
+                                   waits=tuple(("entry", q) for q in range(3) if q != r), signals=()))
+    from tsgen.plan import schedule
+
+    plan = schedule(3, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
+                    signals=plan.signals, expected=plan.expected)
+    problems = verify(plan, schedules=200)
+    assert problems and any("while rank" in p for p in problems), problems
+
+
+def test_wrong_signal_index_fails():
+    plan = _plan("specs/allgather.yaml", 4)
+    i = _first_copy(plan, 2)
+    st = plan.ranks[2].steps[i]
+    bad = SignalRef(st.signals[0].rank, st.signals[0].name, (st.signals[0].index + 1) % 4)
+    plan.ranks[2].steps[i] = dataclasses.replace(st, signals=(bad,))
+    from tsgen.plan import schedule
+
+    plan = schedule(4, plan.nblocks, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
+                    signals=plan.signals, expected=plan.expected)
+    assert verify(plan, schedules=20)
+
+
+def test_reduce_missing_source_fails():
+    plan = _plan("specs/all_reduce_one_shot.yaml", 3)
+    i = next(i for i, s in enumerate(plan.ranks[0].steps) if s.op == "reduce")
+    st = plan.ranks[0].steps[i]
+    plan.ranks[0].steps[i] = dataclasses.replace(st, srcs=st.srcs[:-1])
+    problems = verify(plan, schedules=5)
+    assert problems and any("expected" in p for p in problems), problems
+
+
+def test_deadlock_is_reported():
+    """A wait on a counter nobody raises in time (every rank waits before it signals)."""
+    plan = _plan("specs/allgather.yaml", 2)
+    for r in range(2):
+        steps = plan.ranks[r].steps
+        steps[0] = dataclasses.replace(steps[0], waits=(("arrive", 1 - r),))
+    from tsgen.plan import schedule
+
+    plan = schedule(2, 1, [rp.steps for rp in plan.ranks], buffers=plan.buffers,
+                    signals=plan.signals, expected=plan.expected)
+    problems = verify(plan, schedules=3)
+    assert problems and any("deadlock" in p for p in problems), problems
+
+
+def test_verify_cli_exit_codes(tmp_path):
+    from conftest import run_cli
+
+    ok = run_cli("verify", "specs/allgather.yaml", "--world", "2,3", "--schedules", "3")
+    assert ok.code == 0, ok.stdout + ok.stderr
+    assert "allgather world 3: ok" in ok.stdout
+    bad = run_cli("verify", "specs/allgather.yaml", "--world", "9")
+    assert bad.code == 2
