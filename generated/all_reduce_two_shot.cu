@@ -1143,3578 +1143,6282 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 16 steps, 100 block shares over 64 blocks.
+// Plan for world size 2: 16 steps, 196 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
     {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/4] = r0:src@0[2/4]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/4] = r0:src@0[2/4]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/4] = r0:src@0[3/4]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/4] = r0:src@0[3/4]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: reduce our part, piece 0; wait arrive[2]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4]; signal r0:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}}, {{5, 0, 2, 8}}, {{0, 6, 0}}},
-    // rank 0 step 4: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 0, 0}, {{0, 2, 0, 4, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 5: reduce our part, piece 1; wait arrive[3]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4]; signal r0:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}}, {{5, 0, 3, 8}}, {{0, 6, 1}}},
-    // rank 0 step 6: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/4] = r0:dst@0[1/4]; signal r1:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 0, 1}, {{0, 2, 0, 4, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    // rank 0 step 3: reduce our part, piece 0; wait arrive[2]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}}, {{5, 0, 2, 16}}, {{0, 6, 0}}},
+    // rank 0 step 4: reduce our part, piece 1; wait arrive[3]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}}, {{5, 0, 3, 16}}, {{0, 6, 1}}},
+    // rank 0 step 5: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 0, 0}, {{0, 2, 0, 4, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    // rank 0 step 6: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/4] = r0:dst@0[1/4]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 0, 1}, {{0, 2, 0, 4, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
     // rank 0 step 7: wait for every peer's reduced parts; wait gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 8}, {7, 0, 3, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 16}, {7, 0, 3, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
     {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[2]; 8 blocks
+    // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 3: reduce our part, piece 0; wait arrive[0]; r1:dst@0[2/4] = r1:src@0[2/4] + r1:inbox@0[2/4]; signal r1:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 0, 2}, {1, 3, 0, 4, 0, 2}}, {{5, 0, 0, 8}}, {{1, 6, 0}}},
-    // rank 1 step 4: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/4] = r1:dst@0[2/4]; signal r0:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 2}}},
-    // rank 1 step 5: reduce our part, piece 1; wait arrive[1]; r1:dst@0[3/4] = r1:src@0[3/4] + r1:inbox@0[3/4]; signal r1:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 0, 3}, {1, 3, 0, 4, 0, 3}}, {{5, 0, 1, 8}}, {{1, 6, 1}}},
-    // rank 1 step 6: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/4] = r1:dst@0[3/4]; signal r0:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 3}}},
+    // rank 1 step 3: reduce our part, piece 0; wait arrive[0]; r1:dst@0[2/4] = r1:src@0[2/4] + r1:inbox@0[2/4]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 0, 2}, {1, 3, 0, 4, 0, 2}}, {{5, 0, 0, 16}}, {{1, 6, 0}}},
+    // rank 1 step 4: reduce our part, piece 1; wait arrive[1]; r1:dst@0[3/4] = r1:src@0[3/4] + r1:inbox@0[3/4]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 0, 3}, {1, 3, 0, 4, 0, 3}}, {{5, 0, 1, 16}}, {{1, 6, 1}}},
+    // rank 1 step 5: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/4] = r1:dst@0[2/4]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 2}}},
+    // rank 1 step 6: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/4] = r1:dst@0[3/4]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 3}}},
     // rank 1 step 7: wait for every peer's reduced parts; wait gathered[0], gathered[1]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
 static __device__ const tsgen_share shares_w2[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
     {7, 0, 1},  // rank 0 block 49: step 7 share 0/1
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
     {7, 0, 1},  // rank 1 block 49: step 7 share 0/1
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
-    { 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100 },
+    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
+    { 98, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173, 175, 177, 179, 181, 183, 185, 187, 189, 191, 193, 195, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 36 steps, 246 block shares over 64 blocks.
+// Plan for world size 3: 36 steps, 486 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/6] = r0:src@0[2/6]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/6] = r0:src@0[2/6]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 6, 0, 2}, {{0, 1, 1, 6, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/6] = r0:src@0[4/6]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 6, 0, 4}, {{0, 1, 1, 6, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/6] = r0:src@0[3/6]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/6] = r0:src@0[3/6]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 6, 0, 3}, {{0, 1, 1, 6, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/6] = r0:src@0[5/6]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/6] = r0:src@0[4/6]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 6, 0, 4}, {{0, 1, 1, 6, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/6] = r0:src@0[5/6]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 6, 0, 5}, {{0, 1, 1, 6, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 5: reduce our part, piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/6] = r0:src@0[0/6] + r0:inbox@1[0/6] + r0:inbox@2[0/6]; signal r0:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 6, 0, 0}, {{0, 1, 1, 6, 0, 0}, {0, 3, 0, 6, 1, 0}, {0, 3, 0, 6, 2, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}}, {{0, 6, 0}}},
-    // rank 0 step 6: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/6] = r0:dst@0[0/6]; signal r1:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 0}, {{0, 2, 0, 6, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 7: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/6] = r0:dst@0[0/6]; signal r2:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 0}, {{0, 2, 0, 6, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 8: reduce our part, piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/6] = r0:src@0[1/6] + r0:inbox@1[1/6] + r0:inbox@2[1/6]; signal r0:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 6, 0, 1}, {{0, 1, 1, 6, 0, 1}, {0, 3, 0, 6, 1, 1}, {0, 3, 0, 6, 2, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}}, {{0, 6, 1}}},
-    // rank 0 step 9: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/6] = r0:dst@0[1/6]; signal r1:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 1}, {{0, 2, 0, 6, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/6] = r0:dst@0[1/6]; signal r2:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 1}, {{0, 2, 0, 6, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    // rank 0 step 5: reduce our part, piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/6] = r0:src@0[0/6] + r0:inbox@1[0/6] + r0:inbox@2[0/6]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 6, 0, 0}, {{0, 1, 1, 6, 0, 0}, {0, 3, 0, 6, 1, 0}, {0, 3, 0, 6, 2, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}}, {{0, 6, 0}}},
+    // rank 0 step 6: reduce our part, piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/6] = r0:src@0[1/6] + r0:inbox@1[1/6] + r0:inbox@2[1/6]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 6, 0, 1}, {{0, 1, 1, 6, 0, 1}, {0, 3, 0, 6, 1, 1}, {0, 3, 0, 6, 2, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}}, {{0, 6, 1}}},
+    // rank 0 step 7: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/6] = r0:dst@0[0/6]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 0}, {{0, 2, 0, 6, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    // rank 0 step 8: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/6] = r0:dst@0[1/6]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 1}, {{0, 2, 0, 6, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    // rank 0 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/6] = r0:dst@0[0/6]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 0}, {{0, 2, 0, 6, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    // rank 0 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/6] = r0:dst@0[1/6]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 1}, {{0, 2, 0, 6, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
     // rank 0 step 11: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/6] = r1:src@0[4/6]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/6] = r1:src@0[4/6]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 6, 1, 4}, {{1, 1, 1, 6, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/6] = r1:src@0[0/6]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 6, 1, 0}, {{1, 1, 1, 6, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 3: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/6] = r1:src@0[5/6]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/6] = r1:src@0[5/6]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 6, 1, 5}, {{1, 1, 1, 6, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/6] = r1:src@0[1/6]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/6] = r1:src@0[0/6]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 6, 1, 0}, {{1, 1, 1, 6, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/6] = r1:src@0[1/6]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 6, 1, 1}, {{1, 1, 1, 6, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 5: reduce our part, piece 0; wait arrive[0], arrive[4]; r1:dst@0[2/6] = r1:src@0[2/6] + r1:inbox@0[2/6] + r1:inbox@2[2/6]; signal r1:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 6, 0, 2}, {{1, 1, 1, 6, 0, 2}, {1, 3, 0, 6, 0, 2}, {1, 3, 0, 6, 2, 2}}, {{5, 0, 0, 8}, {5, 0, 4, 8}}, {{1, 6, 0}}},
-    // rank 1 step 6: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/6] = r1:dst@0[2/6]; signal r2:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 2}, {{1, 2, 0, 6, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 1 step 7: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/6] = r1:dst@0[2/6]; signal r0:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 2}, {{1, 2, 0, 6, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 2}}},
-    // rank 1 step 8: reduce our part, piece 1; wait arrive[1], arrive[5]; r1:dst@0[3/6] = r1:src@0[3/6] + r1:inbox@0[3/6] + r1:inbox@2[3/6]; signal r1:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 6, 0, 3}, {{1, 1, 1, 6, 0, 3}, {1, 3, 0, 6, 0, 3}, {1, 3, 0, 6, 2, 3}}, {{5, 0, 1, 8}, {5, 0, 5, 8}}, {{1, 6, 1}}},
-    // rank 1 step 9: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/6] = r1:dst@0[3/6]; signal r2:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 3}, {{1, 2, 0, 6, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/6] = r1:dst@0[3/6]; signal r0:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 3}, {{1, 2, 0, 6, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 3}}},
+    // rank 1 step 5: reduce our part, piece 0; wait arrive[0], arrive[4]; r1:dst@0[2/6] = r1:src@0[2/6] + r1:inbox@0[2/6] + r1:inbox@2[2/6]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 6, 0, 2}, {{1, 1, 1, 6, 0, 2}, {1, 3, 0, 6, 0, 2}, {1, 3, 0, 6, 2, 2}}, {{5, 0, 0, 16}, {5, 0, 4, 16}}, {{1, 6, 0}}},
+    // rank 1 step 6: reduce our part, piece 1; wait arrive[1], arrive[5]; r1:dst@0[3/6] = r1:src@0[3/6] + r1:inbox@0[3/6] + r1:inbox@2[3/6]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 6, 0, 3}, {{1, 1, 1, 6, 0, 3}, {1, 3, 0, 6, 0, 3}, {1, 3, 0, 6, 2, 3}}, {{5, 0, 1, 16}, {5, 0, 5, 16}}, {{1, 6, 1}}},
+    // rank 1 step 7: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/6] = r1:dst@0[2/6]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 2}, {{1, 2, 0, 6, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    // rank 1 step 8: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/6] = r1:dst@0[3/6]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 6, 0, 3}, {{1, 2, 0, 6, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/6] = r1:dst@0[2/6]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 2}, {{1, 2, 0, 6, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 2}}},
+    // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/6] = r1:dst@0[3/6]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 3}, {{1, 2, 0, 6, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 3}}},
     // rank 1 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/6] = r2:src@0[0/6]; signal r0:arrive[4]; 8 blocks
+    // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/6] = r2:src@0[0/6]; signal r0:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 6, 2, 0}, {{2, 1, 1, 6, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 2: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/6] = r2:src@0[2/6]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 6, 2, 2}, {{2, 1, 1, 6, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 3: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/6] = r2:src@0[1/6]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/6] = r2:src@0[1/6]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 6, 2, 1}, {{2, 1, 1, 6, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/6] = r2:src@0[3/6]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/6] = r2:src@0[2/6]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 6, 2, 2}, {{2, 1, 1, 6, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/6] = r2:src@0[3/6]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 6, 2, 3}, {{2, 1, 1, 6, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 5: reduce our part, piece 0; wait arrive[0], arrive[2]; r2:dst@0[4/6] = r2:src@0[4/6] + r2:inbox@0[4/6] + r2:inbox@1[4/6]; signal r2:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 6, 0, 4}, {{2, 1, 1, 6, 0, 4}, {2, 3, 0, 6, 0, 4}, {2, 3, 0, 6, 1, 4}}, {{5, 0, 0, 8}, {5, 0, 2, 8}}, {{2, 6, 0}}},
-    // rank 2 step 6: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/6] = r2:dst@0[4/6]; signal r0:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 4}, {{2, 2, 0, 6, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 2 step 7: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/6] = r2:dst@0[4/6]; signal r1:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 4}, {{2, 2, 0, 6, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 2 step 8: reduce our part, piece 1; wait arrive[1], arrive[3]; r2:dst@0[5/6] = r2:src@0[5/6] + r2:inbox@0[5/6] + r2:inbox@1[5/6]; signal r2:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 6, 0, 5}, {{2, 1, 1, 6, 0, 5}, {2, 3, 0, 6, 0, 5}, {2, 3, 0, 6, 1, 5}}, {{5, 0, 1, 8}, {5, 0, 3, 8}}, {{2, 6, 1}}},
-    // rank 2 step 9: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/6] = r2:dst@0[5/6]; signal r0:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 5}, {{2, 2, 0, 6, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 2 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/6] = r2:dst@0[5/6]; signal r1:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 5}, {{2, 2, 0, 6, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    // rank 2 step 5: reduce our part, piece 0; wait arrive[0], arrive[2]; r2:dst@0[4/6] = r2:src@0[4/6] + r2:inbox@0[4/6] + r2:inbox@1[4/6]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 6, 0, 4}, {{2, 1, 1, 6, 0, 4}, {2, 3, 0, 6, 0, 4}, {2, 3, 0, 6, 1, 4}}, {{5, 0, 0, 16}, {5, 0, 2, 16}}, {{2, 6, 0}}},
+    // rank 2 step 6: reduce our part, piece 1; wait arrive[1], arrive[3]; r2:dst@0[5/6] = r2:src@0[5/6] + r2:inbox@0[5/6] + r2:inbox@1[5/6]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 6, 0, 5}, {{2, 1, 1, 6, 0, 5}, {2, 3, 0, 6, 0, 5}, {2, 3, 0, 6, 1, 5}}, {{5, 0, 1, 16}, {5, 0, 3, 16}}, {{2, 6, 1}}},
+    // rank 2 step 7: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/6] = r2:dst@0[4/6]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 4}, {{2, 2, 0, 6, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 4}}},
+    // rank 2 step 8: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/6] = r2:dst@0[5/6]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 6, 0, 5}, {{2, 2, 0, 6, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 5}}},
+    // rank 2 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/6] = r2:dst@0[4/6]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 4}, {{2, 2, 0, 6, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    // rank 2 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/6] = r2:dst@0[5/6]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 6, 0, 5}, {{2, 2, 0, 6, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 2 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
 static __device__ const tsgen_share shares_w3[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 0 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 0 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 0 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 0 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 0 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 0 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 0 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 0 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 0 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 0 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 0 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 0 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 0 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 0 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 0 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 0 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 0 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
+    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
     {11, 0, 1},  // rank 0 block 17: step 11 share 0/1
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 0 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 0 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 0 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 0 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 0 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 0 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 0 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 0 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 0 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 0 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 0 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 0 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 0 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 0 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 0 block 63: step 8 share 6/8
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 1 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 1 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 1 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 1 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 1 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 1 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 1 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 1 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 1 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 1 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 1 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 1 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 1 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 1 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 1 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 1 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 1 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
+    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
     {11, 0, 1},  // rank 1 block 17: step 11 share 0/1
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 1 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 1 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 1 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 1 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 1 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 1 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 1 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 1 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 1 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 1 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 1 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 1 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 1 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 1 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 1 block 63: step 8 share 6/8
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 2 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 2 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 2 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 2 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 2 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 2 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 2 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 2 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 2 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 2 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 2 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 2 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 2 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 2 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 2 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 2 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 2 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
+    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
     {11, 0, 1},  // rank 2 block 17: step 11 share 0/1
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 2 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 2 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 2 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 2 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 2 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 2 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 2 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 2 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 2 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 2 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 2 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 2 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 2 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 2 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 2 block 63: step 8 share 6/8
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82 },
-    { 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164 },
-    { 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246 },
+    { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162 },
+    { 162, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324 },
+    { 324, 327, 331, 335, 339, 343, 347, 351, 355, 359, 363, 367, 371, 375, 379, 383, 387, 391, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 64 steps, 456 block shares over 64 blocks.
+// Plan for world size 4: 64 steps, 904 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/8] = r0:src@0[2/8]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/8] = r0:src@0[2/8]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/8] = r0:src@0[4/8]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/8] = r0:src@0[6/8]; signal r3:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/8] = r0:src@0[3/8]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/8] = r0:src@0[3/8]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 5: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/8] = r0:src@0[5/8]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/8] = r0:src@0[4/8]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/8] = r0:src@0[5/8]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/8] = r0:src@0[7/8]; signal r3:arrive[1]; 8 blocks
+    // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/8] = r0:src@0[6/8]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/8] = r0:src@0[7/8]; signal r3:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 7: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; signal r0:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}}, {{0, 6, 0}}},
-    // rank 0 step 8: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 10: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 11: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; signal r0:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}}, {{0, 6, 1}}},
-    // rank 0 step 12: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 13: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/8] = r0:dst@0[1/8]; signal r2:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 14: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/8] = r0:dst@0[1/8]; signal r3:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 1}}},
+    // rank 0 step 7: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}}, {{0, 6, 0}}},
+    // rank 0 step 8: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}}, {{0, 6, 1}}},
+    // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    // rank 0 step 11: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    // rank 0 step 12: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/8] = r0:dst@0[1/8]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    // rank 0 step 13: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
+    // rank 0 step 14: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/8] = r0:dst@0[1/8]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
     // rank 0 step 15: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/8] = r1:src@0[4/8]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/8] = r1:src@0[4/8]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/8] = r1:src@0[6/8]; signal r3:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 1 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/8] = r1:src@0[5/8]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/8] = r1:src@0[5/8]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/8] = r1:src@0[7/8]; signal r3:arrive[3]; 8 blocks
+    // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/8] = r1:src@0[6/8]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/8] = r1:src@0[7/8]; signal r3:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 7: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[2/8] = r1:src@0[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; signal r1:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {{5, 0, 0, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}}, {{1, 6, 0}}},
-    // rank 1 step 8: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/8] = r1:dst@0[2/8]; signal r2:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 1 step 9: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/8] = r1:dst@0[2/8]; signal r3:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 1 step 10: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/8] = r1:dst@0[2/8]; signal r0:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 2}}},
-    // rank 1 step 11: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[3/8] = r1:src@0[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; signal r1:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {{5, 0, 1, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}}, {{1, 6, 1}}},
-    // rank 1 step 12: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/8] = r1:dst@0[3/8]; signal r2:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 1 step 13: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/8] = r1:dst@0[3/8]; signal r3:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 1 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/8] = r1:dst@0[3/8]; signal r0:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 3}}},
+    // rank 1 step 7: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[2/8] = r1:src@0[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {{5, 0, 0, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}}, {{1, 6, 0}}},
+    // rank 1 step 8: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[3/8] = r1:src@0[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {{5, 0, 1, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}}, {{1, 6, 1}}},
+    // rank 1 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/8] = r1:dst@0[2/8]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    // rank 1 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/8] = r1:dst@0[3/8]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    // rank 1 step 11: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/8] = r1:dst@0[2/8]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
+    // rank 1 step 12: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/8] = r1:dst@0[3/8]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
+    // rank 1 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/8] = r1:dst@0[2/8]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 2}, {{1, 2, 0, 8, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 2}}},
+    // rank 1 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/8] = r1:dst@0[3/8]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 3}, {{1, 2, 0, 8, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 3}}},
     // rank 1 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/8] = r2:src@0[6/8]; signal r3:arrive[4]; 8 blocks
+    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/8] = r2:src@0[6/8]; signal r3:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/8] = r2:src@0[2/8]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/8] = r2:src@0[7/8]; signal r3:arrive[5]; 8 blocks
+    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/8] = r2:src@0[7/8]; signal r3:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 5: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    // rank 2 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/8] = r2:src@0[3/8]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/8] = r2:src@0[2/8]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/8] = r2:src@0[3/8]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[4/8] = r2:src@0[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; signal r2:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 0, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 6, 8}}, {{2, 6, 0}}},
-    // rank 2 step 8: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/8] = r2:dst@0[4/8]; signal r3:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 2 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r2:dst@0[4/8]; signal r0:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 2 step 10: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/8] = r2:dst@0[4/8]; signal r1:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 2 step 11: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[5/8] = r2:src@0[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; signal r2:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 0, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 7, 8}}, {{2, 6, 1}}},
-    // rank 2 step 12: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/8] = r2:dst@0[5/8]; signal r3:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 2 step 13: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r2:dst@0[5/8]; signal r0:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 2 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/8] = r2:dst@0[5/8]; signal r1:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    // rank 2 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[4/8] = r2:src@0[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 0, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 6, 16}}, {{2, 6, 0}}},
+    // rank 2 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[5/8] = r2:src@0[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 0, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 7, 16}}, {{2, 6, 1}}},
+    // rank 2 step 9: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/8] = r2:dst@0[4/8]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
+    // rank 2 step 10: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/8] = r2:dst@0[5/8]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
+    // rank 2 step 11: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r2:dst@0[4/8]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 4}}},
+    // rank 2 step 12: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r2:dst@0[5/8]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 5}}},
+    // rank 2 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/8] = r2:dst@0[4/8]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 4}, {{2, 2, 0, 8, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    // rank 2 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/8] = r2:dst@0[5/8]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 5}, {{2, 2, 0, 8, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 2 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[6]; 8 blocks
+    // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[6]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 2: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/8] = r3:src@0[2/8]; signal r1:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 3 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/8] = r3:src@0[4/8]; signal r2:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 3 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[7]; 8 blocks
+    // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 5: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/8] = r3:src@0[3/8]; signal r1:arrive[7]; 8 blocks
+    // rank 3 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/8] = r3:src@0[2/8]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    // rank 3 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/8] = r3:src@0[3/8]; signal r1:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 3 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/8] = r3:src@0[5/8]; signal r2:arrive[7]; 8 blocks
+    // rank 3 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/8] = r3:src@0[4/8]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    // rank 3 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/8] = r3:src@0[5/8]; signal r2:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 3 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[6/8] = r3:src@0[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; signal r3:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 0, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}}, {{3, 6, 0}}},
-    // rank 3 step 8: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/8] = r3:dst@0[6/8]; signal r0:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 3 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/8] = r3:dst@0[6/8]; signal r1:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 3 step 10: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/8] = r3:dst@0[6/8]; signal r2:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 3 step 11: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[7/8] = r3:src@0[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; signal r3:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 0, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}}, {{3, 6, 1}}},
-    // rank 3 step 12: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/8] = r3:dst@0[7/8]; signal r0:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 3 step 13: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/8] = r3:dst@0[7/8]; signal r1:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 3 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/8] = r3:dst@0[7/8]; signal r2:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 7}}},
+    // rank 3 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[6/8] = r3:src@0[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 0, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}}, {{3, 6, 0}}},
+    // rank 3 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[7/8] = r3:src@0[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 0, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}}, {{3, 6, 1}}},
+    // rank 3 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/8] = r3:dst@0[6/8]; signal r0:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 6}}},
+    // rank 3 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/8] = r3:dst@0[7/8]; signal r0:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 7}}},
+    // rank 3 step 11: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/8] = r3:dst@0[6/8]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    // rank 3 step 12: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/8] = r3:dst@0[7/8]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    // rank 3 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/8] = r3:dst@0[6/8]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 6}, {{3, 2, 0, 8, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
+    // rank 3 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/8] = r3:dst@0[7/8]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 8, 0, 7}, {{3, 2, 0, 8, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
     // rank 3 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
 static __device__ const tsgen_share shares_w4[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 0 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 0 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 0 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 0 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 0 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 0 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 0 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 0 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 0 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 0 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 0 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 0 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 0 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 0 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 0 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 0 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 0 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 0 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 0 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 0 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 0 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 0 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 0 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 0 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 0 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 0 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 0 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 0 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 0 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 0 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 0 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 0 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 0 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 0 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 0 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 0 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 0 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 0 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 0 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 0 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 0 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 0 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 0 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 0 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 0 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 0 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 0 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 0 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 0 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 0 block 49: step 7 share 0/8
+    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
     {15, 0, 1},  // rank 0 block 49: step 15 share 0/1
-    {7, 1, 8},  // rank 0 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 0 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 0 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 0 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 0 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 0 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 0 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 0 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 0 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 0 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 0 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 0 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 0 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 0 block 63: step 8 share 6/8
+    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 1 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 1 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 1 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 1 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 1 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 1 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 1 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 1 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 1 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 1 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 1 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 1 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 1 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 1 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 1 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 1 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 1 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 1 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 1 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 1 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 1 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 1 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 1 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 1 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 1 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 1 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 1 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 1 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 1 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 1 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 1 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 1 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 1 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 1 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 1 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 1 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 1 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 1 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 1 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 1 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 1 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 1 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 1 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 1 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 1 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 1 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 1 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 1 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 1 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 1 block 49: step 7 share 0/8
+    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
     {15, 0, 1},  // rank 1 block 49: step 15 share 0/1
-    {7, 1, 8},  // rank 1 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 1 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 1 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 1 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 1 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 1 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 1 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 1 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 1 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 1 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 1 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 1 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 1 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 1 block 63: step 8 share 6/8
+    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 2 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 2 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 2 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 2 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 2 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 2 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 2 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 2 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 2 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 2 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 2 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 2 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 2 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 2 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 2 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 2 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 2 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 2 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 2 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 2 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 2 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 2 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 2 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 2 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 2 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 2 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 2 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 2 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 2 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 2 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 2 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 2 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 2 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 2 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 2 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 2 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 2 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 2 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 2 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 2 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 2 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 2 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 2 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 2 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 2 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 2 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 2 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 2 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 2 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 2 block 49: step 7 share 0/8
+    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
     {15, 0, 1},  // rank 2 block 49: step 15 share 0/1
-    {7, 1, 8},  // rank 2 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 2 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 2 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 2 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 2 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 2 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 2 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 2 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 2 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 2 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 2 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 2 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 2 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 2 block 63: step 8 share 6/8
+    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 3 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 3 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 3 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 3 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 3 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 3 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 3 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 3 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 3 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 3 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 3 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 3 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 3 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 3 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 3 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 3 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 3 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 3 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 3 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 3 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 3 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 3 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 3 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 3 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 3 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 3 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 3 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 3 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 3 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 3 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 3 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 3 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 3 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 3 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 3 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 3 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 3 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 3 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 3 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 3 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 3 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 3 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 3 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 3 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 3 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 3 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 3 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 3 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 3 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 3 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 3 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 3 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 3 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 3 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 3 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 3 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 3 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 3 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 3 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 3 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 3 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 3 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 3 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 3 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 3 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 3 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 3 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 3 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 3 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 3 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 3 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 3 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 3 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 3 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 3 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 3 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 3 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 3 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 3 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 3 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 3 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 3 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 3 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 3 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 3 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 3 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 3 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 3 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 3 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 3 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 3 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 3 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 3 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 3 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 3 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 3 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 3 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 3 block 49: step 7 share 0/8
+    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
     {15, 0, 1},  // rank 3 block 49: step 15 share 0/1
-    {7, 1, 8},  // rank 3 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 3 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 3 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 3 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 3 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 3 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 3 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 3 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 3 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 3 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 3 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 3 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 3 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 3 block 63: step 8 share 6/8
+    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114 },
-    { 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228 },
-    { 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 329, 330, 331, 332, 333, 334, 335, 336, 337, 338, 339, 340, 341, 342 },
-    { 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384, 386, 388, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 443, 444, 445, 446, 447, 448, 449, 450, 451, 452, 453, 454, 455, 456 },
+    { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 95, 99, 103, 107, 111, 115, 119, 123, 127, 131, 135, 139, 143, 147, 151, 155, 159, 163, 167, 171, 175, 179, 183, 187, 191, 195, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226 },
+    { 226, 229, 233, 237, 241, 245, 249, 253, 257, 261, 265, 269, 273, 277, 281, 285, 289, 293, 297, 301, 305, 309, 313, 317, 321, 325, 329, 333, 337, 341, 345, 349, 353, 357, 361, 365, 369, 373, 377, 381, 385, 389, 393, 397, 401, 405, 409, 413, 417, 421, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452 },
+    { 452, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 519, 523, 527, 531, 535, 539, 543, 547, 551, 555, 559, 563, 567, 571, 575, 579, 583, 587, 591, 595, 599, 603, 607, 611, 615, 619, 623, 627, 631, 635, 639, 643, 647, 650, 652, 654, 656, 658, 660, 662, 664, 666, 668, 670, 672, 674, 676, 678 },
+    { 678, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769, 773, 777, 781, 785, 789, 793, 797, 801, 805, 809, 813, 817, 821, 825, 829, 833, 837, 841, 845, 849, 853, 857, 861, 865, 869, 873, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 900, 902, 904 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 264 steps, 1944 block shares over 64 blocks.
+// Plan for world size 8: 264 steps, 3864 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/16] = r0:src@0[2/16]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/16] = r0:src@0[2/16]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/16] = r0:src@0[4/16]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/16] = r0:src@0[6/16]; signal r3:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 4: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[8/16] = r0:src@0[8/16]; signal r4:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[10/16] = r0:src@0[10/16]; signal r5:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 6: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[12/16] = r0:src@0[12/16]; signal r6:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 7: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[14/16] = r0:src@0[14/16]; signal r7:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 8: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/16] = r0:src@0[3/16]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/16] = r0:src@0[3/16]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 9: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/16] = r0:src@0[5/16]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/16] = r0:src@0[4/16]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/16] = r0:src@0[5/16]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/16] = r0:src@0[7/16]; signal r3:arrive[1]; 8 blocks
+    // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/16] = r0:src@0[6/16]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/16] = r0:src@0[7/16]; signal r3:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[9/16] = r0:src@0[9/16]; signal r4:arrive[1]; 8 blocks
+    // rank 0 step 7: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[8/16] = r0:src@0[8/16]; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
+    // rank 0 step 8: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[9/16] = r0:src@0[9/16]; signal r4:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 12: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[11/16] = r0:src@0[11/16]; signal r5:arrive[1]; 8 blocks
+    // rank 0 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[10/16] = r0:src@0[10/16]; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
+    // rank 0 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[11/16] = r0:src@0[11/16]; signal r5:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 13: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[13/16] = r0:src@0[13/16]; signal r6:arrive[1]; 8 blocks
+    // rank 0 step 11: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[12/16] = r0:src@0[12/16]; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
+    // rank 0 step 12: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[13/16] = r0:src@0[13/16]; signal r6:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[15/16] = r0:src@0[15/16]; signal r7:arrive[1]; 8 blocks
+    // rank 0 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[14/16] = r0:src@0[14/16]; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
+    // rank 0 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[15/16] = r0:src@0[15/16]; signal r7:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 15: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16] + r0:inbox@4[0/16] + r0:inbox@5[0/16] + r0:inbox@6[0/16] + r0:inbox@7[0/16]; signal r0:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}, {0, 3, 0, 16, 2, 0}, {0, 3, 0, 16, 3, 0}, {0, 3, 0, 16, 4, 0}, {0, 3, 0, 16, 5, 0}, {0, 3, 0, 16, 6, 0}, {0, 3, 0, 16, 7, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{0, 6, 0}}},
-    // rank 0 step 16: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 18: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 19: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/16] = r0:dst@0[0/16]; signal r4:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 0}}},
-    // rank 0 step 20: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/16] = r0:dst@0[0/16]; signal r5:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 0}}},
-    // rank 0 step 21: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/16] = r0:dst@0[0/16]; signal r6:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 0}}},
-    // rank 0 step 22: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/16] = r0:dst@0[0/16]; signal r7:gathered[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 0}}},
-    // rank 0 step 23: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16] + r0:inbox@4[1/16] + r0:inbox@5[1/16] + r0:inbox@6[1/16] + r0:inbox@7[1/16]; signal r0:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}, {0, 3, 0, 16, 2, 1}, {0, 3, 0, 16, 3, 1}, {0, 3, 0, 16, 4, 1}, {0, 3, 0, 16, 5, 1}, {0, 3, 0, 16, 6, 1}, {0, 3, 0, 16, 7, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{0, 6, 1}}},
-    // rank 0 step 24: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 25: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 1}}},
-    // rank 0 step 27: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/16] = r0:dst@0[1/16]; signal r4:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 1}}},
-    // rank 0 step 28: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/16] = r0:dst@0[1/16]; signal r5:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 1}}},
-    // rank 0 step 29: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/16] = r0:dst@0[1/16]; signal r6:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 1}}},
-    // rank 0 step 30: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/16] = r0:dst@0[1/16]; signal r7:gathered[1]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 1}}},
+    // rank 0 step 15: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16] + r0:inbox@4[0/16] + r0:inbox@5[0/16] + r0:inbox@6[0/16] + r0:inbox@7[0/16]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}, {0, 3, 0, 16, 2, 0}, {0, 3, 0, 16, 3, 0}, {0, 3, 0, 16, 4, 0}, {0, 3, 0, 16, 5, 0}, {0, 3, 0, 16, 6, 0}, {0, 3, 0, 16, 7, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{0, 6, 0}}},
+    // rank 0 step 16: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16] + r0:inbox@4[1/16] + r0:inbox@5[1/16] + r0:inbox@6[1/16] + r0:inbox@7[1/16]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}, {0, 3, 0, 16, 2, 1}, {0, 3, 0, 16, 3, 1}, {0, 3, 0, 16, 4, 1}, {0, 3, 0, 16, 5, 1}, {0, 3, 0, 16, 6, 1}, {0, 3, 0, 16, 7, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{0, 6, 1}}},
+    // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    // rank 0 step 19: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    // rank 0 step 20: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    // rank 0 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
+    // rank 0 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
+    // rank 0 step 23: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/16] = r0:dst@0[0/16]; signal r4:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 0}}},
+    // rank 0 step 24: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/16] = r0:dst@0[1/16]; signal r4:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 1}}},
+    // rank 0 step 25: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/16] = r0:dst@0[0/16]; signal r5:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 0}}},
+    // rank 0 step 26: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/16] = r0:dst@0[1/16]; signal r5:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 1}}},
+    // rank 0 step 27: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/16] = r0:dst@0[0/16]; signal r6:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 0}}},
+    // rank 0 step 28: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/16] = r0:dst@0[1/16]; signal r6:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 1}}},
+    // rank 0 step 29: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/16] = r0:dst@0[0/16]; signal r7:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 0}}},
+    // rank 0 step 30: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/16] = r0:dst@0[1/16]; signal r7:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 1}}},
     // rank 0 step 31: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}, {7, 0, 8, 8}, {7, 0, 9, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}, {7, 0, 8, 16}, {7, 0, 9, 16}}, {}},
     // rank 0 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/16] = r1:src@0[4/16]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/16] = r1:src@0[4/16]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 1, 4}, {{1, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/16] = r1:src@0[6/16]; signal r3:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 1 step 3: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[8/16] = r1:src@0[8/16]; signal r4:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 1, 8}, {{1, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 1 step 4: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[10/16] = r1:src@0[10/16]; signal r5:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 1, 10}, {{1, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 1 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[12/16] = r1:src@0[12/16]; signal r6:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 1, 12}, {{1, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 1 step 6: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[14/16] = r1:src@0[14/16]; signal r7:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 1, 14}, {{1, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 1 step 7: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 8: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/16] = r1:src@0[5/16]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/16] = r1:src@0[5/16]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 1, 5}, {{1, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 9: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/16] = r1:src@0[7/16]; signal r3:arrive[3]; 8 blocks
+    // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/16] = r1:src@0[6/16]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/16] = r1:src@0[7/16]; signal r3:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 1, 7}, {{1, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 1 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[9/16] = r1:src@0[9/16]; signal r4:arrive[3]; 8 blocks
+    // rank 1 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[8/16] = r1:src@0[8/16]; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 1, 8}, {{1, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
+    // rank 1 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[9/16] = r1:src@0[9/16]; signal r4:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 1, 9}, {{1, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 1 step 11: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[11/16] = r1:src@0[11/16]; signal r5:arrive[3]; 8 blocks
+    // rank 1 step 7: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[10/16] = r1:src@0[10/16]; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 1, 10}, {{1, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
+    // rank 1 step 8: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[11/16] = r1:src@0[11/16]; signal r5:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 1, 11}, {{1, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 1 step 12: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[13/16] = r1:src@0[13/16]; signal r6:arrive[3]; 8 blocks
+    // rank 1 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[12/16] = r1:src@0[12/16]; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 1, 12}, {{1, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
+    // rank 1 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[13/16] = r1:src@0[13/16]; signal r6:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 1, 13}, {{1, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 1 step 13: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[15/16] = r1:src@0[15/16]; signal r7:arrive[3]; 8 blocks
+    // rank 1 step 11: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[14/16] = r1:src@0[14/16]; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 1, 14}, {{1, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
+    // rank 1 step 12: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[15/16] = r1:src@0[15/16]; signal r7:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 1, 15}, {{1, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 1 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 15: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[2/16] = r1:src@0[2/16] + r1:inbox@0[2/16] + r1:inbox@2[2/16] + r1:inbox@3[2/16] + r1:inbox@4[2/16] + r1:inbox@5[2/16] + r1:inbox@6[2/16] + r1:inbox@7[2/16]; signal r1:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}, {1, 3, 0, 16, 0, 2}, {1, 3, 0, 16, 2, 2}, {1, 3, 0, 16, 3, 2}, {1, 3, 0, 16, 4, 2}, {1, 3, 0, 16, 5, 2}, {1, 3, 0, 16, 6, 2}, {1, 3, 0, 16, 7, 2}}, {{5, 0, 0, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{1, 6, 0}}},
-    // rank 1 step 16: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 1 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/16] = r1:dst@0[2/16]; signal r3:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 1 step 18: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[2/16] = r1:dst@0[2/16]; signal r4:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 2}}},
-    // rank 1 step 19: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[2/16] = r1:dst@0[2/16]; signal r5:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 2}}},
-    // rank 1 step 20: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[2/16] = r1:dst@0[2/16]; signal r6:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 2}}},
-    // rank 1 step 21: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[2/16] = r1:dst@0[2/16]; signal r7:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 2}}},
-    // rank 1 step 22: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/16] = r1:dst@0[2/16]; signal r0:gathered[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 2}}},
-    // rank 1 step 23: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[3/16] = r1:src@0[3/16] + r1:inbox@0[3/16] + r1:inbox@2[3/16] + r1:inbox@3[3/16] + r1:inbox@4[3/16] + r1:inbox@5[3/16] + r1:inbox@6[3/16] + r1:inbox@7[3/16]; signal r1:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}, {1, 3, 0, 16, 0, 3}, {1, 3, 0, 16, 2, 3}, {1, 3, 0, 16, 3, 3}, {1, 3, 0, 16, 4, 3}, {1, 3, 0, 16, 5, 3}, {1, 3, 0, 16, 6, 3}, {1, 3, 0, 16, 7, 3}}, {{5, 0, 1, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{1, 6, 1}}},
-    // rank 1 step 24: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 1 step 25: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/16] = r1:dst@0[3/16]; signal r3:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 1 step 26: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[3/16] = r1:dst@0[3/16]; signal r4:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 3}}},
-    // rank 1 step 27: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[3/16] = r1:dst@0[3/16]; signal r5:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 3}}},
-    // rank 1 step 28: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[3/16] = r1:dst@0[3/16]; signal r6:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 3}}},
-    // rank 1 step 29: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[3/16] = r1:dst@0[3/16]; signal r7:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 3}}},
-    // rank 1 step 30: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/16] = r1:dst@0[3/16]; signal r0:gathered[3]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 3}}},
+    // rank 1 step 15: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[2/16] = r1:src@0[2/16] + r1:inbox@0[2/16] + r1:inbox@2[2/16] + r1:inbox@3[2/16] + r1:inbox@4[2/16] + r1:inbox@5[2/16] + r1:inbox@6[2/16] + r1:inbox@7[2/16]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}, {1, 3, 0, 16, 0, 2}, {1, 3, 0, 16, 2, 2}, {1, 3, 0, 16, 3, 2}, {1, 3, 0, 16, 4, 2}, {1, 3, 0, 16, 5, 2}, {1, 3, 0, 16, 6, 2}, {1, 3, 0, 16, 7, 2}}, {{5, 0, 0, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{1, 6, 0}}},
+    // rank 1 step 16: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[3/16] = r1:src@0[3/16] + r1:inbox@0[3/16] + r1:inbox@2[3/16] + r1:inbox@3[3/16] + r1:inbox@4[3/16] + r1:inbox@5[3/16] + r1:inbox@6[3/16] + r1:inbox@7[3/16]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}, {1, 3, 0, 16, 0, 3}, {1, 3, 0, 16, 2, 3}, {1, 3, 0, 16, 3, 3}, {1, 3, 0, 16, 4, 3}, {1, 3, 0, 16, 5, 3}, {1, 3, 0, 16, 6, 3}, {1, 3, 0, 16, 7, 3}}, {{5, 0, 1, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{1, 6, 1}}},
+    // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    // rank 1 step 19: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/16] = r1:dst@0[2/16]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
+    // rank 1 step 20: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/16] = r1:dst@0[3/16]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
+    // rank 1 step 21: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[2/16] = r1:dst@0[2/16]; signal r4:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 2}}},
+    // rank 1 step 22: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[3/16] = r1:dst@0[3/16]; signal r4:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 3}}},
+    // rank 1 step 23: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[2/16] = r1:dst@0[2/16]; signal r5:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 2}}},
+    // rank 1 step 24: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[3/16] = r1:dst@0[3/16]; signal r5:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 3}}},
+    // rank 1 step 25: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[2/16] = r1:dst@0[2/16]; signal r6:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 2}}},
+    // rank 1 step 26: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[3/16] = r1:dst@0[3/16]; signal r6:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 3}}},
+    // rank 1 step 27: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[2/16] = r1:dst@0[2/16]; signal r7:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 2}}},
+    // rank 1 step 28: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[3/16] = r1:dst@0[3/16]; signal r7:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 3}}},
+    // rank 1 step 29: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/16] = r1:dst@0[2/16]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 2}}},
+    // rank 1 step 30: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/16] = r1:dst@0[3/16]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 3}}},
     // rank 1 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}, {7, 0, 8, 8}, {7, 0, 9, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}, {7, 0, 8, 16}, {7, 0, 9, 16}}, {}},
     // rank 1 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/16] = r2:src@0[6/16]; signal r3:arrive[4]; 8 blocks
+    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/16] = r2:src@0[6/16]; signal r3:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 2, 6}, {{2, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[8/16] = r2:src@0[8/16]; signal r4:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 2, 8}, {{2, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 2 step 3: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[10/16] = r2:src@0[10/16]; signal r5:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 2, 10}, {{2, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 2 step 4: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[12/16] = r2:src@0[12/16]; signal r6:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 2, 12}, {{2, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 2 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[14/16] = r2:src@0[14/16]; signal r7:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 2, 14}, {{2, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 2 step 6: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:src@0[0/16]; signal r0:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 2, 0}, {{2, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 7: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/16] = r2:src@0[2/16]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 2, 2}, {{2, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 8: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/16] = r2:src@0[7/16]; signal r3:arrive[5]; 8 blocks
+    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/16] = r2:src@0[7/16]; signal r3:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 2, 7}, {{2, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 9: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[9/16] = r2:src@0[9/16]; signal r4:arrive[5]; 8 blocks
+    // rank 2 step 3: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[8/16] = r2:src@0[8/16]; signal r4:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 2, 8}, {{2, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
+    // rank 2 step 4: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[9/16] = r2:src@0[9/16]; signal r4:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 2, 9}, {{2, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 2 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[11/16] = r2:src@0[11/16]; signal r5:arrive[5]; 8 blocks
+    // rank 2 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[10/16] = r2:src@0[10/16]; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 2, 10}, {{2, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
+    // rank 2 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[11/16] = r2:src@0[11/16]; signal r5:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 2, 11}, {{2, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 2 step 11: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[13/16] = r2:src@0[13/16]; signal r6:arrive[5]; 8 blocks
+    // rank 2 step 7: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[12/16] = r2:src@0[12/16]; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 2, 12}, {{2, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
+    // rank 2 step 8: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[13/16] = r2:src@0[13/16]; signal r6:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 2, 13}, {{2, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 2 step 12: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[15/16] = r2:src@0[15/16]; signal r7:arrive[5]; 8 blocks
+    // rank 2 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[14/16] = r2:src@0[14/16]; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 2, 14}, {{2, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
+    // rank 2 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[15/16] = r2:src@0[15/16]; signal r7:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 2, 15}, {{2, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 2 step 13: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:src@0[1/16]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 11: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:src@0[0/16]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 2, 0}, {{2, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    // rank 2 step 12: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:src@0[1/16]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 2, 1}, {{2, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/16] = r2:src@0[3/16]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/16] = r2:src@0[2/16]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 2, 2}, {{2, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/16] = r2:src@0[3/16]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 2, 3}, {{2, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[4/16] = r2:src@0[4/16] + r2:inbox@0[4/16] + r2:inbox@1[4/16] + r2:inbox@3[4/16] + r2:inbox@4[4/16] + r2:inbox@5[4/16] + r2:inbox@6[4/16] + r2:inbox@7[4/16]; signal r2:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}, {2, 3, 0, 16, 0, 4}, {2, 3, 0, 16, 1, 4}, {2, 3, 0, 16, 3, 4}, {2, 3, 0, 16, 4, 4}, {2, 3, 0, 16, 5, 4}, {2, 3, 0, 16, 6, 4}, {2, 3, 0, 16, 7, 4}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{2, 6, 0}}},
-    // rank 2 step 16: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 2 step 17: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/16] = r2:dst@0[4/16]; signal r4:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 4}}},
-    // rank 2 step 18: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/16] = r2:dst@0[4/16]; signal r5:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 4}}},
-    // rank 2 step 19: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/16] = r2:dst@0[4/16]; signal r6:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 4}}},
-    // rank 2 step 20: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/16] = r2:dst@0[4/16]; signal r7:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 4}}},
-    // rank 2 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 2 step 22: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/16] = r2:dst@0[4/16]; signal r1:gathered[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 2 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[5/16] = r2:src@0[5/16] + r2:inbox@0[5/16] + r2:inbox@1[5/16] + r2:inbox@3[5/16] + r2:inbox@4[5/16] + r2:inbox@5[5/16] + r2:inbox@6[5/16] + r2:inbox@7[5/16]; signal r2:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}, {2, 3, 0, 16, 0, 5}, {2, 3, 0, 16, 1, 5}, {2, 3, 0, 16, 3, 5}, {2, 3, 0, 16, 4, 5}, {2, 3, 0, 16, 5, 5}, {2, 3, 0, 16, 6, 5}, {2, 3, 0, 16, 7, 5}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{2, 6, 1}}},
-    // rank 2 step 24: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 2 step 25: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/16] = r2:dst@0[5/16]; signal r4:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 5}}},
-    // rank 2 step 26: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/16] = r2:dst@0[5/16]; signal r5:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 5}}},
-    // rank 2 step 27: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/16] = r2:dst@0[5/16]; signal r6:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 5}}},
-    // rank 2 step 28: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/16] = r2:dst@0[5/16]; signal r7:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 5}}},
-    // rank 2 step 29: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 2 step 30: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/16] = r2:dst@0[5/16]; signal r1:gathered[5]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    // rank 2 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[4/16] = r2:src@0[4/16] + r2:inbox@0[4/16] + r2:inbox@1[4/16] + r2:inbox@3[4/16] + r2:inbox@4[4/16] + r2:inbox@5[4/16] + r2:inbox@6[4/16] + r2:inbox@7[4/16]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}, {2, 3, 0, 16, 0, 4}, {2, 3, 0, 16, 1, 4}, {2, 3, 0, 16, 3, 4}, {2, 3, 0, 16, 4, 4}, {2, 3, 0, 16, 5, 4}, {2, 3, 0, 16, 6, 4}, {2, 3, 0, 16, 7, 4}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{2, 6, 0}}},
+    // rank 2 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[5/16] = r2:src@0[5/16] + r2:inbox@0[5/16] + r2:inbox@1[5/16] + r2:inbox@3[5/16] + r2:inbox@4[5/16] + r2:inbox@5[5/16] + r2:inbox@6[5/16] + r2:inbox@7[5/16]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}, {2, 3, 0, 16, 0, 5}, {2, 3, 0, 16, 1, 5}, {2, 3, 0, 16, 3, 5}, {2, 3, 0, 16, 4, 5}, {2, 3, 0, 16, 5, 5}, {2, 3, 0, 16, 6, 5}, {2, 3, 0, 16, 7, 5}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{2, 6, 1}}},
+    // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
+    // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
+    // rank 2 step 19: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/16] = r2:dst@0[4/16]; signal r4:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 4}}},
+    // rank 2 step 20: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/16] = r2:dst@0[5/16]; signal r4:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 5}}},
+    // rank 2 step 21: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/16] = r2:dst@0[4/16]; signal r5:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 4}}},
+    // rank 2 step 22: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/16] = r2:dst@0[5/16]; signal r5:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 5}}},
+    // rank 2 step 23: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/16] = r2:dst@0[4/16]; signal r6:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 4}}},
+    // rank 2 step 24: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/16] = r2:dst@0[5/16]; signal r6:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 5}}},
+    // rank 2 step 25: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/16] = r2:dst@0[4/16]; signal r7:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 4}}},
+    // rank 2 step 26: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/16] = r2:dst@0[5/16]; signal r7:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 5}}},
+    // rank 2 step 27: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 4}}},
+    // rank 2 step 28: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 5}}},
+    // rank 2 step 29: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/16] = r2:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    // rank 2 step 30: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/16] = r2:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 2 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}, {7, 0, 8, 8}, {7, 0, 9, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}, {7, 0, 8, 16}, {7, 0, 9, 16}}, {}},
     // rank 2 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[8/16] = r3:src@0[8/16]; signal r4:arrive[6]; 8 blocks
+    // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[8/16] = r3:src@0[8/16]; signal r4:arrive[6]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 3, 8}, {{3, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 3 step 2: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[10/16] = r3:src@0[10/16]; signal r5:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 3, 10}, {{3, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 3 step 3: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[12/16] = r3:src@0[12/16]; signal r6:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 3, 12}, {{3, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 3 step 4: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[14/16] = r3:src@0[14/16]; signal r7:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 3, 14}, {{3, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 3 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:src@0[0/16]; signal r0:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 3, 0}, {{3, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 6: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/16] = r3:src@0[2/16]; signal r1:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 3, 2}, {{3, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 3 step 7: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/16] = r3:src@0[4/16]; signal r2:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 3, 4}, {{3, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 3 step 8: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[9/16] = r3:src@0[9/16]; signal r4:arrive[7]; 8 blocks
+    // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[9/16] = r3:src@0[9/16]; signal r4:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 3, 9}, {{3, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 3 step 9: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[11/16] = r3:src@0[11/16]; signal r5:arrive[7]; 8 blocks
+    // rank 3 step 3: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[10/16] = r3:src@0[10/16]; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 3, 10}, {{3, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
+    // rank 3 step 4: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[11/16] = r3:src@0[11/16]; signal r5:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 3, 11}, {{3, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 3 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[13/16] = r3:src@0[13/16]; signal r6:arrive[7]; 8 blocks
+    // rank 3 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[12/16] = r3:src@0[12/16]; signal r6:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 3, 12}, {{3, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
+    // rank 3 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[13/16] = r3:src@0[13/16]; signal r6:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 3, 13}, {{3, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 3 step 11: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[15/16] = r3:src@0[15/16]; signal r7:arrive[7]; 8 blocks
+    // rank 3 step 7: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[14/16] = r3:src@0[14/16]; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 3, 14}, {{3, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
+    // rank 3 step 8: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[15/16] = r3:src@0[15/16]; signal r7:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 3, 15}, {{3, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 3 step 12: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:src@0[1/16]; signal r0:arrive[7]; 8 blocks
+    // rank 3 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:src@0[0/16]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 3, 0}, {{3, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
+    // rank 3 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:src@0[1/16]; signal r0:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 3, 1}, {{3, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 13: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/16] = r3:src@0[3/16]; signal r1:arrive[7]; 8 blocks
+    // rank 3 step 11: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/16] = r3:src@0[2/16]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 3, 2}, {{3, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    // rank 3 step 12: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/16] = r3:src@0[3/16]; signal r1:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 3, 3}, {{3, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 3 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/16] = r3:src@0[5/16]; signal r2:arrive[7]; 8 blocks
+    // rank 3 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/16] = r3:src@0[4/16]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 3, 4}, {{3, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    // rank 3 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/16] = r3:src@0[5/16]; signal r2:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 3, 5}, {{3, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 3 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[6/16] = r3:src@0[6/16] + r3:inbox@0[6/16] + r3:inbox@1[6/16] + r3:inbox@2[6/16] + r3:inbox@4[6/16] + r3:inbox@5[6/16] + r3:inbox@6[6/16] + r3:inbox@7[6/16]; signal r3:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 16, 0, 6}, {{3, 1, 1, 16, 0, 6}, {3, 3, 0, 16, 0, 6}, {3, 3, 0, 16, 1, 6}, {3, 3, 0, 16, 2, 6}, {3, 3, 0, 16, 4, 6}, {3, 3, 0, 16, 5, 6}, {3, 3, 0, 16, 6, 6}, {3, 3, 0, 16, 7, 6}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{3, 6, 0}}},
-    // rank 3 step 16: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 6}}},
-    // rank 3 step 17: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[6/16] = r3:dst@0[6/16]; signal r5:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 6}}},
-    // rank 3 step 18: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[6/16] = r3:dst@0[6/16]; signal r6:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 6}}},
-    // rank 3 step 19: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[6/16] = r3:dst@0[6/16]; signal r7:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 6}}},
-    // rank 3 step 20: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 3 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/16] = r3:dst@0[6/16]; signal r1:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 3 step 22: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/16] = r3:dst@0[6/16]; signal r2:gathered[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 3 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[7/16] = r3:src@0[7/16] + r3:inbox@0[7/16] + r3:inbox@1[7/16] + r3:inbox@2[7/16] + r3:inbox@4[7/16] + r3:inbox@5[7/16] + r3:inbox@6[7/16] + r3:inbox@7[7/16]; signal r3:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 16, 0, 7}, {{3, 1, 1, 16, 0, 7}, {3, 3, 0, 16, 0, 7}, {3, 3, 0, 16, 1, 7}, {3, 3, 0, 16, 2, 7}, {3, 3, 0, 16, 4, 7}, {3, 3, 0, 16, 5, 7}, {3, 3, 0, 16, 6, 7}, {3, 3, 0, 16, 7, 7}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{3, 6, 1}}},
-    // rank 3 step 24: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 7}}},
-    // rank 3 step 25: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[7/16] = r3:dst@0[7/16]; signal r5:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 7}}},
-    // rank 3 step 26: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[7/16] = r3:dst@0[7/16]; signal r6:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 7}}},
-    // rank 3 step 27: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[7/16] = r3:dst@0[7/16]; signal r7:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 7}}},
-    // rank 3 step 28: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 3 step 29: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/16] = r3:dst@0[7/16]; signal r1:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 3 step 30: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/16] = r3:dst@0[7/16]; signal r2:gathered[7]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 7}}},
+    // rank 3 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[6/16] = r3:src@0[6/16] + r3:inbox@0[6/16] + r3:inbox@1[6/16] + r3:inbox@2[6/16] + r3:inbox@4[6/16] + r3:inbox@5[6/16] + r3:inbox@6[6/16] + r3:inbox@7[6/16]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 16, 0, 6}, {{3, 1, 1, 16, 0, 6}, {3, 3, 0, 16, 0, 6}, {3, 3, 0, 16, 1, 6}, {3, 3, 0, 16, 2, 6}, {3, 3, 0, 16, 4, 6}, {3, 3, 0, 16, 5, 6}, {3, 3, 0, 16, 6, 6}, {3, 3, 0, 16, 7, 6}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{3, 6, 0}}},
+    // rank 3 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[7/16] = r3:src@0[7/16] + r3:inbox@0[7/16] + r3:inbox@1[7/16] + r3:inbox@2[7/16] + r3:inbox@4[7/16] + r3:inbox@5[7/16] + r3:inbox@6[7/16] + r3:inbox@7[7/16]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 16, 0, 7}, {{3, 1, 1, 16, 0, 7}, {3, 3, 0, 16, 0, 7}, {3, 3, 0, 16, 1, 7}, {3, 3, 0, 16, 2, 7}, {3, 3, 0, 16, 4, 7}, {3, 3, 0, 16, 5, 7}, {3, 3, 0, 16, 6, 7}, {3, 3, 0, 16, 7, 7}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{3, 6, 1}}},
+    // rank 3 step 17: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 6}}},
+    // rank 3 step 18: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 7}}},
+    // rank 3 step 19: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[6/16] = r3:dst@0[6/16]; signal r5:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 6}}},
+    // rank 3 step 20: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[7/16] = r3:dst@0[7/16]; signal r5:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 7}}},
+    // rank 3 step 21: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[6/16] = r3:dst@0[6/16]; signal r6:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 6}}},
+    // rank 3 step 22: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[7/16] = r3:dst@0[7/16]; signal r6:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 7}}},
+    // rank 3 step 23: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[6/16] = r3:dst@0[6/16]; signal r7:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 6}}},
+    // rank 3 step 24: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[7/16] = r3:dst@0[7/16]; signal r7:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 7}}},
+    // rank 3 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 6}}},
+    // rank 3 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 7}}},
+    // rank 3 step 27: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/16] = r3:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    // rank 3 step 28: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/16] = r3:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    // rank 3 step 29: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/16] = r3:dst@0[6/16]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
+    // rank 3 step 30: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/16] = r3:dst@0[7/16]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
     // rank 3 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 8, 8}, {7, 0, 9, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 8, 16}, {7, 0, 9, 16}}, {}},
     // rank 3 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[10/16] = r4:src@0[10/16]; signal r5:arrive[8]; 8 blocks
+    // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[10/16] = r4:src@0[10/16]; signal r5:arrive[8]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 4, 10}, {{4, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 4 step 2: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[12/16] = r4:src@0[12/16]; signal r6:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 4, 12}, {{4, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 4 step 3: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[14/16] = r4:src@0[14/16]; signal r7:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 4, 14}, {{4, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 4 step 4: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/16] = r4:src@0[0/16]; signal r0:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 4, 0}, {{4, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 4 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[2/16] = r4:src@0[2/16]; signal r1:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 4, 2}, {{4, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 4 step 6: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[4/16] = r4:src@0[4/16]; signal r2:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 4, 4}, {{4, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 4 step 7: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[6/16] = r4:src@0[6/16]; signal r3:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 4, 6}, {{4, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 4 step 8: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[11/16] = r4:src@0[11/16]; signal r5:arrive[9]; 8 blocks
+    // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[11/16] = r4:src@0[11/16]; signal r5:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 4, 11}, {{4, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 4 step 9: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[13/16] = r4:src@0[13/16]; signal r6:arrive[9]; 8 blocks
+    // rank 4 step 3: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[12/16] = r4:src@0[12/16]; signal r6:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 4, 12}, {{4, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
+    // rank 4 step 4: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[13/16] = r4:src@0[13/16]; signal r6:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 4, 13}, {{4, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 4 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[15/16] = r4:src@0[15/16]; signal r7:arrive[9]; 8 blocks
+    // rank 4 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[14/16] = r4:src@0[14/16]; signal r7:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 4, 14}, {{4, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
+    // rank 4 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[15/16] = r4:src@0[15/16]; signal r7:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 4, 15}, {{4, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 4 step 11: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/16] = r4:src@0[1/16]; signal r0:arrive[9]; 8 blocks
+    // rank 4 step 7: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/16] = r4:src@0[0/16]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 4, 0}, {{4, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    // rank 4 step 8: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/16] = r4:src@0[1/16]; signal r0:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 4, 1}, {{4, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 4 step 12: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[3/16] = r4:src@0[3/16]; signal r1:arrive[9]; 8 blocks
+    // rank 4 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[2/16] = r4:src@0[2/16]; signal r1:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 4, 2}, {{4, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
+    // rank 4 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[3/16] = r4:src@0[3/16]; signal r1:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 4, 3}, {{4, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 4 step 13: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[5/16] = r4:src@0[5/16]; signal r2:arrive[9]; 8 blocks
+    // rank 4 step 11: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[4/16] = r4:src@0[4/16]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 4, 4}, {{4, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    // rank 4 step 12: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[5/16] = r4:src@0[5/16]; signal r2:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 4, 5}, {{4, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 4 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[7/16] = r4:src@0[7/16]; signal r3:arrive[9]; 8 blocks
+    // rank 4 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[6/16] = r4:src@0[6/16]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 4, 6}, {{4, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    // rank 4 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[7/16] = r4:src@0[7/16]; signal r3:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 4, 7}, {{4, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 4 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[8/16] = r4:src@0[8/16] + r4:inbox@0[8/16] + r4:inbox@1[8/16] + r4:inbox@2[8/16] + r4:inbox@3[8/16] + r4:inbox@5[8/16] + r4:inbox@6[8/16] + r4:inbox@7[8/16]; signal r4:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 16, 0, 8}, {{4, 1, 1, 16, 0, 8}, {4, 3, 0, 16, 0, 8}, {4, 3, 0, 16, 1, 8}, {4, 3, 0, 16, 2, 8}, {4, 3, 0, 16, 3, 8}, {4, 3, 0, 16, 5, 8}, {4, 3, 0, 16, 6, 8}, {4, 3, 0, 16, 7, 8}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{4, 6, 0}}},
-    // rank 4 step 16: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 8}}},
-    // rank 4 step 17: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/16] = r4:dst@0[8/16]; signal r6:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 8}}},
-    // rank 4 step 18: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/16] = r4:dst@0[8/16]; signal r7:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 8}}},
-    // rank 4 step 19: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r4:dst@0[8/16]; signal r0:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 4 step 20: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r4:dst@0[8/16]; signal r1:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 8}}},
-    // rank 4 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/16] = r4:dst@0[8/16]; signal r2:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 8}}},
-    // rank 4 step 22: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r4:dst@0[8/16]; signal r3:gathered[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 8}}},
-    // rank 4 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[9/16] = r4:src@0[9/16] + r4:inbox@0[9/16] + r4:inbox@1[9/16] + r4:inbox@2[9/16] + r4:inbox@3[9/16] + r4:inbox@5[9/16] + r4:inbox@6[9/16] + r4:inbox@7[9/16]; signal r4:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 16, 0, 9}, {{4, 1, 1, 16, 0, 9}, {4, 3, 0, 16, 0, 9}, {4, 3, 0, 16, 1, 9}, {4, 3, 0, 16, 2, 9}, {4, 3, 0, 16, 3, 9}, {4, 3, 0, 16, 5, 9}, {4, 3, 0, 16, 6, 9}, {4, 3, 0, 16, 7, 9}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{4, 6, 1}}},
-    // rank 4 step 24: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 9}}},
-    // rank 4 step 25: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/16] = r4:dst@0[9/16]; signal r6:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 9}}},
-    // rank 4 step 26: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/16] = r4:dst@0[9/16]; signal r7:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 9}}},
-    // rank 4 step 27: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r4:dst@0[9/16]; signal r0:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 4 step 28: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r4:dst@0[9/16]; signal r1:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 9}}},
-    // rank 4 step 29: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/16] = r4:dst@0[9/16]; signal r2:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 9}}},
-    // rank 4 step 30: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r4:dst@0[9/16]; signal r3:gathered[9]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 9}}},
+    // rank 4 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[8/16] = r4:src@0[8/16] + r4:inbox@0[8/16] + r4:inbox@1[8/16] + r4:inbox@2[8/16] + r4:inbox@3[8/16] + r4:inbox@5[8/16] + r4:inbox@6[8/16] + r4:inbox@7[8/16]; signal r4:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 16, 0, 8}, {{4, 1, 1, 16, 0, 8}, {4, 3, 0, 16, 0, 8}, {4, 3, 0, 16, 1, 8}, {4, 3, 0, 16, 2, 8}, {4, 3, 0, 16, 3, 8}, {4, 3, 0, 16, 5, 8}, {4, 3, 0, 16, 6, 8}, {4, 3, 0, 16, 7, 8}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{4, 6, 0}}},
+    // rank 4 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[9/16] = r4:src@0[9/16] + r4:inbox@0[9/16] + r4:inbox@1[9/16] + r4:inbox@2[9/16] + r4:inbox@3[9/16] + r4:inbox@5[9/16] + r4:inbox@6[9/16] + r4:inbox@7[9/16]; signal r4:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 16, 0, 9}, {{4, 1, 1, 16, 0, 9}, {4, 3, 0, 16, 0, 9}, {4, 3, 0, 16, 1, 9}, {4, 3, 0, 16, 2, 9}, {4, 3, 0, 16, 3, 9}, {4, 3, 0, 16, 5, 9}, {4, 3, 0, 16, 6, 9}, {4, 3, 0, 16, 7, 9}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{4, 6, 1}}},
+    // rank 4 step 17: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 8}}},
+    // rank 4 step 18: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 9}}},
+    // rank 4 step 19: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/16] = r4:dst@0[8/16]; signal r6:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 8}}},
+    // rank 4 step 20: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/16] = r4:dst@0[9/16]; signal r6:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 9}}},
+    // rank 4 step 21: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/16] = r4:dst@0[8/16]; signal r7:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 8}}},
+    // rank 4 step 22: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/16] = r4:dst@0[9/16]; signal r7:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 9}}},
+    // rank 4 step 23: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r4:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
+    // rank 4 step 24: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r4:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
+    // rank 4 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r4:dst@0[8/16]; signal r1:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 8}}},
+    // rank 4 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r4:dst@0[9/16]; signal r1:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 9}}},
+    // rank 4 step 27: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/16] = r4:dst@0[8/16]; signal r2:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
+    // rank 4 step 28: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/16] = r4:dst@0[9/16]; signal r2:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
+    // rank 4 step 29: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r4:dst@0[8/16]; signal r3:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
+    // rank 4 step 30: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r4:dst@0[9/16]; signal r3:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
     // rank 4 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 4 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[12/16] = r5:src@0[12/16]; signal r6:arrive[10]; 8 blocks
+    // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[12/16] = r5:src@0[12/16]; signal r6:arrive[10]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 5, 12}, {{5, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 5 step 2: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[14/16] = r5:src@0[14/16]; signal r7:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 5, 14}, {{5, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 5 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/16] = r5:src@0[0/16]; signal r0:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 5, 0}, {{5, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 5 step 4: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[2/16] = r5:src@0[2/16]; signal r1:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 5, 2}, {{5, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 5 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[4/16] = r5:src@0[4/16]; signal r2:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 5, 4}, {{5, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 5 step 6: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[6/16] = r5:src@0[6/16]; signal r3:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 5, 6}, {{5, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 5 step 7: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[8/16] = r5:src@0[8/16]; signal r4:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 5, 8}, {{5, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 5 step 8: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[13/16] = r5:src@0[13/16]; signal r6:arrive[11]; 8 blocks
+    // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[13/16] = r5:src@0[13/16]; signal r6:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 5, 13}, {{5, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 5 step 9: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[15/16] = r5:src@0[15/16]; signal r7:arrive[11]; 8 blocks
+    // rank 5 step 3: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[14/16] = r5:src@0[14/16]; signal r7:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 5, 14}, {{5, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
+    // rank 5 step 4: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[15/16] = r5:src@0[15/16]; signal r7:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 5, 15}, {{5, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 5 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/16] = r5:src@0[1/16]; signal r0:arrive[11]; 8 blocks
+    // rank 5 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/16] = r5:src@0[0/16]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 5, 0}, {{5, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    // rank 5 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/16] = r5:src@0[1/16]; signal r0:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 5, 1}, {{5, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 5 step 11: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[3/16] = r5:src@0[3/16]; signal r1:arrive[11]; 8 blocks
+    // rank 5 step 7: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[2/16] = r5:src@0[2/16]; signal r1:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 5, 2}, {{5, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
+    // rank 5 step 8: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[3/16] = r5:src@0[3/16]; signal r1:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 5, 3}, {{5, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 5 step 12: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[5/16] = r5:src@0[5/16]; signal r2:arrive[11]; 8 blocks
+    // rank 5 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[4/16] = r5:src@0[4/16]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 5, 4}, {{5, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    // rank 5 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[5/16] = r5:src@0[5/16]; signal r2:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 5, 5}, {{5, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 5 step 13: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[7/16] = r5:src@0[7/16]; signal r3:arrive[11]; 8 blocks
+    // rank 5 step 11: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[6/16] = r5:src@0[6/16]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 5, 6}, {{5, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    // rank 5 step 12: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[7/16] = r5:src@0[7/16]; signal r3:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 5, 7}, {{5, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 5 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[9/16] = r5:src@0[9/16]; signal r4:arrive[11]; 8 blocks
+    // rank 5 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[8/16] = r5:src@0[8/16]; signal r4:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 5, 8}, {{5, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
+    // rank 5 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[9/16] = r5:src@0[9/16]; signal r4:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 5, 9}, {{5, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 5 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[10/16] = r5:src@0[10/16] + r5:inbox@0[10/16] + r5:inbox@1[10/16] + r5:inbox@2[10/16] + r5:inbox@3[10/16] + r5:inbox@4[10/16] + r5:inbox@6[10/16] + r5:inbox@7[10/16]; signal r5:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 16, 0, 10}, {{5, 1, 1, 16, 0, 10}, {5, 3, 0, 16, 0, 10}, {5, 3, 0, 16, 1, 10}, {5, 3, 0, 16, 2, 10}, {5, 3, 0, 16, 3, 10}, {5, 3, 0, 16, 4, 10}, {5, 3, 0, 16, 6, 10}, {5, 3, 0, 16, 7, 10}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {{5, 6, 0}}},
-    // rank 5 step 16: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 10}}},
-    // rank 5 step 17: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[10/16] = r5:dst@0[10/16]; signal r7:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 10}}},
-    // rank 5 step 18: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[10/16] = r5:dst@0[10/16]; signal r0:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 5 step 19: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[10/16] = r5:dst@0[10/16]; signal r1:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 10}}},
-    // rank 5 step 20: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[10/16] = r5:dst@0[10/16]; signal r2:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 10}}},
-    // rank 5 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[10/16] = r5:dst@0[10/16]; signal r3:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 10}}},
-    // rank 5 step 22: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[10/16] = r5:dst@0[10/16]; signal r4:gathered[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 10}}},
-    // rank 5 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[11/16] = r5:src@0[11/16] + r5:inbox@0[11/16] + r5:inbox@1[11/16] + r5:inbox@2[11/16] + r5:inbox@3[11/16] + r5:inbox@4[11/16] + r5:inbox@6[11/16] + r5:inbox@7[11/16]; signal r5:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 16, 0, 11}, {{5, 1, 1, 16, 0, 11}, {5, 3, 0, 16, 0, 11}, {5, 3, 0, 16, 1, 11}, {5, 3, 0, 16, 2, 11}, {5, 3, 0, 16, 3, 11}, {5, 3, 0, 16, 4, 11}, {5, 3, 0, 16, 6, 11}, {5, 3, 0, 16, 7, 11}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {{5, 6, 1}}},
-    // rank 5 step 24: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 11}}},
-    // rank 5 step 25: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[11/16] = r5:dst@0[11/16]; signal r7:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 11}}},
-    // rank 5 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[11/16] = r5:dst@0[11/16]; signal r0:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 5 step 27: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[11/16] = r5:dst@0[11/16]; signal r1:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 11}}},
-    // rank 5 step 28: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[11/16] = r5:dst@0[11/16]; signal r2:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 11}}},
-    // rank 5 step 29: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[11/16] = r5:dst@0[11/16]; signal r3:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 11}}},
-    // rank 5 step 30: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[11/16] = r5:dst@0[11/16]; signal r4:gathered[11]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 11}}},
+    // rank 5 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[10/16] = r5:src@0[10/16] + r5:inbox@0[10/16] + r5:inbox@1[10/16] + r5:inbox@2[10/16] + r5:inbox@3[10/16] + r5:inbox@4[10/16] + r5:inbox@6[10/16] + r5:inbox@7[10/16]; signal r5:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 16, 0, 10}, {{5, 1, 1, 16, 0, 10}, {5, 3, 0, 16, 0, 10}, {5, 3, 0, 16, 1, 10}, {5, 3, 0, 16, 2, 10}, {5, 3, 0, 16, 3, 10}, {5, 3, 0, 16, 4, 10}, {5, 3, 0, 16, 6, 10}, {5, 3, 0, 16, 7, 10}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {{5, 6, 0}}},
+    // rank 5 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[11/16] = r5:src@0[11/16] + r5:inbox@0[11/16] + r5:inbox@1[11/16] + r5:inbox@2[11/16] + r5:inbox@3[11/16] + r5:inbox@4[11/16] + r5:inbox@6[11/16] + r5:inbox@7[11/16]; signal r5:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 16, 0, 11}, {{5, 1, 1, 16, 0, 11}, {5, 3, 0, 16, 0, 11}, {5, 3, 0, 16, 1, 11}, {5, 3, 0, 16, 2, 11}, {5, 3, 0, 16, 3, 11}, {5, 3, 0, 16, 4, 11}, {5, 3, 0, 16, 6, 11}, {5, 3, 0, 16, 7, 11}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {{5, 6, 1}}},
+    // rank 5 step 17: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 10}}},
+    // rank 5 step 18: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 11}}},
+    // rank 5 step 19: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[10/16] = r5:dst@0[10/16]; signal r7:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 10}}},
+    // rank 5 step 20: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[11/16] = r5:dst@0[11/16]; signal r7:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 11}}},
+    // rank 5 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[10/16] = r5:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
+    // rank 5 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[11/16] = r5:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
+    // rank 5 step 23: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[10/16] = r5:dst@0[10/16]; signal r1:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 10}}},
+    // rank 5 step 24: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[11/16] = r5:dst@0[11/16]; signal r1:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 11}}},
+    // rank 5 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[10/16] = r5:dst@0[10/16]; signal r2:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
+    // rank 5 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[11/16] = r5:dst@0[11/16]; signal r2:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
+    // rank 5 step 27: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[10/16] = r5:dst@0[10/16]; signal r3:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
+    // rank 5 step 28: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[11/16] = r5:dst@0[11/16]; signal r3:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
+    // rank 5 step 29: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[10/16] = r5:dst@0[10/16]; signal r4:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 10}}},
+    // rank 5 step 30: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[11/16] = r5:dst@0[11/16]; signal r4:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 11}}},
     // rank 5 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 5 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 8}, {7, 0, 9, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[14/16] = r6:src@0[14/16]; signal r7:arrive[12]; 8 blocks
+    // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[14/16] = r6:src@0[14/16]; signal r7:arrive[12]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 6, 14}, {{6, 1, 1, 16, 0, 14}}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 6 step 2: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/16] = r6:src@0[0/16]; signal r0:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 6, 0}, {{6, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 6 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[2/16] = r6:src@0[2/16]; signal r1:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 6, 2}, {{6, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 6 step 4: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[4/16] = r6:src@0[4/16]; signal r2:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 6, 4}, {{6, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 6 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[6/16] = r6:src@0[6/16]; signal r3:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 6, 6}, {{6, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 6 step 6: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[8/16] = r6:src@0[8/16]; signal r4:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 6, 8}, {{6, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 6 step 7: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[10/16] = r6:src@0[10/16]; signal r5:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 6, 10}, {{6, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 6 step 8: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[15/16] = r6:src@0[15/16]; signal r7:arrive[13]; 8 blocks
+    // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[15/16] = r6:src@0[15/16]; signal r7:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 16, 6, 15}, {{6, 1, 1, 16, 0, 15}}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 6 step 9: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/16] = r6:src@0[1/16]; signal r0:arrive[13]; 8 blocks
+    // rank 6 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/16] = r6:src@0[0/16]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 6, 0}, {{6, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    // rank 6 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/16] = r6:src@0[1/16]; signal r0:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 6, 1}, {{6, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 6 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[3/16] = r6:src@0[3/16]; signal r1:arrive[13]; 8 blocks
+    // rank 6 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[2/16] = r6:src@0[2/16]; signal r1:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 6, 2}, {{6, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
+    // rank 6 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[3/16] = r6:src@0[3/16]; signal r1:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 6, 3}, {{6, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 6 step 11: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[5/16] = r6:src@0[5/16]; signal r2:arrive[13]; 8 blocks
+    // rank 6 step 7: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[4/16] = r6:src@0[4/16]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 6, 4}, {{6, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    // rank 6 step 8: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[5/16] = r6:src@0[5/16]; signal r2:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 6, 5}, {{6, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 6 step 12: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[7/16] = r6:src@0[7/16]; signal r3:arrive[13]; 8 blocks
+    // rank 6 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[6/16] = r6:src@0[6/16]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 6, 6}, {{6, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    // rank 6 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[7/16] = r6:src@0[7/16]; signal r3:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 6, 7}, {{6, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 6 step 13: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[9/16] = r6:src@0[9/16]; signal r4:arrive[13]; 8 blocks
+    // rank 6 step 11: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[8/16] = r6:src@0[8/16]; signal r4:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 6, 8}, {{6, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
+    // rank 6 step 12: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[9/16] = r6:src@0[9/16]; signal r4:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 6, 9}, {{6, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 6 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[11/16] = r6:src@0[11/16]; signal r5:arrive[13]; 8 blocks
+    // rank 6 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[10/16] = r6:src@0[10/16]; signal r5:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 6, 10}, {{6, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
+    // rank 6 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[11/16] = r6:src@0[11/16]; signal r5:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 6, 11}, {{6, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 6 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[12/16] = r6:src@0[12/16] + r6:inbox@0[12/16] + r6:inbox@1[12/16] + r6:inbox@2[12/16] + r6:inbox@3[12/16] + r6:inbox@4[12/16] + r6:inbox@5[12/16] + r6:inbox@7[12/16]; signal r6:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 16, 0, 12}, {{6, 1, 1, 16, 0, 12}, {6, 3, 0, 16, 0, 12}, {6, 3, 0, 16, 1, 12}, {6, 3, 0, 16, 2, 12}, {6, 3, 0, 16, 3, 12}, {6, 3, 0, 16, 4, 12}, {6, 3, 0, 16, 5, 12}, {6, 3, 0, 16, 7, 12}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 14, 8}}, {{6, 6, 0}}},
-    // rank 6 step 16: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 7, 1}}, {{7, 7, 12}}},
-    // rank 6 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r6:dst@0[12/16]; signal r0:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 6 step 18: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r6:dst@0[12/16]; signal r1:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 12}}},
-    // rank 6 step 19: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r6:dst@0[12/16]; signal r2:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 6 step 20: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[12/16] = r6:dst@0[12/16]; signal r3:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 12}}},
-    // rank 6 step 21: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/16] = r6:dst@0[12/16]; signal r4:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 12}}},
-    // rank 6 step 22: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/16] = r6:dst@0[12/16]; signal r5:gathered[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 12}}},
-    // rank 6 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[13/16] = r6:src@0[13/16] + r6:inbox@0[13/16] + r6:inbox@1[13/16] + r6:inbox@2[13/16] + r6:inbox@3[13/16] + r6:inbox@4[13/16] + r6:inbox@5[13/16] + r6:inbox@7[13/16]; signal r6:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 16, 0, 13}, {{6, 1, 1, 16, 0, 13}, {6, 3, 0, 16, 0, 13}, {6, 3, 0, 16, 1, 13}, {6, 3, 0, 16, 2, 13}, {6, 3, 0, 16, 3, 13}, {6, 3, 0, 16, 4, 13}, {6, 3, 0, 16, 5, 13}, {6, 3, 0, 16, 7, 13}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 15, 8}}, {{6, 6, 1}}},
-    // rank 6 step 24: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 7, 1}}, {{7, 7, 13}}},
-    // rank 6 step 25: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r6:dst@0[13/16]; signal r0:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 6 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r6:dst@0[13/16]; signal r1:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 13}}},
-    // rank 6 step 27: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r6:dst@0[13/16]; signal r2:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 6 step 28: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[13/16] = r6:dst@0[13/16]; signal r3:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 13}}},
-    // rank 6 step 29: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/16] = r6:dst@0[13/16]; signal r4:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 13}}},
-    // rank 6 step 30: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/16] = r6:dst@0[13/16]; signal r5:gathered[13]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 13}}},
+    // rank 6 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[12/16] = r6:src@0[12/16] + r6:inbox@0[12/16] + r6:inbox@1[12/16] + r6:inbox@2[12/16] + r6:inbox@3[12/16] + r6:inbox@4[12/16] + r6:inbox@5[12/16] + r6:inbox@7[12/16]; signal r6:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 16, 0, 12}, {{6, 1, 1, 16, 0, 12}, {6, 3, 0, 16, 0, 12}, {6, 3, 0, 16, 1, 12}, {6, 3, 0, 16, 2, 12}, {6, 3, 0, 16, 3, 12}, {6, 3, 0, 16, 4, 12}, {6, 3, 0, 16, 5, 12}, {6, 3, 0, 16, 7, 12}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 14, 16}}, {{6, 6, 0}}},
+    // rank 6 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[13/16] = r6:src@0[13/16] + r6:inbox@0[13/16] + r6:inbox@1[13/16] + r6:inbox@2[13/16] + r6:inbox@3[13/16] + r6:inbox@4[13/16] + r6:inbox@5[13/16] + r6:inbox@7[13/16]; signal r6:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 16, 0, 13}, {{6, 1, 1, 16, 0, 13}, {6, 3, 0, 16, 0, 13}, {6, 3, 0, 16, 1, 13}, {6, 3, 0, 16, 2, 13}, {6, 3, 0, 16, 3, 13}, {6, 3, 0, 16, 4, 13}, {6, 3, 0, 16, 5, 13}, {6, 3, 0, 16, 7, 13}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 15, 16}}, {{6, 6, 1}}},
+    // rank 6 step 17: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 12}}},
+    // rank 6 step 18: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 13}}},
+    // rank 6 step 19: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r6:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
+    // rank 6 step 20: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r6:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
+    // rank 6 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r6:dst@0[12/16]; signal r1:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 12}}},
+    // rank 6 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r6:dst@0[13/16]; signal r1:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 13}}},
+    // rank 6 step 23: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r6:dst@0[12/16]; signal r2:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
+    // rank 6 step 24: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r6:dst@0[13/16]; signal r2:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
+    // rank 6 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[12/16] = r6:dst@0[12/16]; signal r3:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
+    // rank 6 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[13/16] = r6:dst@0[13/16]; signal r3:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
+    // rank 6 step 27: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/16] = r6:dst@0[12/16]; signal r4:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 12}}},
+    // rank 6 step 28: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/16] = r6:dst@0[13/16]; signal r4:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 13}}},
+    // rank 6 step 29: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/16] = r6:dst@0[12/16]; signal r5:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 12}}},
+    // rank 6 step 30: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/16] = r6:dst@0[13/16]; signal r5:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 13}}},
     // rank 6 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 6 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 8}, {7, 0, 9, 8}, {7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 14, 8}, {7, 0, 15, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/16] = r7:src@0[0/16]; signal r0:arrive[14]; 8 blocks
+    // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/16] = r7:src@0[0/16]; signal r0:arrive[14]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 7, 0}, {{7, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 7 step 2: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[2/16] = r7:src@0[2/16]; signal r1:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 7, 2}, {{7, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 7 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[4/16] = r7:src@0[4/16]; signal r2:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 7, 4}, {{7, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 7 step 4: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[6/16] = r7:src@0[6/16]; signal r3:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 7, 6}, {{7, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 7 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[8/16] = r7:src@0[8/16]; signal r4:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 7, 8}, {{7, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 7 step 6: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[10/16] = r7:src@0[10/16]; signal r5:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 7, 10}, {{7, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 7 step 7: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[12/16] = r7:src@0[12/16]; signal r6:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 7, 12}, {{7, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 7 step 8: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/16] = r7:src@0[1/16]; signal r0:arrive[15]; 8 blocks
+    // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/16] = r7:src@0[1/16]; signal r0:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 7, 1}, {{7, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 7 step 9: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[3/16] = r7:src@0[3/16]; signal r1:arrive[15]; 8 blocks
+    // rank 7 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[2/16] = r7:src@0[2/16]; signal r1:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 7, 2}, {{7, 1, 1, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
+    // rank 7 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[3/16] = r7:src@0[3/16]; signal r1:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 7, 3}, {{7, 1, 1, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 7 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[5/16] = r7:src@0[5/16]; signal r2:arrive[15]; 8 blocks
+    // rank 7 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[4/16] = r7:src@0[4/16]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 7, 4}, {{7, 1, 1, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    // rank 7 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[5/16] = r7:src@0[5/16]; signal r2:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 7, 5}, {{7, 1, 1, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 7 step 11: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[7/16] = r7:src@0[7/16]; signal r3:arrive[15]; 8 blocks
+    // rank 7 step 7: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[6/16] = r7:src@0[6/16]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 7, 6}, {{7, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    // rank 7 step 8: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[7/16] = r7:src@0[7/16]; signal r3:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 7, 7}, {{7, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 7 step 12: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[9/16] = r7:src@0[9/16]; signal r4:arrive[15]; 8 blocks
+    // rank 7 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[8/16] = r7:src@0[8/16]; signal r4:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 7, 8}, {{7, 1, 1, 16, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
+    // rank 7 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[9/16] = r7:src@0[9/16]; signal r4:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 16, 7, 9}, {{7, 1, 1, 16, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 7 step 13: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[11/16] = r7:src@0[11/16]; signal r5:arrive[15]; 8 blocks
+    // rank 7 step 11: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[10/16] = r7:src@0[10/16]; signal r5:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 7, 10}, {{7, 1, 1, 16, 0, 10}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
+    // rank 7 step 12: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[11/16] = r7:src@0[11/16]; signal r5:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 16, 7, 11}, {{7, 1, 1, 16, 0, 11}}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 7 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[13/16] = r7:src@0[13/16]; signal r6:arrive[15]; 8 blocks
+    // rank 7 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[12/16] = r7:src@0[12/16]; signal r6:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 7, 12}, {{7, 1, 1, 16, 0, 12}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
+    // rank 7 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[13/16] = r7:src@0[13/16]; signal r6:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 16, 7, 13}, {{7, 1, 1, 16, 0, 13}}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 7 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[14/16] = r7:src@0[14/16] + r7:inbox@0[14/16] + r7:inbox@1[14/16] + r7:inbox@2[14/16] + r7:inbox@3[14/16] + r7:inbox@4[14/16] + r7:inbox@5[14/16] + r7:inbox@6[14/16]; signal r7:reduced[0]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 16, 0, 14}, {{7, 1, 1, 16, 0, 14}, {7, 3, 0, 16, 0, 14}, {7, 3, 0, 16, 1, 14}, {7, 3, 0, 16, 2, 14}, {7, 3, 0, 16, 3, 14}, {7, 3, 0, 16, 4, 14}, {7, 3, 0, 16, 5, 14}, {7, 3, 0, 16, 6, 14}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}}, {{7, 6, 0}}},
-    // rank 7 step 16: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 7 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[14/16] = r7:dst@0[14/16]; signal r1:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 1, 1}}, {{1, 7, 14}}},
-    // rank 7 step 18: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[14/16] = r7:dst@0[14/16]; signal r2:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 7 step 19: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[14/16] = r7:dst@0[14/16]; signal r3:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 3, 1}}, {{3, 7, 14}}},
-    // rank 7 step 20: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[14/16] = r7:dst@0[14/16]; signal r4:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 4, 1}}, {{4, 7, 14}}},
-    // rank 7 step 21: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[14/16] = r7:dst@0[14/16]; signal r5:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 5, 1}}, {{5, 7, 14}}},
-    // rank 7 step 22: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[14/16] = r7:dst@0[14/16]; signal r6:gathered[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 8}, {4, 0, 6, 1}}, {{6, 7, 14}}},
-    // rank 7 step 23: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[15/16] = r7:src@0[15/16] + r7:inbox@0[15/16] + r7:inbox@1[15/16] + r7:inbox@2[15/16] + r7:inbox@3[15/16] + r7:inbox@4[15/16] + r7:inbox@5[15/16] + r7:inbox@6[15/16]; signal r7:reduced[1]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 16, 0, 15}, {{7, 1, 1, 16, 0, 15}, {7, 3, 0, 16, 0, 15}, {7, 3, 0, 16, 1, 15}, {7, 3, 0, 16, 2, 15}, {7, 3, 0, 16, 3, 15}, {7, 3, 0, 16, 4, 15}, {7, 3, 0, 16, 5, 15}, {7, 3, 0, 16, 6, 15}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}}, {{7, 6, 1}}},
-    // rank 7 step 24: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 7 step 25: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[15/16] = r7:dst@0[15/16]; signal r1:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 1, 1}}, {{1, 7, 15}}},
-    // rank 7 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[15/16] = r7:dst@0[15/16]; signal r2:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 7 step 27: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[15/16] = r7:dst@0[15/16]; signal r3:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 3, 1}}, {{3, 7, 15}}},
-    // rank 7 step 28: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[15/16] = r7:dst@0[15/16]; signal r4:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 4, 1}}, {{4, 7, 15}}},
-    // rank 7 step 29: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[15/16] = r7:dst@0[15/16]; signal r5:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 5, 1}}, {{5, 7, 15}}},
-    // rank 7 step 30: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[15/16] = r7:dst@0[15/16]; signal r6:gathered[15]; 8 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 8}, {4, 0, 6, 1}}, {{6, 7, 15}}},
+    // rank 7 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[14/16] = r7:src@0[14/16] + r7:inbox@0[14/16] + r7:inbox@1[14/16] + r7:inbox@2[14/16] + r7:inbox@3[14/16] + r7:inbox@4[14/16] + r7:inbox@5[14/16] + r7:inbox@6[14/16]; signal r7:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 16, 0, 14}, {{7, 1, 1, 16, 0, 14}, {7, 3, 0, 16, 0, 14}, {7, 3, 0, 16, 1, 14}, {7, 3, 0, 16, 2, 14}, {7, 3, 0, 16, 3, 14}, {7, 3, 0, 16, 4, 14}, {7, 3, 0, 16, 5, 14}, {7, 3, 0, 16, 6, 14}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}}, {{7, 6, 0}}},
+    // rank 7 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[15/16] = r7:src@0[15/16] + r7:inbox@0[15/16] + r7:inbox@1[15/16] + r7:inbox@2[15/16] + r7:inbox@3[15/16] + r7:inbox@4[15/16] + r7:inbox@5[15/16] + r7:inbox@6[15/16]; signal r7:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 16, 0, 15}, {{7, 1, 1, 16, 0, 15}, {7, 3, 0, 16, 0, 15}, {7, 3, 0, 16, 1, 15}, {7, 3, 0, 16, 2, 15}, {7, 3, 0, 16, 3, 15}, {7, 3, 0, 16, 4, 15}, {7, 3, 0, 16, 5, 15}, {7, 3, 0, 16, 6, 15}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}}, {{7, 6, 1}}},
+    // rank 7 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
+    // rank 7 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
+    // rank 7 step 19: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[14/16] = r7:dst@0[14/16]; signal r1:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 14}}},
+    // rank 7 step 20: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[15/16] = r7:dst@0[15/16]; signal r1:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 15}}},
+    // rank 7 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[14/16] = r7:dst@0[14/16]; signal r2:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
+    // rank 7 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[15/16] = r7:dst@0[15/16]; signal r2:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
+    // rank 7 step 23: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[14/16] = r7:dst@0[14/16]; signal r3:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
+    // rank 7 step 24: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[15/16] = r7:dst@0[15/16]; signal r3:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
+    // rank 7 step 25: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[14/16] = r7:dst@0[14/16]; signal r4:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 14}}},
+    // rank 7 step 26: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[15/16] = r7:dst@0[15/16]; signal r4:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 15}}},
+    // rank 7 step 27: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[14/16] = r7:dst@0[14/16]; signal r5:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 14}}},
+    // rank 7 step 28: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[15/16] = r7:dst@0[15/16]; signal r5:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 15}}},
+    // rank 7 step 29: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[14/16] = r7:dst@0[14/16]; signal r6:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 14}}},
+    // rank 7 step 30: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[15/16] = r7:dst@0[15/16]; signal r6:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 15}}},
     // rank 7 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 8}, {7, 0, 1, 8}, {7, 0, 2, 8}, {7, 0, 3, 8}, {7, 0, 4, 8}, {7, 0, 5, 8}, {7, 0, 6, 8}, {7, 0, 7, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 7 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 8}, {7, 0, 9, 8}, {7, 0, 10, 8}, {7, 0, 11, 8}, {7, 0, 12, 8}, {7, 0, 13, 8}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
 static __device__ const tsgen_share shares_w8[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 0 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 0 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 0 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 0 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 0 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 0 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 0 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 0 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 0 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 0 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 0 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 0 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 0 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 0 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 0 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 0 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 0 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 0 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 0 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 0 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 0 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 0 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 0 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 0 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 0 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 0 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 0 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 0 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 0 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 0 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 0 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 0 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 0 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 0 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 0 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 0 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 0 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 0 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 0 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 0 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 0 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 0 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 0 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 0 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 0 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 0 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 0 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 0 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 0 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 0 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 0 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 0 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 0 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 0 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 0 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 0 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 0 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 0 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 0 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 0 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 0 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 0 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 0 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 0 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 0 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 0 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 0 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 0 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 0 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 0 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 0 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 0 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 0 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 0 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 0 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 0 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 0 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 0 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 0 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 0 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 0 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 0 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 0 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 0 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 0 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 0 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 0 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 0 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 0 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 0 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 0 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 0 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 0 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 0 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 0 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 0 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 0 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 0 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 0 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 0 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 0 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 0 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 0 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 0 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 0 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 0 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 0 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 0 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 0 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 0 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 0 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 0 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 0 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 0 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 0 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 0 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 0 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 0 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 0 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 0 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 0 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 0 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 0 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 0 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 0 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 0 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 0 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 0 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 0 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 0 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 0 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 0 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 0 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 0 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 0 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 0 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 0 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 0 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 0 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 0 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 0 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 0 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 0 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 0 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 0 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 0 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 0 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 0 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 0 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 0 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 0 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 0 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 0 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 0 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 0 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 0 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 0 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 0 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 0 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 0 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 0 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 0 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 0 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 0 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 0 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 0 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 0 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 0 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 0 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 0 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 0 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 0 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 0 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 0 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 0 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 0 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 0 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 0 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 0 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 0 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 0 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 0 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 0 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 0 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 0 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 0 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 0 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 0 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 0 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 0 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 0 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 0 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 0 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 0 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 0 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 0 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 0 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 0 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 0 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 0 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 0 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 0 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 0 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 0 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 0 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 0 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 0 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 0 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 0 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 0 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 0 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 0 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 0 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 0 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 0 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 0 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 0 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 0 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 0 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 0 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 0 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 0 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 0 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 0 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 0 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 0 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 0 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 0 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 0 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 0 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 0 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 0 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 0 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 0 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 0 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 0 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 0 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 0 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 0 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 0 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 0 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 0 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 0 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 0 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 0 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 0 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 0 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 0 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 0 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 0 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 0 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 0 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 0 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 0 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 0 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 0 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 0 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 0 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 0 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 0 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 0 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 0 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 0 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 0 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 0 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 0 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 0 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 0 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 0 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 0 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 0 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 0 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 0 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 0 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 0 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 0 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 0 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 0 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 0 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 0 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 0 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 0 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 0 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 0 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 0 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 0 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 0 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 0 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 0 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 0 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 0 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 0 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 0 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 0 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 0 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 0 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 0 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 0 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 0 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 0 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 0 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 0 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 0 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 0 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 0 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 0 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 0 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 0 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 0 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 0 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 0 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 0 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 0 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 0 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 0 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 0 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 0 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 0 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 0 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 0 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 0 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 0 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 0 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 0 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 0 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 0 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 0 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 0 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 0 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 0 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 0 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 0 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 0 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 0 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 0 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 0 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 0 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 0 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 0 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 0 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 0 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 0 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 0 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 0 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 0 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 0 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 0 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 0 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 0 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 0 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 0 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 0 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 0 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 0 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 0 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 0 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 0 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 0 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 0 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 0 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 0 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 0 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 0 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 0 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 0 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 0 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 0 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 0 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 0 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 0 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 0 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 0 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 0 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 0 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 0 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 0 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 0 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 0 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 0 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 0 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 0 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 0 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 0 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 0 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 0 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 0 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 0 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 0 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 0 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 0 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 0 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 0 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 0 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 0 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 0 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 0 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 0 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 0 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 0 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 0 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 0 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 0 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 0 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 0 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 0 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 0 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 0 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 0 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 0 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 0 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 0 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 0 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 0 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 0 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 0 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 0 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 0 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 0 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 0 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 0 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 0 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 0 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 0 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 0 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 0 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 0 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 0 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 0 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 0 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 0 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 0 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 0 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 0 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 0 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 0 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 0 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 0 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 0 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 0 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 0 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 0 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 0 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 0 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 0 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 0 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 0 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 0 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 0 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 0 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 0 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 1 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 1 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 1 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 1 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 1 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 1 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 1 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 1 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 1 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 1 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 1 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 1 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 1 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 1 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 1 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 1 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 1 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 1 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 1 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 1 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 1 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 1 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 1 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 1 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 1 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 1 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 1 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 1 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 1 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 1 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 1 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 1 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 1 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 1 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 1 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 1 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 1 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 1 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 1 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 1 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 1 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 1 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 1 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 1 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 1 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 1 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 1 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 1 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 1 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 1 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 1 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 1 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 1 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 1 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 1 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 1 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 1 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 1 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 1 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 1 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 1 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 1 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 1 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 1 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 1 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 1 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 1 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 1 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 1 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 1 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 1 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 1 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 1 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 1 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 1 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 1 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 1 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 1 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 1 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 1 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 1 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 1 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 1 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 1 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 1 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 1 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 1 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 1 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 1 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 1 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 1 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 1 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 1 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 1 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 1 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 1 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 1 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 1 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 1 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 1 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 1 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 1 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 1 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 1 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 1 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 1 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 1 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 1 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 1 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 1 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 1 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 1 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 1 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 1 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 1 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 1 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 1 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 1 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 1 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 1 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 1 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 1 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 1 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 1 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 1 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 1 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 1 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 1 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 1 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 1 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 1 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 1 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 1 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 1 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 1 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 1 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 1 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 1 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 1 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 1 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 1 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 1 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 1 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 1 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 1 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 1 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 1 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 1 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 1 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 1 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 1 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 1 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 1 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 1 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 1 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 1 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 1 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 1 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 1 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 1 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 1 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 1 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 1 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 1 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 1 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 1 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 1 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 1 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 1 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 1 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 1 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 1 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 1 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 1 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 1 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 1 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 1 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 1 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 1 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 1 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 1 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 1 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 1 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 1 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 1 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 1 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 1 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 1 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 1 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 1 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 1 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 1 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 1 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 1 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 1 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 1 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 1 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 1 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 1 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 1 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 1 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 1 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 1 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 1 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 1 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 1 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 1 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 1 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 1 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 1 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 1 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 1 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 1 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 1 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 1 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 1 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 1 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 1 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 1 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 1 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 1 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 1 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 1 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 1 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 1 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 1 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 1 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 1 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 1 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 1 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 1 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 1 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 1 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 1 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 1 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 1 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 1 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 1 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 1 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 1 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 1 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 1 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 1 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 1 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 1 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 1 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 1 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 1 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 1 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 1 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 1 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 1 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 1 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 1 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 1 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 1 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 1 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 1 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 1 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 1 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 1 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 1 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 1 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 1 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 1 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 1 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 1 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 1 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 1 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 1 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 1 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 1 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 1 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 1 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 1 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 1 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 1 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 1 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 1 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 1 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 1 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 1 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 1 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 1 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 1 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 1 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 1 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 1 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 1 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 1 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 1 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 1 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 1 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 1 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 1 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 1 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 1 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 1 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 1 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 1 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 1 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 1 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 1 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 1 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 1 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 1 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 1 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 1 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 1 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 1 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 1 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 1 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 1 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 1 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 1 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 1 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 1 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 1 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 1 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 1 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 1 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 1 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 1 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 1 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 1 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 1 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 1 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 1 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 1 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 1 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 1 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 1 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 1 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 1 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 1 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 1 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 1 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 1 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 1 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 1 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 1 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 1 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 1 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 1 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 1 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 1 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 1 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 1 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 1 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 1 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 1 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 1 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 1 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 1 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 1 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 1 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 1 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 1 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 1 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 1 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 1 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 1 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 1 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 1 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 1 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 1 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 1 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 1 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 1 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 1 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 1 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 1 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 1 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 1 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 1 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 1 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 1 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 1 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 1 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 1 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 1 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 1 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 1 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 1 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 1 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 1 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 1 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 1 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 1 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 1 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 1 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 1 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 1 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 1 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 1 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 1 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 1 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 1 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 1 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 1 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 1 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 1 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 1 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 1 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 1 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 1 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 1 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 1 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 1 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 1 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 1 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 1 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 1 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 1 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 1 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 1 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 1 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 1 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 1 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 1 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 1 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 1 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 1 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 1 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 1 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 1 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 1 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 1 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 1 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 1 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 1 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 1 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 1 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 1 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 1 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 1 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 1 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 1 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 1 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 1 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 1 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 1 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 1 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 1 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 1 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 1 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 1 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 1 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 1 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 1 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 2 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 2 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 2 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 2 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 2 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 2 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 2 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 2 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 2 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 2 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 2 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 2 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 2 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 2 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 2 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 2 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 2 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 2 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 2 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 2 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 2 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 2 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 2 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 2 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 2 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 2 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 2 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 2 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 2 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 2 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 2 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 2 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 2 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 2 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 2 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 2 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 2 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 2 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 2 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 2 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 2 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 2 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 2 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 2 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 2 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 2 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 2 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 2 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 2 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 2 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 2 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 2 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 2 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 2 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 2 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 2 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 2 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 2 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 2 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 2 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 2 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 2 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 2 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 2 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 2 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 2 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 2 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 2 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 2 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 2 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 2 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 2 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 2 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 2 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 2 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 2 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 2 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 2 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 2 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 2 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 2 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 2 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 2 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 2 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 2 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 2 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 2 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 2 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 2 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 2 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 2 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 2 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 2 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 2 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 2 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 2 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 2 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 2 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 2 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 2 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 2 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 2 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 2 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 2 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 2 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 2 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 2 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 2 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 2 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 2 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 2 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 2 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 2 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 2 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 2 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 2 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 2 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 2 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 2 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 2 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 2 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 2 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 2 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 2 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 2 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 2 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 2 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 2 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 2 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 2 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 2 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 2 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 2 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 2 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 2 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 2 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 2 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 2 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 2 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 2 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 2 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 2 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 2 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 2 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 2 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 2 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 2 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 2 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 2 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 2 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 2 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 2 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 2 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 2 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 2 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 2 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 2 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 2 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 2 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 2 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 2 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 2 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 2 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 2 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 2 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 2 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 2 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 2 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 2 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 2 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 2 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 2 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 2 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 2 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 2 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 2 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 2 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 2 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 2 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 2 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 2 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 2 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 2 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 2 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 2 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 2 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 2 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 2 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 2 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 2 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 2 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 2 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 2 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 2 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 2 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 2 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 2 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 2 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 2 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 2 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 2 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 2 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 2 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 2 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 2 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 2 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 2 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 2 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 2 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 2 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 2 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 2 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 2 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 2 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 2 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 2 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 2 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 2 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 2 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 2 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 2 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 2 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 2 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 2 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 2 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 2 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 2 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 2 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 2 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 2 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 2 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 2 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 2 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 2 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 2 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 2 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 2 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 2 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 2 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 2 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 2 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 2 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 2 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 2 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 2 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 2 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 2 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 2 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 2 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 2 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 2 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 2 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 2 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 2 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 2 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 2 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 2 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 2 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 2 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 2 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 2 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 2 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 2 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 2 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 2 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 2 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 2 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 2 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 2 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 2 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 2 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 2 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 2 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 2 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 2 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 2 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 2 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 2 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 2 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 2 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 2 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 2 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 2 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 2 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 2 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 2 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 2 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 2 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 2 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 2 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 2 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 2 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 2 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 2 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 2 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 2 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 2 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 2 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 2 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 2 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 2 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 2 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 2 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 2 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 2 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 2 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 2 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 2 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 2 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 2 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 2 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 2 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 2 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 2 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 2 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 2 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 2 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 2 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 2 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 2 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 2 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 2 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 2 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 2 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 2 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 2 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 2 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 2 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 2 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 2 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 2 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 2 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 2 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 2 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 2 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 2 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 2 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 2 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 2 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 2 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 2 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 2 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 2 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 2 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 2 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 2 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 2 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 2 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 2 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 2 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 2 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 2 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 2 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 2 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 2 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 2 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 2 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 2 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 2 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 2 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 2 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 2 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 2 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 2 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 2 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 2 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 2 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 2 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 2 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 2 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 2 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 2 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 2 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 2 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 2 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 2 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 2 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 2 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 2 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 2 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 2 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 2 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 2 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 2 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 2 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 2 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 2 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 2 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 2 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 2 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 2 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 2 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 2 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 2 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 2 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 2 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 2 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 2 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 2 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 2 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 2 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 2 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 2 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 2 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 2 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 2 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 2 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 2 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 2 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 2 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 2 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 2 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 2 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 2 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 2 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 2 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 2 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 2 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 2 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 2 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 2 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 2 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 2 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 2 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 2 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 2 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 2 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 2 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 2 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 2 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 2 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 2 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 2 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 2 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 2 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 2 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 2 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 2 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 2 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 2 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 2 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 2 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 2 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 2 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 2 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 2 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 2 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 2 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 2 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 2 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 3 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 3 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 3 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 3 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 3 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 3 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 3 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 3 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 3 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 3 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 3 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 3 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 3 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 3 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 3 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 3 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 3 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 3 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 3 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 3 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 3 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 3 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 3 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 3 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 3 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 3 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 3 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 3 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 3 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 3 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 3 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 3 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 3 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 3 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 3 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 3 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 3 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 3 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 3 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 3 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 3 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 3 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 3 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 3 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 3 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 3 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 3 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 3 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 3 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 3 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 3 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 3 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 3 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 3 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 3 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 3 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 3 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 3 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 3 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 3 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 3 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 3 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 3 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 3 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 3 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 3 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 3 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 3 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 3 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 3 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 3 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 3 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 3 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 3 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 3 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 3 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 3 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 3 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 3 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 3 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 3 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 3 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 3 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 3 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 3 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 3 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 3 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 3 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 3 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 3 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 3 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 3 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 3 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 3 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 3 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 3 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 3 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 3 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 3 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 3 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 3 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 3 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 3 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 3 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 3 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 3 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 3 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 3 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 3 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 3 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 3 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 3 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 3 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 3 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 3 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 3 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 3 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 3 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 3 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 3 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 3 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 3 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 3 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 3 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 3 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 3 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 3 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 3 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 3 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 3 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 3 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 3 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 3 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 3 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 3 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 3 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 3 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 3 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 3 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 3 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 3 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 3 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 3 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 3 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 3 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 3 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 3 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 3 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 3 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 3 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 3 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 3 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 3 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 3 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 3 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 3 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 3 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 3 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 3 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 3 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 3 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 3 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 3 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 3 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 3 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 3 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 3 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 3 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 3 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 3 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 3 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 3 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 3 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 3 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 3 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 3 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 3 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 3 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 3 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 3 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 3 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 3 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 3 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 3 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 3 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 3 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 3 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 3 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 3 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 3 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 3 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 3 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 3 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 3 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 3 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 3 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 3 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 3 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 3 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 3 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 3 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 3 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 3 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 3 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 3 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 3 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 3 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 3 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 3 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 3 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 3 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 3 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 3 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 3 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 3 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 3 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 3 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 3 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 3 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 3 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 3 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 3 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 3 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 3 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 3 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 3 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 3 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 3 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 3 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 3 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 3 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 3 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 3 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 3 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 3 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 3 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 3 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 3 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 3 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 3 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 3 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 3 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 3 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 3 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 3 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 3 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 3 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 3 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 3 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 3 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 3 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 3 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 3 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 3 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 3 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 3 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 3 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 3 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 3 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 3 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 3 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 3 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 3 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 3 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 3 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 3 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 3 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 3 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 3 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 3 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 3 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 3 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 3 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 3 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 3 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 3 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 3 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 3 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 3 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 3 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 3 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 3 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 3 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 3 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 3 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 3 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 3 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 3 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 3 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 3 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 3 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 3 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 3 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 3 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 3 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 3 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 3 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 3 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 3 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 3 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 3 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 3 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 3 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 3 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 3 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 3 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 3 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 3 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 3 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 3 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 3 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 3 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 3 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 3 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 3 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 3 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 3 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 3 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 3 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 3 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 3 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 3 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 3 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 3 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 3 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 3 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 3 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 3 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 3 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 3 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 3 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 3 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 3 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 3 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 3 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 3 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 3 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 3 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 3 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 3 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 3 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 3 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 3 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 3 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 3 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 3 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 3 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 3 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 3 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 3 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 3 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 3 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 3 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 3 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 3 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 3 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 3 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 3 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 3 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 3 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 3 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 3 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 3 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 3 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 3 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 3 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 3 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 3 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 3 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 3 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 3 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 3 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 3 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 3 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 3 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 3 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 3 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 3 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 3 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 3 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 3 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 3 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 3 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 3 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 3 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 3 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 3 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 3 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 3 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 3 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 3 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 3 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 3 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 3 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 3 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 3 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 3 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 3 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 3 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 3 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 3 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 3 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 3 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 3 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 3 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 3 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 3 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 3 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 3 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 3 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 3 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 3 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 3 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 3 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 3 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 3 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 3 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 3 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 3 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 3 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 3 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 3 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 3 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 3 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 3 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 3 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 3 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 3 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 3 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 3 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 3 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 3 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 3 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 3 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 3 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 3 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 3 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 3 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 3 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 3 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 3 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 3 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 3 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 3 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 3 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 3 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 3 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 3 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 3 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 3 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 3 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 3 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 3 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 3 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 3 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 3 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 3 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 3 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 3 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 3 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 3 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 3 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 3 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 3 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 3 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 3 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 3 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 3 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 3 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 3 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 3 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 3 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 3 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 3 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 3 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 3 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 3 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 3 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 3 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 3 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 3 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 3 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 3 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 3 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 3 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 3 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 3 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 3 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 3 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 3 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 3 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 3 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 3 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 3 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 3 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 3 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 3 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 3 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 4 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 4 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 4 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 4 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 4 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 4 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 4 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 4 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 4 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 4 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 4 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 4 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 4 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 4 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 4 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 4 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 4 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 4 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 4 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 4 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 4 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 4 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 4 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 4 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 4 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 4 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 4 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 4 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 4 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 4 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 4 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 4 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 4 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 4 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 4 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 4 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 4 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 4 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 4 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 4 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 4 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 4 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 4 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 4 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 4 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 4 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 4 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 4 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 4 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 4 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 4 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 4 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 4 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 4 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 4 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 4 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 4 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 4 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 4 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 4 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 4 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 4 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 4 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 4 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 4 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 4 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 4 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 4 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 4 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 4 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 4 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 4 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 4 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 4 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 4 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 4 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 4 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 4 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 4 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 4 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 4 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 4 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 4 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 4 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 4 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 4 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 4 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 4 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 4 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 4 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 4 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 4 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 4 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 4 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 4 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 4 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 4 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 4 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 4 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 4 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 4 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 4 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 4 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 4 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 4 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 4 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 4 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 4 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 4 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 4 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 4 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 4 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 4 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 4 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 4 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 4 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 4 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 4 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 4 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 4 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 4 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 4 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 4 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 4 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 4 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 4 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 4 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 4 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 4 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 4 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 4 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 4 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 4 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 4 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 4 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 4 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 4 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 4 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 4 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 4 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 4 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 4 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 4 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 4 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 4 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 4 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 4 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 4 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 4 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 4 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 4 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 4 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 4 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 4 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 4 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 4 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 4 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 4 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 4 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 4 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 4 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 4 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 4 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 4 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 4 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 4 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 4 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 4 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 4 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 4 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 4 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 4 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 4 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 4 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 4 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 4 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 4 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 4 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 4 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 4 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 4 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 4 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 4 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 4 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 4 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 4 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 4 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 4 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 4 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 4 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 4 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 4 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 4 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 4 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 4 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 4 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 4 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 4 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 4 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 4 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 4 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 4 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 4 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 4 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 4 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 4 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 4 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 4 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 4 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 4 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 4 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 4 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 4 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 4 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 4 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 4 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 4 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 4 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 4 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 4 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 4 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 4 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 4 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 4 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 4 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 4 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 4 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 4 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 4 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 4 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 4 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 4 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 4 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 4 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 4 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 4 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 4 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 4 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 4 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 4 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 4 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 4 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 4 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 4 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 4 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 4 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 4 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 4 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 4 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 4 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 4 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 4 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 4 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 4 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 4 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 4 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 4 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 4 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 4 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 4 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 4 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 4 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 4 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 4 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 4 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 4 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 4 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 4 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 4 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 4 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 4 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 4 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 4 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 4 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 4 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 4 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 4 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 4 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 4 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 4 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 4 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 4 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 4 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 4 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 4 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 4 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 4 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 4 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 4 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 4 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 4 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 4 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 4 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 4 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 4 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 4 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 4 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 4 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 4 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 4 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 4 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 4 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 4 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 4 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 4 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 4 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 4 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 4 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 4 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 4 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 4 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 4 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 4 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 4 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 4 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 4 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 4 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 4 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 4 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 4 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 4 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 4 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 4 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 4 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 4 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 4 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 4 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 4 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 4 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 4 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 4 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 4 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 4 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 4 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 4 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 4 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 4 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 4 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 4 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 4 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 4 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 4 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 4 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 4 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 4 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 4 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 4 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 4 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 4 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 4 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 4 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 4 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 4 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 4 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 4 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 4 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 4 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 4 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 4 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 4 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 4 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 4 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 4 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 4 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 4 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 4 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 4 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 4 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 4 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 4 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 4 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 4 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 4 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 4 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 4 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 4 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 4 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 4 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 4 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 4 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 4 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 4 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 4 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 4 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 4 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 4 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 4 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 4 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 4 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 4 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 4 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 4 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 4 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 4 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 4 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 4 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 4 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 4 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 4 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 4 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 4 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 4 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 4 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 4 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 4 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 4 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 4 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 4 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 4 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 4 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 4 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 4 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 4 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 4 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 4 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 4 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 4 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 4 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 4 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 4 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 4 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 4 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 4 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 4 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 4 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 4 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 4 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 4 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 4 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 4 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 4 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 4 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 4 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 4 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 4 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 4 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 4 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 4 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 4 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 4 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 4 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 4 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 4 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 4 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 4 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 4 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 4 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 4 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 4 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 4 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 4 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 4 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 4 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 4 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 4 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 4 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 4 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 4 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 4 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 4 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 4 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 4 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 4 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 4 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 4 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 4 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 4 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 4 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 4 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 4 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 4 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 4 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 4 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 4 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 4 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 4 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 4 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 4 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 4 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 4 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 4 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 4 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 4 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 4 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 4 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 4 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 4 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 4 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 4 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 4 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 4 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 4 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 4 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 4 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 4 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 4 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 4 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 4 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 4 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 4 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 4 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 4 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 4 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 4 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 4 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 4 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 4 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 4 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 4 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 4 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 4 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 4 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 4 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 4 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 4 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 4 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 4 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 4 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 4 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 4 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 4 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 4 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 4 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 4 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 4 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 4 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 4 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 4 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 4 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 4 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 4 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 4 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 4 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 4 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 4 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 4 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 4 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 4 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 4 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 4 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 4 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 4 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 4 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 4 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 4 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 4 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 4 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 4 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 4 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 4 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 4 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 4 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 4 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 4 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 4 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 4 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 4 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 4 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 4 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 4 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 4 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 4 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 4 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 4 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 4 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 4 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 4 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 4 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 4 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 4 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 4 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 4 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 4 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 4 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 4 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 4 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 4 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 4 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 4 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 4 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 4 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 4 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 4 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 4 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 4 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 4 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 4 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 4 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 4 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 4 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 4 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 4 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 4 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 4 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 4 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 4 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 4 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 4 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 4 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 4 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 4 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 4 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 4 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 4 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 4 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 4 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 4 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 4 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 4 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 4 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 4 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 4 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 4 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 4 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 4 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 4 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 4 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 4 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 4 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 4 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 4 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 4 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 4 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 4 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 4 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 4 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 4 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 4 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 4 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 4 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 4 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 4 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 4 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 4 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 4 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 4 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 4 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 4 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 4 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 4 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 4 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 4 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 4 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 4 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 4 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 4 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 4 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 4 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 4 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 4 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 4 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 4 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 4 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 4 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 4 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 4 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 4 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 4 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 4 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 4 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 4 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 4 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 4 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 4 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 4 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 4 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 4 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 4 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 4 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 4 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 4 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 4 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 4 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 4 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 4 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 4 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 4 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 4 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 4 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 4 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 4 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 4 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 4 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 4 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 4 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 4 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 4 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 4 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 4 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 4 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 4 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 4 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 4 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 4 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 4 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 4 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 4 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 4 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 4 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 4 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 4 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 4 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 4 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 4 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 4 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 4 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 4 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 4 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 4 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 4 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 4 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 4 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 4 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 4 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 4 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 4 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 4 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 4 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 4 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 4 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 4 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 4 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 5 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 5 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 5 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 5 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 5 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 5 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 5 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 5 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 5 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 5 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 5 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 5 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 5 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 5 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 5 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 5 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 5 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 5 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 5 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 5 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 5 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 5 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 5 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 5 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 5 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 5 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 5 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 5 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 5 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 5 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 5 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 5 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 5 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 5 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 5 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 5 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 5 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 5 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 5 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 5 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 5 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 5 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 5 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 5 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 5 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 5 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 5 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 5 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 5 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 5 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 5 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 5 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 5 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 5 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 5 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 5 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 5 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 5 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 5 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 5 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 5 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 5 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 5 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 5 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 5 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 5 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 5 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 5 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 5 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 5 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 5 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 5 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 5 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 5 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 5 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 5 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 5 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 5 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 5 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 5 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 5 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 5 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 5 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 5 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 5 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 5 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 5 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 5 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 5 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 5 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 5 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 5 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 5 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 5 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 5 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 5 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 5 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 5 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 5 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 5 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 5 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 5 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 5 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 5 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 5 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 5 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 5 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 5 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 5 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 5 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 5 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 5 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 5 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 5 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 5 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 5 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 5 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 5 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 5 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 5 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 5 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 5 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 5 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 5 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 5 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 5 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 5 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 5 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 5 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 5 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 5 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 5 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 5 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 5 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 5 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 5 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 5 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 5 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 5 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 5 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 5 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 5 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 5 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 5 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 5 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 5 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 5 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 5 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 5 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 5 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 5 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 5 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 5 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 5 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 5 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 5 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 5 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 5 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 5 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 5 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 5 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 5 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 5 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 5 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 5 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 5 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 5 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 5 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 5 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 5 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 5 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 5 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 5 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 5 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 5 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 5 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 5 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 5 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 5 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 5 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 5 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 5 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 5 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 5 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 5 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 5 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 5 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 5 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 5 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 5 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 5 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 5 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 5 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 5 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 5 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 5 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 5 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 5 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 5 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 5 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 5 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 5 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 5 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 5 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 5 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 5 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 5 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 5 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 5 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 5 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 5 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 5 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 5 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 5 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 5 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 5 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 5 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 5 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 5 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 5 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 5 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 5 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 5 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 5 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 5 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 5 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 5 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 5 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 5 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 5 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 5 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 5 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 5 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 5 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 5 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 5 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 5 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 5 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 5 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 5 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 5 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 5 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 5 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 5 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 5 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 5 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 5 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 5 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 5 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 5 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 5 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 5 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 5 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 5 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 5 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 5 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 5 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 5 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 5 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 5 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 5 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 5 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 5 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 5 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 5 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 5 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 5 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 5 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 5 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 5 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 5 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 5 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 5 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 5 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 5 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 5 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 5 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 5 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 5 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 5 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 5 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 5 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 5 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 5 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 5 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 5 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 5 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 5 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 5 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 5 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 5 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 5 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 5 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 5 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 5 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 5 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 5 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 5 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 5 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 5 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 5 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 5 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 5 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 5 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 5 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 5 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 5 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 5 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 5 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 5 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 5 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 5 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 5 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 5 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 5 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 5 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 5 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 5 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 5 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 5 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 5 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 5 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 5 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 5 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 5 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 5 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 5 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 5 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 5 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 5 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 5 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 5 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 5 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 5 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 5 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 5 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 5 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 5 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 5 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 5 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 5 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 5 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 5 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 5 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 5 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 5 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 5 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 5 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 5 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 5 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 5 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 5 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 5 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 5 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 5 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 5 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 5 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 5 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 5 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 5 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 5 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 5 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 5 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 5 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 5 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 5 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 5 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 5 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 5 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 5 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 5 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 5 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 5 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 5 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 5 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 5 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 5 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 5 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 5 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 5 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 5 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 5 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 5 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 5 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 5 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 5 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 5 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 5 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 5 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 5 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 5 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 5 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 5 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 5 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 5 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 5 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 5 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 5 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 5 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 5 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 5 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 5 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 5 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 5 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 5 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 5 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 5 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 5 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 5 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 5 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 5 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 5 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 5 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 5 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 5 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 5 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 5 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 5 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 5 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 5 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 5 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 5 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 5 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 5 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 5 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 5 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 5 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 5 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 5 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 5 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 5 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 5 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 5 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 5 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 5 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 5 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 5 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 5 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 5 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 5 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 5 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 5 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 5 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 5 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 5 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 5 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 5 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 5 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 5 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 5 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 5 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 5 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 5 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 5 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 5 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 5 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 5 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 5 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 5 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 5 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 5 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 5 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 5 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 5 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 5 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 5 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 5 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 5 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 5 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 5 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 5 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 5 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 5 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 5 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 5 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 5 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 5 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 5 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 5 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 5 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 5 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 5 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 5 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 5 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 5 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 5 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 5 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 5 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 5 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 5 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 5 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 5 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 5 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 5 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 5 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 5 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 5 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 5 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 5 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 5 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 5 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 5 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 5 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 5 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 5 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 5 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 5 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 5 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 5 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 5 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 5 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 5 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 5 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 5 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 5 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 5 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 5 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 5 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 5 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 5 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 5 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 5 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 5 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 5 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 5 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 5 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 5 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 5 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 5 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 5 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 5 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 5 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 5 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 5 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 5 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 5 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 5 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 5 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 5 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 5 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 5 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 5 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 5 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 5 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 5 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 5 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 5 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 5 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 5 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 5 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 5 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 5 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 5 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 5 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 5 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 5 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 5 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 5 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 5 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 5 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 5 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 5 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 5 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 5 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 5 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 5 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 5 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 5 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 5 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 5 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 5 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 5 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 5 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 5 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 5 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 5 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 5 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 5 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 5 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 5 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 5 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 5 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 5 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 5 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 5 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 5 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 5 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 5 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 5 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 5 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 5 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 5 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 5 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 5 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 5 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 5 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 5 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 5 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 5 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 5 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 5 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 5 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 5 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 5 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 5 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 5 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 5 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 5 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 5 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 5 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 5 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 5 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 5 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 5 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 5 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 5 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 5 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 5 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 5 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 5 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 5 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 5 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 5 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 5 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 5 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 5 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 5 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 5 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 5 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 5 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 5 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 5 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 5 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 5 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 5 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 5 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 5 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 5 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 5 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 5 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 5 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 5 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 5 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 5 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 5 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 5 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 5 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 5 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 5 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 5 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 5 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 5 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 5 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 5 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 5 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 5 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 5 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 5 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 5 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 5 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 5 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 5 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 5 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 5 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 5 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 5 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 5 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 5 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 5 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 5 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 5 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 5 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 5 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 5 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 5 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 5 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 5 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 5 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 5 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 5 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 5 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 5 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 5 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 5 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 5 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 5 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 5 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 5 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 5 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 5 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 5 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 5 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 5 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 5 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 5 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 5 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 5 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 5 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 5 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 5 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 5 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 5 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 5 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 5 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 5 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 5 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 5 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 5 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 5 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 5 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 5 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 5 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 5 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 5 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 5 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 5 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 5 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 5 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 5 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 5 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 5 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 5 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 6 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 6 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 6 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 6 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 6 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 6 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 6 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 6 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 6 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 6 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 6 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 6 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 6 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 6 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 6 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 6 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 6 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 6 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 6 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 6 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 6 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 6 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 6 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 6 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 6 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 6 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 6 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 6 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 6 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 6 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 6 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 6 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 6 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 6 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 6 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 6 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 6 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 6 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 6 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 6 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 6 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 6 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 6 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 6 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 6 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 6 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 6 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 6 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 6 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 6 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 6 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 6 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 6 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 6 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 6 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 6 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 6 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 6 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 6 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 6 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 6 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 6 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 6 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 6 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 6 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 6 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 6 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 6 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 6 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 6 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 6 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 6 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 6 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 6 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 6 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 6 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 6 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 6 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 6 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 6 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 6 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 6 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 6 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 6 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 6 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 6 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 6 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 6 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 6 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 6 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 6 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 6 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 6 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 6 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 6 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 6 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 6 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 6 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 6 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 6 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 6 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 6 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 6 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 6 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 6 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 6 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 6 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 6 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 6 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 6 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 6 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 6 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 6 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 6 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 6 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 6 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 6 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 6 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 6 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 6 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 6 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 6 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 6 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 6 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 6 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 6 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 6 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 6 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 6 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 6 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 6 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 6 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 6 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 6 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 6 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 6 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 6 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 6 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 6 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 6 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 6 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 6 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 6 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 6 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 6 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 6 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 6 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 6 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 6 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 6 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 6 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 6 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 6 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 6 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 6 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 6 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 6 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 6 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 6 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 6 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 6 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 6 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 6 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 6 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 6 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 6 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 6 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 6 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 6 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 6 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 6 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 6 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 6 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 6 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 6 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 6 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 6 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 6 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 6 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 6 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 6 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 6 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 6 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 6 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 6 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 6 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 6 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 6 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 6 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 6 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 6 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 6 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 6 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 6 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 6 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 6 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 6 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 6 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 6 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 6 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 6 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 6 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 6 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 6 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 6 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 6 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 6 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 6 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 6 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 6 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 6 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 6 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 6 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 6 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 6 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 6 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 6 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 6 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 6 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 6 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 6 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 6 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 6 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 6 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 6 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 6 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 6 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 6 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 6 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 6 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 6 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 6 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 6 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 6 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 6 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 6 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 6 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 6 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 6 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 6 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 6 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 6 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 6 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 6 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 6 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 6 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 6 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 6 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 6 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 6 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 6 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 6 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 6 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 6 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 6 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 6 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 6 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 6 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 6 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 6 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 6 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 6 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 6 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 6 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 6 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 6 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 6 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 6 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 6 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 6 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 6 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 6 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 6 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 6 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 6 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 6 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 6 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 6 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 6 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 6 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 6 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 6 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 6 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 6 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 6 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 6 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 6 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 6 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 6 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 6 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 6 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 6 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 6 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 6 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 6 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 6 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 6 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 6 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 6 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 6 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 6 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 6 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 6 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 6 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 6 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 6 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 6 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 6 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 6 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 6 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 6 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 6 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 6 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 6 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 6 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 6 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 6 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 6 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 6 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 6 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 6 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 6 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 6 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 6 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 6 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 6 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 6 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 6 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 6 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 6 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 6 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 6 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 6 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 6 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 6 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 6 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 6 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 6 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 6 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 6 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 6 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 6 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 6 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 6 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 6 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 6 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 6 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 6 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 6 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 6 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 6 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 6 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 6 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 6 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 6 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 6 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 6 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 6 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 6 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 6 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 6 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 6 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 6 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 6 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 6 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 6 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 6 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 6 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 6 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 6 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 6 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 6 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 6 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 6 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 6 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 6 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 6 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 6 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 6 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 6 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 6 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 6 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 6 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 6 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 6 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 6 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 6 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 6 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 6 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 6 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 6 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 6 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 6 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 6 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 6 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 6 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 6 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 6 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 6 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 6 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 6 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 6 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 6 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 6 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 6 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 6 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 6 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 6 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 6 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 6 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 6 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 6 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 6 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 6 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 6 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 6 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 6 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 6 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 6 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 6 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 6 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 6 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 6 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 6 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 6 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 6 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 6 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 6 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 6 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 6 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 6 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 6 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 6 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 6 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 6 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 6 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 6 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 6 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 6 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 6 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 6 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 6 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 6 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 6 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 6 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 6 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 6 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 6 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 6 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 6 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 6 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 6 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 6 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 6 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 6 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 6 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 6 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 6 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 6 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 6 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 6 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 6 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 6 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 6 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 6 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 6 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 6 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 6 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 6 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 6 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 6 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 6 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 6 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 6 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 6 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 6 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 6 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 6 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 6 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 6 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 6 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 6 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 6 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 6 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 6 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 6 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 6 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 6 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 6 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 6 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 6 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 6 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 6 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 6 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 6 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 6 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 6 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 6 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 6 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 6 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 6 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 6 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 6 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 6 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 6 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 6 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 6 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 6 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 6 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 6 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 6 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 6 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 6 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 6 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 6 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 6 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 6 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 6 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 6 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 6 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 6 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 6 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 6 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 6 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 6 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 6 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 6 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 6 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 6 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 6 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 6 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 6 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 6 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 6 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 6 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 6 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 6 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 6 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 6 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 6 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 6 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 6 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 6 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 6 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 6 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 6 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 6 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 6 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 6 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 6 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 6 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 6 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 6 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 6 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 6 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 6 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 6 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 6 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 6 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 6 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 6 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 6 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 6 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 6 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 6 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 6 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 6 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 6 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 6 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 6 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 6 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 6 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 6 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 6 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 6 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 6 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 6 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 6 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 6 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 6 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 6 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 6 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 6 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 6 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 6 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 6 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 6 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 6 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 6 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 6 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 6 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 6 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 6 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 6 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 6 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 6 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 6 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 6 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 6 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 6 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 6 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 6 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 6 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 6 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 6 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 6 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 6 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 6 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 6 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 6 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 6 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 6 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 6 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 6 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 6 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 6 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 6 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 6 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 6 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 6 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 6 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 6 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 6 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 6 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 6 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 6 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 6 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 6 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 6 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 6 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 6 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 6 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 6 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 6 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 6 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 6 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 6 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 6 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 6 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 6 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 6 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 6 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 6 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 6 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 6 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 6 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 6 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 6 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 6 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 6 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 6 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 6 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 6 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 6 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 6 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 6 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 6 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 6 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 6 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 6 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 6 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 6 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 6 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 6 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 6 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 6 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 6 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 6 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 6 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 6 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 6 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 6 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 6 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 6 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 6 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 6 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 6 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 6 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 6 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 6 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 6 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 6 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 6 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 6 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 6 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 6 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 6 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 6 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 6 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 6 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 6 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 6 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 6 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 6 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 6 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 6 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 6 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 6 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 6 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 6 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 6 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 6 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 6 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 6 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 6 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 6 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 6 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 6 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 6 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 6 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 6 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 6 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 6 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 6 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 6 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 6 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 6 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 6 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 6 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 6 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 6 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 6 block 63: step 24 share 14/16
     {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 7 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 7 block 0: step 16 share 7/8
-    {24, 7, 8},  // rank 7 block 0: step 24 share 7/8
-    {1, 0, 8},  // rank 7 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 7 block 1: step 9 share 0/8
-    {17, 0, 8},  // rank 7 block 1: step 17 share 0/8
-    {25, 0, 8},  // rank 7 block 1: step 25 share 0/8
-    {1, 1, 8},  // rank 7 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 7 block 2: step 9 share 1/8
-    {17, 1, 8},  // rank 7 block 2: step 17 share 1/8
-    {25, 1, 8},  // rank 7 block 2: step 25 share 1/8
-    {1, 2, 8},  // rank 7 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 7 block 3: step 9 share 2/8
-    {17, 2, 8},  // rank 7 block 3: step 17 share 2/8
-    {25, 2, 8},  // rank 7 block 3: step 25 share 2/8
-    {1, 3, 8},  // rank 7 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 7 block 4: step 9 share 3/8
-    {17, 3, 8},  // rank 7 block 4: step 17 share 3/8
-    {25, 3, 8},  // rank 7 block 4: step 25 share 3/8
-    {1, 4, 8},  // rank 7 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 7 block 5: step 9 share 4/8
-    {17, 4, 8},  // rank 7 block 5: step 17 share 4/8
-    {25, 4, 8},  // rank 7 block 5: step 25 share 4/8
-    {1, 5, 8},  // rank 7 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 7 block 6: step 9 share 5/8
-    {17, 5, 8},  // rank 7 block 6: step 17 share 5/8
-    {25, 5, 8},  // rank 7 block 6: step 25 share 5/8
-    {1, 6, 8},  // rank 7 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 7 block 7: step 9 share 6/8
-    {17, 6, 8},  // rank 7 block 7: step 17 share 6/8
-    {25, 6, 8},  // rank 7 block 7: step 25 share 6/8
-    {1, 7, 8},  // rank 7 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 7 block 8: step 9 share 7/8
-    {17, 7, 8},  // rank 7 block 8: step 17 share 7/8
-    {25, 7, 8},  // rank 7 block 8: step 25 share 7/8
-    {2, 0, 8},  // rank 7 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 7 block 9: step 10 share 0/8
-    {18, 0, 8},  // rank 7 block 9: step 18 share 0/8
-    {26, 0, 8},  // rank 7 block 9: step 26 share 0/8
-    {2, 1, 8},  // rank 7 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 7 block 10: step 10 share 1/8
-    {18, 1, 8},  // rank 7 block 10: step 18 share 1/8
-    {26, 1, 8},  // rank 7 block 10: step 26 share 1/8
-    {2, 2, 8},  // rank 7 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 7 block 11: step 10 share 2/8
-    {18, 2, 8},  // rank 7 block 11: step 18 share 2/8
-    {26, 2, 8},  // rank 7 block 11: step 26 share 2/8
-    {2, 3, 8},  // rank 7 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 7 block 12: step 10 share 3/8
-    {18, 3, 8},  // rank 7 block 12: step 18 share 3/8
-    {26, 3, 8},  // rank 7 block 12: step 26 share 3/8
-    {2, 4, 8},  // rank 7 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 7 block 13: step 10 share 4/8
-    {18, 4, 8},  // rank 7 block 13: step 18 share 4/8
-    {26, 4, 8},  // rank 7 block 13: step 26 share 4/8
-    {2, 5, 8},  // rank 7 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 7 block 14: step 10 share 5/8
-    {18, 5, 8},  // rank 7 block 14: step 18 share 5/8
-    {26, 5, 8},  // rank 7 block 14: step 26 share 5/8
-    {2, 6, 8},  // rank 7 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 7 block 15: step 10 share 6/8
-    {18, 6, 8},  // rank 7 block 15: step 18 share 6/8
-    {26, 6, 8},  // rank 7 block 15: step 26 share 6/8
-    {2, 7, 8},  // rank 7 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 7 block 16: step 10 share 7/8
-    {18, 7, 8},  // rank 7 block 16: step 18 share 7/8
-    {26, 7, 8},  // rank 7 block 16: step 26 share 7/8
-    {3, 0, 8},  // rank 7 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 7 block 17: step 11 share 0/8
-    {19, 0, 8},  // rank 7 block 17: step 19 share 0/8
-    {27, 0, 8},  // rank 7 block 17: step 27 share 0/8
-    {3, 1, 8},  // rank 7 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 7 block 18: step 11 share 1/8
-    {19, 1, 8},  // rank 7 block 18: step 19 share 1/8
-    {27, 1, 8},  // rank 7 block 18: step 27 share 1/8
-    {3, 2, 8},  // rank 7 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 7 block 19: step 11 share 2/8
-    {19, 2, 8},  // rank 7 block 19: step 19 share 2/8
-    {27, 2, 8},  // rank 7 block 19: step 27 share 2/8
-    {3, 3, 8},  // rank 7 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 7 block 20: step 11 share 3/8
-    {19, 3, 8},  // rank 7 block 20: step 19 share 3/8
-    {27, 3, 8},  // rank 7 block 20: step 27 share 3/8
-    {3, 4, 8},  // rank 7 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 7 block 21: step 11 share 4/8
-    {19, 4, 8},  // rank 7 block 21: step 19 share 4/8
-    {27, 4, 8},  // rank 7 block 21: step 27 share 4/8
-    {3, 5, 8},  // rank 7 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 7 block 22: step 11 share 5/8
-    {19, 5, 8},  // rank 7 block 22: step 19 share 5/8
-    {27, 5, 8},  // rank 7 block 22: step 27 share 5/8
-    {3, 6, 8},  // rank 7 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 7 block 23: step 11 share 6/8
-    {19, 6, 8},  // rank 7 block 23: step 19 share 6/8
-    {27, 6, 8},  // rank 7 block 23: step 27 share 6/8
-    {3, 7, 8},  // rank 7 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 7 block 24: step 11 share 7/8
-    {19, 7, 8},  // rank 7 block 24: step 19 share 7/8
-    {27, 7, 8},  // rank 7 block 24: step 27 share 7/8
-    {4, 0, 8},  // rank 7 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 7 block 25: step 12 share 0/8
-    {20, 0, 8},  // rank 7 block 25: step 20 share 0/8
-    {28, 0, 8},  // rank 7 block 25: step 28 share 0/8
-    {4, 1, 8},  // rank 7 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 7 block 26: step 12 share 1/8
-    {20, 1, 8},  // rank 7 block 26: step 20 share 1/8
-    {28, 1, 8},  // rank 7 block 26: step 28 share 1/8
-    {4, 2, 8},  // rank 7 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 7 block 27: step 12 share 2/8
-    {20, 2, 8},  // rank 7 block 27: step 20 share 2/8
-    {28, 2, 8},  // rank 7 block 27: step 28 share 2/8
-    {4, 3, 8},  // rank 7 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 7 block 28: step 12 share 3/8
-    {20, 3, 8},  // rank 7 block 28: step 20 share 3/8
-    {28, 3, 8},  // rank 7 block 28: step 28 share 3/8
-    {4, 4, 8},  // rank 7 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 7 block 29: step 12 share 4/8
-    {20, 4, 8},  // rank 7 block 29: step 20 share 4/8
-    {28, 4, 8},  // rank 7 block 29: step 28 share 4/8
-    {4, 5, 8},  // rank 7 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 7 block 30: step 12 share 5/8
-    {20, 5, 8},  // rank 7 block 30: step 20 share 5/8
-    {28, 5, 8},  // rank 7 block 30: step 28 share 5/8
-    {4, 6, 8},  // rank 7 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 7 block 31: step 12 share 6/8
-    {20, 6, 8},  // rank 7 block 31: step 20 share 6/8
-    {28, 6, 8},  // rank 7 block 31: step 28 share 6/8
-    {4, 7, 8},  // rank 7 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 7 block 32: step 12 share 7/8
-    {20, 7, 8},  // rank 7 block 32: step 20 share 7/8
-    {28, 7, 8},  // rank 7 block 32: step 28 share 7/8
-    {5, 0, 8},  // rank 7 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 7 block 33: step 13 share 0/8
-    {21, 0, 8},  // rank 7 block 33: step 21 share 0/8
-    {29, 0, 8},  // rank 7 block 33: step 29 share 0/8
-    {5, 1, 8},  // rank 7 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 7 block 34: step 13 share 1/8
-    {21, 1, 8},  // rank 7 block 34: step 21 share 1/8
-    {29, 1, 8},  // rank 7 block 34: step 29 share 1/8
-    {5, 2, 8},  // rank 7 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 7 block 35: step 13 share 2/8
-    {21, 2, 8},  // rank 7 block 35: step 21 share 2/8
-    {29, 2, 8},  // rank 7 block 35: step 29 share 2/8
-    {5, 3, 8},  // rank 7 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 7 block 36: step 13 share 3/8
-    {21, 3, 8},  // rank 7 block 36: step 21 share 3/8
-    {29, 3, 8},  // rank 7 block 36: step 29 share 3/8
-    {5, 4, 8},  // rank 7 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 7 block 37: step 13 share 4/8
-    {21, 4, 8},  // rank 7 block 37: step 21 share 4/8
-    {29, 4, 8},  // rank 7 block 37: step 29 share 4/8
-    {5, 5, 8},  // rank 7 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 7 block 38: step 13 share 5/8
-    {21, 5, 8},  // rank 7 block 38: step 21 share 5/8
-    {29, 5, 8},  // rank 7 block 38: step 29 share 5/8
-    {5, 6, 8},  // rank 7 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 7 block 39: step 13 share 6/8
-    {21, 6, 8},  // rank 7 block 39: step 21 share 6/8
-    {29, 6, 8},  // rank 7 block 39: step 29 share 6/8
-    {5, 7, 8},  // rank 7 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 7 block 40: step 13 share 7/8
-    {21, 7, 8},  // rank 7 block 40: step 21 share 7/8
-    {29, 7, 8},  // rank 7 block 40: step 29 share 7/8
-    {6, 0, 8},  // rank 7 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 7 block 41: step 14 share 0/8
-    {22, 0, 8},  // rank 7 block 41: step 22 share 0/8
-    {30, 0, 8},  // rank 7 block 41: step 30 share 0/8
-    {6, 1, 8},  // rank 7 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 7 block 42: step 14 share 1/8
-    {22, 1, 8},  // rank 7 block 42: step 22 share 1/8
-    {30, 1, 8},  // rank 7 block 42: step 30 share 1/8
-    {6, 2, 8},  // rank 7 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 7 block 43: step 14 share 2/8
-    {22, 2, 8},  // rank 7 block 43: step 22 share 2/8
-    {30, 2, 8},  // rank 7 block 43: step 30 share 2/8
-    {6, 3, 8},  // rank 7 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 7 block 44: step 14 share 3/8
-    {22, 3, 8},  // rank 7 block 44: step 22 share 3/8
-    {30, 3, 8},  // rank 7 block 44: step 30 share 3/8
-    {6, 4, 8},  // rank 7 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 7 block 45: step 14 share 4/8
-    {22, 4, 8},  // rank 7 block 45: step 22 share 4/8
-    {30, 4, 8},  // rank 7 block 45: step 30 share 4/8
-    {6, 5, 8},  // rank 7 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 7 block 46: step 14 share 5/8
-    {22, 5, 8},  // rank 7 block 46: step 22 share 5/8
-    {30, 5, 8},  // rank 7 block 46: step 30 share 5/8
-    {6, 6, 8},  // rank 7 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 7 block 47: step 14 share 6/8
-    {22, 6, 8},  // rank 7 block 47: step 22 share 6/8
-    {30, 6, 8},  // rank 7 block 47: step 30 share 6/8
-    {6, 7, 8},  // rank 7 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 7 block 48: step 14 share 7/8
-    {22, 7, 8},  // rank 7 block 48: step 22 share 7/8
-    {30, 7, 8},  // rank 7 block 48: step 30 share 7/8
-    {7, 0, 8},  // rank 7 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 7 block 49: step 15 share 0/8
-    {23, 0, 8},  // rank 7 block 49: step 23 share 0/8
+    {7, 15, 16},  // rank 7 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 7 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 7 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 7 block 0: step 16 share 15/16
+    {23, 15, 16},  // rank 7 block 0: step 23 share 15/16
+    {24, 15, 16},  // rank 7 block 0: step 24 share 15/16
+    {1, 0, 16},  // rank 7 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 7 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 7 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 7 block 1: step 10 share 0/16
+    {17, 0, 16},  // rank 7 block 1: step 17 share 0/16
+    {18, 0, 16},  // rank 7 block 1: step 18 share 0/16
+    {25, 0, 16},  // rank 7 block 1: step 25 share 0/16
+    {26, 0, 16},  // rank 7 block 1: step 26 share 0/16
+    {1, 1, 16},  // rank 7 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 7 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 7 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 7 block 2: step 10 share 1/16
+    {17, 1, 16},  // rank 7 block 2: step 17 share 1/16
+    {18, 1, 16},  // rank 7 block 2: step 18 share 1/16
+    {25, 1, 16},  // rank 7 block 2: step 25 share 1/16
+    {26, 1, 16},  // rank 7 block 2: step 26 share 1/16
+    {1, 2, 16},  // rank 7 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 7 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 7 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 7 block 3: step 10 share 2/16
+    {17, 2, 16},  // rank 7 block 3: step 17 share 2/16
+    {18, 2, 16},  // rank 7 block 3: step 18 share 2/16
+    {25, 2, 16},  // rank 7 block 3: step 25 share 2/16
+    {26, 2, 16},  // rank 7 block 3: step 26 share 2/16
+    {1, 3, 16},  // rank 7 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 7 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 7 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 7 block 4: step 10 share 3/16
+    {17, 3, 16},  // rank 7 block 4: step 17 share 3/16
+    {18, 3, 16},  // rank 7 block 4: step 18 share 3/16
+    {25, 3, 16},  // rank 7 block 4: step 25 share 3/16
+    {26, 3, 16},  // rank 7 block 4: step 26 share 3/16
+    {1, 4, 16},  // rank 7 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 7 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 7 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 7 block 5: step 10 share 4/16
+    {17, 4, 16},  // rank 7 block 5: step 17 share 4/16
+    {18, 4, 16},  // rank 7 block 5: step 18 share 4/16
+    {25, 4, 16},  // rank 7 block 5: step 25 share 4/16
+    {26, 4, 16},  // rank 7 block 5: step 26 share 4/16
+    {1, 5, 16},  // rank 7 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 7 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 7 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 7 block 6: step 10 share 5/16
+    {17, 5, 16},  // rank 7 block 6: step 17 share 5/16
+    {18, 5, 16},  // rank 7 block 6: step 18 share 5/16
+    {25, 5, 16},  // rank 7 block 6: step 25 share 5/16
+    {26, 5, 16},  // rank 7 block 6: step 26 share 5/16
+    {1, 6, 16},  // rank 7 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 7 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 7 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 7 block 7: step 10 share 6/16
+    {17, 6, 16},  // rank 7 block 7: step 17 share 6/16
+    {18, 6, 16},  // rank 7 block 7: step 18 share 6/16
+    {25, 6, 16},  // rank 7 block 7: step 25 share 6/16
+    {26, 6, 16},  // rank 7 block 7: step 26 share 6/16
+    {1, 7, 16},  // rank 7 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 7 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 7 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 7 block 8: step 10 share 7/16
+    {17, 7, 16},  // rank 7 block 8: step 17 share 7/16
+    {18, 7, 16},  // rank 7 block 8: step 18 share 7/16
+    {25, 7, 16},  // rank 7 block 8: step 25 share 7/16
+    {26, 7, 16},  // rank 7 block 8: step 26 share 7/16
+    {1, 8, 16},  // rank 7 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 7 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 7 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 7 block 9: step 10 share 8/16
+    {17, 8, 16},  // rank 7 block 9: step 17 share 8/16
+    {18, 8, 16},  // rank 7 block 9: step 18 share 8/16
+    {25, 8, 16},  // rank 7 block 9: step 25 share 8/16
+    {26, 8, 16},  // rank 7 block 9: step 26 share 8/16
+    {1, 9, 16},  // rank 7 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 7 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 7 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 7 block 10: step 10 share 9/16
+    {17, 9, 16},  // rank 7 block 10: step 17 share 9/16
+    {18, 9, 16},  // rank 7 block 10: step 18 share 9/16
+    {25, 9, 16},  // rank 7 block 10: step 25 share 9/16
+    {26, 9, 16},  // rank 7 block 10: step 26 share 9/16
+    {1, 10, 16},  // rank 7 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 7 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 7 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 7 block 11: step 10 share 10/16
+    {17, 10, 16},  // rank 7 block 11: step 17 share 10/16
+    {18, 10, 16},  // rank 7 block 11: step 18 share 10/16
+    {25, 10, 16},  // rank 7 block 11: step 25 share 10/16
+    {26, 10, 16},  // rank 7 block 11: step 26 share 10/16
+    {1, 11, 16},  // rank 7 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 7 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 7 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 7 block 12: step 10 share 11/16
+    {17, 11, 16},  // rank 7 block 12: step 17 share 11/16
+    {18, 11, 16},  // rank 7 block 12: step 18 share 11/16
+    {25, 11, 16},  // rank 7 block 12: step 25 share 11/16
+    {26, 11, 16},  // rank 7 block 12: step 26 share 11/16
+    {1, 12, 16},  // rank 7 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 7 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 7 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 7 block 13: step 10 share 12/16
+    {17, 12, 16},  // rank 7 block 13: step 17 share 12/16
+    {18, 12, 16},  // rank 7 block 13: step 18 share 12/16
+    {25, 12, 16},  // rank 7 block 13: step 25 share 12/16
+    {26, 12, 16},  // rank 7 block 13: step 26 share 12/16
+    {1, 13, 16},  // rank 7 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 7 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 7 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 7 block 14: step 10 share 13/16
+    {17, 13, 16},  // rank 7 block 14: step 17 share 13/16
+    {18, 13, 16},  // rank 7 block 14: step 18 share 13/16
+    {25, 13, 16},  // rank 7 block 14: step 25 share 13/16
+    {26, 13, 16},  // rank 7 block 14: step 26 share 13/16
+    {1, 14, 16},  // rank 7 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 7 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 7 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 7 block 15: step 10 share 14/16
+    {17, 14, 16},  // rank 7 block 15: step 17 share 14/16
+    {18, 14, 16},  // rank 7 block 15: step 18 share 14/16
+    {25, 14, 16},  // rank 7 block 15: step 25 share 14/16
+    {26, 14, 16},  // rank 7 block 15: step 26 share 14/16
+    {1, 15, 16},  // rank 7 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 7 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 7 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 7 block 16: step 10 share 15/16
+    {17, 15, 16},  // rank 7 block 16: step 17 share 15/16
+    {18, 15, 16},  // rank 7 block 16: step 18 share 15/16
+    {25, 15, 16},  // rank 7 block 16: step 25 share 15/16
+    {26, 15, 16},  // rank 7 block 16: step 26 share 15/16
+    {3, 0, 16},  // rank 7 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 7 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 7 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 7 block 17: step 12 share 0/16
+    {19, 0, 16},  // rank 7 block 17: step 19 share 0/16
+    {20, 0, 16},  // rank 7 block 17: step 20 share 0/16
+    {27, 0, 16},  // rank 7 block 17: step 27 share 0/16
+    {28, 0, 16},  // rank 7 block 17: step 28 share 0/16
+    {3, 1, 16},  // rank 7 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 7 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 7 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 7 block 18: step 12 share 1/16
+    {19, 1, 16},  // rank 7 block 18: step 19 share 1/16
+    {20, 1, 16},  // rank 7 block 18: step 20 share 1/16
+    {27, 1, 16},  // rank 7 block 18: step 27 share 1/16
+    {28, 1, 16},  // rank 7 block 18: step 28 share 1/16
+    {3, 2, 16},  // rank 7 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 7 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 7 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 7 block 19: step 12 share 2/16
+    {19, 2, 16},  // rank 7 block 19: step 19 share 2/16
+    {20, 2, 16},  // rank 7 block 19: step 20 share 2/16
+    {27, 2, 16},  // rank 7 block 19: step 27 share 2/16
+    {28, 2, 16},  // rank 7 block 19: step 28 share 2/16
+    {3, 3, 16},  // rank 7 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 7 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 7 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 7 block 20: step 12 share 3/16
+    {19, 3, 16},  // rank 7 block 20: step 19 share 3/16
+    {20, 3, 16},  // rank 7 block 20: step 20 share 3/16
+    {27, 3, 16},  // rank 7 block 20: step 27 share 3/16
+    {28, 3, 16},  // rank 7 block 20: step 28 share 3/16
+    {3, 4, 16},  // rank 7 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 7 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 7 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 7 block 21: step 12 share 4/16
+    {19, 4, 16},  // rank 7 block 21: step 19 share 4/16
+    {20, 4, 16},  // rank 7 block 21: step 20 share 4/16
+    {27, 4, 16},  // rank 7 block 21: step 27 share 4/16
+    {28, 4, 16},  // rank 7 block 21: step 28 share 4/16
+    {3, 5, 16},  // rank 7 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 7 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 7 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 7 block 22: step 12 share 5/16
+    {19, 5, 16},  // rank 7 block 22: step 19 share 5/16
+    {20, 5, 16},  // rank 7 block 22: step 20 share 5/16
+    {27, 5, 16},  // rank 7 block 22: step 27 share 5/16
+    {28, 5, 16},  // rank 7 block 22: step 28 share 5/16
+    {3, 6, 16},  // rank 7 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 7 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 7 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 7 block 23: step 12 share 6/16
+    {19, 6, 16},  // rank 7 block 23: step 19 share 6/16
+    {20, 6, 16},  // rank 7 block 23: step 20 share 6/16
+    {27, 6, 16},  // rank 7 block 23: step 27 share 6/16
+    {28, 6, 16},  // rank 7 block 23: step 28 share 6/16
+    {3, 7, 16},  // rank 7 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 7 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 7 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 7 block 24: step 12 share 7/16
+    {19, 7, 16},  // rank 7 block 24: step 19 share 7/16
+    {20, 7, 16},  // rank 7 block 24: step 20 share 7/16
+    {27, 7, 16},  // rank 7 block 24: step 27 share 7/16
+    {28, 7, 16},  // rank 7 block 24: step 28 share 7/16
+    {3, 8, 16},  // rank 7 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 7 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 7 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 7 block 25: step 12 share 8/16
+    {19, 8, 16},  // rank 7 block 25: step 19 share 8/16
+    {20, 8, 16},  // rank 7 block 25: step 20 share 8/16
+    {27, 8, 16},  // rank 7 block 25: step 27 share 8/16
+    {28, 8, 16},  // rank 7 block 25: step 28 share 8/16
+    {3, 9, 16},  // rank 7 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 7 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 7 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 7 block 26: step 12 share 9/16
+    {19, 9, 16},  // rank 7 block 26: step 19 share 9/16
+    {20, 9, 16},  // rank 7 block 26: step 20 share 9/16
+    {27, 9, 16},  // rank 7 block 26: step 27 share 9/16
+    {28, 9, 16},  // rank 7 block 26: step 28 share 9/16
+    {3, 10, 16},  // rank 7 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 7 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 7 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 7 block 27: step 12 share 10/16
+    {19, 10, 16},  // rank 7 block 27: step 19 share 10/16
+    {20, 10, 16},  // rank 7 block 27: step 20 share 10/16
+    {27, 10, 16},  // rank 7 block 27: step 27 share 10/16
+    {28, 10, 16},  // rank 7 block 27: step 28 share 10/16
+    {3, 11, 16},  // rank 7 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 7 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 7 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 7 block 28: step 12 share 11/16
+    {19, 11, 16},  // rank 7 block 28: step 19 share 11/16
+    {20, 11, 16},  // rank 7 block 28: step 20 share 11/16
+    {27, 11, 16},  // rank 7 block 28: step 27 share 11/16
+    {28, 11, 16},  // rank 7 block 28: step 28 share 11/16
+    {3, 12, 16},  // rank 7 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 7 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 7 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 7 block 29: step 12 share 12/16
+    {19, 12, 16},  // rank 7 block 29: step 19 share 12/16
+    {20, 12, 16},  // rank 7 block 29: step 20 share 12/16
+    {27, 12, 16},  // rank 7 block 29: step 27 share 12/16
+    {28, 12, 16},  // rank 7 block 29: step 28 share 12/16
+    {3, 13, 16},  // rank 7 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 7 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 7 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 7 block 30: step 12 share 13/16
+    {19, 13, 16},  // rank 7 block 30: step 19 share 13/16
+    {20, 13, 16},  // rank 7 block 30: step 20 share 13/16
+    {27, 13, 16},  // rank 7 block 30: step 27 share 13/16
+    {28, 13, 16},  // rank 7 block 30: step 28 share 13/16
+    {3, 14, 16},  // rank 7 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 7 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 7 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 7 block 31: step 12 share 14/16
+    {19, 14, 16},  // rank 7 block 31: step 19 share 14/16
+    {20, 14, 16},  // rank 7 block 31: step 20 share 14/16
+    {27, 14, 16},  // rank 7 block 31: step 27 share 14/16
+    {28, 14, 16},  // rank 7 block 31: step 28 share 14/16
+    {3, 15, 16},  // rank 7 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 7 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 7 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 7 block 32: step 12 share 15/16
+    {19, 15, 16},  // rank 7 block 32: step 19 share 15/16
+    {20, 15, 16},  // rank 7 block 32: step 20 share 15/16
+    {27, 15, 16},  // rank 7 block 32: step 27 share 15/16
+    {28, 15, 16},  // rank 7 block 32: step 28 share 15/16
+    {5, 0, 16},  // rank 7 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 7 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 7 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 7 block 33: step 14 share 0/16
+    {21, 0, 16},  // rank 7 block 33: step 21 share 0/16
+    {22, 0, 16},  // rank 7 block 33: step 22 share 0/16
+    {29, 0, 16},  // rank 7 block 33: step 29 share 0/16
+    {30, 0, 16},  // rank 7 block 33: step 30 share 0/16
+    {5, 1, 16},  // rank 7 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 7 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 7 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 7 block 34: step 14 share 1/16
+    {21, 1, 16},  // rank 7 block 34: step 21 share 1/16
+    {22, 1, 16},  // rank 7 block 34: step 22 share 1/16
+    {29, 1, 16},  // rank 7 block 34: step 29 share 1/16
+    {30, 1, 16},  // rank 7 block 34: step 30 share 1/16
+    {5, 2, 16},  // rank 7 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 7 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 7 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 7 block 35: step 14 share 2/16
+    {21, 2, 16},  // rank 7 block 35: step 21 share 2/16
+    {22, 2, 16},  // rank 7 block 35: step 22 share 2/16
+    {29, 2, 16},  // rank 7 block 35: step 29 share 2/16
+    {30, 2, 16},  // rank 7 block 35: step 30 share 2/16
+    {5, 3, 16},  // rank 7 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 7 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 7 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 7 block 36: step 14 share 3/16
+    {21, 3, 16},  // rank 7 block 36: step 21 share 3/16
+    {22, 3, 16},  // rank 7 block 36: step 22 share 3/16
+    {29, 3, 16},  // rank 7 block 36: step 29 share 3/16
+    {30, 3, 16},  // rank 7 block 36: step 30 share 3/16
+    {5, 4, 16},  // rank 7 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 7 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 7 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 7 block 37: step 14 share 4/16
+    {21, 4, 16},  // rank 7 block 37: step 21 share 4/16
+    {22, 4, 16},  // rank 7 block 37: step 22 share 4/16
+    {29, 4, 16},  // rank 7 block 37: step 29 share 4/16
+    {30, 4, 16},  // rank 7 block 37: step 30 share 4/16
+    {5, 5, 16},  // rank 7 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 7 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 7 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 7 block 38: step 14 share 5/16
+    {21, 5, 16},  // rank 7 block 38: step 21 share 5/16
+    {22, 5, 16},  // rank 7 block 38: step 22 share 5/16
+    {29, 5, 16},  // rank 7 block 38: step 29 share 5/16
+    {30, 5, 16},  // rank 7 block 38: step 30 share 5/16
+    {5, 6, 16},  // rank 7 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 7 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 7 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 7 block 39: step 14 share 6/16
+    {21, 6, 16},  // rank 7 block 39: step 21 share 6/16
+    {22, 6, 16},  // rank 7 block 39: step 22 share 6/16
+    {29, 6, 16},  // rank 7 block 39: step 29 share 6/16
+    {30, 6, 16},  // rank 7 block 39: step 30 share 6/16
+    {5, 7, 16},  // rank 7 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 7 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 7 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 7 block 40: step 14 share 7/16
+    {21, 7, 16},  // rank 7 block 40: step 21 share 7/16
+    {22, 7, 16},  // rank 7 block 40: step 22 share 7/16
+    {29, 7, 16},  // rank 7 block 40: step 29 share 7/16
+    {30, 7, 16},  // rank 7 block 40: step 30 share 7/16
+    {5, 8, 16},  // rank 7 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 7 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 7 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 7 block 41: step 14 share 8/16
+    {21, 8, 16},  // rank 7 block 41: step 21 share 8/16
+    {22, 8, 16},  // rank 7 block 41: step 22 share 8/16
+    {29, 8, 16},  // rank 7 block 41: step 29 share 8/16
+    {30, 8, 16},  // rank 7 block 41: step 30 share 8/16
+    {5, 9, 16},  // rank 7 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 7 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 7 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 7 block 42: step 14 share 9/16
+    {21, 9, 16},  // rank 7 block 42: step 21 share 9/16
+    {22, 9, 16},  // rank 7 block 42: step 22 share 9/16
+    {29, 9, 16},  // rank 7 block 42: step 29 share 9/16
+    {30, 9, 16},  // rank 7 block 42: step 30 share 9/16
+    {5, 10, 16},  // rank 7 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 7 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 7 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 7 block 43: step 14 share 10/16
+    {21, 10, 16},  // rank 7 block 43: step 21 share 10/16
+    {22, 10, 16},  // rank 7 block 43: step 22 share 10/16
+    {29, 10, 16},  // rank 7 block 43: step 29 share 10/16
+    {30, 10, 16},  // rank 7 block 43: step 30 share 10/16
+    {5, 11, 16},  // rank 7 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 7 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 7 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 7 block 44: step 14 share 11/16
+    {21, 11, 16},  // rank 7 block 44: step 21 share 11/16
+    {22, 11, 16},  // rank 7 block 44: step 22 share 11/16
+    {29, 11, 16},  // rank 7 block 44: step 29 share 11/16
+    {30, 11, 16},  // rank 7 block 44: step 30 share 11/16
+    {5, 12, 16},  // rank 7 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 7 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 7 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 7 block 45: step 14 share 12/16
+    {21, 12, 16},  // rank 7 block 45: step 21 share 12/16
+    {22, 12, 16},  // rank 7 block 45: step 22 share 12/16
+    {29, 12, 16},  // rank 7 block 45: step 29 share 12/16
+    {30, 12, 16},  // rank 7 block 45: step 30 share 12/16
+    {5, 13, 16},  // rank 7 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 7 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 7 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 7 block 46: step 14 share 13/16
+    {21, 13, 16},  // rank 7 block 46: step 21 share 13/16
+    {22, 13, 16},  // rank 7 block 46: step 22 share 13/16
+    {29, 13, 16},  // rank 7 block 46: step 29 share 13/16
+    {30, 13, 16},  // rank 7 block 46: step 30 share 13/16
+    {5, 14, 16},  // rank 7 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 7 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 7 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 7 block 47: step 14 share 14/16
+    {21, 14, 16},  // rank 7 block 47: step 21 share 14/16
+    {22, 14, 16},  // rank 7 block 47: step 22 share 14/16
+    {29, 14, 16},  // rank 7 block 47: step 29 share 14/16
+    {30, 14, 16},  // rank 7 block 47: step 30 share 14/16
+    {5, 15, 16},  // rank 7 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 7 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 7 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 7 block 48: step 14 share 15/16
+    {21, 15, 16},  // rank 7 block 48: step 21 share 15/16
+    {22, 15, 16},  // rank 7 block 48: step 22 share 15/16
+    {29, 15, 16},  // rank 7 block 48: step 29 share 15/16
+    {30, 15, 16},  // rank 7 block 48: step 30 share 15/16
+    {7, 0, 16},  // rank 7 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 7 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 7 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 7 block 49: step 16 share 0/16
+    {23, 0, 16},  // rank 7 block 49: step 23 share 0/16
+    {24, 0, 16},  // rank 7 block 49: step 24 share 0/16
     {31, 0, 1},  // rank 7 block 49: step 31 share 0/1
-    {7, 1, 8},  // rank 7 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 7 block 50: step 15 share 1/8
-    {23, 1, 8},  // rank 7 block 50: step 23 share 1/8
+    {7, 1, 16},  // rank 7 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 7 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 7 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 7 block 50: step 16 share 1/16
+    {23, 1, 16},  // rank 7 block 50: step 23 share 1/16
+    {24, 1, 16},  // rank 7 block 50: step 24 share 1/16
     {32, 0, 1},  // rank 7 block 50: step 32 share 0/1
-    {7, 2, 8},  // rank 7 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 7 block 51: step 15 share 2/8
-    {23, 2, 8},  // rank 7 block 51: step 23 share 2/8
-    {7, 3, 8},  // rank 7 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 7 block 52: step 15 share 3/8
-    {23, 3, 8},  // rank 7 block 52: step 23 share 3/8
-    {7, 4, 8},  // rank 7 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 7 block 53: step 15 share 4/8
-    {23, 4, 8},  // rank 7 block 53: step 23 share 4/8
-    {7, 5, 8},  // rank 7 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 7 block 54: step 15 share 5/8
-    {23, 5, 8},  // rank 7 block 54: step 23 share 5/8
-    {7, 6, 8},  // rank 7 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 7 block 55: step 15 share 6/8
-    {23, 6, 8},  // rank 7 block 55: step 23 share 6/8
-    {7, 7, 8},  // rank 7 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 7 block 56: step 15 share 7/8
-    {23, 7, 8},  // rank 7 block 56: step 23 share 7/8
-    {8, 0, 8},  // rank 7 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 7 block 57: step 16 share 0/8
-    {24, 0, 8},  // rank 7 block 57: step 24 share 0/8
-    {8, 1, 8},  // rank 7 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 7 block 58: step 16 share 1/8
-    {24, 1, 8},  // rank 7 block 58: step 24 share 1/8
-    {8, 2, 8},  // rank 7 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 7 block 59: step 16 share 2/8
-    {24, 2, 8},  // rank 7 block 59: step 24 share 2/8
-    {8, 3, 8},  // rank 7 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 7 block 60: step 16 share 3/8
-    {24, 3, 8},  // rank 7 block 60: step 24 share 3/8
-    {8, 4, 8},  // rank 7 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 7 block 61: step 16 share 4/8
-    {24, 4, 8},  // rank 7 block 61: step 24 share 4/8
-    {8, 5, 8},  // rank 7 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 7 block 62: step 16 share 5/8
-    {24, 5, 8},  // rank 7 block 62: step 24 share 5/8
-    {8, 6, 8},  // rank 7 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 7 block 63: step 16 share 6/8
-    {24, 6, 8},  // rank 7 block 63: step 24 share 6/8
+    {7, 2, 16},  // rank 7 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 7 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 7 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 7 block 51: step 16 share 2/16
+    {23, 2, 16},  // rank 7 block 51: step 23 share 2/16
+    {24, 2, 16},  // rank 7 block 51: step 24 share 2/16
+    {7, 3, 16},  // rank 7 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 7 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 7 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 7 block 52: step 16 share 3/16
+    {23, 3, 16},  // rank 7 block 52: step 23 share 3/16
+    {24, 3, 16},  // rank 7 block 52: step 24 share 3/16
+    {7, 4, 16},  // rank 7 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 7 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 7 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 7 block 53: step 16 share 4/16
+    {23, 4, 16},  // rank 7 block 53: step 23 share 4/16
+    {24, 4, 16},  // rank 7 block 53: step 24 share 4/16
+    {7, 5, 16},  // rank 7 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 7 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 7 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 7 block 54: step 16 share 5/16
+    {23, 5, 16},  // rank 7 block 54: step 23 share 5/16
+    {24, 5, 16},  // rank 7 block 54: step 24 share 5/16
+    {7, 6, 16},  // rank 7 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 7 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 7 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 7 block 55: step 16 share 6/16
+    {23, 6, 16},  // rank 7 block 55: step 23 share 6/16
+    {24, 6, 16},  // rank 7 block 55: step 24 share 6/16
+    {7, 7, 16},  // rank 7 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 7 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 7 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 7 block 56: step 16 share 7/16
+    {23, 7, 16},  // rank 7 block 56: step 23 share 7/16
+    {24, 7, 16},  // rank 7 block 56: step 24 share 7/16
+    {7, 8, 16},  // rank 7 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 7 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 7 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 7 block 57: step 16 share 8/16
+    {23, 8, 16},  // rank 7 block 57: step 23 share 8/16
+    {24, 8, 16},  // rank 7 block 57: step 24 share 8/16
+    {7, 9, 16},  // rank 7 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 7 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 7 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 7 block 58: step 16 share 9/16
+    {23, 9, 16},  // rank 7 block 58: step 23 share 9/16
+    {24, 9, 16},  // rank 7 block 58: step 24 share 9/16
+    {7, 10, 16},  // rank 7 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 7 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 7 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 7 block 59: step 16 share 10/16
+    {23, 10, 16},  // rank 7 block 59: step 23 share 10/16
+    {24, 10, 16},  // rank 7 block 59: step 24 share 10/16
+    {7, 11, 16},  // rank 7 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 7 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 7 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 7 block 60: step 16 share 11/16
+    {23, 11, 16},  // rank 7 block 60: step 23 share 11/16
+    {24, 11, 16},  // rank 7 block 60: step 24 share 11/16
+    {7, 12, 16},  // rank 7 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 7 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 7 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 7 block 61: step 16 share 12/16
+    {23, 12, 16},  // rank 7 block 61: step 23 share 12/16
+    {24, 12, 16},  // rank 7 block 61: step 24 share 12/16
+    {7, 13, 16},  // rank 7 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 7 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 7 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 7 block 62: step 16 share 13/16
+    {23, 13, 16},  // rank 7 block 62: step 23 share 13/16
+    {24, 13, 16},  // rank 7 block 62: step 24 share 13/16
+    {7, 14, 16},  // rank 7 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 7 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 7 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 7 block 63: step 16 share 14/16
+    {23, 14, 16},  // rank 7 block 63: step 23 share 14/16
+    {24, 14, 16},  // rank 7 block 63: step 24 share 14/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 132, 136, 140, 144, 148, 152, 156, 160, 164, 168, 172, 176, 180, 184, 188, 192, 196, 200, 204, 207, 210, 213, 216, 219, 222, 225, 228, 231, 234, 237, 240, 243 },
-    { 243, 247, 251, 255, 259, 263, 267, 271, 275, 279, 283, 287, 291, 295, 299, 303, 307, 311, 315, 319, 323, 327, 331, 335, 339, 343, 347, 351, 355, 359, 363, 367, 371, 375, 379, 383, 387, 391, 395, 399, 403, 407, 411, 415, 419, 423, 427, 431, 435, 439, 443, 447, 450, 453, 456, 459, 462, 465, 468, 471, 474, 477, 480, 483, 486 },
-    { 486, 490, 494, 498, 502, 506, 510, 514, 518, 522, 526, 530, 534, 538, 542, 546, 550, 554, 558, 562, 566, 570, 574, 578, 582, 586, 590, 594, 598, 602, 606, 610, 614, 618, 622, 626, 630, 634, 638, 642, 646, 650, 654, 658, 662, 666, 670, 674, 678, 682, 686, 690, 693, 696, 699, 702, 705, 708, 711, 714, 717, 720, 723, 726, 729 },
-    { 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769, 773, 777, 781, 785, 789, 793, 797, 801, 805, 809, 813, 817, 821, 825, 829, 833, 837, 841, 845, 849, 853, 857, 861, 865, 869, 873, 877, 881, 885, 889, 893, 897, 901, 905, 909, 913, 917, 921, 925, 929, 933, 936, 939, 942, 945, 948, 951, 954, 957, 960, 963, 966, 969, 972 },
-    { 972, 976, 980, 984, 988, 992, 996, 1000, 1004, 1008, 1012, 1016, 1020, 1024, 1028, 1032, 1036, 1040, 1044, 1048, 1052, 1056, 1060, 1064, 1068, 1072, 1076, 1080, 1084, 1088, 1092, 1096, 1100, 1104, 1108, 1112, 1116, 1120, 1124, 1128, 1132, 1136, 1140, 1144, 1148, 1152, 1156, 1160, 1164, 1168, 1172, 1176, 1179, 1182, 1185, 1188, 1191, 1194, 1197, 1200, 1203, 1206, 1209, 1212, 1215 },
-    { 1215, 1219, 1223, 1227, 1231, 1235, 1239, 1243, 1247, 1251, 1255, 1259, 1263, 1267, 1271, 1275, 1279, 1283, 1287, 1291, 1295, 1299, 1303, 1307, 1311, 1315, 1319, 1323, 1327, 1331, 1335, 1339, 1343, 1347, 1351, 1355, 1359, 1363, 1367, 1371, 1375, 1379, 1383, 1387, 1391, 1395, 1399, 1403, 1407, 1411, 1415, 1419, 1422, 1425, 1428, 1431, 1434, 1437, 1440, 1443, 1446, 1449, 1452, 1455, 1458 },
-    { 1458, 1462, 1466, 1470, 1474, 1478, 1482, 1486, 1490, 1494, 1498, 1502, 1506, 1510, 1514, 1518, 1522, 1526, 1530, 1534, 1538, 1542, 1546, 1550, 1554, 1558, 1562, 1566, 1570, 1574, 1578, 1582, 1586, 1590, 1594, 1598, 1602, 1606, 1610, 1614, 1618, 1622, 1626, 1630, 1634, 1638, 1642, 1646, 1650, 1654, 1658, 1662, 1665, 1668, 1671, 1674, 1677, 1680, 1683, 1686, 1689, 1692, 1695, 1698, 1701 },
-    { 1701, 1705, 1709, 1713, 1717, 1721, 1725, 1729, 1733, 1737, 1741, 1745, 1749, 1753, 1757, 1761, 1765, 1769, 1773, 1777, 1781, 1785, 1789, 1793, 1797, 1801, 1805, 1809, 1813, 1817, 1821, 1825, 1829, 1833, 1837, 1841, 1845, 1849, 1853, 1857, 1861, 1865, 1869, 1873, 1877, 1881, 1885, 1889, 1893, 1897, 1901, 1905, 1908, 1911, 1914, 1917, 1920, 1923, 1926, 1929, 1932, 1935, 1938, 1941, 1944 },
+    { 0, 7, 15, 23, 31, 39, 47, 55, 63, 71, 79, 87, 95, 103, 111, 119, 127, 135, 143, 151, 159, 167, 175, 183, 191, 199, 207, 215, 223, 231, 239, 247, 255, 263, 271, 279, 287, 295, 303, 311, 319, 327, 335, 343, 351, 359, 367, 375, 383, 391, 398, 405, 411, 417, 423, 429, 435, 441, 447, 453, 459, 465, 471, 477, 483 },
+    { 483, 490, 498, 506, 514, 522, 530, 538, 546, 554, 562, 570, 578, 586, 594, 602, 610, 618, 626, 634, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 778, 786, 794, 802, 810, 818, 826, 834, 842, 850, 858, 866, 874, 881, 888, 894, 900, 906, 912, 918, 924, 930, 936, 942, 948, 954, 960, 966 },
+    { 966, 973, 981, 989, 997, 1005, 1013, 1021, 1029, 1037, 1045, 1053, 1061, 1069, 1077, 1085, 1093, 1101, 1109, 1117, 1125, 1133, 1141, 1149, 1157, 1165, 1173, 1181, 1189, 1197, 1205, 1213, 1221, 1229, 1237, 1245, 1253, 1261, 1269, 1277, 1285, 1293, 1301, 1309, 1317, 1325, 1333, 1341, 1349, 1357, 1364, 1371, 1377, 1383, 1389, 1395, 1401, 1407, 1413, 1419, 1425, 1431, 1437, 1443, 1449 },
+    { 1449, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1847, 1854, 1860, 1866, 1872, 1878, 1884, 1890, 1896, 1902, 1908, 1914, 1920, 1926, 1932 },
+    { 1932, 1939, 1947, 1955, 1963, 1971, 1979, 1987, 1995, 2003, 2011, 2019, 2027, 2035, 2043, 2051, 2059, 2067, 2075, 2083, 2091, 2099, 2107, 2115, 2123, 2131, 2139, 2147, 2155, 2163, 2171, 2179, 2187, 2195, 2203, 2211, 2219, 2227, 2235, 2243, 2251, 2259, 2267, 2275, 2283, 2291, 2299, 2307, 2315, 2323, 2330, 2337, 2343, 2349, 2355, 2361, 2367, 2373, 2379, 2385, 2391, 2397, 2403, 2409, 2415 },
+    { 2415, 2422, 2430, 2438, 2446, 2454, 2462, 2470, 2478, 2486, 2494, 2502, 2510, 2518, 2526, 2534, 2542, 2550, 2558, 2566, 2574, 2582, 2590, 2598, 2606, 2614, 2622, 2630, 2638, 2646, 2654, 2662, 2670, 2678, 2686, 2694, 2702, 2710, 2718, 2726, 2734, 2742, 2750, 2758, 2766, 2774, 2782, 2790, 2798, 2806, 2813, 2820, 2826, 2832, 2838, 2844, 2850, 2856, 2862, 2868, 2874, 2880, 2886, 2892, 2898 },
+    { 2898, 2905, 2913, 2921, 2929, 2937, 2945, 2953, 2961, 2969, 2977, 2985, 2993, 3001, 3009, 3017, 3025, 3033, 3041, 3049, 3057, 3065, 3073, 3081, 3089, 3097, 3105, 3113, 3121, 3129, 3137, 3145, 3153, 3161, 3169, 3177, 3185, 3193, 3201, 3209, 3217, 3225, 3233, 3241, 3249, 3257, 3265, 3273, 3281, 3289, 3296, 3303, 3309, 3315, 3321, 3327, 3333, 3339, 3345, 3351, 3357, 3363, 3369, 3375, 3381 },
+    { 3381, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596, 3604, 3612, 3620, 3628, 3636, 3644, 3652, 3660, 3668, 3676, 3684, 3692, 3700, 3708, 3716, 3724, 3732, 3740, 3748, 3756, 3764, 3772, 3779, 3786, 3792, 3798, 3804, 3810, 3816, 3822, 3828, 3834, 3840, 3846, 3852, 3858, 3864 },
 };
 
 template <int WORLD> struct plan;

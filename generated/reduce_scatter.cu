@@ -1139,1983 +1139,3471 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 10 steps, 66 block shares over 64 blocks.
+// Plan for world size 2: 10 steps, 130 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
     {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: reduce piece 0; wait arrive[2]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}}, {{5, 0, 2, 8}}, {}},
-    // rank 0 step 4: reduce piece 1; wait arrive[3]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}}, {{5, 0, 3, 8}}, {}},
+    // rank 0 step 3: reduce piece 0; wait arrive[2]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}}, {{5, 0, 2, 16}}, {}},
+    // rank 0 step 4: reduce piece 1; wait arrive[3]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}}, {{5, 0, 3, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
     {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 8 blocks
+    // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 3: reduce piece 0; wait arrive[0]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}}, {{5, 0, 0, 8}}, {}},
-    // rank 1 step 4: reduce piece 1; wait arrive[1]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}}, {{5, 0, 1, 8}}, {}},
+    // rank 1 step 3: reduce piece 0; wait arrive[0]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}}, {{5, 0, 0, 16}}, {}},
+    // rank 1 step 4: reduce piece 1; wait arrive[1]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}}, {{5, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
 static __device__ const tsgen_share shares_w2[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
-    { 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
+    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65 },
+    { 65, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 21 steps, 147 block shares over 64 blocks.
+// Plan for world size 3: 21 steps, 291 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 5: reduce piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}}, {}},
-    // rank 0 step 6: reduce piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}}, {}},
+    // rank 0 step 5: reduce piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}}, {}},
+    // rank 0 step 6: reduce piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 3: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 5: reduce piece 0; wait arrive[0], arrive[4]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}}, {{5, 0, 0, 8}, {5, 0, 4, 8}}, {}},
-    // rank 1 step 6: reduce piece 1; wait arrive[1], arrive[5]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}}, {{5, 0, 1, 8}, {5, 0, 5, 8}}, {}},
+    // rank 1 step 5: reduce piece 0; wait arrive[0], arrive[4]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}}, {{5, 0, 0, 16}, {5, 0, 4, 16}}, {}},
+    // rank 1 step 6: reduce piece 1; wait arrive[1], arrive[5]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}}, {{5, 0, 1, 16}, {5, 0, 5, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 8 blocks
+    // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 2: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 3: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 5: reduce piece 0; wait arrive[0], arrive[2]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}}, {}},
-    // rank 2 step 6: reduce piece 1; wait arrive[1], arrive[3]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}}, {}},
+    // rank 2 step 5: reduce piece 0; wait arrive[0], arrive[2]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}}, {}},
+    // rank 2 step 6: reduce piece 1; wait arrive[1], arrive[3]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
 static __device__ const tsgen_share shares_w3[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
-    { 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
-    { 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147 },
+    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97 },
+    { 97, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194 },
+    { 194, 195, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225, 227, 229, 231, 233, 235, 237, 239, 241, 243, 245, 247, 249, 251, 253, 255, 257, 259, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 36 steps, 260 block shares over 64 blocks.
+// Plan for world size 4: 36 steps, 516 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:src@3[0/2]; signal r3:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 5: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:src@3[1/2]; signal r3:arrive[1]; 8 blocks
+    // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:src@3[0/2]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:src@3[1/2]; signal r3:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 7: reduce piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}, {0, 3, 0, 2, 3, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}}, {}},
-    // rank 0 step 8: reduce piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}, {0, 3, 0, 2, 3, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}}, {}},
+    // rank 0 step 7: reduce piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}, {0, 3, 0, 2, 3, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}}, {}},
+    // rank 0 step 8: reduce piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}, {0, 3, 0, 2, 3, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:src@3[0/2]; signal r3:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:src@3[1/2]; signal r3:arrive[3]; 8 blocks
+    // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:src@3[0/2]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:src@3[1/2]; signal r3:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 7: reduce piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}, {1, 3, 0, 2, 3, 0}}, {{5, 0, 0, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}}, {}},
-    // rank 1 step 8: reduce piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}, {1, 3, 0, 2, 3, 1}}, {{5, 0, 1, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}}, {}},
+    // rank 1 step 7: reduce piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}, {1, 3, 0, 2, 3, 0}}, {{5, 0, 0, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}}, {}},
+    // rank 1 step 8: reduce piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}, {1, 3, 0, 2, 3, 1}}, {{5, 0, 1, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:src@3[0/2]; signal r3:arrive[4]; 8 blocks
+    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:src@3[0/2]; signal r3:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:src@3[1/2]; signal r3:arrive[5]; 8 blocks
+    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:src@3[1/2]; signal r3:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 5: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    // rank 2 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}, {2, 3, 0, 2, 3, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 6, 8}}, {}},
-    // rank 2 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}, {2, 3, 0, 2, 3, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 7, 8}}, {}},
+    // rank 2 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}, {2, 3, 0, 2, 3, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 6, 16}}, {}},
+    // rank 2 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}, {2, 3, 0, 2, 3, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 7, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:src@0[0/2]; signal r0:arrive[6]; 8 blocks
+    // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:src@0[0/2]; signal r0:arrive[6]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 2: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:src@1[0/2]; signal r1:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 3 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:src@2[0/2]; signal r2:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 3 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:src@0[1/2]; signal r0:arrive[7]; 8 blocks
+    // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:src@0[1/2]; signal r0:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 5: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:src@1[1/2]; signal r1:arrive[7]; 8 blocks
+    // rank 3 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:src@1[0/2]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    // rank 3 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:src@1[1/2]; signal r1:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:src@2[1/2]; signal r2:arrive[7]; 8 blocks
+    // rank 3 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:src@2[0/2]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:src@2[1/2]; signal r2:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 3 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[0/2] = r3:src@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 2, 0, 0}, {{3, 1, 1, 2, 3, 0}, {3, 3, 0, 2, 0, 0}, {3, 3, 0, 2, 1, 0}, {3, 3, 0, 2, 2, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}}, {}},
-    // rank 3 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[1/2] = r3:src@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 2, 0, 1}, {{3, 1, 1, 2, 3, 1}, {3, 3, 0, 2, 0, 1}, {3, 3, 0, 2, 1, 1}, {3, 3, 0, 2, 2, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}}, {}},
+    // rank 3 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[0/2] = r3:src@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 2, 0, 0}, {{3, 1, 1, 2, 3, 0}, {3, 3, 0, 2, 0, 0}, {3, 3, 0, 2, 1, 0}, {3, 3, 0, 2, 2, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}}, {}},
+    // rank 3 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[1/2] = r3:src@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 2, 0, 1}, {{3, 1, 1, 2, 3, 1}, {3, 3, 0, 2, 0, 1}, {3, 3, 0, 2, 1, 1}, {3, 3, 0, 2, 2, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
 static __device__ const tsgen_share shares_w4[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 0 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 0 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 0 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 0 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 0 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 0 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 0 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 0 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 0 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 0 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 0 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 0 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 0 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 0 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 0 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 0 block 63: step 8 share 6/8
+    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 1 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 1 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 1 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 1 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 1 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 1 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 1 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 1 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 1 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 1 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 1 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 1 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 1 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 1 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 1 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 1 block 63: step 8 share 6/8
+    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 2 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 2 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 2 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 2 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 2 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 2 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 2 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 2 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 2 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 2 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 2 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 2 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 2 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 2 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 2 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 2 block 63: step 8 share 6/8
+    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
     {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 3 block 0: step 8 share 7/8
-    {1, 0, 8},  // rank 3 block 1: step 1 share 0/8
-    {1, 1, 8},  // rank 3 block 2: step 1 share 1/8
-    {1, 2, 8},  // rank 3 block 3: step 1 share 2/8
-    {1, 3, 8},  // rank 3 block 4: step 1 share 3/8
-    {1, 4, 8},  // rank 3 block 5: step 1 share 4/8
-    {1, 5, 8},  // rank 3 block 6: step 1 share 5/8
-    {1, 6, 8},  // rank 3 block 7: step 1 share 6/8
-    {1, 7, 8},  // rank 3 block 8: step 1 share 7/8
-    {2, 0, 8},  // rank 3 block 9: step 2 share 0/8
-    {2, 1, 8},  // rank 3 block 10: step 2 share 1/8
-    {2, 2, 8},  // rank 3 block 11: step 2 share 2/8
-    {2, 3, 8},  // rank 3 block 12: step 2 share 3/8
-    {2, 4, 8},  // rank 3 block 13: step 2 share 4/8
-    {2, 5, 8},  // rank 3 block 14: step 2 share 5/8
-    {2, 6, 8},  // rank 3 block 15: step 2 share 6/8
-    {2, 7, 8},  // rank 3 block 16: step 2 share 7/8
-    {3, 0, 8},  // rank 3 block 17: step 3 share 0/8
-    {3, 1, 8},  // rank 3 block 18: step 3 share 1/8
-    {3, 2, 8},  // rank 3 block 19: step 3 share 2/8
-    {3, 3, 8},  // rank 3 block 20: step 3 share 3/8
-    {3, 4, 8},  // rank 3 block 21: step 3 share 4/8
-    {3, 5, 8},  // rank 3 block 22: step 3 share 5/8
-    {3, 6, 8},  // rank 3 block 23: step 3 share 6/8
-    {3, 7, 8},  // rank 3 block 24: step 3 share 7/8
-    {4, 0, 8},  // rank 3 block 25: step 4 share 0/8
-    {4, 1, 8},  // rank 3 block 26: step 4 share 1/8
-    {4, 2, 8},  // rank 3 block 27: step 4 share 2/8
-    {4, 3, 8},  // rank 3 block 28: step 4 share 3/8
-    {4, 4, 8},  // rank 3 block 29: step 4 share 4/8
-    {4, 5, 8},  // rank 3 block 30: step 4 share 5/8
-    {4, 6, 8},  // rank 3 block 31: step 4 share 6/8
-    {4, 7, 8},  // rank 3 block 32: step 4 share 7/8
-    {5, 0, 8},  // rank 3 block 33: step 5 share 0/8
-    {5, 1, 8},  // rank 3 block 34: step 5 share 1/8
-    {5, 2, 8},  // rank 3 block 35: step 5 share 2/8
-    {5, 3, 8},  // rank 3 block 36: step 5 share 3/8
-    {5, 4, 8},  // rank 3 block 37: step 5 share 4/8
-    {5, 5, 8},  // rank 3 block 38: step 5 share 5/8
-    {5, 6, 8},  // rank 3 block 39: step 5 share 6/8
-    {5, 7, 8},  // rank 3 block 40: step 5 share 7/8
-    {6, 0, 8},  // rank 3 block 41: step 6 share 0/8
-    {6, 1, 8},  // rank 3 block 42: step 6 share 1/8
-    {6, 2, 8},  // rank 3 block 43: step 6 share 2/8
-    {6, 3, 8},  // rank 3 block 44: step 6 share 3/8
-    {6, 4, 8},  // rank 3 block 45: step 6 share 4/8
-    {6, 5, 8},  // rank 3 block 46: step 6 share 5/8
-    {6, 6, 8},  // rank 3 block 47: step 6 share 6/8
-    {6, 7, 8},  // rank 3 block 48: step 6 share 7/8
-    {7, 0, 8},  // rank 3 block 49: step 7 share 0/8
-    {7, 1, 8},  // rank 3 block 50: step 7 share 1/8
-    {7, 2, 8},  // rank 3 block 51: step 7 share 2/8
-    {7, 3, 8},  // rank 3 block 52: step 7 share 3/8
-    {7, 4, 8},  // rank 3 block 53: step 7 share 4/8
-    {7, 5, 8},  // rank 3 block 54: step 7 share 5/8
-    {7, 6, 8},  // rank 3 block 55: step 7 share 6/8
-    {7, 7, 8},  // rank 3 block 56: step 7 share 7/8
-    {8, 0, 8},  // rank 3 block 57: step 8 share 0/8
-    {8, 1, 8},  // rank 3 block 58: step 8 share 1/8
-    {8, 2, 8},  // rank 3 block 59: step 8 share 2/8
-    {8, 3, 8},  // rank 3 block 60: step 8 share 3/8
-    {8, 4, 8},  // rank 3 block 61: step 8 share 4/8
-    {8, 5, 8},  // rank 3 block 62: step 8 share 5/8
-    {8, 6, 8},  // rank 3 block 63: step 8 share 6/8
+    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
+    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
+    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
+    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
+    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
+    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
+    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
+    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
+    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
+    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
+    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
+    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
+    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
+    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
+    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
+    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
+    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
+    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
+    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
+    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
+    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
+    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
+    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
+    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
+    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
+    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
+    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
+    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
+    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
+    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
+    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
+    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
+    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
+    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
+    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
+    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
+    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
+    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
+    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
+    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
+    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
+    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
+    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
+    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
+    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
+    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
+    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
+    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
+    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
+    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
+    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
+    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
+    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
+    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
+    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
+    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
+    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
+    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
+    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
+    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
+    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
+    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
+    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
+    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
-    { 130, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
-    { 195, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260 },
+    { 0, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
+    { 129, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258 },
+    { 258, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 355, 357, 359, 361, 363, 365, 367, 369, 371, 373, 375, 377, 379, 381, 383, 385, 387 },
+    { 387, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 136 steps, 1032 block shares over 64 blocks.
+// Plan for world size 8: 136 steps, 2056 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 8 blocks
+    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:src@1[0/2]; signal r1:arrive[0]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:src@3[0/2]; signal r3:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 4: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/2] = r0:src@4[0/2]; signal r4:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/2] = r0:src@5[0/2]; signal r5:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 6: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/2] = r0:src@6[0/2]; signal r6:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 7: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/2] = r0:src@7[0/2]; signal r7:arrive[0]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 8: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 8 blocks
+    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:src@1[1/2]; signal r1:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 9: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 8 blocks
+    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:src@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:src@2[1/2]; signal r2:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:src@3[1/2]; signal r3:arrive[1]; 8 blocks
+    // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:src@3[0/2]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:src@3[1/2]; signal r3:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/2] = r0:src@4[1/2]; signal r4:arrive[1]; 8 blocks
+    // rank 0 step 7: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/2] = r0:src@4[0/2]; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
+    // rank 0 step 8: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/2] = r0:src@4[1/2]; signal r4:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 12: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/2] = r0:src@5[1/2]; signal r5:arrive[1]; 8 blocks
+    // rank 0 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/2] = r0:src@5[0/2]; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
+    // rank 0 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/2] = r0:src@5[1/2]; signal r5:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 13: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/2] = r0:src@6[1/2]; signal r6:arrive[1]; 8 blocks
+    // rank 0 step 11: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/2] = r0:src@6[0/2]; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
+    // rank 0 step 12: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/2] = r0:src@6[1/2]; signal r6:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/2] = r0:src@7[1/2]; signal r7:arrive[1]; 8 blocks
+    // rank 0 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/2] = r0:src@7[0/2]; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 0, 0}, {{0, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
+    // rank 0 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/2] = r0:src@7[1/2]; signal r7:arrive[1]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 0, 1}, {{0, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 15: reduce piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2] + r0:inbox@4[0/2] + r0:inbox@5[0/2] + r0:inbox@6[0/2] + r0:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}, {0, 3, 0, 2, 3, 0}, {0, 3, 0, 2, 4, 0}, {0, 3, 0, 2, 5, 0}, {0, 3, 0, 2, 6, 0}, {0, 3, 0, 2, 7, 0}}, {{5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 0 step 16: reduce piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2] + r0:inbox@4[1/2] + r0:inbox@5[1/2] + r0:inbox@6[1/2] + r0:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}, {0, 3, 0, 2, 3, 1}, {0, 3, 0, 2, 4, 1}, {0, 3, 0, 2, 5, 1}, {0, 3, 0, 2, 6, 1}, {0, 3, 0, 2, 7, 1}}, {{5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 0 step 15: reduce piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/2] = r0:src@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2] + r0:inbox@4[0/2] + r0:inbox@5[0/2] + r0:inbox@6[0/2] + r0:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {0, 3, 0, 2, 1, 0}, {0, 3, 0, 2, 2, 0}, {0, 3, 0, 2, 3, 0}, {0, 3, 0, 2, 4, 0}, {0, 3, 0, 2, 5, 0}, {0, 3, 0, 2, 6, 0}, {0, 3, 0, 2, 7, 0}}, {{5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 0 step 16: reduce piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/2] = r0:src@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2] + r0:inbox@4[1/2] + r0:inbox@5[1/2] + r0:inbox@6[1/2] + r0:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 2, 0, 1}, {{0, 1, 1, 2, 0, 1}, {0, 3, 0, 2, 1, 1}, {0, 3, 0, 2, 2, 1}, {0, 3, 0, 2, 3, 1}, {0, 3, 0, 2, 4, 1}, {0, 3, 0, 2, 5, 1}, {0, 3, 0, 2, 6, 1}, {0, 3, 0, 2, 7, 1}}, {{5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 8 blocks
+    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:src@2[0/2]; signal r2:arrive[2]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 2: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:src@3[0/2]; signal r3:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 1 step 3: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/2] = r1:src@4[0/2]; signal r4:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 1 step 4: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/2] = r1:src@5[0/2]; signal r5:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 1 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/2] = r1:src@6[0/2]; signal r6:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 1 step 6: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/2] = r1:src@7[0/2]; signal r7:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 1 step 7: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 8: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 8 blocks
+    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:src@2[1/2]; signal r2:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 9: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:src@3[1/2]; signal r3:arrive[3]; 8 blocks
+    // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:src@3[0/2]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:src@3[1/2]; signal r3:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 1 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/2] = r1:src@4[1/2]; signal r4:arrive[3]; 8 blocks
+    // rank 1 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/2] = r1:src@4[0/2]; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
+    // rank 1 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/2] = r1:src@4[1/2]; signal r4:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 1 step 11: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/2] = r1:src@5[1/2]; signal r5:arrive[3]; 8 blocks
+    // rank 1 step 7: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/2] = r1:src@5[0/2]; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
+    // rank 1 step 8: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/2] = r1:src@5[1/2]; signal r5:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 1 step 12: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/2] = r1:src@6[1/2]; signal r6:arrive[3]; 8 blocks
+    // rank 1 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/2] = r1:src@6[0/2]; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
+    // rank 1 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/2] = r1:src@6[1/2]; signal r6:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 1 step 13: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/2] = r1:src@7[1/2]; signal r7:arrive[3]; 8 blocks
+    // rank 1 step 11: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/2] = r1:src@7[0/2]; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
+    // rank 1 step 12: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/2] = r1:src@7[1/2]; signal r7:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 1 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 8 blocks
+    // rank 1 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:src@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 0}, {{1, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    // rank 1 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:src@0[1/2]; signal r0:arrive[3]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 1, 1}, {{1, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 15: reduce piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2] + r1:inbox@4[0/2] + r1:inbox@5[0/2] + r1:inbox@6[0/2] + r1:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}, {1, 3, 0, 2, 3, 0}, {1, 3, 0, 2, 4, 0}, {1, 3, 0, 2, 5, 0}, {1, 3, 0, 2, 6, 0}, {1, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 1 step 16: reduce piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2] + r1:inbox@4[1/2] + r1:inbox@5[1/2] + r1:inbox@6[1/2] + r1:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}, {1, 3, 0, 2, 3, 1}, {1, 3, 0, 2, 4, 1}, {1, 3, 0, 2, 5, 1}, {1, 3, 0, 2, 6, 1}, {1, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 1 step 15: reduce piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[0/2] = r1:src@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2] + r1:inbox@4[0/2] + r1:inbox@5[0/2] + r1:inbox@6[0/2] + r1:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 2, 0, 0}, {{1, 1, 1, 2, 1, 0}, {1, 3, 0, 2, 0, 0}, {1, 3, 0, 2, 2, 0}, {1, 3, 0, 2, 3, 0}, {1, 3, 0, 2, 4, 0}, {1, 3, 0, 2, 5, 0}, {1, 3, 0, 2, 6, 0}, {1, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 1 step 16: reduce piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[1/2] = r1:src@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2] + r1:inbox@4[1/2] + r1:inbox@5[1/2] + r1:inbox@6[1/2] + r1:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 1, 1}, {1, 3, 0, 2, 0, 1}, {1, 3, 0, 2, 2, 1}, {1, 3, 0, 2, 3, 1}, {1, 3, 0, 2, 4, 1}, {1, 3, 0, 2, 5, 1}, {1, 3, 0, 2, 6, 1}, {1, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:src@3[0/2]; signal r3:arrive[4]; 8 blocks
+    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:src@3[0/2]; signal r3:arrive[4]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/2] = r2:src@4[0/2]; signal r4:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 2 step 3: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/2] = r2:src@5[0/2]; signal r5:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 2 step 4: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/2] = r2:src@6[0/2]; signal r6:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 2 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/2] = r2:src@7[0/2]; signal r7:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 2 step 6: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 7: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 2 step 8: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:src@3[1/2]; signal r3:arrive[5]; 8 blocks
+    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:src@3[1/2]; signal r3:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 9: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/2] = r2:src@4[1/2]; signal r4:arrive[5]; 8 blocks
+    // rank 2 step 3: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/2] = r2:src@4[0/2]; signal r4:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
+    // rank 2 step 4: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/2] = r2:src@4[1/2]; signal r4:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 2 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/2] = r2:src@5[1/2]; signal r5:arrive[5]; 8 blocks
+    // rank 2 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/2] = r2:src@5[0/2]; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
+    // rank 2 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/2] = r2:src@5[1/2]; signal r5:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 2 step 11: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/2] = r2:src@6[1/2]; signal r6:arrive[5]; 8 blocks
+    // rank 2 step 7: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/2] = r2:src@6[0/2]; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
+    // rank 2 step 8: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/2] = r2:src@6[1/2]; signal r6:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 2 step 12: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/2] = r2:src@7[1/2]; signal r7:arrive[5]; 8 blocks
+    // rank 2 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/2] = r2:src@7[0/2]; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
+    // rank 2 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/2] = r2:src@7[1/2]; signal r7:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 2 step 13: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 8 blocks
+    // rank 2 step 11: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:src@0[0/2]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    // rank 2 step 12: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:src@0[1/2]; signal r0:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 8 blocks
+    // rank 2 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:src@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 0}, {{2, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    // rank 2 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:src@1[1/2]; signal r1:arrive[5]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 2, 1}, {{2, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 2 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2] + r2:inbox@4[0/2] + r2:inbox@5[0/2] + r2:inbox@6[0/2] + r2:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}, {2, 3, 0, 2, 3, 0}, {2, 3, 0, 2, 4, 0}, {2, 3, 0, 2, 5, 0}, {2, 3, 0, 2, 6, 0}, {2, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 2 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2] + r2:inbox@4[1/2] + r2:inbox@5[1/2] + r2:inbox@6[1/2] + r2:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}, {2, 3, 0, 2, 3, 1}, {2, 3, 0, 2, 4, 1}, {2, 3, 0, 2, 5, 1}, {2, 3, 0, 2, 6, 1}, {2, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 2 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[0/2] = r2:src@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2] + r2:inbox@4[0/2] + r2:inbox@5[0/2] + r2:inbox@6[0/2] + r2:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 2, 0, 0}, {{2, 1, 1, 2, 2, 0}, {2, 3, 0, 2, 0, 0}, {2, 3, 0, 2, 1, 0}, {2, 3, 0, 2, 3, 0}, {2, 3, 0, 2, 4, 0}, {2, 3, 0, 2, 5, 0}, {2, 3, 0, 2, 6, 0}, {2, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 2 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[1/2] = r2:src@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2] + r2:inbox@4[1/2] + r2:inbox@5[1/2] + r2:inbox@6[1/2] + r2:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 2, 0, 1}, {{2, 1, 1, 2, 2, 1}, {2, 3, 0, 2, 0, 1}, {2, 3, 0, 2, 1, 1}, {2, 3, 0, 2, 3, 1}, {2, 3, 0, 2, 4, 1}, {2, 3, 0, 2, 5, 1}, {2, 3, 0, 2, 6, 1}, {2, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/2] = r3:src@4[0/2]; signal r4:arrive[6]; 8 blocks
+    // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/2] = r3:src@4[0/2]; signal r4:arrive[6]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 3 step 2: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/2] = r3:src@5[0/2]; signal r5:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 3 step 3: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/2] = r3:src@6[0/2]; signal r6:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 3 step 4: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/2] = r3:src@7[0/2]; signal r7:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 3 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:src@0[0/2]; signal r0:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 6: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:src@1[0/2]; signal r1:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 3 step 7: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:src@2[0/2]; signal r2:arrive[6]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 3 step 8: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/2] = r3:src@4[1/2]; signal r4:arrive[7]; 8 blocks
+    // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/2] = r3:src@4[1/2]; signal r4:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 3 step 9: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/2] = r3:src@5[1/2]; signal r5:arrive[7]; 8 blocks
+    // rank 3 step 3: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/2] = r3:src@5[0/2]; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
+    // rank 3 step 4: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/2] = r3:src@5[1/2]; signal r5:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 3 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/2] = r3:src@6[1/2]; signal r6:arrive[7]; 8 blocks
+    // rank 3 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/2] = r3:src@6[0/2]; signal r6:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
+    // rank 3 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/2] = r3:src@6[1/2]; signal r6:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 3 step 11: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/2] = r3:src@7[1/2]; signal r7:arrive[7]; 8 blocks
+    // rank 3 step 7: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/2] = r3:src@7[0/2]; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
+    // rank 3 step 8: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/2] = r3:src@7[1/2]; signal r7:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 3 step 12: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:src@0[1/2]; signal r0:arrive[7]; 8 blocks
+    // rank 3 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:src@0[0/2]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
+    // rank 3 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:src@0[1/2]; signal r0:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 13: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:src@1[1/2]; signal r1:arrive[7]; 8 blocks
+    // rank 3 step 11: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:src@1[0/2]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    // rank 3 step 12: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:src@1[1/2]; signal r1:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 3 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:src@2[1/2]; signal r2:arrive[7]; 8 blocks
+    // rank 3 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:src@2[0/2]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 0}, {{3, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    // rank 3 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:src@2[1/2]; signal r2:arrive[7]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 3, 1}, {{3, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 3 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[0/2] = r3:src@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2] + r3:inbox@4[0/2] + r3:inbox@5[0/2] + r3:inbox@6[0/2] + r3:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 2, 0, 0}, {{3, 1, 1, 2, 3, 0}, {3, 3, 0, 2, 0, 0}, {3, 3, 0, 2, 1, 0}, {3, 3, 0, 2, 2, 0}, {3, 3, 0, 2, 4, 0}, {3, 3, 0, 2, 5, 0}, {3, 3, 0, 2, 6, 0}, {3, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 3 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[1/2] = r3:src@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2] + r3:inbox@4[1/2] + r3:inbox@5[1/2] + r3:inbox@6[1/2] + r3:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 2, 0, 1}, {{3, 1, 1, 2, 3, 1}, {3, 3, 0, 2, 0, 1}, {3, 3, 0, 2, 1, 1}, {3, 3, 0, 2, 2, 1}, {3, 3, 0, 2, 4, 1}, {3, 3, 0, 2, 5, 1}, {3, 3, 0, 2, 6, 1}, {3, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 3 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[0/2] = r3:src@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2] + r3:inbox@4[0/2] + r3:inbox@5[0/2] + r3:inbox@6[0/2] + r3:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 2, 0, 0}, {{3, 1, 1, 2, 3, 0}, {3, 3, 0, 2, 0, 0}, {3, 3, 0, 2, 1, 0}, {3, 3, 0, 2, 2, 0}, {3, 3, 0, 2, 4, 0}, {3, 3, 0, 2, 5, 0}, {3, 3, 0, 2, 6, 0}, {3, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 3 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[1/2] = r3:src@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2] + r3:inbox@4[1/2] + r3:inbox@5[1/2] + r3:inbox@6[1/2] + r3:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 2, 0, 1}, {{3, 1, 1, 2, 3, 1}, {3, 3, 0, 2, 0, 1}, {3, 3, 0, 2, 1, 1}, {3, 3, 0, 2, 2, 1}, {3, 3, 0, 2, 4, 1}, {3, 3, 0, 2, 5, 1}, {3, 3, 0, 2, 6, 1}, {3, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/2] = r4:src@5[0/2]; signal r5:arrive[8]; 8 blocks
+    // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/2] = r4:src@5[0/2]; signal r5:arrive[8]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 4 step 2: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/2] = r4:src@6[0/2]; signal r6:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 4 step 3: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/2] = r4:src@7[0/2]; signal r7:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 4 step 4: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/2] = r4:src@0[0/2]; signal r0:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 4 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/2] = r4:src@1[0/2]; signal r1:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 4 step 6: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/2] = r4:src@2[0/2]; signal r2:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 4 step 7: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/2] = r4:src@3[0/2]; signal r3:arrive[8]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 4 step 8: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/2] = r4:src@5[1/2]; signal r5:arrive[9]; 8 blocks
+    // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/2] = r4:src@5[1/2]; signal r5:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 4 step 9: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/2] = r4:src@6[1/2]; signal r6:arrive[9]; 8 blocks
+    // rank 4 step 3: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/2] = r4:src@6[0/2]; signal r6:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
+    // rank 4 step 4: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/2] = r4:src@6[1/2]; signal r6:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 4 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/2] = r4:src@7[1/2]; signal r7:arrive[9]; 8 blocks
+    // rank 4 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/2] = r4:src@7[0/2]; signal r7:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
+    // rank 4 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/2] = r4:src@7[1/2]; signal r7:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 4 step 11: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/2] = r4:src@0[1/2]; signal r0:arrive[9]; 8 blocks
+    // rank 4 step 7: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/2] = r4:src@0[0/2]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    // rank 4 step 8: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/2] = r4:src@0[1/2]; signal r0:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 4 step 12: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/2] = r4:src@1[1/2]; signal r1:arrive[9]; 8 blocks
+    // rank 4 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/2] = r4:src@1[0/2]; signal r1:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
+    // rank 4 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/2] = r4:src@1[1/2]; signal r1:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 4 step 13: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/2] = r4:src@2[1/2]; signal r2:arrive[9]; 8 blocks
+    // rank 4 step 11: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/2] = r4:src@2[0/2]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    // rank 4 step 12: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/2] = r4:src@2[1/2]; signal r2:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 4 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/2] = r4:src@3[1/2]; signal r3:arrive[9]; 8 blocks
+    // rank 4 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/2] = r4:src@3[0/2]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 4, 0}, {{4, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    // rank 4 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/2] = r4:src@3[1/2]; signal r3:arrive[9]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 4, 1}, {{4, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 4 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[0/2] = r4:src@4[0/2] + r4:inbox@0[0/2] + r4:inbox@1[0/2] + r4:inbox@2[0/2] + r4:inbox@3[0/2] + r4:inbox@5[0/2] + r4:inbox@6[0/2] + r4:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 2, 0, 0}, {{4, 1, 1, 2, 4, 0}, {4, 3, 0, 2, 0, 0}, {4, 3, 0, 2, 1, 0}, {4, 3, 0, 2, 2, 0}, {4, 3, 0, 2, 3, 0}, {4, 3, 0, 2, 5, 0}, {4, 3, 0, 2, 6, 0}, {4, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 4 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[1/2] = r4:src@4[1/2] + r4:inbox@0[1/2] + r4:inbox@1[1/2] + r4:inbox@2[1/2] + r4:inbox@3[1/2] + r4:inbox@5[1/2] + r4:inbox@6[1/2] + r4:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 2, 0, 1}, {{4, 1, 1, 2, 4, 1}, {4, 3, 0, 2, 0, 1}, {4, 3, 0, 2, 1, 1}, {4, 3, 0, 2, 2, 1}, {4, 3, 0, 2, 3, 1}, {4, 3, 0, 2, 5, 1}, {4, 3, 0, 2, 6, 1}, {4, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 4 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[0/2] = r4:src@4[0/2] + r4:inbox@0[0/2] + r4:inbox@1[0/2] + r4:inbox@2[0/2] + r4:inbox@3[0/2] + r4:inbox@5[0/2] + r4:inbox@6[0/2] + r4:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 2, 0, 0}, {{4, 1, 1, 2, 4, 0}, {4, 3, 0, 2, 0, 0}, {4, 3, 0, 2, 1, 0}, {4, 3, 0, 2, 2, 0}, {4, 3, 0, 2, 3, 0}, {4, 3, 0, 2, 5, 0}, {4, 3, 0, 2, 6, 0}, {4, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 4 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[1/2] = r4:src@4[1/2] + r4:inbox@0[1/2] + r4:inbox@1[1/2] + r4:inbox@2[1/2] + r4:inbox@3[1/2] + r4:inbox@5[1/2] + r4:inbox@6[1/2] + r4:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 2, 0, 1}, {{4, 1, 1, 2, 4, 1}, {4, 3, 0, 2, 0, 1}, {4, 3, 0, 2, 1, 1}, {4, 3, 0, 2, 2, 1}, {4, 3, 0, 2, 3, 1}, {4, 3, 0, 2, 5, 1}, {4, 3, 0, 2, 6, 1}, {4, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/2] = r5:src@6[0/2]; signal r6:arrive[10]; 8 blocks
+    // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/2] = r5:src@6[0/2]; signal r6:arrive[10]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 5 step 2: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/2] = r5:src@7[0/2]; signal r7:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 5 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/2] = r5:src@0[0/2]; signal r0:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 5 step 4: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/2] = r5:src@1[0/2]; signal r1:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 5 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/2] = r5:src@2[0/2]; signal r2:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 5 step 6: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/2] = r5:src@3[0/2]; signal r3:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 5 step 7: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/2] = r5:src@4[0/2]; signal r4:arrive[10]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 5 step 8: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/2] = r5:src@6[1/2]; signal r6:arrive[11]; 8 blocks
+    // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/2] = r5:src@6[1/2]; signal r6:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 5 step 9: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/2] = r5:src@7[1/2]; signal r7:arrive[11]; 8 blocks
+    // rank 5 step 3: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/2] = r5:src@7[0/2]; signal r7:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
+    // rank 5 step 4: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/2] = r5:src@7[1/2]; signal r7:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 5 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/2] = r5:src@0[1/2]; signal r0:arrive[11]; 8 blocks
+    // rank 5 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/2] = r5:src@0[0/2]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    // rank 5 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/2] = r5:src@0[1/2]; signal r0:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 5 step 11: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/2] = r5:src@1[1/2]; signal r1:arrive[11]; 8 blocks
+    // rank 5 step 7: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/2] = r5:src@1[0/2]; signal r1:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
+    // rank 5 step 8: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/2] = r5:src@1[1/2]; signal r1:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 5 step 12: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/2] = r5:src@2[1/2]; signal r2:arrive[11]; 8 blocks
+    // rank 5 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/2] = r5:src@2[0/2]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    // rank 5 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/2] = r5:src@2[1/2]; signal r2:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 5 step 13: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/2] = r5:src@3[1/2]; signal r3:arrive[11]; 8 blocks
+    // rank 5 step 11: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/2] = r5:src@3[0/2]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    // rank 5 step 12: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/2] = r5:src@3[1/2]; signal r3:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 5 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/2] = r5:src@4[1/2]; signal r4:arrive[11]; 8 blocks
+    // rank 5 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/2] = r5:src@4[0/2]; signal r4:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 5, 0}, {{5, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
+    // rank 5 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/2] = r5:src@4[1/2]; signal r4:arrive[11]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 5, 1}, {{5, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 5 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[0/2] = r5:src@5[0/2] + r5:inbox@0[0/2] + r5:inbox@1[0/2] + r5:inbox@2[0/2] + r5:inbox@3[0/2] + r5:inbox@4[0/2] + r5:inbox@6[0/2] + r5:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 2, 0, 0}, {{5, 1, 1, 2, 5, 0}, {5, 3, 0, 2, 0, 0}, {5, 3, 0, 2, 1, 0}, {5, 3, 0, 2, 2, 0}, {5, 3, 0, 2, 3, 0}, {5, 3, 0, 2, 4, 0}, {5, 3, 0, 2, 6, 0}, {5, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 12, 8}, {5, 0, 14, 8}}, {}},
-    // rank 5 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[1/2] = r5:src@5[1/2] + r5:inbox@0[1/2] + r5:inbox@1[1/2] + r5:inbox@2[1/2] + r5:inbox@3[1/2] + r5:inbox@4[1/2] + r5:inbox@6[1/2] + r5:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 2, 0, 1}, {{5, 1, 1, 2, 5, 1}, {5, 3, 0, 2, 0, 1}, {5, 3, 0, 2, 1, 1}, {5, 3, 0, 2, 2, 1}, {5, 3, 0, 2, 3, 1}, {5, 3, 0, 2, 4, 1}, {5, 3, 0, 2, 6, 1}, {5, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 13, 8}, {5, 0, 15, 8}}, {}},
+    // rank 5 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[0/2] = r5:src@5[0/2] + r5:inbox@0[0/2] + r5:inbox@1[0/2] + r5:inbox@2[0/2] + r5:inbox@3[0/2] + r5:inbox@4[0/2] + r5:inbox@6[0/2] + r5:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 2, 0, 0}, {{5, 1, 1, 2, 5, 0}, {5, 3, 0, 2, 0, 0}, {5, 3, 0, 2, 1, 0}, {5, 3, 0, 2, 2, 0}, {5, 3, 0, 2, 3, 0}, {5, 3, 0, 2, 4, 0}, {5, 3, 0, 2, 6, 0}, {5, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 12, 16}, {5, 0, 14, 16}}, {}},
+    // rank 5 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[1/2] = r5:src@5[1/2] + r5:inbox@0[1/2] + r5:inbox@1[1/2] + r5:inbox@2[1/2] + r5:inbox@3[1/2] + r5:inbox@4[1/2] + r5:inbox@6[1/2] + r5:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 2, 0, 1}, {{5, 1, 1, 2, 5, 1}, {5, 3, 0, 2, 0, 1}, {5, 3, 0, 2, 1, 1}, {5, 3, 0, 2, 2, 1}, {5, 3, 0, 2, 3, 1}, {5, 3, 0, 2, 4, 1}, {5, 3, 0, 2, 6, 1}, {5, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 13, 16}, {5, 0, 15, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/2] = r6:src@7[0/2]; signal r7:arrive[12]; 8 blocks
+    // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/2] = r6:src@7[0/2]; signal r7:arrive[12]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 6 step 2: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/2] = r6:src@0[0/2]; signal r0:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 6 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/2] = r6:src@1[0/2]; signal r1:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 6 step 4: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/2] = r6:src@2[0/2]; signal r2:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 6 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/2] = r6:src@3[0/2]; signal r3:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 6 step 6: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/2] = r6:src@4[0/2]; signal r4:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 6 step 7: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/2] = r6:src@5[0/2]; signal r5:arrive[12]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 6 step 8: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/2] = r6:src@7[1/2]; signal r7:arrive[13]; 8 blocks
+    // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/2] = r6:src@7[1/2]; signal r7:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 6 step 9: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/2] = r6:src@0[1/2]; signal r0:arrive[13]; 8 blocks
+    // rank 6 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/2] = r6:src@0[0/2]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    // rank 6 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/2] = r6:src@0[1/2]; signal r0:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 6 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/2] = r6:src@1[1/2]; signal r1:arrive[13]; 8 blocks
+    // rank 6 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/2] = r6:src@1[0/2]; signal r1:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
+    // rank 6 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/2] = r6:src@1[1/2]; signal r1:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 6 step 11: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/2] = r6:src@2[1/2]; signal r2:arrive[13]; 8 blocks
+    // rank 6 step 7: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/2] = r6:src@2[0/2]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    // rank 6 step 8: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/2] = r6:src@2[1/2]; signal r2:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 6 step 12: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/2] = r6:src@3[1/2]; signal r3:arrive[13]; 8 blocks
+    // rank 6 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/2] = r6:src@3[0/2]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    // rank 6 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/2] = r6:src@3[1/2]; signal r3:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 6 step 13: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/2] = r6:src@4[1/2]; signal r4:arrive[13]; 8 blocks
+    // rank 6 step 11: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/2] = r6:src@4[0/2]; signal r4:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
+    // rank 6 step 12: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/2] = r6:src@4[1/2]; signal r4:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 6 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/2] = r6:src@5[1/2]; signal r5:arrive[13]; 8 blocks
+    // rank 6 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/2] = r6:src@5[0/2]; signal r5:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 6, 0}, {{6, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
+    // rank 6 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/2] = r6:src@5[1/2]; signal r5:arrive[13]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 6, 1}, {{6, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 6 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[0/2] = r6:src@6[0/2] + r6:inbox@0[0/2] + r6:inbox@1[0/2] + r6:inbox@2[0/2] + r6:inbox@3[0/2] + r6:inbox@4[0/2] + r6:inbox@5[0/2] + r6:inbox@7[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 2, 0, 0}, {{6, 1, 1, 2, 6, 0}, {6, 3, 0, 2, 0, 0}, {6, 3, 0, 2, 1, 0}, {6, 3, 0, 2, 2, 0}, {6, 3, 0, 2, 3, 0}, {6, 3, 0, 2, 4, 0}, {6, 3, 0, 2, 5, 0}, {6, 3, 0, 2, 7, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 14, 8}}, {}},
-    // rank 6 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[1/2] = r6:src@6[1/2] + r6:inbox@0[1/2] + r6:inbox@1[1/2] + r6:inbox@2[1/2] + r6:inbox@3[1/2] + r6:inbox@4[1/2] + r6:inbox@5[1/2] + r6:inbox@7[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 2, 0, 1}, {{6, 1, 1, 2, 6, 1}, {6, 3, 0, 2, 0, 1}, {6, 3, 0, 2, 1, 1}, {6, 3, 0, 2, 2, 1}, {6, 3, 0, 2, 3, 1}, {6, 3, 0, 2, 4, 1}, {6, 3, 0, 2, 5, 1}, {6, 3, 0, 2, 7, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 15, 8}}, {}},
+    // rank 6 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[0/2] = r6:src@6[0/2] + r6:inbox@0[0/2] + r6:inbox@1[0/2] + r6:inbox@2[0/2] + r6:inbox@3[0/2] + r6:inbox@4[0/2] + r6:inbox@5[0/2] + r6:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 2, 0, 0}, {{6, 1, 1, 2, 6, 0}, {6, 3, 0, 2, 0, 0}, {6, 3, 0, 2, 1, 0}, {6, 3, 0, 2, 2, 0}, {6, 3, 0, 2, 3, 0}, {6, 3, 0, 2, 4, 0}, {6, 3, 0, 2, 5, 0}, {6, 3, 0, 2, 7, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 14, 16}}, {}},
+    // rank 6 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[1/2] = r6:src@6[1/2] + r6:inbox@0[1/2] + r6:inbox@1[1/2] + r6:inbox@2[1/2] + r6:inbox@3[1/2] + r6:inbox@4[1/2] + r6:inbox@5[1/2] + r6:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 2, 0, 1}, {{6, 1, 1, 2, 6, 1}, {6, 3, 0, 2, 0, 1}, {6, 3, 0, 2, 1, 1}, {6, 3, 0, 2, 2, 1}, {6, 3, 0, 2, 3, 1}, {6, 3, 0, 2, 4, 1}, {6, 3, 0, 2, 5, 1}, {6, 3, 0, 2, 7, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 15, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/2] = r7:src@0[0/2]; signal r0:arrive[14]; 8 blocks
+    // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/2] = r7:src@0[0/2]; signal r0:arrive[14]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 7 step 2: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/2] = r7:src@1[0/2]; signal r1:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 7 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/2] = r7:src@2[0/2]; signal r2:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 7 step 4: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/2] = r7:src@3[0/2]; signal r3:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 7 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/2] = r7:src@4[0/2]; signal r4:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 7 step 6: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/2] = r7:src@5[0/2]; signal r5:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 7 step 7: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/2] = r7:src@6[0/2]; signal r6:arrive[14]; 8 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 7 step 8: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/2] = r7:src@0[1/2]; signal r0:arrive[15]; 8 blocks
+    // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/2] = r7:src@0[1/2]; signal r0:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 7 step 9: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/2] = r7:src@1[1/2]; signal r1:arrive[15]; 8 blocks
+    // rank 7 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/2] = r7:src@1[0/2]; signal r1:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
+    // rank 7 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/2] = r7:src@1[1/2]; signal r1:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 7 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/2] = r7:src@2[1/2]; signal r2:arrive[15]; 8 blocks
+    // rank 7 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/2] = r7:src@2[0/2]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    // rank 7 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/2] = r7:src@2[1/2]; signal r2:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 7 step 11: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/2] = r7:src@3[1/2]; signal r3:arrive[15]; 8 blocks
+    // rank 7 step 7: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/2] = r7:src@3[0/2]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    // rank 7 step 8: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/2] = r7:src@3[1/2]; signal r3:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 7 step 12: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/2] = r7:src@4[1/2]; signal r4:arrive[15]; 8 blocks
+    // rank 7 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/2] = r7:src@4[0/2]; signal r4:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
+    // rank 7 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/2] = r7:src@4[1/2]; signal r4:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 7 step 13: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/2] = r7:src@5[1/2]; signal r5:arrive[15]; 8 blocks
+    // rank 7 step 11: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/2] = r7:src@5[0/2]; signal r5:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
+    // rank 7 step 12: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/2] = r7:src@5[1/2]; signal r5:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 7 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/2] = r7:src@6[1/2]; signal r6:arrive[15]; 8 blocks
+    // rank 7 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/2] = r7:src@6[0/2]; signal r6:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 7, 0}, {{7, 1, 1, 2, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
+    // rank 7 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/2] = r7:src@6[1/2]; signal r6:arrive[15]; 16 blocks
     {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 2, 7, 1}, {{7, 1, 1, 2, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 7 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[0/2] = r7:src@7[0/2] + r7:inbox@0[0/2] + r7:inbox@1[0/2] + r7:inbox@2[0/2] + r7:inbox@3[0/2] + r7:inbox@4[0/2] + r7:inbox@5[0/2] + r7:inbox@6[0/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 2, 0, 0}, {{7, 1, 1, 2, 7, 0}, {7, 3, 0, 2, 0, 0}, {7, 3, 0, 2, 1, 0}, {7, 3, 0, 2, 2, 0}, {7, 3, 0, 2, 3, 0}, {7, 3, 0, 2, 4, 0}, {7, 3, 0, 2, 5, 0}, {7, 3, 0, 2, 6, 0}}, {{5, 0, 0, 8}, {5, 0, 2, 8}, {5, 0, 4, 8}, {5, 0, 6, 8}, {5, 0, 8, 8}, {5, 0, 10, 8}, {5, 0, 12, 8}}, {}},
-    // rank 7 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[1/2] = r7:src@7[1/2] + r7:inbox@0[1/2] + r7:inbox@1[1/2] + r7:inbox@2[1/2] + r7:inbox@3[1/2] + r7:inbox@4[1/2] + r7:inbox@5[1/2] + r7:inbox@6[1/2]; 8 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 2, 0, 1}, {{7, 1, 1, 2, 7, 1}, {7, 3, 0, 2, 0, 1}, {7, 3, 0, 2, 1, 1}, {7, 3, 0, 2, 2, 1}, {7, 3, 0, 2, 3, 1}, {7, 3, 0, 2, 4, 1}, {7, 3, 0, 2, 5, 1}, {7, 3, 0, 2, 6, 1}}, {{5, 0, 1, 8}, {5, 0, 3, 8}, {5, 0, 5, 8}, {5, 0, 7, 8}, {5, 0, 9, 8}, {5, 0, 11, 8}, {5, 0, 13, 8}}, {}},
+    // rank 7 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[0/2] = r7:src@7[0/2] + r7:inbox@0[0/2] + r7:inbox@1[0/2] + r7:inbox@2[0/2] + r7:inbox@3[0/2] + r7:inbox@4[0/2] + r7:inbox@5[0/2] + r7:inbox@6[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 2, 0, 0}, {{7, 1, 1, 2, 7, 0}, {7, 3, 0, 2, 0, 0}, {7, 3, 0, 2, 1, 0}, {7, 3, 0, 2, 2, 0}, {7, 3, 0, 2, 3, 0}, {7, 3, 0, 2, 4, 0}, {7, 3, 0, 2, 5, 0}, {7, 3, 0, 2, 6, 0}}, {{5, 0, 0, 16}, {5, 0, 2, 16}, {5, 0, 4, 16}, {5, 0, 6, 16}, {5, 0, 8, 16}, {5, 0, 10, 16}, {5, 0, 12, 16}}, {}},
+    // rank 7 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[1/2] = r7:src@7[1/2] + r7:inbox@0[1/2] + r7:inbox@1[1/2] + r7:inbox@2[1/2] + r7:inbox@3[1/2] + r7:inbox@4[1/2] + r7:inbox@5[1/2] + r7:inbox@6[1/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 2, 0, 1}, {{7, 1, 1, 2, 7, 1}, {7, 3, 0, 2, 0, 1}, {7, 3, 0, 2, 1, 1}, {7, 3, 0, 2, 2, 1}, {7, 3, 0, 2, 3, 1}, {7, 3, 0, 2, 4, 1}, {7, 3, 0, 2, 5, 1}, {7, 3, 0, 2, 6, 1}}, {{5, 0, 1, 16}, {5, 0, 3, 16}, {5, 0, 5, 16}, {5, 0, 7, 16}, {5, 0, 9, 16}, {5, 0, 11, 16}, {5, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
 static __device__ const tsgen_share shares_w8[] = {
     {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 0 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 0 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 0 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 0 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 0 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 0 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 0 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 0 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 0 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 0 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 0 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 0 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 0 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 0 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 0 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 0 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 0 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 0 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 0 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 0 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 0 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 0 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 0 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 0 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 0 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 0 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 0 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 0 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 0 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 0 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 0 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 0 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 0 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 0 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 0 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 0 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 0 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 0 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 0 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 0 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 0 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 0 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 0 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 0 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 0 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 0 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 0 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 0 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 0 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 0 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 0 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 0 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 0 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 0 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 0 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 0 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 0 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 0 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 0 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 0 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 0 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 0 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 0 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 0 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 0 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 0 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 0 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 0 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 0 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 0 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 0 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 0 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 0 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 0 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 0 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 0 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 0 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 0 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 0 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 0 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 0 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 0 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 0 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 0 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 0 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 0 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 0 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 0 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 0 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 0 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 0 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 0 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 0 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 0 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 0 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 0 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 0 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 0 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 0 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 0 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 0 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 0 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 0 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 0 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 0 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 0 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 0 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 0 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 0 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 0 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 0 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 0 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 0 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 0 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 0 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 0 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 0 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 0 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 0 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 0 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 0 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 0 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 0 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 0 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 0 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 0 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 0 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 0 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 0 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 0 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 0 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 0 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 0 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 0 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 0 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 0 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 0 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 0 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 0 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 0 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 0 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 0 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 0 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 0 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 0 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 0 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 0 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 0 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 0 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 0 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 0 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 0 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 0 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 0 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 0 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 0 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 0 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 0 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 0 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 0 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 1 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 1 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 1 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 1 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 1 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 1 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 1 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 1 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 1 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 1 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 1 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 1 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 1 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 1 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 1 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 1 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 1 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 1 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 1 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 1 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 1 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 1 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 1 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 1 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 1 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 1 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 1 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 1 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 1 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 1 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 1 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 1 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 1 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 1 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 1 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 1 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 1 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 1 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 1 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 1 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 1 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 1 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 1 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 1 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 1 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 1 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 1 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 1 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 1 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 1 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 1 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 1 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 1 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 1 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 1 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 1 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 1 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 1 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 1 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 1 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 1 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 1 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 1 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 1 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 1 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 1 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 1 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 1 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 1 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 1 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 1 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 1 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 1 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 1 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 1 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 1 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 1 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 1 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 1 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 1 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 1 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 1 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 1 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 1 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 1 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 1 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 1 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 1 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 1 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 1 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 1 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 1 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 1 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 1 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 1 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 1 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 1 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 1 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 1 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 1 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 1 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 1 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 1 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 1 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 1 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 1 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 1 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 1 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 1 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 1 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 1 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 1 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 1 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 1 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 1 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 1 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 1 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 1 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 1 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 1 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 1 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 1 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 1 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 1 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 1 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 1 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 1 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 1 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 1 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 1 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 1 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 1 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 1 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 1 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 1 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 1 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 1 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 1 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 1 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 1 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 1 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 1 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 1 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 1 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 1 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 1 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 1 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 1 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 1 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 1 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 1 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 1 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 1 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 1 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 1 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 1 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 1 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 1 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 1 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 1 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 2 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 2 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 2 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 2 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 2 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 2 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 2 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 2 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 2 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 2 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 2 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 2 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 2 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 2 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 2 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 2 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 2 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 2 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 2 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 2 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 2 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 2 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 2 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 2 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 2 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 2 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 2 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 2 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 2 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 2 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 2 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 2 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 2 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 2 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 2 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 2 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 2 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 2 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 2 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 2 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 2 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 2 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 2 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 2 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 2 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 2 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 2 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 2 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 2 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 2 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 2 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 2 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 2 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 2 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 2 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 2 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 2 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 2 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 2 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 2 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 2 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 2 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 2 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 2 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 2 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 2 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 2 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 2 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 2 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 2 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 2 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 2 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 2 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 2 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 2 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 2 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 2 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 2 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 2 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 2 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 2 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 2 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 2 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 2 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 2 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 2 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 2 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 2 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 2 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 2 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 2 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 2 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 2 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 2 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 2 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 2 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 2 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 2 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 2 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 2 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 2 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 2 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 2 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 2 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 2 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 2 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 2 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 2 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 2 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 2 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 2 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 2 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 2 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 2 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 2 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 2 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 2 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 2 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 2 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 2 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 2 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 2 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 2 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 2 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 2 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 2 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 2 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 2 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 2 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 2 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 2 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 2 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 2 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 2 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 2 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 2 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 2 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 2 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 2 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 2 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 2 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 2 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 2 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 2 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 2 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 2 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 2 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 2 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 2 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 2 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 2 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 2 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 2 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 2 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 2 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 2 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 2 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 2 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 2 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 2 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 3 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 3 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 3 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 3 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 3 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 3 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 3 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 3 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 3 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 3 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 3 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 3 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 3 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 3 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 3 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 3 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 3 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 3 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 3 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 3 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 3 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 3 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 3 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 3 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 3 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 3 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 3 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 3 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 3 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 3 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 3 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 3 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 3 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 3 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 3 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 3 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 3 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 3 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 3 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 3 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 3 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 3 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 3 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 3 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 3 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 3 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 3 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 3 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 3 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 3 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 3 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 3 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 3 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 3 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 3 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 3 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 3 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 3 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 3 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 3 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 3 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 3 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 3 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 3 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 3 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 3 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 3 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 3 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 3 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 3 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 3 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 3 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 3 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 3 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 3 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 3 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 3 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 3 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 3 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 3 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 3 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 3 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 3 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 3 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 3 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 3 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 3 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 3 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 3 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 3 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 3 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 3 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 3 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 3 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 3 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 3 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 3 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 3 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 3 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 3 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 3 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 3 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 3 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 3 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 3 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 3 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 3 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 3 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 3 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 3 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 3 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 3 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 3 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 3 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 3 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 3 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 3 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 3 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 3 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 3 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 3 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 3 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 3 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 3 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 3 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 3 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 3 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 3 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 3 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 3 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 3 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 3 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 3 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 3 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 3 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 3 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 3 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 3 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 3 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 3 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 3 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 3 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 3 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 3 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 3 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 3 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 3 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 3 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 3 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 3 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 3 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 3 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 3 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 3 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 3 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 3 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 3 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 3 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 3 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 3 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 4 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 4 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 4 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 4 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 4 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 4 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 4 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 4 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 4 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 4 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 4 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 4 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 4 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 4 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 4 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 4 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 4 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 4 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 4 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 4 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 4 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 4 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 4 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 4 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 4 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 4 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 4 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 4 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 4 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 4 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 4 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 4 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 4 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 4 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 4 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 4 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 4 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 4 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 4 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 4 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 4 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 4 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 4 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 4 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 4 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 4 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 4 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 4 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 4 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 4 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 4 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 4 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 4 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 4 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 4 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 4 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 4 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 4 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 4 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 4 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 4 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 4 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 4 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 4 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 4 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 4 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 4 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 4 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 4 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 4 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 4 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 4 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 4 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 4 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 4 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 4 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 4 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 4 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 4 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 4 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 4 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 4 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 4 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 4 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 4 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 4 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 4 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 4 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 4 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 4 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 4 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 4 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 4 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 4 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 4 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 4 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 4 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 4 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 4 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 4 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 4 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 4 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 4 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 4 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 4 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 4 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 4 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 4 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 4 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 4 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 4 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 4 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 4 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 4 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 4 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 4 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 4 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 4 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 4 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 4 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 4 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 4 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 4 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 4 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 4 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 4 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 4 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 4 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 4 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 4 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 4 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 4 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 4 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 4 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 4 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 4 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 4 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 4 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 4 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 4 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 4 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 4 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 4 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 4 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 4 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 4 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 4 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 4 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 4 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 4 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 4 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 4 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 4 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 4 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 4 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 4 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 4 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 4 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 4 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 4 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 4 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 4 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 4 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 4 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 4 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 4 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 4 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 4 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 4 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 4 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 4 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 4 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 4 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 4 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 4 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 4 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 4 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 4 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 4 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 4 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 4 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 4 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 4 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 4 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 4 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 4 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 4 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 4 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 4 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 4 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 4 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 4 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 4 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 4 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 4 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 4 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 4 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 4 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 4 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 4 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 4 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 4 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 4 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 4 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 4 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 4 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 4 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 4 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 4 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 4 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 4 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 4 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 4 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 4 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 4 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 4 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 4 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 4 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 4 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 4 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 4 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 4 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 4 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 4 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 4 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 4 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 4 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 4 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 4 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 4 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 4 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 4 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 4 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 4 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 4 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 4 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 4 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 4 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 4 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 4 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 4 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 4 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 4 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 4 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 4 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 4 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 4 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 4 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 4 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 4 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 4 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 4 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 4 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 4 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 4 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 4 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 4 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 4 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 4 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 4 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 4 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 4 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 4 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 4 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 4 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 4 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 4 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 4 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 4 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 4 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 4 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 4 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 4 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 4 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 4 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 4 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 4 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 4 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 4 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 4 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 4 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 4 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 4 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 4 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 4 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 4 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 4 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 4 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 4 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 4 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 4 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 4 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 4 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 4 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 4 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 4 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 4 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 4 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 4 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 4 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 4 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 4 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 4 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 4 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 4 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 4 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 4 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 4 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 4 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 4 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 4 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 4 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 4 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 4 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 4 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 4 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 4 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 4 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 4 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 4 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 4 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 4 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 4 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 4 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 4 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 4 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 4 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 4 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 4 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 4 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 4 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 4 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 4 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 4 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 4 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 4 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 4 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 4 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 4 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 4 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 4 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 4 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 4 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 4 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 4 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 4 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 4 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 4 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 4 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 4 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 4 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 4 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 4 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 4 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 4 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 4 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 4 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 4 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 4 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 4 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 4 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 4 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 4 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 4 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 4 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 4 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 4 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 4 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 4 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 4 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 4 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 4 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 4 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 4 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 4 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 4 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 4 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 4 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 4 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 4 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 4 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 4 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 4 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 4 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 5 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 5 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 5 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 5 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 5 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 5 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 5 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 5 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 5 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 5 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 5 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 5 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 5 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 5 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 5 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 5 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 5 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 5 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 5 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 5 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 5 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 5 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 5 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 5 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 5 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 5 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 5 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 5 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 5 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 5 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 5 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 5 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 5 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 5 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 5 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 5 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 5 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 5 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 5 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 5 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 5 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 5 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 5 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 5 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 5 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 5 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 5 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 5 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 5 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 5 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 5 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 5 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 5 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 5 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 5 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 5 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 5 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 5 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 5 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 5 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 5 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 5 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 5 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 5 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 5 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 5 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 5 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 5 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 5 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 5 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 5 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 5 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 5 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 5 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 5 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 5 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 5 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 5 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 5 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 5 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 5 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 5 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 5 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 5 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 5 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 5 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 5 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 5 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 5 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 5 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 5 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 5 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 5 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 5 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 5 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 5 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 5 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 5 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 5 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 5 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 5 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 5 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 5 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 5 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 5 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 5 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 5 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 5 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 5 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 5 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 5 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 5 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 5 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 5 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 5 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 5 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 5 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 5 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 5 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 5 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 5 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 5 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 5 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 5 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 5 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 5 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 5 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 5 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 5 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 5 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 5 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 5 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 5 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 5 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 5 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 5 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 5 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 5 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 5 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 5 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 5 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 5 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 5 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 5 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 5 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 5 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 5 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 5 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 5 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 5 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 5 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 5 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 5 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 5 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 5 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 5 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 5 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 5 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 5 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 5 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 5 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 5 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 5 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 5 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 5 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 5 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 5 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 5 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 5 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 5 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 5 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 5 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 5 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 5 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 5 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 5 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 5 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 5 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 5 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 5 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 5 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 5 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 5 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 5 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 5 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 5 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 5 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 5 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 5 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 5 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 5 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 5 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 5 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 5 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 5 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 5 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 5 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 5 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 5 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 5 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 5 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 5 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 5 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 5 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 5 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 5 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 5 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 5 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 5 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 5 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 5 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 5 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 5 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 5 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 5 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 5 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 5 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 5 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 5 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 5 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 5 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 5 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 5 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 5 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 5 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 5 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 5 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 5 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 5 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 5 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 5 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 5 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 5 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 5 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 5 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 5 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 5 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 5 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 5 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 5 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 5 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 5 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 5 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 5 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 5 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 5 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 5 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 5 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 5 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 5 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 5 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 5 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 5 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 5 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 5 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 5 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 5 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 5 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 5 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 5 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 5 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 5 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 5 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 5 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 5 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 5 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 5 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 5 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 5 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 5 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 5 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 5 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 5 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 5 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 5 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 5 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 5 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 5 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 5 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 5 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 5 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 5 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 5 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 5 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 5 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 5 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 5 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 5 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 5 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 5 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 5 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 5 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 5 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 5 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 5 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 5 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 5 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 5 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 5 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 5 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 5 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 5 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 5 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 5 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 5 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 5 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 5 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 5 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 5 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 5 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 5 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 5 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 5 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 5 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 5 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 5 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 5 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 5 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 5 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 5 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 5 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 5 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 5 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 5 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 5 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 5 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 5 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 5 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 5 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 5 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 5 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 5 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 5 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 5 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 5 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 5 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 5 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 5 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 5 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 5 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 5 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 5 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 5 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 5 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 5 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 5 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 5 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 5 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 5 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 5 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 5 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 5 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 5 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 5 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 5 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 5 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 5 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 5 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 5 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 5 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 5 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 5 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 5 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 5 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 5 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 5 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 5 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 5 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 5 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 5 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 5 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 5 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 5 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 5 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 5 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 5 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 5 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 5 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 5 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 5 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 5 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 5 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 5 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 5 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 6 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 6 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 6 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 6 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 6 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 6 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 6 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 6 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 6 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 6 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 6 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 6 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 6 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 6 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 6 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 6 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 6 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 6 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 6 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 6 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 6 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 6 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 6 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 6 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 6 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 6 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 6 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 6 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 6 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 6 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 6 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 6 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 6 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 6 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 6 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 6 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 6 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 6 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 6 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 6 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 6 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 6 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 6 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 6 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 6 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 6 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 6 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 6 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 6 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 6 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 6 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 6 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 6 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 6 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 6 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 6 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 6 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 6 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 6 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 6 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 6 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 6 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 6 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 6 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 6 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 6 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 6 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 6 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 6 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 6 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 6 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 6 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 6 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 6 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 6 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 6 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 6 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 6 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 6 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 6 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 6 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 6 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 6 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 6 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 6 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 6 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 6 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 6 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 6 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 6 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 6 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 6 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 6 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 6 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 6 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 6 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 6 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 6 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 6 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 6 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 6 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 6 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 6 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 6 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 6 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 6 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 6 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 6 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 6 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 6 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 6 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 6 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 6 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 6 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 6 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 6 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 6 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 6 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 6 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 6 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 6 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 6 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 6 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 6 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 6 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 6 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 6 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 6 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 6 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 6 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 6 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 6 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 6 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 6 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 6 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 6 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 6 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 6 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 6 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 6 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 6 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 6 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 6 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 6 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 6 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 6 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 6 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 6 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 6 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 6 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 6 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 6 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 6 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 6 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 6 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 6 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 6 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 6 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 6 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 6 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 6 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 6 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 6 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 6 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 6 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 6 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 6 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 6 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 6 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 6 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 6 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 6 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 6 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 6 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 6 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 6 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 6 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 6 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 6 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 6 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 6 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 6 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 6 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 6 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 6 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 6 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 6 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 6 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 6 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 6 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 6 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 6 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 6 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 6 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 6 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 6 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 6 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 6 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 6 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 6 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 6 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 6 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 6 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 6 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 6 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 6 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 6 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 6 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 6 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 6 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 6 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 6 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 6 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 6 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 6 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 6 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 6 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 6 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 6 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 6 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 6 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 6 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 6 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 6 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 6 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 6 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 6 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 6 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 6 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 6 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 6 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 6 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 6 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 6 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 6 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 6 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 6 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 6 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 6 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 6 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 6 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 6 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 6 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 6 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 6 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 6 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 6 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 6 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 6 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 6 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 6 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 6 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 6 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 6 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 6 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 6 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 6 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 6 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 6 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 6 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 6 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 6 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 6 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 6 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 6 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 6 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 6 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 6 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 6 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 6 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 6 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 6 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 6 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 6 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 6 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 6 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 6 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 6 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 6 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 6 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 6 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 6 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 6 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 6 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 6 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 6 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 6 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 6 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 6 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 6 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 6 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 6 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 6 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 6 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 6 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 6 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 6 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 6 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 6 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 6 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 6 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 6 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 6 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 6 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 6 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 6 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 6 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 6 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 6 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 6 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 6 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 6 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 6 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 6 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 6 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 6 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 6 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 6 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 6 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 6 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 6 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 6 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 6 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 6 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 6 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 6 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 6 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 6 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 6 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 6 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 6 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 6 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 6 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 6 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 6 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 6 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 6 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 6 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 6 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 6 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 6 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 6 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 6 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 6 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 6 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 6 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 6 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 6 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 6 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 6 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 6 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 6 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 6 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 6 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 6 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 6 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 6 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 6 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 6 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 6 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 6 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 6 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 6 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 6 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 6 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 6 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 6 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 6 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 6 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 6 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 6 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 6 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 6 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 6 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 6 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 6 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 6 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 6 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 6 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 6 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 6 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 6 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 6 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 6 block 63: step 16 share 14/16
     {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {8, 7, 8},  // rank 7 block 0: step 8 share 7/8
-    {16, 7, 8},  // rank 7 block 0: step 16 share 7/8
-    {1, 0, 8},  // rank 7 block 1: step 1 share 0/8
-    {9, 0, 8},  // rank 7 block 1: step 9 share 0/8
-    {1, 1, 8},  // rank 7 block 2: step 1 share 1/8
-    {9, 1, 8},  // rank 7 block 2: step 9 share 1/8
-    {1, 2, 8},  // rank 7 block 3: step 1 share 2/8
-    {9, 2, 8},  // rank 7 block 3: step 9 share 2/8
-    {1, 3, 8},  // rank 7 block 4: step 1 share 3/8
-    {9, 3, 8},  // rank 7 block 4: step 9 share 3/8
-    {1, 4, 8},  // rank 7 block 5: step 1 share 4/8
-    {9, 4, 8},  // rank 7 block 5: step 9 share 4/8
-    {1, 5, 8},  // rank 7 block 6: step 1 share 5/8
-    {9, 5, 8},  // rank 7 block 6: step 9 share 5/8
-    {1, 6, 8},  // rank 7 block 7: step 1 share 6/8
-    {9, 6, 8},  // rank 7 block 7: step 9 share 6/8
-    {1, 7, 8},  // rank 7 block 8: step 1 share 7/8
-    {9, 7, 8},  // rank 7 block 8: step 9 share 7/8
-    {2, 0, 8},  // rank 7 block 9: step 2 share 0/8
-    {10, 0, 8},  // rank 7 block 9: step 10 share 0/8
-    {2, 1, 8},  // rank 7 block 10: step 2 share 1/8
-    {10, 1, 8},  // rank 7 block 10: step 10 share 1/8
-    {2, 2, 8},  // rank 7 block 11: step 2 share 2/8
-    {10, 2, 8},  // rank 7 block 11: step 10 share 2/8
-    {2, 3, 8},  // rank 7 block 12: step 2 share 3/8
-    {10, 3, 8},  // rank 7 block 12: step 10 share 3/8
-    {2, 4, 8},  // rank 7 block 13: step 2 share 4/8
-    {10, 4, 8},  // rank 7 block 13: step 10 share 4/8
-    {2, 5, 8},  // rank 7 block 14: step 2 share 5/8
-    {10, 5, 8},  // rank 7 block 14: step 10 share 5/8
-    {2, 6, 8},  // rank 7 block 15: step 2 share 6/8
-    {10, 6, 8},  // rank 7 block 15: step 10 share 6/8
-    {2, 7, 8},  // rank 7 block 16: step 2 share 7/8
-    {10, 7, 8},  // rank 7 block 16: step 10 share 7/8
-    {3, 0, 8},  // rank 7 block 17: step 3 share 0/8
-    {11, 0, 8},  // rank 7 block 17: step 11 share 0/8
-    {3, 1, 8},  // rank 7 block 18: step 3 share 1/8
-    {11, 1, 8},  // rank 7 block 18: step 11 share 1/8
-    {3, 2, 8},  // rank 7 block 19: step 3 share 2/8
-    {11, 2, 8},  // rank 7 block 19: step 11 share 2/8
-    {3, 3, 8},  // rank 7 block 20: step 3 share 3/8
-    {11, 3, 8},  // rank 7 block 20: step 11 share 3/8
-    {3, 4, 8},  // rank 7 block 21: step 3 share 4/8
-    {11, 4, 8},  // rank 7 block 21: step 11 share 4/8
-    {3, 5, 8},  // rank 7 block 22: step 3 share 5/8
-    {11, 5, 8},  // rank 7 block 22: step 11 share 5/8
-    {3, 6, 8},  // rank 7 block 23: step 3 share 6/8
-    {11, 6, 8},  // rank 7 block 23: step 11 share 6/8
-    {3, 7, 8},  // rank 7 block 24: step 3 share 7/8
-    {11, 7, 8},  // rank 7 block 24: step 11 share 7/8
-    {4, 0, 8},  // rank 7 block 25: step 4 share 0/8
-    {12, 0, 8},  // rank 7 block 25: step 12 share 0/8
-    {4, 1, 8},  // rank 7 block 26: step 4 share 1/8
-    {12, 1, 8},  // rank 7 block 26: step 12 share 1/8
-    {4, 2, 8},  // rank 7 block 27: step 4 share 2/8
-    {12, 2, 8},  // rank 7 block 27: step 12 share 2/8
-    {4, 3, 8},  // rank 7 block 28: step 4 share 3/8
-    {12, 3, 8},  // rank 7 block 28: step 12 share 3/8
-    {4, 4, 8},  // rank 7 block 29: step 4 share 4/8
-    {12, 4, 8},  // rank 7 block 29: step 12 share 4/8
-    {4, 5, 8},  // rank 7 block 30: step 4 share 5/8
-    {12, 5, 8},  // rank 7 block 30: step 12 share 5/8
-    {4, 6, 8},  // rank 7 block 31: step 4 share 6/8
-    {12, 6, 8},  // rank 7 block 31: step 12 share 6/8
-    {4, 7, 8},  // rank 7 block 32: step 4 share 7/8
-    {12, 7, 8},  // rank 7 block 32: step 12 share 7/8
-    {5, 0, 8},  // rank 7 block 33: step 5 share 0/8
-    {13, 0, 8},  // rank 7 block 33: step 13 share 0/8
-    {5, 1, 8},  // rank 7 block 34: step 5 share 1/8
-    {13, 1, 8},  // rank 7 block 34: step 13 share 1/8
-    {5, 2, 8},  // rank 7 block 35: step 5 share 2/8
-    {13, 2, 8},  // rank 7 block 35: step 13 share 2/8
-    {5, 3, 8},  // rank 7 block 36: step 5 share 3/8
-    {13, 3, 8},  // rank 7 block 36: step 13 share 3/8
-    {5, 4, 8},  // rank 7 block 37: step 5 share 4/8
-    {13, 4, 8},  // rank 7 block 37: step 13 share 4/8
-    {5, 5, 8},  // rank 7 block 38: step 5 share 5/8
-    {13, 5, 8},  // rank 7 block 38: step 13 share 5/8
-    {5, 6, 8},  // rank 7 block 39: step 5 share 6/8
-    {13, 6, 8},  // rank 7 block 39: step 13 share 6/8
-    {5, 7, 8},  // rank 7 block 40: step 5 share 7/8
-    {13, 7, 8},  // rank 7 block 40: step 13 share 7/8
-    {6, 0, 8},  // rank 7 block 41: step 6 share 0/8
-    {14, 0, 8},  // rank 7 block 41: step 14 share 0/8
-    {6, 1, 8},  // rank 7 block 42: step 6 share 1/8
-    {14, 1, 8},  // rank 7 block 42: step 14 share 1/8
-    {6, 2, 8},  // rank 7 block 43: step 6 share 2/8
-    {14, 2, 8},  // rank 7 block 43: step 14 share 2/8
-    {6, 3, 8},  // rank 7 block 44: step 6 share 3/8
-    {14, 3, 8},  // rank 7 block 44: step 14 share 3/8
-    {6, 4, 8},  // rank 7 block 45: step 6 share 4/8
-    {14, 4, 8},  // rank 7 block 45: step 14 share 4/8
-    {6, 5, 8},  // rank 7 block 46: step 6 share 5/8
-    {14, 5, 8},  // rank 7 block 46: step 14 share 5/8
-    {6, 6, 8},  // rank 7 block 47: step 6 share 6/8
-    {14, 6, 8},  // rank 7 block 47: step 14 share 6/8
-    {6, 7, 8},  // rank 7 block 48: step 6 share 7/8
-    {14, 7, 8},  // rank 7 block 48: step 14 share 7/8
-    {7, 0, 8},  // rank 7 block 49: step 7 share 0/8
-    {15, 0, 8},  // rank 7 block 49: step 15 share 0/8
-    {7, 1, 8},  // rank 7 block 50: step 7 share 1/8
-    {15, 1, 8},  // rank 7 block 50: step 15 share 1/8
-    {7, 2, 8},  // rank 7 block 51: step 7 share 2/8
-    {15, 2, 8},  // rank 7 block 51: step 15 share 2/8
-    {7, 3, 8},  // rank 7 block 52: step 7 share 3/8
-    {15, 3, 8},  // rank 7 block 52: step 15 share 3/8
-    {7, 4, 8},  // rank 7 block 53: step 7 share 4/8
-    {15, 4, 8},  // rank 7 block 53: step 15 share 4/8
-    {7, 5, 8},  // rank 7 block 54: step 7 share 5/8
-    {15, 5, 8},  // rank 7 block 54: step 15 share 5/8
-    {7, 6, 8},  // rank 7 block 55: step 7 share 6/8
-    {15, 6, 8},  // rank 7 block 55: step 15 share 6/8
-    {7, 7, 8},  // rank 7 block 56: step 7 share 7/8
-    {15, 7, 8},  // rank 7 block 56: step 15 share 7/8
-    {8, 0, 8},  // rank 7 block 57: step 8 share 0/8
-    {16, 0, 8},  // rank 7 block 57: step 16 share 0/8
-    {8, 1, 8},  // rank 7 block 58: step 8 share 1/8
-    {16, 1, 8},  // rank 7 block 58: step 16 share 1/8
-    {8, 2, 8},  // rank 7 block 59: step 8 share 2/8
-    {16, 2, 8},  // rank 7 block 59: step 16 share 2/8
-    {8, 3, 8},  // rank 7 block 60: step 8 share 3/8
-    {16, 3, 8},  // rank 7 block 60: step 16 share 3/8
-    {8, 4, 8},  // rank 7 block 61: step 8 share 4/8
-    {16, 4, 8},  // rank 7 block 61: step 16 share 4/8
-    {8, 5, 8},  // rank 7 block 62: step 8 share 5/8
-    {16, 5, 8},  // rank 7 block 62: step 16 share 5/8
-    {8, 6, 8},  // rank 7 block 63: step 8 share 6/8
-    {16, 6, 8},  // rank 7 block 63: step 16 share 6/8
+    {7, 15, 16},  // rank 7 block 0: step 7 share 15/16
+    {8, 15, 16},  // rank 7 block 0: step 8 share 15/16
+    {15, 15, 16},  // rank 7 block 0: step 15 share 15/16
+    {16, 15, 16},  // rank 7 block 0: step 16 share 15/16
+    {1, 0, 16},  // rank 7 block 1: step 1 share 0/16
+    {2, 0, 16},  // rank 7 block 1: step 2 share 0/16
+    {9, 0, 16},  // rank 7 block 1: step 9 share 0/16
+    {10, 0, 16},  // rank 7 block 1: step 10 share 0/16
+    {1, 1, 16},  // rank 7 block 2: step 1 share 1/16
+    {2, 1, 16},  // rank 7 block 2: step 2 share 1/16
+    {9, 1, 16},  // rank 7 block 2: step 9 share 1/16
+    {10, 1, 16},  // rank 7 block 2: step 10 share 1/16
+    {1, 2, 16},  // rank 7 block 3: step 1 share 2/16
+    {2, 2, 16},  // rank 7 block 3: step 2 share 2/16
+    {9, 2, 16},  // rank 7 block 3: step 9 share 2/16
+    {10, 2, 16},  // rank 7 block 3: step 10 share 2/16
+    {1, 3, 16},  // rank 7 block 4: step 1 share 3/16
+    {2, 3, 16},  // rank 7 block 4: step 2 share 3/16
+    {9, 3, 16},  // rank 7 block 4: step 9 share 3/16
+    {10, 3, 16},  // rank 7 block 4: step 10 share 3/16
+    {1, 4, 16},  // rank 7 block 5: step 1 share 4/16
+    {2, 4, 16},  // rank 7 block 5: step 2 share 4/16
+    {9, 4, 16},  // rank 7 block 5: step 9 share 4/16
+    {10, 4, 16},  // rank 7 block 5: step 10 share 4/16
+    {1, 5, 16},  // rank 7 block 6: step 1 share 5/16
+    {2, 5, 16},  // rank 7 block 6: step 2 share 5/16
+    {9, 5, 16},  // rank 7 block 6: step 9 share 5/16
+    {10, 5, 16},  // rank 7 block 6: step 10 share 5/16
+    {1, 6, 16},  // rank 7 block 7: step 1 share 6/16
+    {2, 6, 16},  // rank 7 block 7: step 2 share 6/16
+    {9, 6, 16},  // rank 7 block 7: step 9 share 6/16
+    {10, 6, 16},  // rank 7 block 7: step 10 share 6/16
+    {1, 7, 16},  // rank 7 block 8: step 1 share 7/16
+    {2, 7, 16},  // rank 7 block 8: step 2 share 7/16
+    {9, 7, 16},  // rank 7 block 8: step 9 share 7/16
+    {10, 7, 16},  // rank 7 block 8: step 10 share 7/16
+    {1, 8, 16},  // rank 7 block 9: step 1 share 8/16
+    {2, 8, 16},  // rank 7 block 9: step 2 share 8/16
+    {9, 8, 16},  // rank 7 block 9: step 9 share 8/16
+    {10, 8, 16},  // rank 7 block 9: step 10 share 8/16
+    {1, 9, 16},  // rank 7 block 10: step 1 share 9/16
+    {2, 9, 16},  // rank 7 block 10: step 2 share 9/16
+    {9, 9, 16},  // rank 7 block 10: step 9 share 9/16
+    {10, 9, 16},  // rank 7 block 10: step 10 share 9/16
+    {1, 10, 16},  // rank 7 block 11: step 1 share 10/16
+    {2, 10, 16},  // rank 7 block 11: step 2 share 10/16
+    {9, 10, 16},  // rank 7 block 11: step 9 share 10/16
+    {10, 10, 16},  // rank 7 block 11: step 10 share 10/16
+    {1, 11, 16},  // rank 7 block 12: step 1 share 11/16
+    {2, 11, 16},  // rank 7 block 12: step 2 share 11/16
+    {9, 11, 16},  // rank 7 block 12: step 9 share 11/16
+    {10, 11, 16},  // rank 7 block 12: step 10 share 11/16
+    {1, 12, 16},  // rank 7 block 13: step 1 share 12/16
+    {2, 12, 16},  // rank 7 block 13: step 2 share 12/16
+    {9, 12, 16},  // rank 7 block 13: step 9 share 12/16
+    {10, 12, 16},  // rank 7 block 13: step 10 share 12/16
+    {1, 13, 16},  // rank 7 block 14: step 1 share 13/16
+    {2, 13, 16},  // rank 7 block 14: step 2 share 13/16
+    {9, 13, 16},  // rank 7 block 14: step 9 share 13/16
+    {10, 13, 16},  // rank 7 block 14: step 10 share 13/16
+    {1, 14, 16},  // rank 7 block 15: step 1 share 14/16
+    {2, 14, 16},  // rank 7 block 15: step 2 share 14/16
+    {9, 14, 16},  // rank 7 block 15: step 9 share 14/16
+    {10, 14, 16},  // rank 7 block 15: step 10 share 14/16
+    {1, 15, 16},  // rank 7 block 16: step 1 share 15/16
+    {2, 15, 16},  // rank 7 block 16: step 2 share 15/16
+    {9, 15, 16},  // rank 7 block 16: step 9 share 15/16
+    {10, 15, 16},  // rank 7 block 16: step 10 share 15/16
+    {3, 0, 16},  // rank 7 block 17: step 3 share 0/16
+    {4, 0, 16},  // rank 7 block 17: step 4 share 0/16
+    {11, 0, 16},  // rank 7 block 17: step 11 share 0/16
+    {12, 0, 16},  // rank 7 block 17: step 12 share 0/16
+    {3, 1, 16},  // rank 7 block 18: step 3 share 1/16
+    {4, 1, 16},  // rank 7 block 18: step 4 share 1/16
+    {11, 1, 16},  // rank 7 block 18: step 11 share 1/16
+    {12, 1, 16},  // rank 7 block 18: step 12 share 1/16
+    {3, 2, 16},  // rank 7 block 19: step 3 share 2/16
+    {4, 2, 16},  // rank 7 block 19: step 4 share 2/16
+    {11, 2, 16},  // rank 7 block 19: step 11 share 2/16
+    {12, 2, 16},  // rank 7 block 19: step 12 share 2/16
+    {3, 3, 16},  // rank 7 block 20: step 3 share 3/16
+    {4, 3, 16},  // rank 7 block 20: step 4 share 3/16
+    {11, 3, 16},  // rank 7 block 20: step 11 share 3/16
+    {12, 3, 16},  // rank 7 block 20: step 12 share 3/16
+    {3, 4, 16},  // rank 7 block 21: step 3 share 4/16
+    {4, 4, 16},  // rank 7 block 21: step 4 share 4/16
+    {11, 4, 16},  // rank 7 block 21: step 11 share 4/16
+    {12, 4, 16},  // rank 7 block 21: step 12 share 4/16
+    {3, 5, 16},  // rank 7 block 22: step 3 share 5/16
+    {4, 5, 16},  // rank 7 block 22: step 4 share 5/16
+    {11, 5, 16},  // rank 7 block 22: step 11 share 5/16
+    {12, 5, 16},  // rank 7 block 22: step 12 share 5/16
+    {3, 6, 16},  // rank 7 block 23: step 3 share 6/16
+    {4, 6, 16},  // rank 7 block 23: step 4 share 6/16
+    {11, 6, 16},  // rank 7 block 23: step 11 share 6/16
+    {12, 6, 16},  // rank 7 block 23: step 12 share 6/16
+    {3, 7, 16},  // rank 7 block 24: step 3 share 7/16
+    {4, 7, 16},  // rank 7 block 24: step 4 share 7/16
+    {11, 7, 16},  // rank 7 block 24: step 11 share 7/16
+    {12, 7, 16},  // rank 7 block 24: step 12 share 7/16
+    {3, 8, 16},  // rank 7 block 25: step 3 share 8/16
+    {4, 8, 16},  // rank 7 block 25: step 4 share 8/16
+    {11, 8, 16},  // rank 7 block 25: step 11 share 8/16
+    {12, 8, 16},  // rank 7 block 25: step 12 share 8/16
+    {3, 9, 16},  // rank 7 block 26: step 3 share 9/16
+    {4, 9, 16},  // rank 7 block 26: step 4 share 9/16
+    {11, 9, 16},  // rank 7 block 26: step 11 share 9/16
+    {12, 9, 16},  // rank 7 block 26: step 12 share 9/16
+    {3, 10, 16},  // rank 7 block 27: step 3 share 10/16
+    {4, 10, 16},  // rank 7 block 27: step 4 share 10/16
+    {11, 10, 16},  // rank 7 block 27: step 11 share 10/16
+    {12, 10, 16},  // rank 7 block 27: step 12 share 10/16
+    {3, 11, 16},  // rank 7 block 28: step 3 share 11/16
+    {4, 11, 16},  // rank 7 block 28: step 4 share 11/16
+    {11, 11, 16},  // rank 7 block 28: step 11 share 11/16
+    {12, 11, 16},  // rank 7 block 28: step 12 share 11/16
+    {3, 12, 16},  // rank 7 block 29: step 3 share 12/16
+    {4, 12, 16},  // rank 7 block 29: step 4 share 12/16
+    {11, 12, 16},  // rank 7 block 29: step 11 share 12/16
+    {12, 12, 16},  // rank 7 block 29: step 12 share 12/16
+    {3, 13, 16},  // rank 7 block 30: step 3 share 13/16
+    {4, 13, 16},  // rank 7 block 30: step 4 share 13/16
+    {11, 13, 16},  // rank 7 block 30: step 11 share 13/16
+    {12, 13, 16},  // rank 7 block 30: step 12 share 13/16
+    {3, 14, 16},  // rank 7 block 31: step 3 share 14/16
+    {4, 14, 16},  // rank 7 block 31: step 4 share 14/16
+    {11, 14, 16},  // rank 7 block 31: step 11 share 14/16
+    {12, 14, 16},  // rank 7 block 31: step 12 share 14/16
+    {3, 15, 16},  // rank 7 block 32: step 3 share 15/16
+    {4, 15, 16},  // rank 7 block 32: step 4 share 15/16
+    {11, 15, 16},  // rank 7 block 32: step 11 share 15/16
+    {12, 15, 16},  // rank 7 block 32: step 12 share 15/16
+    {5, 0, 16},  // rank 7 block 33: step 5 share 0/16
+    {6, 0, 16},  // rank 7 block 33: step 6 share 0/16
+    {13, 0, 16},  // rank 7 block 33: step 13 share 0/16
+    {14, 0, 16},  // rank 7 block 33: step 14 share 0/16
+    {5, 1, 16},  // rank 7 block 34: step 5 share 1/16
+    {6, 1, 16},  // rank 7 block 34: step 6 share 1/16
+    {13, 1, 16},  // rank 7 block 34: step 13 share 1/16
+    {14, 1, 16},  // rank 7 block 34: step 14 share 1/16
+    {5, 2, 16},  // rank 7 block 35: step 5 share 2/16
+    {6, 2, 16},  // rank 7 block 35: step 6 share 2/16
+    {13, 2, 16},  // rank 7 block 35: step 13 share 2/16
+    {14, 2, 16},  // rank 7 block 35: step 14 share 2/16
+    {5, 3, 16},  // rank 7 block 36: step 5 share 3/16
+    {6, 3, 16},  // rank 7 block 36: step 6 share 3/16
+    {13, 3, 16},  // rank 7 block 36: step 13 share 3/16
+    {14, 3, 16},  // rank 7 block 36: step 14 share 3/16
+    {5, 4, 16},  // rank 7 block 37: step 5 share 4/16
+    {6, 4, 16},  // rank 7 block 37: step 6 share 4/16
+    {13, 4, 16},  // rank 7 block 37: step 13 share 4/16
+    {14, 4, 16},  // rank 7 block 37: step 14 share 4/16
+    {5, 5, 16},  // rank 7 block 38: step 5 share 5/16
+    {6, 5, 16},  // rank 7 block 38: step 6 share 5/16
+    {13, 5, 16},  // rank 7 block 38: step 13 share 5/16
+    {14, 5, 16},  // rank 7 block 38: step 14 share 5/16
+    {5, 6, 16},  // rank 7 block 39: step 5 share 6/16
+    {6, 6, 16},  // rank 7 block 39: step 6 share 6/16
+    {13, 6, 16},  // rank 7 block 39: step 13 share 6/16
+    {14, 6, 16},  // rank 7 block 39: step 14 share 6/16
+    {5, 7, 16},  // rank 7 block 40: step 5 share 7/16
+    {6, 7, 16},  // rank 7 block 40: step 6 share 7/16
+    {13, 7, 16},  // rank 7 block 40: step 13 share 7/16
+    {14, 7, 16},  // rank 7 block 40: step 14 share 7/16
+    {5, 8, 16},  // rank 7 block 41: step 5 share 8/16
+    {6, 8, 16},  // rank 7 block 41: step 6 share 8/16
+    {13, 8, 16},  // rank 7 block 41: step 13 share 8/16
+    {14, 8, 16},  // rank 7 block 41: step 14 share 8/16
+    {5, 9, 16},  // rank 7 block 42: step 5 share 9/16
+    {6, 9, 16},  // rank 7 block 42: step 6 share 9/16
+    {13, 9, 16},  // rank 7 block 42: step 13 share 9/16
+    {14, 9, 16},  // rank 7 block 42: step 14 share 9/16
+    {5, 10, 16},  // rank 7 block 43: step 5 share 10/16
+    {6, 10, 16},  // rank 7 block 43: step 6 share 10/16
+    {13, 10, 16},  // rank 7 block 43: step 13 share 10/16
+    {14, 10, 16},  // rank 7 block 43: step 14 share 10/16
+    {5, 11, 16},  // rank 7 block 44: step 5 share 11/16
+    {6, 11, 16},  // rank 7 block 44: step 6 share 11/16
+    {13, 11, 16},  // rank 7 block 44: step 13 share 11/16
+    {14, 11, 16},  // rank 7 block 44: step 14 share 11/16
+    {5, 12, 16},  // rank 7 block 45: step 5 share 12/16
+    {6, 12, 16},  // rank 7 block 45: step 6 share 12/16
+    {13, 12, 16},  // rank 7 block 45: step 13 share 12/16
+    {14, 12, 16},  // rank 7 block 45: step 14 share 12/16
+    {5, 13, 16},  // rank 7 block 46: step 5 share 13/16
+    {6, 13, 16},  // rank 7 block 46: step 6 share 13/16
+    {13, 13, 16},  // rank 7 block 46: step 13 share 13/16
+    {14, 13, 16},  // rank 7 block 46: step 14 share 13/16
+    {5, 14, 16},  // rank 7 block 47: step 5 share 14/16
+    {6, 14, 16},  // rank 7 block 47: step 6 share 14/16
+    {13, 14, 16},  // rank 7 block 47: step 13 share 14/16
+    {14, 14, 16},  // rank 7 block 47: step 14 share 14/16
+    {5, 15, 16},  // rank 7 block 48: step 5 share 15/16
+    {6, 15, 16},  // rank 7 block 48: step 6 share 15/16
+    {13, 15, 16},  // rank 7 block 48: step 13 share 15/16
+    {14, 15, 16},  // rank 7 block 48: step 14 share 15/16
+    {7, 0, 16},  // rank 7 block 49: step 7 share 0/16
+    {8, 0, 16},  // rank 7 block 49: step 8 share 0/16
+    {15, 0, 16},  // rank 7 block 49: step 15 share 0/16
+    {16, 0, 16},  // rank 7 block 49: step 16 share 0/16
+    {7, 1, 16},  // rank 7 block 50: step 7 share 1/16
+    {8, 1, 16},  // rank 7 block 50: step 8 share 1/16
+    {15, 1, 16},  // rank 7 block 50: step 15 share 1/16
+    {16, 1, 16},  // rank 7 block 50: step 16 share 1/16
+    {7, 2, 16},  // rank 7 block 51: step 7 share 2/16
+    {8, 2, 16},  // rank 7 block 51: step 8 share 2/16
+    {15, 2, 16},  // rank 7 block 51: step 15 share 2/16
+    {16, 2, 16},  // rank 7 block 51: step 16 share 2/16
+    {7, 3, 16},  // rank 7 block 52: step 7 share 3/16
+    {8, 3, 16},  // rank 7 block 52: step 8 share 3/16
+    {15, 3, 16},  // rank 7 block 52: step 15 share 3/16
+    {16, 3, 16},  // rank 7 block 52: step 16 share 3/16
+    {7, 4, 16},  // rank 7 block 53: step 7 share 4/16
+    {8, 4, 16},  // rank 7 block 53: step 8 share 4/16
+    {15, 4, 16},  // rank 7 block 53: step 15 share 4/16
+    {16, 4, 16},  // rank 7 block 53: step 16 share 4/16
+    {7, 5, 16},  // rank 7 block 54: step 7 share 5/16
+    {8, 5, 16},  // rank 7 block 54: step 8 share 5/16
+    {15, 5, 16},  // rank 7 block 54: step 15 share 5/16
+    {16, 5, 16},  // rank 7 block 54: step 16 share 5/16
+    {7, 6, 16},  // rank 7 block 55: step 7 share 6/16
+    {8, 6, 16},  // rank 7 block 55: step 8 share 6/16
+    {15, 6, 16},  // rank 7 block 55: step 15 share 6/16
+    {16, 6, 16},  // rank 7 block 55: step 16 share 6/16
+    {7, 7, 16},  // rank 7 block 56: step 7 share 7/16
+    {8, 7, 16},  // rank 7 block 56: step 8 share 7/16
+    {15, 7, 16},  // rank 7 block 56: step 15 share 7/16
+    {16, 7, 16},  // rank 7 block 56: step 16 share 7/16
+    {7, 8, 16},  // rank 7 block 57: step 7 share 8/16
+    {8, 8, 16},  // rank 7 block 57: step 8 share 8/16
+    {15, 8, 16},  // rank 7 block 57: step 15 share 8/16
+    {16, 8, 16},  // rank 7 block 57: step 16 share 8/16
+    {7, 9, 16},  // rank 7 block 58: step 7 share 9/16
+    {8, 9, 16},  // rank 7 block 58: step 8 share 9/16
+    {15, 9, 16},  // rank 7 block 58: step 15 share 9/16
+    {16, 9, 16},  // rank 7 block 58: step 16 share 9/16
+    {7, 10, 16},  // rank 7 block 59: step 7 share 10/16
+    {8, 10, 16},  // rank 7 block 59: step 8 share 10/16
+    {15, 10, 16},  // rank 7 block 59: step 15 share 10/16
+    {16, 10, 16},  // rank 7 block 59: step 16 share 10/16
+    {7, 11, 16},  // rank 7 block 60: step 7 share 11/16
+    {8, 11, 16},  // rank 7 block 60: step 8 share 11/16
+    {15, 11, 16},  // rank 7 block 60: step 15 share 11/16
+    {16, 11, 16},  // rank 7 block 60: step 16 share 11/16
+    {7, 12, 16},  // rank 7 block 61: step 7 share 12/16
+    {8, 12, 16},  // rank 7 block 61: step 8 share 12/16
+    {15, 12, 16},  // rank 7 block 61: step 15 share 12/16
+    {16, 12, 16},  // rank 7 block 61: step 16 share 12/16
+    {7, 13, 16},  // rank 7 block 62: step 7 share 13/16
+    {8, 13, 16},  // rank 7 block 62: step 8 share 13/16
+    {15, 13, 16},  // rank 7 block 62: step 15 share 13/16
+    {16, 13, 16},  // rank 7 block 62: step 16 share 13/16
+    {7, 14, 16},  // rank 7 block 63: step 7 share 14/16
+    {8, 14, 16},  // rank 7 block 63: step 8 share 14/16
+    {15, 14, 16},  // rank 7 block 63: step 15 share 14/16
+    {16, 14, 16},  // rank 7 block 63: step 16 share 14/16
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
-    { 129, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258 },
-    { 258, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 355, 357, 359, 361, 363, 365, 367, 369, 371, 373, 375, 377, 379, 381, 383, 385, 387 },
-    { 387, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516 },
-    { 516, 519, 521, 523, 525, 527, 529, 531, 533, 535, 537, 539, 541, 543, 545, 547, 549, 551, 553, 555, 557, 559, 561, 563, 565, 567, 569, 571, 573, 575, 577, 579, 581, 583, 585, 587, 589, 591, 593, 595, 597, 599, 601, 603, 605, 607, 609, 611, 613, 615, 617, 619, 621, 623, 625, 627, 629, 631, 633, 635, 637, 639, 641, 643, 645 },
-    { 645, 648, 650, 652, 654, 656, 658, 660, 662, 664, 666, 668, 670, 672, 674, 676, 678, 680, 682, 684, 686, 688, 690, 692, 694, 696, 698, 700, 702, 704, 706, 708, 710, 712, 714, 716, 718, 720, 722, 724, 726, 728, 730, 732, 734, 736, 738, 740, 742, 744, 746, 748, 750, 752, 754, 756, 758, 760, 762, 764, 766, 768, 770, 772, 774 },
-    { 774, 777, 779, 781, 783, 785, 787, 789, 791, 793, 795, 797, 799, 801, 803, 805, 807, 809, 811, 813, 815, 817, 819, 821, 823, 825, 827, 829, 831, 833, 835, 837, 839, 841, 843, 845, 847, 849, 851, 853, 855, 857, 859, 861, 863, 865, 867, 869, 871, 873, 875, 877, 879, 881, 883, 885, 887, 889, 891, 893, 895, 897, 899, 901, 903 },
-    { 903, 906, 908, 910, 912, 914, 916, 918, 920, 922, 924, 926, 928, 930, 932, 934, 936, 938, 940, 942, 944, 946, 948, 950, 952, 954, 956, 958, 960, 962, 964, 966, 968, 970, 972, 974, 976, 978, 980, 982, 984, 986, 988, 990, 992, 994, 996, 998, 1000, 1002, 1004, 1006, 1008, 1010, 1012, 1014, 1016, 1018, 1020, 1022, 1024, 1026, 1028, 1030, 1032 },
+    { 0, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117, 121, 125, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257 },
+    { 257, 262, 266, 270, 274, 278, 282, 286, 290, 294, 298, 302, 306, 310, 314, 318, 322, 326, 330, 334, 338, 342, 346, 350, 354, 358, 362, 366, 370, 374, 378, 382, 386, 390, 394, 398, 402, 406, 410, 414, 418, 422, 426, 430, 434, 438, 442, 446, 450, 454, 458, 462, 466, 470, 474, 478, 482, 486, 490, 494, 498, 502, 506, 510, 514 },
+    { 514, 519, 523, 527, 531, 535, 539, 543, 547, 551, 555, 559, 563, 567, 571, 575, 579, 583, 587, 591, 595, 599, 603, 607, 611, 615, 619, 623, 627, 631, 635, 639, 643, 647, 651, 655, 659, 663, 667, 671, 675, 679, 683, 687, 691, 695, 699, 703, 707, 711, 715, 719, 723, 727, 731, 735, 739, 743, 747, 751, 755, 759, 763, 767, 771 },
+    { 771, 776, 780, 784, 788, 792, 796, 800, 804, 808, 812, 816, 820, 824, 828, 832, 836, 840, 844, 848, 852, 856, 860, 864, 868, 872, 876, 880, 884, 888, 892, 896, 900, 904, 908, 912, 916, 920, 924, 928, 932, 936, 940, 944, 948, 952, 956, 960, 964, 968, 972, 976, 980, 984, 988, 992, 996, 1000, 1004, 1008, 1012, 1016, 1020, 1024, 1028 },
+    { 1028, 1033, 1037, 1041, 1045, 1049, 1053, 1057, 1061, 1065, 1069, 1073, 1077, 1081, 1085, 1089, 1093, 1097, 1101, 1105, 1109, 1113, 1117, 1121, 1125, 1129, 1133, 1137, 1141, 1145, 1149, 1153, 1157, 1161, 1165, 1169, 1173, 1177, 1181, 1185, 1189, 1193, 1197, 1201, 1205, 1209, 1213, 1217, 1221, 1225, 1229, 1233, 1237, 1241, 1245, 1249, 1253, 1257, 1261, 1265, 1269, 1273, 1277, 1281, 1285 },
+    { 1285, 1290, 1294, 1298, 1302, 1306, 1310, 1314, 1318, 1322, 1326, 1330, 1334, 1338, 1342, 1346, 1350, 1354, 1358, 1362, 1366, 1370, 1374, 1378, 1382, 1386, 1390, 1394, 1398, 1402, 1406, 1410, 1414, 1418, 1422, 1426, 1430, 1434, 1438, 1442, 1446, 1450, 1454, 1458, 1462, 1466, 1470, 1474, 1478, 1482, 1486, 1490, 1494, 1498, 1502, 1506, 1510, 1514, 1518, 1522, 1526, 1530, 1534, 1538, 1542 },
+    { 1542, 1547, 1551, 1555, 1559, 1563, 1567, 1571, 1575, 1579, 1583, 1587, 1591, 1595, 1599, 1603, 1607, 1611, 1615, 1619, 1623, 1627, 1631, 1635, 1639, 1643, 1647, 1651, 1655, 1659, 1663, 1667, 1671, 1675, 1679, 1683, 1687, 1691, 1695, 1699, 1703, 1707, 1711, 1715, 1719, 1723, 1727, 1731, 1735, 1739, 1743, 1747, 1751, 1755, 1759, 1763, 1767, 1771, 1775, 1779, 1783, 1787, 1791, 1795, 1799 },
+    { 1799, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048, 2052, 2056 },
 };
 
 template <int WORLD> struct plan;

@@ -30,14 +30,15 @@ SHIPPED = {
     "broadcast": [("broadcast", {}, None)],
 }
 TUNE = {
-    "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b)) for b in (8, 32)]
-    + [("allgather_pull", {}, None)],
-    "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b))
-                       for b, p in ((16, 1), (32, 4), (32, 8))],
-    "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b)) for b in (8, 32)],
-    "all_reduce": [("all_reduce_two_shot", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b))
-                   for b, p in ((16, 1), (32, 4))] + [("all_reduce_one_shot", {"blocks_per_peer": 8}, 32)],
-    "broadcast": [],
+    "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)]
+    + [("allgather_pull", {"blocks_per_peer": 32}, 128)],
+    "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
+                       for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))],
+    "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)],
+    "all_reduce": [("all_reduce_two_shot", {"blocks_per_peer": b, "pieces": p}, min(132, 7 * b + 1))
+                   for b, p in ((8, 4), (16, 4), (16, 8))]
+    + [("all_reduce_one_shot", {"blocks_per_peer": 16}, 17)],
+    "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],
 }
 
 
@@ -84,7 +85,18 @@ def main():
                 rows.append({"backend": "tsgen", "variant": label, "op": op, "error": str(e)[:500]})
         dt = dtype or yaml.safe_load((ROOT / "specs" / f"{variants[0][0]}.yaml").read_text())["dtype"]
         try:
-            for r in run_baselines(op, dt, sizes, args.gpus, timeout=400):
+            # Baselines get their best case: CUDA graphs over rotated buffers, and an
+            # eager loop on one buffer (hot L2, as nccl-tests runs); the faster counts.
+            best = {}
+            for cfg in ({"use_graphs": True, "rotate": True}, {"use_graphs": False, "rotate": False}):
+                for r in run_baselines(op, dt, sizes, args.gpus, timeout=400, **cfg):
+                    r["config"] = "graph+rotate" if cfg["use_graphs"] else "eager, one buffer"
+                    key = (r["backend"], r["bytes"])
+                    if r.get("time_us") and (key not in best or r["time_us"] < best[key]["time_us"]):
+                        best[key] = r
+                    elif key not in best:
+                        best[key] = r
+            for r in best.values():
                 r["variant"] = r["backend"]
                 rows.append(r)
                 print(f"{r['backend']:28s} {human(r['bytes']):>6s}  "
@@ -105,7 +117,8 @@ def write(args, rows) -> str:
             "device": dev, "date": datetime.date.today().isoformat(), "gpus": args.gpus,
             "timing": "tsgen: one process, a CUDA graph of back-to-back calls per GPU, time per call = "
                       "max over GPUs of graph time / calls, median of 7; buffers rotate below 64 MiB. "
-                      "NCCL / symm-mem: one process per GPU, CUDA graphs, max over ranks, median."}
+                      "NCCL / symm-mem: one process per GPU, max over ranks, median; the better of CUDA "
+                      "graphs over rotated buffers and an eager loop on one buffer."}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"collectives_bench_w{args.gpus}"
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -63,6 +63,7 @@ class Step:
     signals: tuple[SignalRef, ...] = ()
     blocks: int = 1
     note: str = ""
+    lane: str | None = None  # steps of one lane run in order on the same blocks (a pipeline)
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,25 @@ class CommPlan:
 
 
 def schedule(world: int, nblocks: int, steps_per_rank: list[list[Step]], **kw) -> CommPlan:
-    """Assign shares of steps to blocks (step order, round robin) and count the
-    adds each signal receives per call."""
+    """Assign shares of steps to blocks and count the adds each signal receives per call.
+
+    Steps are grouped: the steps of one lane form a group (they run in order on
+    the same blocks, so piece i+1 of a pipeline starts after piece i); every
+    other step is a group of its own. Groups take consecutive blocks in order
+    of first appearance, wrapping around when the grid is smaller than the work."""
     ranks = []
     for steps in steps_per_rank:
-        blocks: list[list[Share]] = [[] for _ in range(nblocks)]
-        b = 0
+        groups: dict[object, list[int]] = {}
         for i, step in enumerate(steps):
-            for s in range(step.blocks):
-                blocks[b % nblocks].append(Share(i, s, step.blocks))
-                b += 1
+            groups.setdefault(step.lane if step.lane is not None else ("step", i), []).append(i)
+        blocks: list[list[Share]] = [[] for _ in range(nblocks)]
+        base = 0
+        for members in groups.values():
+            width = max(steps[i].blocks for i in members)
+            for i in members:
+                for s in range(steps[i].blocks):
+                    blocks[(base + s) % nblocks].append(Share(i, s, steps[i].blocks))
+            base += width
         ranks.append(RankPlan(steps, blocks))
     plan = CommPlan(world=world, nblocks=nblocks, ranks=ranks, **kw)
     per_call: Counter = Counter()

@@ -274,17 +274,17 @@ class ReduceScatterFamily(CollectiveFamily):
         steps = []
         for r in range(w):
             s = [_entry(r, w)]
-            for i in range(P):
-                for q in _ring(r, w):
+            for q in _ring(r, w):  # one lane per peer: its pieces go out in order
+                for i in range(P):
                     s.append(Step("copy", dst=(q, Slice("inbox", r, i, P)), srcs=((r, Slice(src_buf, q, i, P)),),
                                   waits=(("entry", q),), signals=(SignalRef(q, "arrive", r * P + i),),
-                                  blocks=max(1, bpp // P), note=f"piece {i} of chunk {q} to rank {q}'s inbox"))
-            for i in range(P):
+                                  blocks=bpp, lane=f"to{q}", note=f"piece {i} of chunk {q} to rank {q}'s inbox"))
+            for i in range(P):  # the reduce lane follows the pieces as they arrive
                 dst = (r, Slice("dst", r, i, P)) if p.in_place else (r, Slice("dst", 0, i, P))
                 srcs = ((r, Slice(src_buf, r, i, P)),) + tuple((r, Slice("inbox", q, i, P)) for q in range(w) if q != r)
                 s.append(Step("reduce", dst=dst, srcs=srcs,
                               waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
-                              blocks=max(1, bpp // P), note=f"reduce piece {i}"))
+                              blocks=bpp, lane="reduce", note=f"reduce piece {i}"))
             steps.append(s)
         expected = {}
         for r in range(w):
@@ -437,26 +437,29 @@ class AllReduceFamily(CollectiveFamily):
         P, bpp = p.pieces, p.blocks_per_peer
         n = w * P  # the count is cut into w parts of P pieces: part q (pieces q*P..) is reduced by rank q
         buf = "dst" if p.in_place else "src"
-        nb = max(1, bpp // P)
+        nb = bpp
         steps = []
         for r in range(w):
             s = [_entry(r, w)]
-            for i in range(P):  # reduce-scatter: push part q to rank q's inbox
-                for q in _ring(r, w):
+            for q in _ring(r, w):  # reduce-scatter: push part q to rank q's inbox, piece by piece
+                for i in range(P):
                     s.append(Step("copy", dst=(q, Slice("inbox", r, q * P + i, n)),
                                   srcs=((r, Slice(buf, 0, q * P + i, n)),), waits=(("entry", q),),
-                                  signals=(SignalRef(q, "arrive", r * P + i),), blocks=nb,
+                                  signals=(SignalRef(q, "arrive", r * P + i),), blocks=nb, lane=f"rs{q}",
                                   note=f"part {q} piece {i} to rank {q}"))
             for i in range(P):
                 mine = r * P + i
                 srcs = ((r, Slice(buf, 0, mine, n)),) + tuple((r, Slice("inbox", q, mine, n)) for q in range(w) if q != r)
                 s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)), srcs=srcs,
                               waits=tuple(("arrive", q * P + i) for q in range(w) if q != r),
-                              signals=(SignalRef(r, "reduced", i),), blocks=nb, note=f"reduce our part, piece {i}"))
-                for q in _ring(r, w):  # allgather: push the reduced piece to every peer
+                              signals=(SignalRef(r, "reduced", i),), blocks=nb, lane="reduce",
+                              note=f"reduce our part, piece {i}"))
+            for q in _ring(r, w):  # allgather: push each reduced piece to every peer
+                for i in range(P):
+                    mine = r * P + i
                     s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
                                   waits=(("reduced", i), ("entry", q)), signals=(SignalRef(q, "gathered", r * P + i),),
-                                  blocks=nb, note=f"reduced piece {i} to rank {q}"))
+                                  blocks=nb, lane=f"ag{q}", note=f"reduced piece {i} to rank {q}"))
             s += (_final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                             "wait for every peer's reduced parts"))
             steps.append(s)
