@@ -24,9 +24,10 @@ from tsgen.bench import bench_collective, human, parse_sizes  # noqa: E402
 # op -> list of (spec file, param overrides, launch.blocks)
 SHIPPED = {
     "allgather": [("allgather", {}, None)],
-    "reduce_scatter": [("reduce_scatter", {}, None)],
+    "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None)],
     "all_to_all": [("all_to_all", {}, None)],
-    "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot", {}, None)],
+    "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot_pull", {}, None),
+                   ("all_reduce_two_shot", {}, None)],
     "broadcast": [("broadcast", {}, None)],
 }
 TUNE = {
@@ -35,9 +36,9 @@ TUNE = {
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
                        for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))],
     "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)],
-    "all_reduce": [("all_reduce_two_shot", {"blocks_per_peer": b, "pieces": p}, min(132, 7 * b + 1))
-                   for b, p in ((8, 4), (16, 4), (16, 8))]
-    + [("all_reduce_one_shot", {"blocks_per_peer": 16}, 17)],
+    "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, 4 * b + 1) for b in (4, 8)]
+    + [("all_reduce_two_shot_pull", {"blocks_per_peer": 16, "pieces": 2}, 65),
+       ("all_reduce_one_shot", {"blocks_per_peer": 8}, 9)],
     "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],
 }
 

@@ -41,9 +41,10 @@ class AllgatherParams(CollectiveParams):
 
 
 class AllReduceParams(CollectiveParams):
-    algorithm: Literal["one_shot", "two_shot"] = Field(
+    algorithm: Literal["one_shot", "two_shot", "two_shot_pull"] = Field(
         "two_shot", description="one_shot: every rank reads every peer's input and reduces all of it; "
-        "two_shot: reduce-scatter by push, then allgather by push")
+        "two_shot: reduce-scatter by push into inboxes, then allgather by push (large sizes); "
+        "two_shot_pull: each rank reads and reduces its part from every peer, then pushes it (small sizes)")
 
 
 class BroadcastParams(CollectiveParams):
@@ -392,6 +393,8 @@ class AllReduceFamily(CollectiveFamily):
 
     def data_buffers(self, spec):
         two = spec.params.algorithm == "two_shot"
+        if spec.params.algorithm == "two_shot_pull":
+            return {"dst": ("inout", 1)} if spec.params.in_place else {"src": ("input", 1), "dst": ("output", 1)}
         if spec.params.in_place:
             return {"dst": ("inout", 1)} | ({"inbox": ("scratch", "W")} if two else {"scratch": ("scratch", 1)})
         return {"src": ("input", 1), "dst": ("output", 1)} | ({"inbox": ("scratch", "W")} if two else {})
@@ -400,10 +403,47 @@ class AllReduceFamily(CollectiveFamily):
         P = spec.params.pieces
         if spec.params.algorithm == "one_shot":
             return {"entry": w, "done": w} | ({"reduced": 1} if spec.params.in_place else {})
+        if spec.params.algorithm == "two_shot_pull":
+            return {"entry": w, "reduced": P, "gathered": w * P}
         return {"entry": w, "arrive": w * P, "reduced": P, "gathered": w * P}
 
     def comm_plan(self, spec, w):
-        return self._one_shot(spec, w) if spec.params.algorithm == "one_shot" else self._two_shot(spec, w)
+        return {"one_shot": self._one_shot, "two_shot": self._two_shot,
+                "two_shot_pull": self._two_shot_pull}[spec.params.algorithm](spec, w)
+
+    def _two_shot_pull(self, spec, w):
+        """Entry; reduce our part straight from every rank's input (peer reads); push it
+        to every peer. A peer's `gathered` signal also says it has finished reading our
+        input (it read before it reduced, and reduced before it pushed), so waiting for
+        all of them is the exit barrier too."""
+        p = spec.params
+        P, nb = p.pieces, p.blocks_per_peer
+        n = w * P
+        buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            s = [_entry(r, w)]
+            for i in range(P):
+                mine = r * P + i
+                s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)),
+                              srcs=tuple((q, Slice(buf, 0, mine, n)) for q in [r] + _ring(r, w)),
+                              waits=tuple(("entry", q) for q in range(w) if q != r),
+                              signals=(SignalRef(r, "reduced", i),), blocks=nb, lane="reduce",
+                              note=f"reduce our part, piece {i}, reading every rank"))
+            for q in _ring(r, w):
+                for i in range(P):
+                    mine = r * P + i
+                    s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
+                                  waits=(("reduced", i),), signals=(SignalRef(q, "gathered", mine),),
+                                  blocks=nb, lane=f"ag{q}", note=f"reduced piece {i} to rank {q}"))
+            s += _final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
+                        "wait for every peer's reduced parts (and their reads of our input)")
+            steps.append(s)
+        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
+                    for r in range(w) for k in range(n)}
+        buffers = {nm: role for nm, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
+                        expected=expected)
 
     def _one_shot(self, spec, w):
         p = spec.params
