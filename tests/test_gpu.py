@@ -117,3 +117,23 @@ def test_collective_dtype_matrix(spec, dtype, world):
     ok = run_test(f"specs/{spec}.yaml", world, count=65536, iters=5, dtype=dtype, echo=lines.append)
     record("dtype_matrix", {"spec": spec, "dtype": dtype, "world": world, "pass": ok, "lines": lines[-1:]})
     assert ok, "\n".join(lines)
+
+
+def test_collective_negative_control_wrong_chunk_offset():
+    """The plan table with one chunk offset broken (rank 1 puts its chunk at offset 0
+    of rank 0's output instead of offset 1) must fail on the GPU as it fails `tsgen verify`."""
+    import re
+
+    need_gpus(2)
+
+    def mutate(text):
+        head, tail = text.split("static __device__ const tsgen_step steps_w2[]", 1)
+        tail = re.sub(r"(// rank 1 step 1: put to rank 0;[^\n]*\n\s*\{TSGEN_OP_COPY, 1, 1, 1, )\{0, 2, 0, 1, 1, 0\}",
+                      r"\1{0, 2, 0, 1, 0, 0}", tail, count=1)
+        return head + "static __device__ const tsgen_step steps_w2[]" + tail
+
+    lines = []
+    ok = run_test("specs/allgather.yaml", 2, iters=5, echo=lines.append, mutate=mutate)
+    record("negative_control", {"spec": "allgather (plan table)", "removed": "rank 1's put offset 1 -> 0",
+                                "pass": ok, "lines": lines})
+    assert not ok, "broken plan passed:\n" + "\n".join(lines)

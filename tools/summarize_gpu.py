@@ -1,5 +1,5 @@
 """Turn a device run's $OUT (jsonl rows from tests/test_gpu.py) into
-results/primitives_correctness.{json,md}.
+results/correctness.{json,md}.
 
 Usage: python tools/summarize_gpu.py RUN_DIR RESULTS_DIR "COMMAND" "DEVICE" DATE
 """
@@ -19,9 +19,9 @@ def main():
     run, out, command, device, date = Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:6]
     corr, probes, negs = rows(run, "correctness"), rows(run, "timeout_probe"), rows(run, "negative_control")
     meta = {"command": command, "device": device, "date": date}
-    (out / "primitives_correctness.json").write_text(json.dumps(
+    (out / "correctness.json").write_text(json.dumps(
         {"meta": meta, "correctness": corr, "timeout_probe": probes, "negative_control": negs}, indent=2) + "\n")
-    md = [f"# Primitive ops on GPUs ({date})", "", f"Device: {device}", "", f"Command: `{command}`", "",
+    md = [f"# tsgen ops on GPUs (primitives and collectives) ({date})", "", f"Device: {device}", "", f"Command: `{command}`", "",
           "Every call: fresh seeded data (integer pattern on call 0), poisoned outputs, bit-exact compare.", "",
           "| spec | world 2 | world 3 | world 4 |", "|---|---|---|---|"]
     by = {}
@@ -40,7 +40,7 @@ def main():
     md += ["", "## Timeout probe (only rank 0 runs; its wait never completes)", ""]
     for r in probes:
         md += [f"`{r['spec']}` (exit {r['rc']}):", "", "```", r["output"].strip(), "```", ""]
-    (out / "primitives_correctness.md").write_text("\n".join(md) + "\n")
+    (out / "correctness.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[:60]))
 
 
