@@ -24,6 +24,10 @@ def _is_collective(spec_path):
     return yaml.safe_load(spec_path.read_text())["op"] in COLLECTIVE_OPS
 
 
+def _is_multimem(spec_path):
+    return "multimem" in spec_path.read_text()
+
+
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
 PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s)]
 
@@ -91,7 +95,18 @@ def test_negative_control_fails(spec):
 # Collectives
 # ---------------------------------------------------------------------------
 
-COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s)]
+COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s) and not _is_multimem(s)]
+MULTIMEM_SPECS = [s for s in SPECS if _is_multimem(s)]
+
+
+@pytest.mark.parametrize("spec", MULTIMEM_SPECS, ids=lambda p: p.stem)
+def test_multimem_is_refused_on_these_machines(spec):
+    """Never executed: the runtime refuses before compiling or loading anything."""
+    need_gpus(2)
+    from tsgen.errors import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match="TSGEN_ALLOW_MULTIMEM"):
+        run_test(spec, 2, iters=1)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

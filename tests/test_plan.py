@@ -12,7 +12,8 @@ from tsgen.ops import get_family
 from tsgen.plan import SignalRef, Slice, verify
 from tsgen.spec import load_spec
 
-COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")]
+COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")
+               and not get_family(load_spec(s).model.op).is_multimem(load_spec(s).model)]
 
 
 def _plan(spec_path, w):

@@ -149,6 +149,9 @@ def verify(paths, worlds, schedules, seed):
         family = get_family(loaded.model.op)
         if not hasattr(family, "comm_plan"):
             continue
+        if family.is_multimem(loaded.model):
+            click.echo(f"{loaded.name}: skipped (multimem variant: no plan to verify, compiled only)")
+            continue
         for w in sizes:
             spec = loaded.model.model_copy(update={"world_sizes": [w]})
             if family.check(spec):

@@ -112,7 +112,8 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
     ]
     if spec.description:
         banner += [""] + comment_text(spec.description)
-    source = environment().get_template(f"ops/{family.template}").render(
+    template = family.template_for(spec) if hasattr(family, "template_for") else family.template
+    source = environment().get_template(f"ops/{template}").render(
         banner=banner,
         spec=spec,
         family=family,
@@ -139,6 +140,8 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         "count_unit": family.count_unit,
         "timeout_ms": spec.sync.timeout_ms,
         "blocks_wait": family.blocks_wait,
+        # NVLink multicast: compiled only; the runtime refuses it unless explicitly enabled
+        "multimem": bool(getattr(family, "is_multimem", lambda s: False)(spec)),
         "constants": plan.constants,
         "buffers": [
             {

@@ -37,14 +37,18 @@ class CollectiveParams(StrictModel):
 
 
 class AllgatherParams(CollectiveParams):
-    direction: Literal["push", "pull"] = Field("push", description="push: write into peers; pull: read from peers")
+    direction: Literal["push", "pull", "multimem"] = Field(
+        "push", description="push: write into peers; pull: read from peers; multimem: one NVLink-multicast "
+        "store per element (compiled only: the runtime refuses it unless explicitly enabled)")
 
 
 class AllReduceParams(CollectiveParams):
-    algorithm: Literal["one_shot", "two_shot", "two_shot_pull"] = Field(
+    algorithm: Literal["one_shot", "two_shot", "two_shot_pull", "multimem"] = Field(
         "two_shot", description="one_shot: every rank reads every peer's input and reduces all of it; "
         "two_shot: reduce-scatter by push into inboxes, then allgather by push (large sizes); "
-        "two_shot_pull: each rank reads and reduces its part from every peer, then pushes it (small sizes)")
+        "two_shot_pull: each rank reads and reduces its part from every peer, then pushes it (small sizes); "
+        "multimem: two-shot with multimem.ld_reduce + multimem.st and a multimem.red barrier (compiled only: "
+        "the runtime refuses it unless explicitly enabled)")
 
 
 class BroadcastParams(CollectiveParams):
@@ -122,10 +126,26 @@ class CollectiveFamily(OpFamily):
     def extra_check(self, spec):
         return []
 
+    def is_multimem(self, spec) -> bool:
+        return False
+
+    def template_for(self, spec) -> str:
+        return "multimem.cu.j2" if self.is_multimem(spec) else self.template
+
+    def _multimem_check(self, spec):
+        problems = []
+        if spec.params.in_place:
+            problems.append((("params", "in_place"), "the multimem variants are out-of-place only"))
+        if spec.op == "all_reduce" and spec.dtype not in ("bfloat16", "float32"):
+            problems.append((("dtype",), "multimem all_reduce reduces bfloat16 or float32 (multimem.ld_reduce .v4 forms)"))
+        return problems
+
     def min_blocks(self, spec, w) -> int:
         return 1
 
     def template_vars(self, spec):
+        if self.is_multimem(spec):
+            return {}
         plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
         return {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
@@ -184,16 +204,26 @@ class AllgatherFamily(CollectiveFamily):
     Params = AllgatherParams
     summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
 
+    def is_multimem(self, spec):
+        return spec.params.direction == "multimem"
+
+    def extra_check(self, spec):
+        return self._multimem_check(spec) if self.is_multimem(spec) else []
+
     def data_buffers(self, spec):
         if spec.params.in_place:
             return {"dst": ("inout", "W")}
         return {"src": ("input", 1), "dst": ("output", "W")}
 
     def signal_sizes(self, spec, w):
+        if self.is_multimem(spec):
+            return {"barrier": 1}
         return {"entry": w, ("arrive" if spec.params.direction == "push" else "done"): w}
 
     def comm_plan(self, spec, w):
         p = spec.params
+        if self.is_multimem(spec):
+            raise ValueError("multimem variants are not plans: they have no CPU verification")
         bpp = p.blocks_per_peer
         steps = []
         for r in range(w):
@@ -391,9 +421,15 @@ class AllReduceFamily(CollectiveFamily):
     Params = AllReduceParams
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
 
+    def is_multimem(self, spec):
+        return spec.params.algorithm == "multimem"
+
+    def extra_check(self, spec):
+        return self._multimem_check(spec) if self.is_multimem(spec) else []
+
     def data_buffers(self, spec):
         two = spec.params.algorithm == "two_shot"
-        if spec.params.algorithm == "two_shot_pull":
+        if spec.params.algorithm in ("two_shot_pull", "multimem"):
             return {"dst": ("inout", 1)} if spec.params.in_place else {"src": ("input", 1), "dst": ("output", 1)}
         if spec.params.in_place:
             return {"dst": ("inout", 1)} | ({"inbox": ("scratch", "W")} if two else {"scratch": ("scratch", 1)})
@@ -405,6 +441,8 @@ class AllReduceFamily(CollectiveFamily):
             return {"entry": w, "done": w} | ({"reduced": 1} if spec.params.in_place else {})
         if spec.params.algorithm == "two_shot_pull":
             return {"entry": w, "reduced": P, "gathered": w * P}
+        if spec.params.algorithm == "multimem":
+            return {"barrier": 1}
         return {"entry": w, "arrive": w * P, "reduced": P, "gathered": w * P}
 
     def comm_plan(self, spec, w):

@@ -12,6 +12,7 @@ about individual ops.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -75,6 +76,24 @@ def check_array(array: Any, *, name: str, rank: int, device: int, dtype: str, el
         raise RuntimeSetupError(f"{where}: array is on GPU {got}, rank {rank} runs on GPU {device}")
 
 
+def multimem_refusal(manifest: dict, env, multicast_supported: bool) -> str | None:
+    """Why a module may not run here, or None. NVLink multicast (multimem) can take a
+    shared host's GPUs down: it runs only where the device reports multicast support
+    AND the user opted in with TSGEN_ALLOW_MULTIMEM=1 -- and even then this runtime
+    has no multicast allocation yet, so it refuses with that reason. Pure: testable on CPU."""
+    if not manifest.get("multimem"):
+        return None
+    name = manifest.get("name", "?")
+    if env.get("TSGEN_ALLOW_MULTIMEM") != "1":
+        return (f"{name}: uses NVLink multicast (multimem), which tsgen never runs unless asked: "
+                "set TSGEN_ALLOW_MULTIMEM=1 on a machine you own whose GPUs report multicast "
+                "support. The non-multimem variants of this op compute the same result.")
+    if not multicast_supported:
+        return f"{name}: TSGEN_ALLOW_MULTIMEM=1, but the device reports no multicast support"
+    return (f"{name}: multicast objects are not implemented by the single-process backend yet; "
+            "use the non-multimem variant")
+
+
 class Buffers:
     """The symmetric heap of one module for one `count`, on every rank."""
 
@@ -130,6 +149,9 @@ class Module:
                 f"{self.manifest['name']}: compiled for world sizes {sizes}, not {world.size}; "
                 f"add {world.size} to world_sizes in {self.manifest['spec']}"
             )
+        refusal = multimem_refusal(self.manifest, os.environ, world.multicast_supported())
+        if refusal:
+            raise RuntimeSetupError(refusal)
         self.kernel = next(k for k in self.manifest["kernels"] if k["world_size"] == world.size)
         source = self.manifest_path.with_name(self.manifest["source"])
         self.binary = compile_source(source, arch=arch).output
@@ -188,6 +210,14 @@ class World:
 
     def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
         return Module(self, Path(manifest), arch)
+
+    def multicast_supported(self) -> bool:
+        """The device attribute (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132); False if unknown.
+        Only read: nothing here creates a multicast object."""
+        try:
+            return bool(self.cp.cuda.runtime.deviceGetAttribute(132, self.devices[0]))
+        except Exception:
+            return False
 
     def synchronize(self) -> None:
         """Wait for every rank; a failed kernel raises with the rank named."""
