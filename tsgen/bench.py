@@ -187,6 +187,43 @@ def _fill_random(cp, arr, dtype: str) -> None:
         arr[...] = cp.random.standard_normal(n).astype(arr.dtype)
 
 
+CHECK_UP_TO = 64 << 20  # sizes whose results are checked against the NumPy reference
+
+
+def check_once(world, module, bufs, spec, gpus: int, count: int) -> int:
+    """One call on fresh inputs, compared with the family's reference: wrong elements."""
+    import numpy as np
+
+    from .harness import as_bits
+    from .ops.collectives import to_f64
+
+    family = get_family(spec.op)
+    rng = np.random.default_rng(12345)
+    inputs = family.make_inputs(spec, gpus, count, rng, pattern=False)
+    for r in range(gpus):
+        with world.cp.cuda.Device(world.devices[r]):
+            for name, per_rank in inputs.items():
+                bufs.array(name, r).set(per_rank[r].view(bufs.array(name, r).dtype))
+            for s in bufs.slots:
+                if s.role == "output":
+                    bufs.array(s.name, r).view(np.uint8)[...] = 0xA5
+    world.synchronize()
+    module.launch(bufs)
+    world.synchronize()
+    expected = family.reference(spec, gpus, count, inputs)
+    tol = family.tolerance(spec, gpus, count, inputs)
+    wrong = 0
+    for name, per_rank in expected.items():
+        for r in range(gpus):
+            got = bufs.array(name, r).get()
+            if tol is None:
+                wrong += int((as_bits(got) != as_bits(per_rank[r])).sum())
+            else:
+                diff = np.abs(to_f64(got.view(per_rank[r].dtype), spec.dtype) - to_f64(per_rank[r], spec.dtype))
+                wrong += int((~(diff <= tol[name][r])).sum())
+    return wrong
+
+
 def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, reps: int = 7,
                      arch: str = "sm_90a", echo: Callable[[str], None] = print,
                      max_sets: int = 32) -> list[dict]:
@@ -222,6 +259,7 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
                                 if s.role in ("input", "inout"):
                                     _fill_random(cp, b.array(s.name, r), spec.dtype)
                 world.synchronize()
+                wrong = check_once(world, module, sets[0], spec, gpus, count) if nbytes <= CHECK_UP_TO else None
                 calls = len(sets) * max(1, -(-iters // len(sets)))
                 for _ in range(2):  # warm-up: every set once
                     for b in sets:
@@ -252,7 +290,61 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
                     b.free()
             row = {"backend": "tsgen", "spec": spec.name, "op": spec.op, "dtype": spec.dtype, "bytes": nbytes,
                    "world": gpus, "time_us": t * 1e6, "algbw_GBps": nbytes / t / 1e9,
-                   "busbw_GBps": nbytes / t / 1e9 * busbw_factor(spec.op, gpus), "sets": len(sets), "calls": calls}
+                   "busbw_GBps": nbytes / t / 1e9 * busbw_factor(spec.op, gpus), "sets": len(sets), "calls": calls,
+                   "wrong": wrong}
             rows.append(row)
             echo(f"{spec.name:28s} {human(nbytes):>6s}  {row['time_us']:9.1f} us  busbw {row['busbw_GBps']:7.1f} GB/s")
     return rows
+
+
+def collective_table(rows: list[dict]) -> str:
+    """nccl-tests-style table: one line per size, tsgen next to every baseline, with ratios."""
+    from .baselines import human as hsize
+
+    base = sorted({r["backend"] for r in rows if r.get("backend") != "tsgen" and r.get("time_us")})
+    head = f"{'size':>8} {'tsgen us':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+    for b in base:
+        head += f" | {b[:18]:>18} us {'busbw':>7} {'ratio':>5}"
+    lines = [head, "-" * len(head)]
+    by = {}
+    for r in rows:
+        by.setdefault(r["bytes"], {})[r["backend"]] = r
+    for size in sorted(by):
+        t = by[size].get("tsgen")
+        if not t:
+            continue
+        wrong = "-" if t.get("wrong") is None else str(t["wrong"])
+        line = f"{hsize(size):>8} {t['time_us']:9.1f} {t['algbw_GBps']:7.1f} {t['busbw_GBps']:7.1f} {wrong:>6}"
+        for b in base:
+            o = by[size].get(b)
+            if o and o.get("time_us"):
+                line += f" | {o['time_us']:21.1f} {o['busbw_GBps']:7.1f} {t['busbw_GBps'] / o['busbw_GBps']:5.2f}"
+            else:
+                line += f" | {'-':>21} {'-':>7} {'-':>5}"
+        lines.append(line)
+    lines.append("ratio = tsgen busbw / baseline busbw (> 1: tsgen faster); #wrong checked up to 64 MiB")
+    return "\n".join(lines)
+
+
+def plot_busbw(rows: list[dict], path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeSetupError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for backend in sorted({r["backend"] for r in rows if r.get("time_us")}):
+        pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["backend"] == backend and r.get("time_us"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    op = next((r["op"] for r in rows), "")
+    ax.set_title(f"{op}: tsgen vs baselines")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -181,17 +181,47 @@ def verify(paths, worlds, schedules, seed):
               help="pair: rank 0 only; ring: every rank at once (default both)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--arch", default="sm_90a", show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="collectives: draw busbw against size for tsgen and the baselines (needs matplotlib)")
+@click.option("--no-baselines", is_flag=True, help="collectives: time tsgen only (no NCCL / symm-mem)")
 @_reports_errors
-def bench(spec, gpus, sizes, iters, patterns, json_path, arch):
-    """Time SPEC's kernel against the copy engine (cudaMemcpyPeer) in the same run."""
+def bench(spec, gpus, sizes, iters, patterns, json_path, arch, plot_path, no_baselines):
+    """Time SPEC on GPUs against its baseline in the same run.
+
+    Copy primitives: against the copy engine (cudaMemcpyPeer). Collectives: an
+    nccl-tests-style table (size, time, algbw, busbw, #wrong) for tsgen and NCCL (and
+    PyTorch SymmetricMemory for all_reduce), one process per GPU for the baselines."""
     import datetime
 
-    from .bench import bench_copy, parse_sizes, write_results
+    from .bench import bench_collective, bench_copy, parse_sizes, write_results
+    from .ops import get_family
+    from .spec import load_spec
 
-    rows = bench_copy(spec, gpus, parse_sizes(sizes), iters=iters,
-                      patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo)
+    family = get_family(load_spec(spec).model.op)
+    size_list = parse_sizes(sizes)
+    meta = {"command": " ".join(["tsgen"] + sys.argv[1:]), "date": datetime.date.today().isoformat()}
+    if family.count_unit == "bytes":
+        rows = bench_copy(spec, gpus, size_list, iters=iters,
+                          patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo)
+    else:
+        rows = []
+        with click.progressbar(size_list, label="tsgen", item_show_func=lambda s: s and f"{s} B",
+                               file=sys.stderr) as bar:
+            for size in bar:
+                rows += bench_collective(spec, gpus, [size], iters=iters, arch=arch, echo=lambda _: None)
+        if not no_baselines:
+            from .baselines import run_baselines
+
+            click.echo("baselines: NCCL (and symm-mem for all_reduce), one process per GPU ...", err=True)
+            rows += run_baselines(family.kind, load_spec(spec).model.dtype, size_list, gpus)
+        from .bench import collective_table, plot_busbw
+
+        click.echo(collective_table(rows))
+        if plot_path:
+            plot_busbw(rows, plot_path)
+            click.echo(f"tsgen: plot written to {plot_path}")
     if json_path:
-        write_results(rows, json_path, {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat()})
+        write_results(rows, json_path, meta)
 
 
 if __name__ == "__main__":  # pragma: no cover
