@@ -17,7 +17,7 @@ ROWS = [
 @pytest.mark.parametrize("op,nbytes,world,count", [
     ("allgather", 1 << 20, 4, (1 << 20) // 2 // 4),       # bytes = output of world chunks
     ("reduce_scatter", 1 << 20, 4, (1 << 20) // 2 // 4),  # bytes = input of world chunks
-    ("all_to_all", 1 << 20, 4, (1 << 20) // 2 // 4 // 4),  # count is per peer
+    ("all_to_all", 1 << 20, 4, (1 << 20) // 2 // 4),  # bytes = each rank's buffer; count per peer
     ("all_reduce", 1 << 20, 4, (1 << 20) // 2),
     ("broadcast", 1 << 20, 2, (1 << 20) // 2),
 ])
