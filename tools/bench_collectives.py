@@ -18,8 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tsgen.baselines import run_baselines  # noqa: E402
-from tsgen.bench import bench_collective, human, parse_sizes  # noqa: E402
+from tsgen.bench import bench_collective, best_baselines, human, parse_sizes  # noqa: E402
 
 # op -> list of (spec file, param overrides, launch.blocks)
 SHIPPED = {
@@ -86,18 +85,8 @@ def main():
                 rows.append({"backend": "tsgen", "variant": label, "op": op, "error": str(e)[:500]})
         dt = dtype or yaml.safe_load((ROOT / "specs" / f"{variants[0][0]}.yaml").read_text())["dtype"]
         try:
-            # Baselines get their best case: CUDA graphs over rotated buffers, and an
-            # eager loop on one buffer (hot L2, as nccl-tests runs); the faster counts.
-            best = {}
-            for cfg in ({"use_graphs": True, "rotate": True}, {"use_graphs": False, "rotate": False}):
-                for r in run_baselines(op, dt, sizes, args.gpus, timeout=400, **cfg):
-                    r["config"] = "graph+rotate" if cfg["use_graphs"] else "eager, one buffer"
-                    key = (r["backend"], r["bytes"])
-                    if r.get("time_us") and (key not in best or r["time_us"] < best[key]["time_us"]):
-                        best[key] = r
-                    elif key not in best:
-                        best[key] = r
-            for r in best.values():
+            # Baselines get their best case (see tsgen.bench.best_baselines).
+            for r in best_baselines(op, dt, sizes, args.gpus):
                 r["variant"] = r["backend"]
                 rows.append(r)
                 print(f"{r['backend']:28s} {human(r['bytes']):>6s}  "

@@ -210,10 +210,10 @@ def bench(spec, gpus, sizes, iters, patterns, json_path, arch, plot_path, no_bas
             for size in bar:
                 rows += bench_collective(spec, gpus, [size], iters=iters, arch=arch, echo=lambda _: None)
         if not no_baselines:
-            from .baselines import run_baselines
+            from .bench import best_baselines
 
             click.echo("baselines: NCCL (and symm-mem for all_reduce), one process per GPU ...", err=True)
-            rows += run_baselines(family.kind, load_spec(spec).model.dtype, size_list, gpus)
+            rows += best_baselines(family.kind, load_spec(spec).model.dtype, size_list, gpus)
         from .bench import collective_table, plot_busbw
 
         click.echo(collective_table(rows))
