@@ -122,7 +122,7 @@ def test(spec, gpus, count, iters, seed, arch, probe_timeout):
 @main.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--world", "worlds", default="2..8", show_default=True, help="world sizes: 2..8, or 2,3,4")
-@click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 40 above 4 ranks)")
+@click.option("--schedules", type=int, default=None, help="random interleavings per world size (default 100, 24 above 4 ranks)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @_reports_errors
 def verify(paths, worlds, schedules, seed):
@@ -157,7 +157,7 @@ def verify(paths, worlds, schedules, seed):
             if family.check(spec):
                 click.echo(f"{loaded.name} world {w}: skipped ({family.check(spec)[0][1]})")
                 continue
-            n = schedules if schedules is not None else (100 if w <= 4 else 40)
+            n = schedules if schedules is not None else (100 if w <= 4 else 24)
             problems = verify_plan(family.comm_plan(spec, w), schedules=n, seed=seed)
             checked += 1
             if problems:

@@ -373,14 +373,17 @@ def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) 
                 continue
             key = {"rank_first": lambda x: x, "rank_last": lambda x: (-x[0], x[1]),
                    "block_reverse": lambda x: (-x[1], x[0])}[order]
-            pick = next((c for c in sorted(sim.candidates(), key=key) if sim.is_ready(*c)), None)
-            if pick is None:
+            # Sweep in priority order: each block in turn runs as far as it can
+            # before the next one moves; repeat while anything moved.
+            moved = False
+            for pick in sorted(sim.candidates(), key=key):
+                while pick in sim.where and sim.is_ready(*pick) and not sim.errors:
+                    sim.advance(*pick)
+                    moved = True
+                    if pick[1] == -1:
+                        break
+            if not moved or sim.errors:
                 break
-            # the chosen block runs as far as it can before anyone else moves
-            while pick in sim.where and sim.is_ready(*pick) and not sim.errors:
-                sim.advance(*pick)
-                if pick[1] == -1:
-                    break
             steps += 1
             if sim.errors:
                 break
