@@ -189,9 +189,10 @@ def parse_sizes(text: str) -> list[int]:
             out.append(lo)
             lo *= factor
         return out
-    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
-    if not sizes:
-        raise BaselineConfigError("sizes: none given")
+    items = text.split(",")
+    if not text or any(not t.strip() for t in items):
+        raise BaselineConfigError(f"sizes {text!r}: an empty entry; write e.g. 64K,1M,256M")
+    sizes = [parse_size(t) for t in items]
     return sizes
 
 

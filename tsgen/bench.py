@@ -12,7 +12,6 @@ Each size: warm-up calls, then the median of `reps` timings of `iters` calls.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -23,39 +22,8 @@ from .harness import materialize
 from .ops import get_family
 from .spec import load_spec
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([KMG]?)i?B?", text.strip(), re.IGNORECASE)
-    if not m:
-        raise RuntimeSetupError(f"size {text!r}: write a number with an optional K, M or G suffix")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def parse_sizes(text: str) -> list[int]:
-    """`1K:1G` (powers of two between), `1M:1G:4` (factor 4), or `1M,256M`."""
-    if ":" in text:
-        parts = text.split(":")
-        if len(parts) > 3 or (len(parts) == 3 and not parts[2].strip().isdigit()):
-            raise RuntimeSetupError(f"sizes {text!r}: write LO:HI or LO:HI:FACTOR (FACTOR a whole number)")
-        lo, hi = parse_size(parts[0]), parse_size(parts[1])
-        factor = int(parts[2]) if len(parts) > 2 else 2
-        if lo < 1 or factor < 2 or lo > hi:
-            raise RuntimeSetupError(f"sizes {text!r}: need 1 <= LO <= HI and FACTOR >= 2")
-        out = []
-        while lo <= hi:
-            out.append(lo)
-            lo *= factor
-        return out
-    return [parse_size(t) for t in text.split(",")]
-
-
-def human(n: int) -> str:
-    for unit in ("G", "M", "K"):
-        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}"
-    return str(n)
+# Sizes are parsed and printed one way everywhere (tsgen.baselines owns it).
+from .baselines import human, parse_size, parse_sizes  # noqa: E402,F401
 
 
 def bench_copy(
@@ -80,10 +48,7 @@ def bench_copy(
     with World(gpus) as world:
         cp = world.cp
         module = world.load(manifest, arch=arch)
-        streams = []
-        for dev in world.devices:
-            with cp.cuda.Device(dev):
-                streams.append(cp.cuda.Stream(non_blocking=True))
+        streams = _streams(world)
         shift = spec.params.shift
         put = family.direction == "put"
         for nbytes in sizes:
@@ -126,6 +91,15 @@ def bench_copy(
             finally:
                 bufs.free()
     return rows
+
+
+def _streams(world) -> list:
+    """One non-blocking stream per rank, on its device."""
+    out = []
+    for dev in world.devices:
+        with world.cp.cuda.Device(dev):
+            out.append(world.cp.cuda.Stream(non_blocking=True))
+    return out
 
 
 def _time(world, streams, ranks, calls, iters, reps) -> float:
@@ -242,10 +216,7 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
     with World(gpus) as world:
         cp = world.cp
         module = world.load(manifest, arch=arch)
-        streams = []
-        for dev in world.devices:
-            with cp.cuda.Device(dev):
-                streams.append(cp.cuda.Stream(non_blocking=True))
+        streams = _streams(world)
         for nbytes in sizes:
             count = per_rank_count(spec.op, nbytes, spec.dtype, gpus)
             probe = module.alloc(count)

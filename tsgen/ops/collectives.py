@@ -123,11 +123,14 @@ class CollectiveFamily(OpFamily):
             problems.append((("launch", "blocks"), "collectives wait across blocks: at most 132 (one per SM)"))
         return problems + self.extra_check(spec)
 
+    # (params field, value) that selects the NVLink-multicast variant, if the op has one
+    multimem_switch: tuple[str, str] | None = None
+
     def extra_check(self, spec):
-        return []
+        return self._multimem_check(spec) if self.is_multimem(spec) else []
 
     def is_multimem(self, spec) -> bool:
-        return False
+        return self.multimem_switch is not None and getattr(spec.params, self.multimem_switch[0]) == self.multimem_switch[1]
 
     def template_for(self, spec) -> str:
         return "multimem.cu.j2" if self.is_multimem(spec) else self.template
@@ -203,12 +206,7 @@ class AllgatherFamily(CollectiveFamily):
     kind = "allgather"
     Params = AllgatherParams
     summary = "every rank ends with all ranks' inputs, rank j's at offset j*count (push or pull)"
-
-    def is_multimem(self, spec):
-        return spec.params.direction == "multimem"
-
-    def extra_check(self, spec):
-        return self._multimem_check(spec) if self.is_multimem(spec) else []
+    multimem_switch = ("direction", "multimem")
 
     def data_buffers(self, spec):
         if spec.params.in_place:
@@ -420,12 +418,7 @@ class AllReduceFamily(CollectiveFamily):
     kind = "all_reduce"
     Params = AllReduceParams
     summary = "every rank ends with the sum of all ranks' inputs (one_shot pull, or two_shot push RS + push AG)"
-
-    def is_multimem(self, spec):
-        return spec.params.algorithm == "multimem"
-
-    def extra_check(self, spec):
-        return self._multimem_check(spec) if self.is_multimem(spec) else []
+    multimem_switch = ("algorithm", "multimem")
 
     def data_buffers(self, spec):
         two = spec.params.algorithm == "two_shot"

@@ -1,0 +1,12 @@
+# Sourced by the device-run scripts: safety variables, carried wheels, caches.
+# NVLink multicast is never used on the shared machines; these also reach every child process.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/tsgen-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydantic), see README
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export TSGEN_CACHE_DIR=/tmp/tsgen-cache TSGEN_RESULTS_DIR="$OUT"
