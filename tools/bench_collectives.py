@@ -35,9 +35,7 @@ TUNE = {
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
                        for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))],
     "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)],
-    "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, 4 * b + 1) for b in (4, 8)]
-    + [("all_reduce_two_shot_pull", {"blocks_per_peer": 16, "pieces": 2}, 65),
-       ("all_reduce_one_shot", {"blocks_per_peer": 8}, 9)],
+    "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (16, 64, 96)],
     "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],
 }
 

@@ -155,6 +155,8 @@ class _Sim:
         self.mem: dict[tuple[int, Slice], _Cell] = {}
         self.shares_done: Counter = Counter()  # (rank, step, call) -> shares written
         self.partial: dict[tuple[int, int, int], Counter] = {}  # value read by the first share
+        # (rank, slice) -> (call, {(share, shares) written}, value): share-level writes
+        self.share_cells: dict[tuple[int, Slice], tuple[int, set, Counter]] = {}
         self.errors: list[str] = []
         self.total = [sum(len(b) for b in rp.blocks) for rp in plan.ranks]
         self.remaining = [0] * plan.world
@@ -186,7 +188,7 @@ class _Sim:
         self.phase[r] = [0] * self.plan.nblocks
         self.remaining[r] = self.total[r]
 
-    def _read(self, reader: int, rank: int, sl: Slice, what: str) -> Counter:
+    def _read(self, reader: int, rank: int, sl: Slice, what: str, share: Share | None = None) -> Counter:
         role = self.plan.buffers[sl.buffer]
         k = self.call[reader]
         if self.call[rank] != k or self._finished_call(rank):
@@ -194,6 +196,11 @@ class _Sim:
                 f"call {k}: rank {reader} reads {sl} of rank {rank} while rank {rank} is "
                 f"{'in call ' + str(self.call[rank]) if not self._finished_call(rank) else 'past call ' + str(self.call[rank])} ({what})"
             )
+        # A share may read the same share of a slice (same element range) as soon as
+        # that share is written, before the rest of the slice is.
+        part = self.share_cells.get((rank, sl))
+        if share is not None and part and part[0] == k and (share.share, share.shares) in part[1]:
+            return part[2]
         if role in ("input",) or (role == "inout" and (rank, sl) not in self.mem):
             return Counter({(rank, sl.buffer, sl.unit, sl.piece): 1})
         cell = self.mem.get((rank, sl))
@@ -282,7 +289,7 @@ class _Sim:
         if step.op in ("copy", "reduce"):
             total: Counter = Counter()
             for rank, sl in step.srcs:
-                total.update(self._read(r, rank, sl, what))
+                total.update(self._read(r, rank, sl, what, share))
             # Shares of one step write disjoint parts of the slice: model the slice as
             # written when its last share lands, with what every share read agreeing.
             dst_rank, dst = step.dst
@@ -291,6 +298,10 @@ class _Sim:
             if first != total:
                 self.errors.append(f"call {self.call[r]}: shares of {what} read different data")
             self.shares_done[key] += 1
+            part = self.share_cells.get((dst_rank, dst))
+            if part is None or part[0] != self.call[r]:
+                part = self.share_cells[(dst_rank, dst)] = (self.call[r], set(), total)
+            part[1].add((share.share, share.shares))
             if self.shares_done[key] == share.shares:
                 self._write(r, dst_rank, dst, total, what)
         for sig in step.signals:

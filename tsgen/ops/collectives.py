@@ -433,7 +433,7 @@ class AllReduceFamily(CollectiveFamily):
         if spec.params.algorithm == "one_shot":
             return {"entry": w, "done": w} | ({"reduced": 1} if spec.params.in_place else {})
         if spec.params.algorithm == "two_shot_pull":
-            return {"entry": w, "reduced": P, "gathered": w * P}
+            return {"entry": w, "gathered": w * P}
         if spec.params.algorithm == "multimem":
             return {"barrier": 1}
         return {"entry": w, "arrive": w * P, "reduced": P, "gathered": w * P}
@@ -455,18 +455,17 @@ class AllReduceFamily(CollectiveFamily):
         for r in range(w):
             s = [_entry(r, w)]
             for i in range(P):
+                # One lane: each block reduces its share of our part, then pushes that same
+                # share to every peer -- it wrote it itself, so no signal is needed between.
                 mine = r * P + i
                 s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)),
                               srcs=tuple((q, Slice(buf, 0, mine, n)) for q in [r] + _ring(r, w)),
                               waits=tuple(("entry", q) for q in range(w) if q != r),
-                              signals=(SignalRef(r, "reduced", i),), blocks=nb, lane="reduce",
-                              note=f"reduce our part, piece {i}, reading every rank"))
-            for q in _ring(r, w):
-                for i in range(P):
-                    mine = r * P + i
+                              blocks=nb, lane="part", note=f"reduce our part, piece {i}, reading every rank"))
+                for q in _ring(r, w):
                     s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
-                                  waits=(("reduced", i),), signals=(SignalRef(q, "gathered", mine),),
-                                  blocks=nb, lane=f"ag{q}", note=f"reduced piece {i} to rank {q}"))
+                                  signals=(SignalRef(q, "gathered", mine),),
+                                  blocks=nb, lane="part", note=f"the same share of piece {i} to rank {q}"))
             s += _final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                         "wait for every peer's reduced parts (and their reads of our input)")
             steps.append(s)
