@@ -224,5 +224,23 @@ def bench(spec, gpus, sizes, iters, patterns, json_path, arch, plot_path, no_bas
         write_results(rows, json_path, meta)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc", type=int, required=True, help="ranks to start (one per GPU)")
+@click.option("--port", type=int, default=None, help="MASTER_PORT (default: a free one)")
+@click.option("--timeout", type=float, default=None, help="end every rank after this many seconds")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
+def launch(nproc, port, timeout, cmd):
+    """Start CMD as NPROC ranks (torchrun's environment); prefix their output with
+    the rank; when one fails, end the others and exit with its code."""
+    from .launch import launch as run_launch
+
+    try:
+        code = run_launch(list(cmd), nproc, port=port, timeout=timeout)
+    except ValueError as e:
+        click.echo(f"tsgen launch: {e}", err=True)
+        code = 2
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,81 @@
+"""`tsgen launch` on CPU with dummy ranks: environment, rank-prefixed output,
+and a failing (or killed) rank ending all the others with its exit code."""
+
+import io
+import sys
+import time
+
+import pytest
+
+from tsgen.launch import launch, main
+
+PY = sys.executable
+
+
+def run(code: str, nproc: int = 3, **kw):
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    rc = launch([PY, "-c", code], nproc, out=out, err=err, grace=2.0, **kw)
+    return rc, out.getvalue(), err.getvalue(), time.monotonic() - t0
+
+
+def test_all_ranks_succeed_with_torchrun_environment():
+    rc, out, err, _ = run("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                          "os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], os.environ['NCCL_NVLS_ENABLE'], "
+                          "os.environ['NVSHMEM_DISABLE_NVLS'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'])")
+    assert rc == 0, err
+    lines = sorted(out.splitlines())
+    assert lines == [f"[rank {r}] {r} 3 {r} 127.0.0.1 0 1 1" for r in range(3)]
+
+
+def test_multicast_stays_off_even_if_the_parent_enabled_it(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    rc, out, _, _ = run("import os; print(os.environ['NCCL_NVLS_ENABLE'])", nproc=1)
+    assert rc == 0 and out.strip() == "[rank 0] 0"
+
+
+def test_a_failing_rank_ends_the_others_with_its_code():
+    # rank 1 fails at once; the others would sleep for a minute
+    rc, out, err, elapsed = run(
+        "import os, sys, time\n"
+        "r = int(os.environ['RANK'])\n"
+        "print('start', flush=True)\n"
+        "sys.exit(3) if r == 1 else time.sleep(60)\n")
+    assert rc == 3
+    assert "rank 1 exited with 3" in err
+    assert elapsed < 20
+    assert out.count("start") == 3
+
+
+def test_a_rank_killed_by_a_signal_is_a_failure():
+    rc, _, err, elapsed = run(
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n", nproc=2)
+    assert rc == 128 + 9 and elapsed < 20, err
+
+
+def test_stderr_is_prefixed_too():
+    rc, _, err, _ = run("import sys; sys.stderr.write('oops\\n')", nproc=2)
+    assert rc == 0 and sorted(l for l in err.splitlines() if "oops" in l) == ["[rank 0] oops", "[rank 1] oops"]
+
+
+def test_timeout_ends_every_rank():
+    rc, _, err, elapsed = run("import time; time.sleep(60)", nproc=2, timeout=1.0)
+    assert rc == 124 and "still running" in err and elapsed < 20
+
+
+def test_module_entry_point_and_bad_arguments():
+    assert main(["--nproc", "2", "--", PY, "-c", "pass"]) == 0
+    assert main(["--nproc", "2", "--"]) == 2
+    with pytest.raises(ValueError):
+        launch([PY], 0)
+
+
+def test_cli_launch_returns_the_rank_exit_code():
+    import subprocess
+
+    proc = subprocess.run([PY, "-m", "tsgen", "launch", "--nproc", "2", "--", PY, "-c",
+                           "import os, sys; sys.exit(5 if os.environ['RANK'] == '1' else 0)"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr

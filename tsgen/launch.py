@@ -1,0 +1,138 @@
+"""`tsgen launch --nproc N -- CMD...`: one process per GPU on this host.
+
+Starts N copies of CMD with the environment torchrun sets (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards every
+line they print prefixed with `[rank K]`, and when one rank fails ends all
+the others and returns that rank's exit code, so a crash is never a hang.
+NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
+NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence, TextIO
+
+from .runtime.backends import SAFE_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
+    )
+    env.update(SAFE_ENV)  # forced, not defaulted: multicast is never on in a child
+    return env
+
+
+def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"{prefix}{line}\n")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live rank's process group, then SIGKILL what is left after `grace` s."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            p.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 5.0,
+           timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run `cmd` as `nproc` ranks; 0 when all succeed, else the first failing rank's code
+    (128 + signal number for a rank killed by a signal, 124 on timeout)."""
+    if nproc < 1:
+        raise ValueError("--nproc must be at least 1")
+    if not cmd:
+        raise ValueError("nothing to launch: give the command after --")
+    out, err = out or sys.stdout, err or sys.stderr
+    port = port or free_port()
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for rank in range(nproc):
+            p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            for stream, sink in ((p.stdout, out), (p.stderr, err)):
+                t = threading.Thread(target=_pump, args=(stream, f"[rank {rank}] ", sink, lock), daemon=True)
+                t.start()
+                pumps.append(t)
+        start = time.monotonic()
+        code = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, c = failed[0]
+                code = 128 - c if c < 0 else c  # killed by signal -c
+                with lock:
+                    err.write(f"tsgen launch: rank {rank} exited with {code}; stopping the other ranks\n")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                code = 124
+                with lock:
+                    err.write(f"tsgen launch: ranks still running after {timeout:.0f} s; stopping them\n")
+                break
+            time.sleep(0.05)
+    finally:
+        _stop(procs, grace)
+        for t in pumps:
+            t.join(timeout=2)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m tsgen.launch --nproc N [--port P] [--timeout S] -- CMD...`"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tsgen.launch", description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
+    try:
+        return launch(cmd, a.nproc, port=a.port, timeout=a.timeout)
+    except ValueError as e:
+        print(f"tsgen launch: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
