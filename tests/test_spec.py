@@ -181,7 +181,7 @@ def test_bad_spec_cli(tmp_path, monkeypatch, text, expected):
     assert r.code == 2, r
     n = len(expected)
     assert r.stderr.splitlines() == [f"bad.yaml:{line}" for line in expected] + [
-        f"tsgen: {n} problem{'s' if n > 1 else ''} in the spec; nothing was written"
+        f"tsgen: {n} problem{'s' if n > 1 else ''} in the specs; nothing was written"
     ], r
     assert r.stdout == ""
     assert not Path("out").exists(), "a bad spec must leave nothing half-written"
@@ -265,7 +265,7 @@ def test_problems_of_several_specs_all_reported(tmp_path, monkeypatch):
     assert r.stderr.splitlines() == [
         "specs/a.yaml:5:1: bogus: unknown key",
         "specs/b.yaml:4:15: world_sizes[0]: Input should be greater than or equal to 2",
-        "tsgen: 2 problems in the spec; nothing was written",
+        "tsgen: 2 problems in the specs; nothing was written",
     ]
 
 

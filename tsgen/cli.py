@@ -28,7 +28,7 @@ def _reports_errors(fn):
             for line in e.problems:
                 click.echo(line, err=True)
             n = len(e.problems)
-            click.echo(f"tsgen: {n} problem{'s' if n > 1 else ''} in the spec; nothing was written", err=True)
+            click.echo(f"tsgen: {n} problem{'s' if n > 1 else ''} in the specs; nothing was written", err=True)
             sys.exit(e.exit_code)
         except TsgenError as e:
             click.echo(f"tsgen: {e}", err=True)
