@@ -35,12 +35,12 @@ def test_multicast_stays_off_even_if_the_parent_enabled_it(monkeypatch):
 
 
 def test_a_failing_rank_ends_the_others_with_its_code():
-    # rank 1 fails at once; the others would sleep for a minute
+    # rank 1 fails after a second (so every rank has started); the others would sleep a minute
     rc, out, err, elapsed = run(
         "import os, sys, time\n"
         "r = int(os.environ['RANK'])\n"
         "print('start', flush=True)\n"
-        "sys.exit(3) if r == 1 else time.sleep(60)\n")
+        "(time.sleep(1), sys.exit(3)) if r == 1 else time.sleep(60)\n")
     assert rc == 3
     assert "rank 1 exited with 3" in err
     assert elapsed < 20

@@ -168,34 +168,20 @@ def check_once(world, module, bufs, spec, gpus: int, count: int) -> int:
     """One call on fresh inputs, compared with the family's reference: wrong elements."""
     import numpy as np
 
-    from .harness import as_bits
-    from .ops.collectives import to_f64
+    from .harness import load_call, wrong_elements
 
     family = get_family(spec.op)
-    rng = np.random.default_rng(12345)
-    inputs = family.make_inputs(spec, gpus, count, rng, pattern=False)
-    for r in range(gpus):
-        with world.cp.cuda.Device(world.devices[r]):
-            for name, per_rank in inputs.items():
-                bufs.array(name, r).set(per_rank[r].view(bufs.array(name, r).dtype))
-            for s in bufs.slots:
-                if s.role == "output":
-                    bufs.array(s.name, r).view(np.uint8)[...] = 0xA5
+    inputs = family.make_inputs(spec, gpus, count, np.random.default_rng(12345), pattern=False)
+    load_call(world, bufs, inputs, 0)
     world.synchronize()
     module.launch(bufs)
     world.synchronize()
     expected = family.reference(spec, gpus, count, inputs)
     tol = family.tolerance(spec, gpus, count, inputs)
-    wrong = 0
-    for name, per_rank in expected.items():
-        for r in range(gpus):
-            got = bufs.array(name, r).get()
-            if tol is None:
-                wrong += int((as_bits(got) != as_bits(per_rank[r])).sum())
-            else:
-                diff = np.abs(to_f64(got.view(per_rank[r].dtype), spec.dtype) - to_f64(per_rank[r], spec.dtype))
-                wrong += int((~(diff <= tol[name][r])).sum())
-    return wrong
+    return sum(int(wrong_elements(bufs.array(name, r).get(), per_rank[r],
+                                  None if tol is None else tol[name][r],
+                                  None if tol is None else spec.dtype, 0).size)
+               for name, per_rank in expected.items() for r in range(gpus))
 
 
 def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, reps: int = 7,

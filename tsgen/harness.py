@@ -104,19 +104,12 @@ def run_test(
         bufs = module.alloc(count)
         try:
             outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
-            tolerance = getattr(family, "tolerance", lambda *a: None)
             for call in range(iters):
                 rng = np.random.default_rng([seed, call])
                 inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
                 expected = family.reference(spec, gpus, count, inputs)
-                tol = tolerance(spec, gpus, count, inputs)
-                for rank in range(gpus):
-                    with world.cp.cuda.Device(world.devices[rank]):
-                        for name, per_rank in inputs.items():
-                            bufs.array(name, rank).set(per_rank[rank].view(bufs.array(name, rank).dtype))
-                        for s in outputs:
-                            if s.role == "output":
-                                bufs.array(s.name, rank).view(np.uint8)[...] = poison_byte(call)
+                tol = family.tolerance(spec, gpus, count, inputs)
+                load_call(world, bufs, inputs, call)
                 world.synchronize()
                 module.launch(bufs)
                 world.synchronize()
@@ -124,16 +117,9 @@ def run_test(
                     for s in outputs:
                         got = as_bits(bufs.array(s.name, rank).get())
                         want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
-                        if tol is None:
-                            bad = np.flatnonzero(got != want)
-                        else:  # reductions: within tolerance, and never the poison bits
-                            from .ops.collectives import to_f64
-
-                            dt = spec.dtype
-                            diff = np.abs(to_f64(got.view(expected[s.name][rank].dtype), dt)
-                                          - to_f64(expected[s.name][rank], dt))
-                            poisoned = (got == _poison_value(got.dtype, call)) & (want != got)
-                            bad = np.flatnonzero(~(diff <= tol[s.name][rank]) | poisoned)
+                        bad = wrong_elements(got.view(expected[s.name][rank].dtype), expected[s.name][rank],
+                                             None if tol is None else tol[s.name][rank],
+                                             None if tol is None else spec.dtype, call)
                         t = tallies[rank]
                         t.checked += got.size
                         t.wrong += bad.size
@@ -158,6 +144,31 @@ def run_test(
     return ok
 
 
+def load_call(world, bufs, inputs: dict[str, list[np.ndarray]], call: int) -> None:
+    """Copy every rank's inputs into its buffers and poison its outputs (call `call`'s byte)."""
+    for rank in range(world.size):
+        with world.cp.cuda.Device(world.devices[rank]):
+            for name, per_rank in inputs.items():
+                bufs.array(name, rank).set(per_rank[rank].view(bufs.array(name, rank).dtype))
+            for s in bufs.slots:
+                if s.role == "output":
+                    bufs.array(s.name, rank).view(np.uint8)[...] = poison_byte(call)
+
+
+def wrong_elements(got: np.ndarray, want: np.ndarray, tol: np.ndarray | None, dtype: str | None,
+                   call: int) -> np.ndarray:
+    """Indices of wrong elements: bits differ (tol None), or off by more than `tol` (values
+    of `dtype`), or still holding the poison bytes where the reference does not."""
+    got_bits, want_bits = as_bits(got), as_bits(np.ascontiguousarray(want))
+    if tol is None:
+        return np.flatnonzero(got_bits != want_bits)
+    from .ops.collectives import to_f64
+
+    diff = np.abs(to_f64(got_bits.view(want.dtype), dtype) - to_f64(want, dtype))
+    poisoned = (got_bits == _poison_value(got_bits.dtype, call)) & (want_bits != got_bits)
+    return np.flatnonzero(~(diff <= tol) | poisoned)
+
+
 def _mutated(manifest: Path, mutate: Callable[[str], str]) -> Path:
     """Copy of a rendered module with its source edited (for negative controls)."""
     source = manifest.with_name(manifest.stem + ".cu")
@@ -172,6 +183,7 @@ def _mutated(manifest: Path, mutate: Callable[[str], str]) -> Path:
 
 
 def _poison_value(dtype: np.dtype, call: int) -> int:
+    """The bits of an element filled with call `call`'s poison byte."""
     b = poison_byte(call)
     v = 0
     for _ in range(dtype.itemsize):

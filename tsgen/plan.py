@@ -131,10 +131,6 @@ def schedule(world: int, nblocks: int, steps_per_rank: list[list[Step]], **kw) -
 # ---------------------------------------------------------------------------
 
 
-class PlanError(Exception):
-    pass
-
-
 @dataclass
 class _Cell:
     value: Counter | None = None
@@ -179,11 +175,10 @@ class _Sim:
     # -- memory -------------------------------------------------------------
     def _start_call(self, r: int) -> None:
         self.call[r] += 1
-        for name, role in self.plan.buffers.items():
-            if role in ("input", "inout"):
-                for (rank, sl) in list(self.mem):
-                    if rank == r and sl.buffer == name:
-                        del self.mem[(rank, sl)]
+        # a new call brings new inputs: forget what this rank's input buffers held
+        fresh = {n for n, role in self.plan.buffers.items() if role in ("input", "inout")}
+        for key in [k for k in self.mem if k[0] == r and k[1].buffer in fresh]:
+            del self.mem[key]
         self.pos[r] = [0] * self.plan.nblocks
         self.phase[r] = [0] * self.plan.nblocks
         self.remaining[r] = self.total[r]
@@ -191,11 +186,7 @@ class _Sim:
     def _read(self, reader: int, rank: int, sl: Slice, what: str, share: Share | None = None) -> Counter:
         role = self.plan.buffers[sl.buffer]
         k = self.call[reader]
-        if self.call[rank] != k or self._finished_call(rank):
-            self.errors.append(
-                f"call {k}: rank {reader} reads {sl} of rank {rank} while rank {rank} is "
-                f"{'in call ' + str(self.call[rank]) if not self._finished_call(rank) else 'past call ' + str(self.call[rank])} ({what})"
-            )
+        self._check_window(reader, rank, f"reads {sl}", what)
         # A share may read the same share of a slice (same element range) as soon as
         # that share is written, before the rest of the slice is.
         part = self.share_cells.get((rank, sl))
@@ -211,12 +202,8 @@ class _Sim:
 
     def _write(self, writer: int, rank: int, sl: Slice, value: Counter, what: str) -> None:
         k = self.call[writer]
-        if self.call[rank] != k or self._finished_call(rank):
-            self.errors.append(
-                f"call {k}: rank {writer} writes {sl} of rank {rank} while rank {rank} is "
-                f"{'in call ' + str(self.call[rank]) if not self._finished_call(rank) else 'past call ' + str(self.call[rank])}: "
-                f"it may overwrite data not yet consumed, or land after the kernel returned ({what})"
-            )
+        self._check_window(writer, rank, f"writes {sl}", what,
+                           ": it may overwrite data not yet consumed, or land after the kernel returned")
         cell = self.mem.setdefault((rank, sl), _Cell())
         if cell.call == k:
             cell.writes += 1
@@ -226,25 +213,18 @@ class _Sim:
             cell.call, cell.writes = k, 1
         cell.value = value
 
+    def _check_window(self, actor: int, rank: int, action: str, what: str, why: str = "") -> None:
+        """Memory of `rank` may be touched only while `rank` is inside the actor's call."""
+        k = self.call[actor]
+        if self.call[rank] == k and not self._finished_call(rank):
+            return
+        state = f"past call {self.call[rank]}" if self._finished_call(rank) else f"in call {self.call[rank]}"
+        self.errors.append(f"call {k}: rank {actor} {action} of rank {rank} while rank {rank} is {state}{why} ({what})")
+
     def _finished_call(self, r: int) -> bool:
         return self.remaining[r] == 0
 
     # -- execution ----------------------------------------------------------
-    def enabled(self) -> list[tuple[int, int]]:
-        """(rank, block) pairs that can make progress now."""
-        out = []
-        for r in range(self.plan.world):
-            if self.done[r]:
-                continue
-            if self.call[r] == 0 or self._finished_call(r):
-                out.append((r, -1))  # start the next call (or finish)
-                continue
-            for b in range(self.plan.nblocks):
-                shares = self.plan.ranks[r].blocks[b]
-                if self.pos[r][b] < len(shares) and self._ready(r, b):
-                    out.append((r, b))
-        return out
-
     def candidates(self) -> list[tuple[int, int]]:
         """(rank, block) pairs with work left, ready or not (kept up to date by advance)."""
         return self.active

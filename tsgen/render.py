@@ -112,8 +112,7 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
     ]
     if spec.description:
         banner += [""] + comment_text(spec.description)
-    template = family.template_for(spec) if hasattr(family, "template_for") else family.template
-    source = environment().get_template(f"ops/{template}").render(
+    source = environment().get_template(f"ops/{family.template_for(spec)}").render(
         banner=banner,
         spec=spec,
         family=family,
@@ -141,7 +140,7 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         "timeout_ms": spec.sync.timeout_ms,
         "blocks_wait": family.blocks_wait,
         # NVLink multicast: compiled only; the runtime refuses it unless explicitly enabled
-        "multimem": bool(getattr(family, "is_multimem", lambda s: False)(spec)),
+        "multimem": family.is_multimem(spec),
         "constants": plan.constants,
         "buffers": [
             {

@@ -104,7 +104,6 @@ def nvcc_version(nvcc: Path) -> str:
 
 _FUNC = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_REGS = re.compile(r"Compiling entry function '(\S+)'|Used (\d+) registers")
 
 
 def parse_ptxas_report(text: str) -> dict[str, dict[str, int]]:

@@ -135,6 +135,18 @@ class OpFamily:
         """Cross-field problems as (field path, message); [] when the spec is fine."""
         return []
 
+    def template_for(self, spec: Any) -> str:
+        """Template file under templates/ops/ for this spec."""
+        return self.template
+
+    def is_multimem(self, spec: Any) -> bool:
+        """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
+        return False
+
+    def tolerance(self, spec: Any, world: int, count: int, inputs: dict) -> dict | None:
+        """Allowed absolute error per output element; None: bit-exact."""
+        return None
+
     def template_vars(self, spec: Any) -> dict[str, Any]:
         """Extra names the op's template uses (beyond spec, plan, constants)."""
         return {}

@@ -161,10 +161,6 @@ class CollectiveFamily(OpFamily):
                 out[b.name] = [_values(spec.dtype, b.elems(count, world), rng, pattern, r) for r in range(world)]
         return out
 
-    def tolerance(self, spec, world, count, inputs) -> dict[str, list[np.ndarray]] | None:
-        """Allowed absolute error per output element; None: bit-exact."""
-        return None
-
 
 # ---------------------------------------------------------------------------
 # Numeric helpers (bfloat16 travels as uint16 bits)
