@@ -139,6 +139,8 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         "count_unit": family.count_unit,
         "timeout_ms": spec.sync.timeout_ms,
         "blocks_wait": family.blocks_wait,
+        # the runtime calls <kernel>_launch from a shared library (see OpFamily.host_launch)
+        "host_launch": family.host_launch,
         # NVLink multicast: compiled only; the runtime refuses it unless explicitly enabled
         "multimem": family.is_multimem(spec),
         "constants": plan.constants,

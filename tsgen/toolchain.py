@@ -145,7 +145,8 @@ class CompileResult:
 def compile_source(
     source: str | Path, arch: str = DEFAULT_ARCH, mode: str = "cubin", extra: list[str] | None = None
 ) -> CompileResult:
-    """nvcc `source` to a cubin (or an object with the host launcher, mode="obj"),
+    """nvcc `source` to a cubin, an object (mode="obj"), or a shared library with the
+    host launchers (mode="shared", what the runtime loads for `host_launch` ops),
     cached by content hash; raises ToolchainError naming the file, line and spec."""
     source = Path(source)
     nvcc = find_nvcc()
@@ -155,14 +156,16 @@ def compile_source(
         b"\0".join([text, arch.encode(), mode.encode(), " ".join(flags).encode(), nvcc_version(nvcc).encode()])
     ).hexdigest()[:24]
     out_dir = cache_dir()
-    out = out_dir / f"{source.stem}-{key}.{'cubin' if mode == 'cubin' else 'o'}"
+    suffix = {"cubin": "cubin", "obj": "o", "shared": "so"}[mode]
+    out = out_dir / f"{source.stem}-{key}.{suffix}"
     report_file = out.with_suffix(out.suffix + ".ptxas.txt")
     if out.exists() and report_file.exists():
         return CompileResult(out, parse_ptxas_report(report_file.read_text()), cached=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}.", suffix=".tmp")
     os.close(fd)
-    cmd = [str(nvcc), "-cubin" if mode == "cubin" else "-c", *flags, "-o", tmp, str(source)]
+    what = {"cubin": ["-cubin"], "obj": ["-c"], "shared": ["-shared", "-Xcompiler", "-fPIC"]}[mode]
+    cmd = [str(nvcc), *what, *flags, "-o", tmp, str(source)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

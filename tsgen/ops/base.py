@@ -90,6 +90,8 @@ class Kernel:
     block: int
     smem: int
     args: tuple[Arg, ...]
+    # arguments of the host launcher, before its trailing cudaStream_t (None: `args`)
+    launcher_args: tuple[Arg, ...] | None = None
 
     @property
     def launcher(self) -> str:
@@ -104,6 +106,7 @@ class Kernel:
             "block": [self.block, 1, 1],
             "shared_bytes": self.smem,
             "args": [asdict(a) for a in self.args],
+            "launcher_args": [asdict(a) for a in (self.launcher_args or self.args)],
         }
 
 
@@ -129,6 +132,11 @@ class OpFamily:
     # True when blocks wait on other blocks (barriers, signals from the same
     # grid): the runtime then refuses a grid that cannot be resident at once.
     blocks_wait: ClassVar[bool] = False
+    # True when the runtime must call the module's host launcher (`<kernel>_launch`,
+    # compiled into a shared library) instead of launching the kernel itself: ops
+    # whose call is more than one kernel (copy-engine transfers between kernels, or
+    # TMA descriptors encoded on the host). The launcher takes `launcher_args`.
+    host_launch: ClassVar[bool] = False
 
     # -- validation beyond field types -------------------------------------
     def check(self, spec: Any) -> list[tuple[tuple, str]]:

@@ -111,6 +111,8 @@ class Buffers:
                         cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
                 cp.cuda.runtime.deviceSynchronize()
         self.peer_tables = world.backend.peer_tables(self.bases)
+        # host copies of the same tables (host launchers address peers with them)
+        self.host_peer_tables = [np.asarray(t.get(), dtype=np.uint64) for t in self.peer_tables]
 
     def array(self, name: str, rank: int):
         """CuPy view of buffer `name` on `rank` (no copy)."""
@@ -163,6 +165,12 @@ class Module:
                 self.functions.append(mod.get_function(self.kernel["name"]))
         if self.manifest.get("blocks_wait", False):
             world.check_resident(self.kernel, self.functions[0])
+        self.launcher = None
+        if self.manifest.get("host_launch", False):
+            # The call is more than one kernel launch: the module's own host launcher
+            # (compiled into a shared library) enqueues it on the stream we pass.
+            library = compile_source(source, arch=arch, mode="shared").output
+            self.launcher = _host_launcher(library, self.kernel)
 
     def alloc(self, count: int) -> Buffers:
         return Buffers(self, count)
@@ -196,7 +204,46 @@ class Module:
                     args.append(np.uint64(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
             with cp.cuda.Device(world.devices[rank]):
                 stream = streams[rank] if streams is not None else cp.cuda.Stream.null
-                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+                if self.launcher is not None:
+                    self._host_launch(buffers, rank, stream)
+                else:
+                    self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+
+    def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
+        import ctypes
+
+        args: list[Any] = []
+        for a in self.kernel["launcher_args"]:
+            role = a["role"]
+            if role == "peers":
+                args.append(ctypes.c_void_p(buffers.peer_tables[rank].data.ptr))
+            elif role == "peers_host":  # the same table in host memory, for cudaMemcpyAsync
+                args.append(ctypes.c_void_p(buffers.host_peer_tables[rank].ctypes.data))
+            elif role == "rank":
+                args.append(ctypes.c_int(rank))
+            elif role == "calls":
+                args.append(ctypes.c_void_p(buffers.bases[rank] + buffers.by_name["calls"].offset))
+            elif role == "count":
+                args.append(ctypes.c_uint64(buffers.count))
+            else:
+                args.append(ctypes.c_void_p(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
+        args.append(ctypes.c_void_p(stream.ptr))
+        err = self.launcher(*args)
+        if err != 0:
+            raise RuntimeSetupError(
+                f"rank {rank}: {self.kernel['launcher']} failed with cudaError {err} "
+                f"({self.manifest['name']}, count {buffers.count})"
+            )
+
+
+def _host_launcher(library: Path, kernel: dict):
+    """The `<kernel>_launch` function of a compiled module library, via ctypes."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(library))
+    fn = getattr(lib, kernel["launcher"])
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class World:
