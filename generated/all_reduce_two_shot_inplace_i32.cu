@@ -902,7 +902,7 @@ struct tsgen_share {
 
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
-static __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
+static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
                                                          int share, int shares, uint64_t* lo,
                                                          uint64_t* hi) {
   constexpr uint64_t VEC = 16 / sizeof(T);
@@ -7440,6 +7440,7 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
+
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {

@@ -903,7 +903,7 @@ struct tsgen_share {
 
 // Element range [*lo, *hi) of slice `s`'s share `share` of `shares`.
 template <typename T>
-static __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
+static __host__ __device__ __forceinline__ void tsgen_share_range(const tsgen_slice& s, uint64_t count,
                                                          int share, int shares, uint64_t* lo,
                                                          uint64_t* hi) {
   constexpr uint64_t VEC = 16 / sizeof(T);

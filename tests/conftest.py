@@ -53,3 +53,58 @@ def run_cli(*args: str) -> CliResult:
         runner = CliRunner()  # click >= 8.2 keeps stderr apart by itself
     r = runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
     return CliResult(r.exit_code, r.stdout, r.stderr)
+
+
+# ---------------------------------------------------------------------------
+# Several ranks in one process (threads), meeting through a real store on localhost
+# ---------------------------------------------------------------------------
+
+
+def localhost_ranks(size: int, port: int | None = None, timeout: float = 10.0, store: str = "tsgen"):
+    """One Rendezvous per rank, each connected from its own thread (rank 0 serves)."""
+    import threading
+
+    from tsgen.launch import free_port
+    from tsgen.runtime.store import connect
+
+    env = {"TSGEN_STORE": store, "TSGEN_STORE_TIMEOUT": str(timeout)}
+    port = port or free_port()
+    out = [None] * size
+
+    def join(r):
+        out[r] = connect("127.0.0.1", port, r, size, env)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(out), "a rank failed to connect"
+    return out
+
+
+def together(items, fn, timeout: float = 60):
+    """fn(rank, item) for every item at once, one thread each; results (or the
+    exception raised) in rank order."""
+    import threading
+
+    results = [None] * len(items)
+
+    def run(r):
+        try:
+            results[r] = fn(r, items[r])
+        except Exception as e:  # noqa: BLE001 -- returned to the test
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank {r}") for r in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+def close_ranks(rendezvous):
+    for rv in reversed(rendezvous):  # rank 0 (the server) last
+        rv.close()

@@ -15,7 +15,7 @@ from tsgen.ops import get_family
 
 KINDS = ["put_warp", "put_block", "get_warp", "get_block", "remote_st", "remote_ld",
          "signal_wait", "barrier_blocks", "barrier_all", "simple_shift",
-         "allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"]
+         "allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "gemm"]
 
 
 def tsgen(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -131,3 +131,52 @@ def test_check_exit_code_1(tmp_path, monkeypatch):
     assert r.code == 1, r
     assert r.stderr.startswith(f"tsgen: stale: {out / 'put_warp.cu'}\n")
     assert "-// edited by hand" in r.stderr.splitlines()
+
+
+# ---------------------------------------------------------------------------
+# --backend ipc (one process per GPU): option checks before any GPU is touched
+# ---------------------------------------------------------------------------
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+                 "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _env(base, **launcher):
+    env = {k: v for k, v in (base or os.environ).items() if k not in LAUNCHER_VARS}
+    env.update(launcher)
+    return env
+
+
+def test_ipc_without_a_launcher(no_cupy_env):
+    p = tsgen("test", "specs/put_block.yaml", "--backend", "ipc", env=_env(no_cupy_env))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("tsgen: the ipc backend runs one process per GPU, but no launcher set this "
+                               "process's rank: none of RANK/WORLD_SIZE (torchrun),"), p.stderr
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args,launcher,message", [
+    ((), {"RANK": "0", "WORLD_SIZE": "5"},
+     "tsgen: specs/put_block.yaml: compiled for world sizes [2, 3, 4]; the launcher's 5 ranks is not one\n"),
+    (("--gpus", "3"), {"RANK": "0", "WORLD_SIZE": "2"},
+     "tsgen: world size 3 asked for (--gpus), but the launcher started 2 ranks (WORLD_SIZE=2)\n"),
+    ((), {"SLURM_PROCID": "2", "SLURM_NTASKS": "2"},
+     "tsgen: SLURM_PROCID=2 but SLURM_NTASKS=2: ranks run from 0 to 1\n"),
+], ids=["world-not-compiled", "gpus-disagree", "bad-rank"])
+def test_ipc_world_size_checked_before_cupy(no_cupy_env, args, launcher, message):
+    p = tsgen("test", "specs/put_block.yaml", "--backend", "ipc", *args, env=_env(no_cupy_env, **launcher))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr == message
+
+
+@pytest.mark.parametrize("args,message", [
+    (("test", "specs/put_block.yaml"), "--gpus N is required with --backend single"),
+    (("bench", "specs/allgather.yaml"), "--gpus N is required with --backend single"),
+    (("test", "specs/barrier_all.yaml", "--backend", "ipc", "--probe-timeout"), "--probe-timeout runs with --backend single"),
+    (("test", "specs/put_block.yaml", "--backend", "nvshmem"), "Invalid value for '--backend'"),
+    (("bench", "specs/put_block.yaml", "--backend", "ipc"), "--backend ipc times collectives"),
+])
+def test_backend_option_errors(args, message):
+    r = run_cli(*args)
+    assert r.code == 2, r
+    assert message in r.stderr, r

@@ -18,10 +18,14 @@ from tsgen.harness import run_test
 pytestmark = pytest.mark.gpu
 
 
-def _is_collective(spec_path):
+def _op(spec_path):
     import yaml
 
-    return yaml.safe_load(spec_path.read_text())["op"] in COLLECTIVE_OPS
+    return yaml.safe_load(spec_path.read_text())["op"]
+
+
+def _is_collective(spec_path):
+    return _op(spec_path) in COLLECTIVE_OPS
 
 
 def _is_multimem(spec_path):
@@ -29,7 +33,8 @@ def _is_multimem(spec_path):
 
 
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
-PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s)]
+COMPUTE_OPS = {"gemm"}  # one GPU; tests/test_gemm_gpu.py
+PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,7 +1,12 @@
 """tsgen test and the bench correctness check, driven on CPU through a fake World whose
 'kernel' writes the family's reference (or leaves rank 1's outputs poisoned): the
-harness must pass the first and fail the second. The GPU tests run the real thing."""
+harness must pass the first and fail the second. The same with one process per GPU
+(threads with one rank each, a real store, one shared fake heap): the barriers
+around the launch must make it pass, and removing them must make it fail.
+The GPU tests run the real thing."""
 import contextlib
+import threading
+import time
 import numpy as np
 import pytest
 import tsgen.harness as H
@@ -22,9 +27,12 @@ class Bufs:
     def __init__(self, module, count):
         self.module, self.count = module, count
         self.slots, _ = layout(module.manifest, count, module.world.size)
-        self.data = [{s.name: np.zeros(s.elems, np_dtype(s.dtype)).view(Arr) for s in self.slots}
-                     for _ in range(module.world.size)]
-    def array(self, name, rank): return self.data[rank][name]
+        self.data = module.world.heap(lambda: [{s.name: np.zeros(s.elems, np_dtype(s.dtype)).view(Arr)
+                                                for s in self.slots} for _ in range(module.world.size)])
+    def array(self, name, rank):
+        if rank == 0 and self.module.world.slow_rank_0:
+            time.sleep(0.002)  # rank 0 loads slowly: a peer that does not wait for it races ahead
+        return self.data[rank][name]
     def free(self): pass
 
 class Module:
@@ -34,23 +42,31 @@ class Module:
     def alloc(self, count): return Bufs(self, count)
     def launch(self, bufs):
         fam = get_family(self.spec.op)
-        inputs = {n: [bufs.array(n, r).get() for r in range(self.world.size)] for n in self.in_names}
-        out = fam.reference(self.spec, self.world.size, bufs.count, inputs)
+        size = self.world.size
+        inputs = {n: [bufs.array(n, r).get() for r in range(size)] for n in self.in_names}
+        out = fam.reference(self.spec, size, bufs.count, inputs)
+        # one process drives every rank: all outputs; one rank per process: it 'puts' its neighbour's
+        writes = range(size) if len(self.world.ranks) == size else [(r + 1) % size for r in self.world.ranks]
         for n, per in out.items():
-            for r, a in enumerate(per):
+            for r in writes:
                 if not (self.break_it and r == 1):
-                    bufs.array(n, r)[...] = a.view(bufs.array(n, r).dtype)
+                    bufs.array(n, r)[...] = per[r].view(bufs.array(n, r).dtype)
 
 class World:
     break_it = False
     spec_path = None
-    def __init__(self, n): self.size, self.devices, self.cp = n, list(range(n)), FakeCp
+    slow_rank_0 = False
+    def __init__(self, n, backend="single"):
+        self.size, self.devices, self.cp, self.ranks = n, {r: r for r in range(n)}, FakeCp, list(range(n))
+        self.backend = type("NoStore", (), {"store": None})
+    def heap(self, make): return make()
+    barrier, exchange, is_root = R.World.barrier, R.World.exchange, R.World.is_root
     def __enter__(self): return self
     def __exit__(self, *a): pass
     def synchronize(self): pass
     def load(self, manifest, arch=None):
-        m = Module(self, manifest, World.break_it)
-        m.spec = H.load_spec(World.spec_path).model
+        m = Module(self, manifest, self.break_it)
+        m.spec = H.load_spec(self.spec_path).model
         m.in_names = [b.name for b in get_family(m.spec.op).buffers(m.spec) if b.role in ("input", "inout")]
         return m
 
@@ -80,3 +96,62 @@ def test_bench_check_once(fake_world, broken, wrong):
     w = fake_world(2)
     m = w.load(H.materialize(H.load_spec(fake_world.spec_path)))
     assert bench.check_once(w, m, m.alloc(4096), m.spec, 2, 4096) == wrong
+
+
+class IpcWorld(World):
+    """This thread's rank of a world of one process per GPU: the rank comes from the
+    thread's name (conftest.together), the store is real, the heap is shared."""
+    rendezvous, shared = None, {}
+    lock = threading.Lock()
+    def __init__(self, n, backend="single"):
+        assert backend == "ipc"
+        super().__init__(n)
+        rank = int(threading.current_thread().name.split()[1])
+        self.ranks, self.devices = [rank], {rank: rank}
+        self.backend = type("Ipc", (), {"store": IpcWorld.rendezvous[rank]})
+    def heap(self, make):
+        with IpcWorld.lock:  # the first rank to allocate makes it, the others map it
+            return IpcWorld.shared.setdefault("heap", make())
+
+
+def _run_ipc(monkeypatch, spec, barriers=True, slow=True, broken=False, size=3):
+    from conftest import close_ranks, localhost_ranks, together
+
+    monkeypatch.setattr(R, "World", IpcWorld)
+    monkeypatch.setenv("WORLD_SIZE", str(size))
+    monkeypatch.setenv("RANK", "0")
+    if not barriers:
+        monkeypatch.setattr(IpcWorld, "barrier", lambda self, label: None)
+    IpcWorld.break_it, IpcWorld.spec_path, IpcWorld.slow_rank_0, IpcWorld.shared = broken, spec, slow, {}
+    IpcWorld.rendezvous = localhost_ranks(size)
+    lines = [[] for _ in range(size)]
+    try:
+        oks = together(IpcWorld.rendezvous, lambda r, rv: H.run_test(spec, None, count=1003, iters=4, backend="ipc",
+                                                                     echo=lines[r].append))
+    finally:
+        close_ranks(IpcWorld.rendezvous)
+    assert all(isinstance(ok, bool) for ok in oks), oks
+    assert len(set(oks)) == 1, f"ranks disagree on the verdict: {oks}"
+    assert all(not lines[r] for r in range(1, size)), "only rank 0 prints"
+    return oks[0], lines[0]
+
+
+@pytest.mark.parametrize("spec", ["allgather", "put_block", "all_reduce_one_shot"])
+def test_one_process_per_gpu_passes_with_the_barriers(monkeypatch, spec):
+    ok, lines = _run_ipc(monkeypatch, f"specs/{spec}.yaml")
+    assert ok, lines
+    assert [l.split(":")[0] for l in lines[:3]] == [f"{spec} rank {r}/3" for r in range(3)]
+    assert lines[-1].startswith(f"{spec}: PASS on 3 GPUs (ipc: one process per GPU)")
+
+
+def test_one_process_per_gpu_gathers_a_failure_from_another_rank(monkeypatch):
+    ok, lines = _run_ipc(monkeypatch, "specs/allgather.yaml", broken=True, slow=False)
+    assert not ok
+    assert any(l.startswith("allgather rank 1/3: FAIL") for l in lines), lines  # seen by rank 1, printed by rank 0
+
+
+def test_one_process_per_gpu_without_barriers_fails(monkeypatch):
+    """The negative control: a peer launching before rank 0 has loaded and poisoned,
+    or a rank checking before its writer ran, must make the test fail."""
+    ok, lines = _run_ipc(monkeypatch, "specs/allgather.yaml", barriers=False)
+    assert not ok, lines

@@ -1,5 +1,6 @@
 """`tsgen launch` on CPU with dummy ranks: environment, rank-prefixed output,
-and a failing (or killed) rank ending all the others with its exit code."""
+and a failing (or killed) rank ending all the others (on their own within the
+grace period, or stopped after it) with its exit code."""
 
 import io
 import sys
@@ -15,7 +16,8 @@ PY = sys.executable
 def run(code: str, nproc: int = 3, **kw):
     out, err = io.StringIO(), io.StringIO()
     t0 = time.monotonic()
-    rc = launch([PY, "-c", code], nproc, out=out, err=err, grace=2.0, **kw)
+    kw.setdefault("grace", 2.0)
+    rc = launch([PY, "-c", code], nproc, out=out, err=err, kill_after=2.0, **kw)
     return rc, out.getvalue(), err.getvalue(), time.monotonic() - t0
 
 
@@ -45,6 +47,31 @@ def test_a_failing_rank_ends_the_others_with_its_code():
     assert "rank 1 exited with 3" in err
     assert elapsed < 20
     assert out.count("start") == 3
+
+
+def test_the_others_get_the_grace_period_to_end_on_their_own():
+    """A rank dies; the others' waits time out (here: they exit 7 a moment later) and
+    say so themselves instead of being killed; the dead rank's code is returned."""
+    rc, out, err, elapsed = run(
+        "import os, sys, time\n"
+        "r = int(os.environ['RANK'])\n"
+        "if r == 1: time.sleep(0.5); sys.exit(3)\n"
+        "time.sleep(1.5); print('tsgen: timeout: rank', r, flush=True); sys.exit(7)\n", grace=20.0)
+    assert rc == 3, err
+    assert "rank 1 exited with 3; the other ranks get 20 s to end on their own" in err
+    assert sorted(l for l in out.splitlines() if "timeout" in l) == [
+        "[rank 0] tsgen: timeout: rank 0", "[rank 2] tsgen: timeout: rank 2"]
+    assert err.splitlines()[-1] == "tsgen launch: exit codes: rank 0: 7, rank 1: 3, rank 2: 7"
+    assert elapsed < 15
+
+
+def test_ranks_still_running_after_the_grace_period_are_stopped():
+    rc, _, err, elapsed = run(
+        "import os, sys, time\n"
+        "(time.sleep(0.3), sys.exit(4)) if os.environ['RANK'] == '0' else time.sleep(60)\n", nproc=2, grace=1.0)
+    assert rc == 4 and elapsed < 15, err
+    assert "stopping the ranks still running 1 s after rank 0 failed" in err
+    assert err.splitlines()[-1] == "tsgen launch: exit codes: rank 0: 4, rank 1: 143"  # SIGTERM
 
 
 def test_a_rank_killed_by_a_signal_is_a_failure():

@@ -22,11 +22,12 @@ from tsgen.bench import bench_collective, best_baselines, human, parse_sizes  # 
 
 # op -> list of (spec file, param overrides, launch.blocks)
 SHIPPED = {
-    "allgather": [("allgather", {}, None)],
-    "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None)],
-    "all_to_all": [("all_to_all", {}, None)],
+    "allgather": [("allgather", {}, None), ("allgather_ce", {}, None)],
+    "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None),
+                       ("reduce_scatter_ce", {}, None)],
+    "all_to_all": [("all_to_all", {}, None), ("all_to_all_ce", {}, None)],
     "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot_pull", {}, None),
-                   ("all_reduce_two_shot", {}, None)],
+                   ("all_reduce_two_shot", {}, None), ("all_reduce_two_shot_ce", {}, None)],
     "broadcast": [("broadcast", {}, None)],
 }
 TUNE = {
@@ -65,12 +66,15 @@ def main():
     ap.add_argument("--ops", default="allgather,reduce_scatter,all_to_all,all_reduce,broadcast")
     ap.add_argument("--tune", action="store_true", help="also time tuning variants")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated spec names: time just these variants")
     args = ap.parse_args()
     sizes = parse_sizes(args.sizes)
     tmp = Path(tempfile.mkdtemp())
     rows = []
     for op in args.ops.split(","):
         variants = SHIPPED[op] + (TUNE[op] if args.tune else [])
+        if args.only:
+            variants = [v for v in variants if v[0] in args.only.split(",")] or variants[:1]
         dtype = args.dtype
         for name, params, blocks in variants:
             label, path = variant_spec(tmp, name, params, blocks, dtype)

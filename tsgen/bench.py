@@ -54,12 +54,12 @@ def bench_copy(
         for nbytes in sizes:
             bufs = module.alloc(nbytes)
             try:
-                for rank in range(gpus):
+                for rank in world.ranks:
                     with cp.cuda.Device(world.devices[rank]):
                         bufs.array("src", rank)[...] = cp.random.randint(0, 256, nbytes, dtype=cp.uint8)
                 world.synchronize()
                 for pattern in patterns:
-                    ranks = [0] if pattern == "pair" else list(range(gpus))
+                    ranks = [0] if pattern == "pair" else world.ranks
 
                     def kernel_calls():
                         for _ in range(iters):
@@ -93,12 +93,12 @@ def bench_copy(
     return rows
 
 
-def _streams(world) -> list:
-    """One non-blocking stream per rank, on its device."""
-    out = []
-    for dev in world.devices:
+def _streams(world) -> dict:
+    """One non-blocking stream per local rank, on its device."""
+    out = {}
+    for rank, dev in world.devices.items():
         with world.cp.cuda.Device(dev):
-            out.append(world.cp.cuda.Stream(non_blocking=True))
+            out[rank] = world.cp.cuda.Stream(non_blocking=True)
     return out
 
 
@@ -165,7 +165,8 @@ CHECK_UP_TO = 64 << 20  # sizes whose results are checked against the NumPy refe
 
 
 def check_once(world, module, bufs, spec, gpus: int, count: int) -> int:
-    """One call on fresh inputs, compared with the family's reference: wrong elements."""
+    """One call on fresh inputs, compared with the family's reference: wrong elements
+    over all ranks (every process returns the same number)."""
     import numpy as np
 
     from .harness import load_call, wrong_elements
@@ -174,24 +175,31 @@ def check_once(world, module, bufs, spec, gpus: int, count: int) -> int:
     inputs = family.make_inputs(spec, gpus, count, np.random.default_rng(12345), pattern=False)
     load_call(world, bufs, inputs, 0)
     world.synchronize()
+    world.barrier("check: inputs loaded, outputs poisoned")  # see harness.run_test
     module.launch(bufs)
     world.synchronize()
+    world.barrier("check: every kernel done")
     expected = family.reference(spec, gpus, count, inputs)
     tol = family.tolerance(spec, gpus, count, inputs)
-    return sum(int(wrong_elements(bufs.array(name, r).get(), per_rank[r],
+    mine = sum(int(wrong_elements(bufs.array(name, r).get(), per_rank[r],
                                   None if tol is None else tol[name][r],
                                   None if tol is None else spec.dtype, 0).size)
-               for name, per_rank in expected.items() for r in range(gpus))
+               for name, per_rank in expected.items() for r in world.ranks)
+    return sum(world.exchange("check: wrong elements", mine))
 
 
-def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, reps: int = 7,
+def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int = 20, reps: int = 7,
                      arch: str = "sm_90a", echo: Callable[[str], None] = print,
-                     max_sets: int = 32) -> list[dict]:
+                     max_sets: int = 32, backend: str = "single") -> list[dict]:
     """Median time per call of the spec's collective at each size (bytes, nccl-tests
     convention). Each GPU replays a CUDA graph of back-to-back calls (so one host
     thread's launch skew is paid once per graph, not per call); calls rotate over
     several buffer sets below 64 MiB so small sizes are not timed on a hot L2.
-    Time per call = max over ranks of (graph time / calls)."""
+    Before each replay one untimed call lines the ranks up on the devices (its
+    entry signals), so host skew -- across processes with the "ipc" backend --
+    stays out of the timing. Time per call = max over ranks of (graph time /
+    calls); with "ipc" every process times its rank and the maxima meet in the
+    store, so every process returns the same rows."""
     from .baselines import busbw_factor, rotation_slots
     from .runtime import World
 
@@ -199,8 +207,9 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
     spec = loaded.model
     manifest = materialize(loaded)
     rows = []
-    with World(gpus) as world:
+    with World(gpus, backend=backend) as world:
         cp = world.cp
+        gpus = world.size
         module = world.load(manifest, arch=arch)
         streams = _streams(world)
         for nbytes in sizes:
@@ -210,7 +219,7 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
             sets = [probe] + [module.alloc(count) for _ in range(min(max_sets, rotation_slots(nbytes, heap)) - 1)]
             try:
                 for b in sets:
-                    for r in range(gpus):
+                    for r in world.ranks:
                         with cp.cuda.Device(world.devices[r]):
                             for s in b.slots:
                                 if s.role in ("input", "inout"):
@@ -222,25 +231,27 @@ def bench_collective(spec_path, gpus: int, sizes: list[int], iters: int = 20, re
                     for b in sets:
                         module.launch(b, streams=streams)
                 world.synchronize()
-                graphs = []
-                for r in range(gpus):
+                graphs = {}
+                for r in world.ranks:
                     with cp.cuda.Device(world.devices[r]):
                         streams[r].begin_capture()
                         for i in range(calls):
                             module.launch(sets[i % len(sets)], ranks=[r], streams=streams)
-                        graphs.append(streams[r].end_capture())
+                        graphs[r] = streams[r].end_capture()
                 samples = []
-                for _ in range(reps):
+                for rep in range(reps):
                     events = []
-                    for r in range(gpus):
+                    for r in world.ranks:
                         with cp.cuda.Device(world.devices[r]):
+                            module.launch(sets[0], ranks=[r], streams=streams)  # untimed: lines the ranks up
                             start, end = cp.cuda.Event(), cp.cuda.Event()
                             start.record(streams[r])
                             graphs[r].launch(streams[r])
                             end.record(streams[r])
                             events.append((start, end))
                     world.synchronize()
-                    samples.append(max(cp.cuda.get_elapsed_time(s, e) for s, e in events) / 1e3 / calls)
+                    mine = max(cp.cuda.get_elapsed_time(s, e) for s, e in events) / 1e3 / calls
+                    samples.append(max(world.exchange(f"bench {nbytes} B: sample {rep}", mine)))
                 t = statistics.median(samples)
             finally:
                 for b in sets:

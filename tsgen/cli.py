@@ -70,7 +70,9 @@ def build(paths, out_dir, check, prune, do_compile, arch):
             click.echo(f"tsgen: {'removed' if prune else 'orphan (no spec produces it)'}: {p}")
     if do_compile:
         for r in result.rendered:
-            res = compile_source(out_dir / f"{r.name}.cu", arch=arch)
+            # what the runtime loads: a cubin, or the library with the host launcher
+            mode = "shared" if r.plan.family.launched_from_host(r.plan.spec) else "cubin"
+            res = compile_source(out_dir / f"{r.name}.cu", arch=arch, mode=mode)
             worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.report.values()), default=0)
             regs = max((v.get("registers", 0) for v in res.report.values()), default=0)
             click.echo(f"  {r.name}.cu -> {res.output} ({'cached' if res.cached else 'compiled'}; "
@@ -94,9 +96,18 @@ def schema():
     click.echo(json_schema_text(), nl=False)
 
 
+BACKEND_OPTION = click.option(
+    "--backend", type=click.Choice(["single", "ipc"]), default="single", show_default=True,
+    help="single: this process drives --gpus GPUs; ipc: one process per GPU, started by "
+         "`tsgen launch --nproc N -- tsgen ...` (or torchrun, mpirun, srun)")
+GPUS_OPTION = click.option("--gpus", type=int, default=None,
+                           help="world size: GPUs to run on (with --backend ipc: the launcher's, if given)")
+
+
 @main.command()
 @click.argument("spec", type=click.Path(path_type=Path))
-@click.option("--gpus", type=int, required=True, help="world size: GPUs to run on")
+@GPUS_OPTION
+@BACKEND_OPTION
 @click.option("--count", type=int, default=None, help="elements (or bytes) per rank; default from the spec")
 @click.option("--iters", type=int, default=None, help="back-to-back calls; default from the spec")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -104,18 +115,30 @@ def schema():
 @click.option("--probe-timeout", is_flag=True,
               help="launch only rank 0 with a signal that never comes; expect the timeout message")
 @_reports_errors
-def test(spec, gpus, count, iters, seed, arch, probe_timeout):
-    """Run SPEC on GPUs against its NumPy reference; exit 1 on any mismatch."""
-    from .harness import probe_timeout as run_probe, run_test
+def test(spec, gpus, backend, count, iters, seed, arch, probe_timeout):
+    """Run SPEC on GPUs against its NumPy reference; exit 1 on any mismatch.
 
+    With --backend ipc every rank checks its own outputs, rank 0 prints the
+    summary, and every rank exits 1 if any rank saw a wrong element."""
+    from .harness import leave_now, probe_timeout as run_probe, run_test
+
+    if backend == "single" and gpus is None:
+        raise click.UsageError("--gpus N is required with --backend single")
+    if probe_timeout and backend != "single":
+        raise click.UsageError("--probe-timeout runs with --backend single (it launches rank 0 alone)")
     if probe_timeout:
         code = run_probe(spec, gpus, arch=arch)
-        # The trap left this process's CUDA contexts dead: skip the teardown
-        # that would try (and loudly fail) to unload modules from them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo)
+        leave_now(code)  # the trap left this process's CUDA contexts dead
+    try:
+        ok = run_test(spec, gpus, count=count, iters=iters, seed=seed, arch=arch, echo=click.echo,
+                      backend=backend)
+    except TsgenError as e:
+        if backend != "ipc":
+            raise
+        # After a kernel failed (a peer died and a wait timed out) this process's CUDA
+        # context is dead; the other ranks were told through the store.
+        click.echo(f"tsgen: {e}", err=True)
+        leave_now(e.exit_code)
     sys.exit(0 if ok else 1)
 
 
@@ -174,7 +197,8 @@ def verify(paths, worlds, schedules, seed):
 
 @main.command()
 @click.argument("spec", type=click.Path(path_type=Path))
-@click.option("--gpus", type=int, required=True, help="world size: GPUs to run on")
+@GPUS_OPTION
+@BACKEND_OPTION
 @click.option("--sizes", default="1M:1G:4", show_default=True, help="LO:HI[:FACTOR] or a comma list (K, M, G suffixes)")
 @click.option("--iters", type=int, default=20, show_default=True, help="calls per timing")
 @click.option("--pattern", "patterns", multiple=True, type=click.Choice(["pair", "ring"]),
@@ -185,21 +209,41 @@ def verify(paths, worlds, schedules, seed):
               help="collectives: draw busbw against size for tsgen and the baselines (needs matplotlib)")
 @click.option("--no-baselines", is_flag=True, help="collectives: time tsgen only (no NCCL / symm-mem)")
 @_reports_errors
-def bench(spec, gpus, sizes, iters, patterns, json_path, arch, plot_path, no_baselines):
+def bench(spec, gpus, backend, sizes, iters, patterns, json_path, arch, plot_path, no_baselines):
     """Time SPEC on GPUs against its baseline in the same run.
 
     Copy primitives: against the copy engine (cudaMemcpyPeer). Collectives: an
     nccl-tests-style table (size, time, algbw, busbw, #wrong) for tsgen and NCCL (and
-    PyTorch SymmetricMemory for all_reduce), one process per GPU for the baselines."""
+    PyTorch SymmetricMemory for all_reduce), one process per GPU for the baselines.
+    With --backend ipc (collectives only) tsgen alone is timed, one process per GPU,
+    and rank 0 prints and writes the results."""
     import datetime
 
     from .bench import bench_collective, bench_copy, parse_sizes, write_results
     from .ops import get_family
+    from .runtime.backends import world_size
     from .spec import load_spec
 
+    if backend == "single" and gpus is None:
+        raise click.UsageError("--gpus N is required with --backend single")
     family = get_family(load_spec(spec).model.op)
     size_list = parse_sizes(sizes)
     meta = {"command": " ".join(["tsgen"] + sys.argv[1:]), "date": datetime.date.today().isoformat()}
+    if backend == "ipc":
+        if family.count_unit == "bytes":
+            raise click.UsageError("--backend ipc times collectives; copy primitives compare with "
+                                   "cudaMemcpyPeer between GPUs of one process (--backend single)")
+        from .runtime.ipc import process_env
+
+        gpus = world_size(backend, gpus)
+        rows = bench_collective(spec, gpus, size_list, iters=iters, arch=arch, echo=lambda _: None, backend=backend)
+        if process_env(os.environ).rank == 0:
+            from .bench import collective_table
+
+            click.echo(collective_table(rows))
+            if json_path:
+                write_results(rows, json_path, {**meta, "backend": "ipc"})
+        return
     if family.count_unit == "bytes":
         rows = bench_copy(spec, gpus, size_list, iters=iters,
                           patterns=tuple(patterns) or ("pair", "ring"), arch=arch, echo=click.echo)
@@ -228,14 +272,17 @@ def bench(spec, gpus, sizes, iters, patterns, json_path, arch, plot_path, no_bas
 @click.option("--nproc", type=int, required=True, help="ranks to start (one per GPU)")
 @click.option("--port", type=int, default=None, help="MASTER_PORT (default: a free one)")
 @click.option("--timeout", type=float, default=None, help="end every rank after this many seconds")
+@click.option("--grace", type=float, default=30.0, show_default=True,
+              help="after a rank fails, seconds the others get to end on their own (a kernel waiting "
+                   "for the failed rank times out and says what it waited for) before they are stopped")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
-def launch(nproc, port, timeout, cmd):
+def launch(nproc, port, timeout, grace, cmd):
     """Start CMD as NPROC ranks (torchrun's environment); prefix their output with
-    the rank; when one fails, end the others and exit with its code."""
+    the rank; when one fails, end the others (after --grace) and exit with its code."""
     from .launch import launch as run_launch
 
     try:
-        code = run_launch(list(cmd), nproc, port=port, timeout=timeout)
+        code = run_launch(list(cmd), nproc, port=port, timeout=timeout, grace=grace)
     except ValueError as e:
         click.echo(f"tsgen launch: {e}", err=True)
         code = 2

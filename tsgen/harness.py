@@ -69,7 +69,7 @@ class RankTally:
 
 def run_test(
     spec_path: str | Path,
-    gpus: int,
+    gpus: int | None = None,
     count: int | None = None,
     iters: int | None = None,
     seed: int = 0,
@@ -77,30 +77,42 @@ def run_test(
     echo: Callable[[str], None] = print,
     mutate: Callable[[str], str] | None = None,
     dtype: str | None = None,
+    backend: str = "single",
+    before_launch: Callable[[int], None] | None = None,
 ) -> bool:
     """True when every output of every call on every rank matched. `mutate`
     edits the generated source before compiling: negative controls use it to
-    remove a barrier or a wait and show that the test then fails."""
+    remove a barrier or a wait and show that the test then fails.
+
+    `backend` "single" drives `gpus` GPUs from this process; "ipc" drives this
+    process's rank of a world started by a launcher (`gpus`, if given, must match
+    it): every rank makes the same seeded inputs for all ranks, loads and checks
+    its own, and the results meet in the store, so every rank returns the same
+    verdict and only rank 0 prints. `before_launch(call)` runs just before each
+    launch (tools/ipc_die.py kills a rank there)."""
     from .runtime import World
+    from .runtime.backends import world_size
 
     loaded = load_spec(spec_path)
     if dtype is not None:  # same spec, another element type (the dtype matrix of the GPU tests)
         loaded = with_overrides(loaded, dtype=dtype, name=f"{loaded.model.name}_{dtype}")
     spec = loaded.model
     family = get_family(spec.op)
+    gpus = world_size(backend, gpus)
     if gpus not in spec.world_sizes:
+        asked = f"--gpus {gpus}" if backend == "single" else f"the launcher's {gpus} ranks"
         raise RuntimeSetupError(
-            f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; --gpus {gpus} is not one"
+            f"{spec_path}: compiled for world sizes {list(spec.world_sizes)}; {asked} is not one"
         )
     count = spec.test.count if count is None else count
     iters = spec.test.iters if iters is None else iters
     manifest = materialize(loaded)
     if mutate is not None:
         manifest = _mutated(manifest, mutate)
-    tallies = [RankTally() for _ in range(gpus)]
     t0 = time.perf_counter()
-    with World(gpus) as world:
+    with World(gpus, backend=backend) as world:
         module = world.load(manifest, arch=arch)
+        tallies = {rank: RankTally() for rank in world.ranks}
         bufs = module.alloc(count)
         try:
             outputs = [s for s in bufs.slots if s.role in ("output", "inout")]
@@ -109,11 +121,19 @@ def run_test(
                 inputs = family.make_inputs(spec, gpus, count, rng, pattern=(call == 0))
                 expected = family.reference(spec, gpus, count, inputs)
                 tol = family.tolerance(spec, gpus, count, inputs)
+                # With one process per GPU: no rank launches before every rank has loaded
+                # its inputs and poisoned its outputs (a fast peer's puts would be poisoned
+                # over), and none checks (or loads the next call) before every rank's kernel
+                # is done (a slow peer may still be writing our outputs or reading our inputs).
                 load_call(world, bufs, inputs, call)
                 world.synchronize()
+                world.barrier(f"call {call}: inputs loaded, outputs poisoned")
+                if before_launch is not None:
+                    before_launch(call)
                 module.launch(bufs)
                 world.synchronize()
-                for rank in range(gpus):
+                world.barrier(f"call {call}: every kernel done")
+                for rank in world.ranks:
                     for s in outputs:
                         got = as_bits(bufs.array(s.name, rank).get())
                         want = as_bits(np.ascontiguousarray(expected[s.name][rank]))
@@ -131,22 +151,28 @@ def run_test(
                             )
         finally:
             bufs.free()
+        gathered = world.exchange("test results", [[r, t.wrong, t.checked, t.first] for r, t in tallies.items()])
+        tallies = {r: RankTally(wrong, checked, first) for part in gathered for r, wrong, checked, first in part}
+        root = world.is_root
     elapsed = time.perf_counter() - t0
-    ok = True
-    for rank, t in enumerate(tallies):
+    ok = all(t.wrong == 0 for t in tallies.values())
+    if not root:
+        return ok
+    for rank, t in sorted(tallies.items()):
         status = "PASS" if t.wrong == 0 else "FAIL"
-        ok &= t.wrong == 0
         echo(f"{spec.name} rank {rank}/{gpus}: {status}  {iters} calls x {count} {family.count_unit}, "
              f"{t.wrong} wrong of {t.checked}")
         for line in t.first:
             echo(f"    {line}")
-    echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs ({elapsed:.1f} s)")
+    how = "" if backend == "single" else f" ({backend}: one process per GPU)"
+    echo(f"{spec.name}: {'PASS' if ok else 'FAIL'} on {gpus} GPUs{how} ({elapsed:.1f} s)")
     return ok
 
 
 def load_call(world, bufs, inputs: dict[str, list[np.ndarray]], call: int) -> None:
-    """Copy every rank's inputs into its buffers and poison its outputs (call `call`'s byte)."""
-    for rank in range(world.size):
+    """Copy this process's ranks' inputs into their buffers and poison their outputs
+    (call `call`'s byte). `inputs` holds every rank's: the same seed gives them all."""
+    for rank in world.ranks:
         with world.cp.cuda.Device(world.devices[rank]):
             for name, per_rank in inputs.items():
                 bufs.array(name, rank).set(per_rank[rank].view(bufs.array(name, rank).dtype))
@@ -167,6 +193,20 @@ def wrong_elements(got: np.ndarray, want: np.ndarray, tol: np.ndarray | None, dt
     diff = np.abs(to_f64(got_bits.view(want.dtype), dtype) - to_f64(want, dtype))
     poisoned = (got_bits == _poison_value(got_bits.dtype, call)) & (want_bits != got_bits)
     return np.flatnonzero(~(diff <= tol) | poisoned)
+
+
+def leave_now(code: int) -> None:
+    """End the process with `code` without the interpreter's teardown: after a kernel
+    trapped, the CUDA context is dead and unloading modules from it fails loudly."""
+    import ctypes
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)  # C stdio too: the device printf of a timeout goes through it
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
 
 
 def _mutated(manifest: Path, mutate: Callable[[str], str]) -> Path:
@@ -229,7 +269,7 @@ def probe_timeout(spec_path: str | Path, gpus: int, arch: str = "sm_90a", timeou
             captured.seek(0)
             printed = captured.read().decode(errors="replace")
         # The context is dead after a trap: leak the heap rather than touch it.
-        bufs.bases = []
+        bufs.bases = {}
         world.backend._heaps.clear()
     print(printed.rstrip())
     if failed and "tsgen: timeout" in printed:

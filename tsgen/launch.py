@@ -2,8 +2,11 @@
 
 Starts N copies of CMD with the environment torchrun sets (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards every
-line they print prefixed with `[rank K]`, and when one rank fails ends all
-the others and returns that rank's exit code, so a crash is never a hang.
+line they print prefixed with `[rank K]`, and when one rank fails gives the
+others `grace` seconds to end on their own -- a kernel waiting for the failed
+rank times out and prints what it waited for -- then ends the rest, prints
+every rank's exit code and returns the failed rank's, so a crash is never a
+hang.
 NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
 NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
@@ -68,10 +71,17 @@ def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
-def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 5.0,
-           timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def _code(c: int) -> int:
+    return 128 - c if c < 0 else c  # killed by signal -c
+
+
+def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
+           timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None,
+           kill_after: float = 5.0) -> int:
     """Run `cmd` as `nproc` ranks; 0 when all succeed, else the first failing rank's code
-    (128 + signal number for a rank killed by a signal, 124 on timeout)."""
+    (128 + signal number for a rank killed by a signal, 124 on timeout). After a failure
+    the others get `grace` s to end on their own, then SIGTERM, then SIGKILL after
+    `kill_after` s."""
     if nproc < 1:
         raise ValueError("--nproc must be at least 1")
     if not cmd:
@@ -91,28 +101,36 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
                 t.start()
                 pumps.append(t)
         start = time.monotonic()
-        code = 0
+        code, failed_at = 0, None
         while True:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
+            if failed and failed_at is None:
                 rank, c = failed[0]
-                code = 128 - c if c < 0 else c  # killed by signal -c
+                code, failed_at = _code(c), time.monotonic()
                 with lock:
-                    err.write(f"tsgen launch: rank {rank} exited with {code}; stopping the other ranks\n")
+                    err.write(f"tsgen launch: rank {rank} exited with {code}; the other ranks get "
+                              f"{grace:g} s to end on their own\n")
+            if all(c is not None for c in codes):
                 break
-            if all(c == 0 for c in codes):
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                with lock:
+                    err.write(f"tsgen launch: stopping the ranks still running {grace:g} s after rank {rank} "
+                              "failed\n")
                 break
             if timeout is not None and time.monotonic() - start > timeout:
-                code = 124
+                code = code or 124
                 with lock:
-                    err.write(f"tsgen launch: ranks still running after {timeout:.0f} s; stopping them\n")
+                    err.write(f"tsgen launch: ranks still running after {timeout:g} s; stopping them\n")
                 break
             time.sleep(0.05)
     finally:
-        _stop(procs, grace)
+        _stop(procs, kill_after)
         for t in pumps:
             t.join(timeout=2)
+    if code:
+        summary = ", ".join(f"rank {r}: {_code(p.returncode)}" for r, p in enumerate(procs))
+        err.write(f"tsgen launch: exit codes: {summary}\n")
     return code
 
 
@@ -124,11 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--grace", type=float, default=30.0)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     try:
-        return launch(cmd, a.nproc, port=a.port, timeout=a.timeout)
+        return launch(cmd, a.nproc, port=a.port, timeout=a.timeout, grace=a.grace)
     except ValueError as e:
         print(f"tsgen launch: {e}", file=sys.stderr)
         return 2

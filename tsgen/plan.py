@@ -95,18 +95,21 @@ class CommPlan:
         return self.per_call.get((rank, name, index), 0)
 
 
-def schedule(world: int, nblocks: int, steps_per_rank: list[list[Step]], **kw) -> CommPlan:
+def schedule(world: int, nblocks: int | None, steps_per_rank: list[list[Step]], **kw) -> CommPlan:
     """Assign shares of steps to blocks and count the adds each signal receives per call.
 
+    nblocks None: as many blocks as the widest rank's groups need (copy-engine plans,
+    whose "blocks" are streams).
     Steps are grouped: the steps of one lane form a group (they run in order on
     the same blocks, so piece i+1 of a pipeline starts after piece i); every
     other step is a group of its own. Groups take consecutive blocks in order
     of first appearance, wrapping around when the grid is smaller than the work."""
+    if nblocks is None:
+        nblocks = max(sum(max(steps[i].blocks for i in g) for g in _groups(steps).values())
+                      for steps in steps_per_rank)
     ranks = []
     for steps in steps_per_rank:
-        groups: dict[object, list[int]] = {}
-        for i, step in enumerate(steps):
-            groups.setdefault(step.lane if step.lane is not None else ("step", i), []).append(i)
+        groups = _groups(steps)
         blocks: list[list[Share]] = [[] for _ in range(nblocks)]
         base = 0
         for members in groups.values():
@@ -124,6 +127,14 @@ def schedule(world: int, nblocks: int, steps_per_rank: list[list[Step]], **kw) -
                 per_call[(sig.rank, sig.name, sig.index)] += step.blocks
     plan.per_call = dict(per_call)
     return plan
+
+
+def _groups(steps: list[Step]) -> dict[object, list[int]]:
+    """Step indices by group: one group per lane, every other step alone, in order."""
+    groups: dict[object, list[int]] = {}
+    for i, step in enumerate(steps):
+        groups.setdefault(step.lane if step.lane is not None else ("step", i), []).append(i)
+    return groups
 
 
 # ---------------------------------------------------------------------------
@@ -412,15 +423,20 @@ def _fmt(value: Iterable) -> str:
 _OPS = {"none": "TSGEN_OP_NONE", "copy": "TSGEN_OP_COPY", "reduce": "TSGEN_OP_REDUCE"}
 
 
+def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int, Slice] | None) -> str:
+    """Initializer of a tsgen_slice."""
+    if rank_slice is None:
+        return "{0, 0, 0, 1, 0, 0}"
+    rank, s = rank_slice
+    ro = 1 if plan.buffers.get(s.buffer) == "input" else 0
+    return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
+
+
 def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
     """Initializer text of the step / share / block tables, one commented line per entry."""
 
     def sl(rank_slice: tuple[int, Slice] | None) -> str:
-        if rank_slice is None:
-            return "{0, 0, 0, 1, 0, 0}"
-        rank, s = rank_slice
-        ro = 1 if plan.buffers.get(s.buffer) == "input" else 0
-        return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
+        return c_slice(plan, buffer_index, rank_slice)
 
     steps, step_base, shares, first = [], [], [], []
     for r, rp in enumerate(plan.ranks):
@@ -454,3 +470,53 @@ def _describe(r: int, st: Step) -> str:
     if st.blocks > 1:
         parts.append(f"{st.blocks} blocks")
     return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Copy-engine plans: each block of the schedule is a stream
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamOp:
+    """One thing the host launcher enqueues on a stream.
+
+    kind "sync": a one-block kernel that raises the signals of step
+    `signal_step` (a step whose op has just finished on this stream), then
+    waits for the waits of step `wait_step` (the next step's); -1 = none.
+    kind "copy": cudaMemcpyAsync of step `step`; kind "reduce": a kernel
+    over the whole grid that computes step `step`.
+    """
+
+    kind: str
+    step: int = -1
+    signal_step: int = -1
+    wait_step: int = -1
+
+
+def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
+    """What each stream of `rank` enqueues, in order: the plan's shares with every
+    step's waits before its op and its signals after, adjacent signal/wait pairs
+    merged into one sync kernel. Same order as the interpreter, so the verified
+    plan is what runs."""
+    steps = plan.ranks[rank].steps
+    program = []
+    for shares in plan.ranks[rank].blocks:
+        ops: list[StreamOp] = []
+        pending = -1  # step whose signals are still to be raised
+        for sh in shares:
+            if sh.shares != 1:
+                raise ValueError(f"rank {rank}: step {sh.step} is split over {sh.shares} streams; "
+                                 "copy-engine steps are one transfer each")
+            st = steps[sh.step]
+            if st.waits or pending >= 0:
+                ops.append(StreamOp("sync", signal_step=pending, wait_step=sh.step if st.waits else -1))
+                pending = -1
+            if st.op in ("copy", "reduce"):
+                ops.append(StreamOp(st.op, step=sh.step))
+            if st.signals:
+                pending = sh.step
+        if pending >= 0:
+            ops.append(StreamOp("sync", signal_step=pending))
+        program.append(ops)
+    return program

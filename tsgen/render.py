@@ -51,9 +51,10 @@ def environment() -> jinja2.Environment:
         return f"{rule}\n// Inlined from templates/include/{name}\n{rule}\n{text.rstrip()}\n"
 
     env.globals["inline_header"] = inline_header
-    from .plan import c_tables
+    from .plan import c_slice, c_tables
 
     env.globals["c_tables"] = c_tables
+    env.globals["c_slice"] = c_slice
     return env
 
 
@@ -140,7 +141,7 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         "timeout_ms": spec.sync.timeout_ms,
         "blocks_wait": family.blocks_wait,
         # the runtime calls <kernel>_launch from a shared library (see OpFamily.host_launch)
-        "host_launch": family.host_launch,
+        "host_launch": family.launched_from_host(spec),
         # NVLink multicast: compiled only; the runtime refuses it unless explicitly enabled
         "multimem": family.is_multimem(spec),
         "constants": plan.constants,

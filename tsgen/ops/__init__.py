@@ -7,9 +7,9 @@ reference) + one template under templates/ops/, listed in _MODULES.
 from __future__ import annotations
 
 from .base import OpFamily
-from . import collectives, primitives
+from . import collectives, gemm, primitives
 
-_MODULES = [primitives, collectives]
+_MODULES = [primitives, collectives, gemm]
 
 _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:

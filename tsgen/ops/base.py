@@ -147,6 +147,10 @@ class OpFamily:
         """Template file under templates/ops/ for this spec."""
         return self.template
 
+    def launched_from_host(self, spec: Any) -> bool:
+        """True when the runtime must call the host launcher (see `host_launch`)."""
+        return self.host_launch
+
     def is_multimem(self, spec: Any) -> bool:
         """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
         return False

@@ -17,15 +17,16 @@ rank writes into a peer or reads a peer's memory before that peer's entry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
 
-from ..plan import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule
+from ..plan import MAX_WAITS, CommPlan, SignalRef, Slice, Step, schedule, stream_program
 from ..spec import SpecBase, StrictModel
-from .base import CALLS, Buffer, OpFamily, fill
+from .base import CALLS, Arg, Buffer, OpFamily, Plan, fill
 
 CollectiveDtype = Literal["bfloat16", "float16", "float32", "int32"]
 
@@ -34,6 +35,10 @@ class CollectiveParams(StrictModel):
     in_place: bool = Field(False, description="output overwrites the input buffer (NCCL's in-place layout)")
     blocks_per_peer: int = Field(8, ge=1, le=64, description="blocks that copy to (or from) each peer")
     pieces: int = Field(1, ge=1, le=16, description="pipeline depth: each transfer is cut into this many signalled pieces")
+    transport: Literal["p2p", "copy_engine"] = Field(
+        "p2p", description="p2p: the kernel's threads load and store peer memory; copy_engine: copy steps are "
+        "cudaMemcpyAsync over peer mappings (DMA engines, no SMs), one stream per plan lane, with small kernels for "
+        "signals, waits and reductions (large messages)")
 
 
 class AllgatherParams(CollectiveParams):
@@ -97,6 +102,37 @@ class CollectiveFamily(OpFamily):
     def comm_plan(self, spec: Any, w: int) -> CommPlan:
         raise NotImplementedError
 
+    @staticmethod
+    def copy_engine(spec: Any) -> bool:
+        return spec.params.transport == "copy_engine"
+
+    def _bpp(self, spec: Any) -> int:
+        """Blocks per copy step: with the copy engine a step is one cudaMemcpyAsync."""
+        return 1 if self.copy_engine(spec) else spec.params.blocks_per_peer
+
+    def _schedule(self, spec: Any, w: int, steps: list[list[Step]], expected: dict) -> CommPlan:
+        """The plan of `steps` over the kernel's blocks -- or, with the copy engine, over
+        streams: one per lane or free-standing step (a stream runs its steps in order,
+        as a block does, so `tsgen verify` checks either schedule the same way)."""
+        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
+        return schedule(w, None if self.copy_engine(spec) else spec.launch.blocks, steps, buffers=buffers,
+                        signals=self.signal_sizes(spec, w), expected=expected)
+
+    def launched_from_host(self, spec: Any) -> bool:
+        return self.copy_engine(spec)
+
+    def plan(self, spec: Any) -> Plan:
+        plan = super().plan(spec)
+        if not self.copy_engine(spec):
+            return plan
+        # The host launcher also needs the peer table in host memory (memcpy addresses).
+        kernels = []
+        for k in plan.kernels:
+            args = k.args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + k.args[1:]
+            kernels.append(dataclasses.replace(k, launcher_args=args))
+        plan.kernels = tuple(kernels)
+        return plan
+
     def signal_sizes(self, spec: Any, w: int) -> dict[str, int]:
         raise NotImplementedError
 
@@ -127,13 +163,18 @@ class CollectiveFamily(OpFamily):
     multimem_switch: tuple[str, str] | None = None
 
     def extra_check(self, spec):
-        return self._multimem_check(spec) if self.is_multimem(spec) else []
+        problems = self._multimem_check(spec) if self.is_multimem(spec) else []
+        if self.copy_engine(spec) and self.is_multimem(spec):
+            problems.append((("params", "transport"), "multimem variants store through NVLink multicast, not the copy engine"))
+        return problems
 
     def is_multimem(self, spec) -> bool:
         return self.multimem_switch is not None and getattr(spec.params, self.multimem_switch[0]) == self.multimem_switch[1]
 
     def template_for(self, spec) -> str:
-        return "multimem.cu.j2" if self.is_multimem(spec) else self.template
+        if self.is_multimem(spec):
+            return "multimem.cu.j2"
+        return "ce_collective.cu.j2" if self.copy_engine(spec) else self.template
 
     def _multimem_check(self, spec):
         problems = []
@@ -147,11 +188,17 @@ class CollectiveFamily(OpFamily):
         return 1
 
     def template_vars(self, spec):
+        # every collective inlines tsgen_plan.cuh (vector math; the plan interpreter)
+        out = {"plan_header": True, "copy_engine": self.copy_engine(spec)}
         if self.is_multimem(spec):
-            return {}
+            return out
         plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}
         table = (CALLS,) + tuple(self.buffers(spec))  # the order plan.buffers has
-        return {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+        out |= {"comm_plans": plans, "buffer_index": {b.name: i for i, b in enumerate(table)}}
+        if self.copy_engine(spec):
+            out["stream_programs"] = {w: [stream_program(cp, r) for r in range(w)] for w, cp in plans.items()}
+            out["launcher_params"] = ", ".join(f"{a.ctype} {a.name}" for a in self.plan(spec).kernels[0].launcher_args)
+        return out
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
@@ -218,7 +265,7 @@ class AllgatherFamily(CollectiveFamily):
         p = spec.params
         if self.is_multimem(spec):
             raise ValueError("multimem variants are not plans: they have no CPU verification")
-        bpp = p.blocks_per_peer
+        bpp = self._bpp(spec)
         steps = []
         for r in range(w):
             src = (r, Slice("dst", r)) if p.in_place else (r, Slice("src", 0))
@@ -240,9 +287,7 @@ class AllgatherFamily(CollectiveFamily):
         origin = "dst" if p.in_place else "src"
         expected = {(q, Slice("dst", j)): Counter({(j, origin, j if p.in_place else 0, 0): 1})
                     for q in range(w) for j in range(w) if not (p.in_place and q == j)}
-        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers,
-                        signals=self.signal_sizes(spec, w), expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def reference(self, spec, world, count, inputs):
         if spec.params.in_place:
@@ -294,7 +339,7 @@ class ReduceScatterFamily(CollectiveFamily):
 
     def comm_plan(self, spec, w):
         p = spec.params
-        P, bpp = p.pieces, p.blocks_per_peer
+        P, bpp = p.pieces, self._bpp(spec)
         src_buf = "dst" if p.in_place else "src"
         steps = []
         for r in range(w):
@@ -316,9 +361,7 @@ class ReduceScatterFamily(CollectiveFamily):
             for i in range(P):
                 sl = Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)
                 expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
-        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def _parts(self, spec, world, count, inputs, r):
         src = inputs["dst" if spec.params.in_place else "src"]
@@ -367,7 +410,7 @@ class AllToAllFamily(CollectiveFamily):
 
     def comm_plan(self, spec, w):
         p = spec.params
-        bpp = p.blocks_per_peer
+        bpp = self._bpp(spec)
         steps = []
         for r in range(w):
             s = [_entry(r, w)]
@@ -395,9 +438,7 @@ class AllToAllFamily(CollectiveFamily):
         origin = "dst" if p.in_place else "src"
         expected = {(q, Slice("dst", j)): Counter({(j, origin, q, 0): 1}) for q in range(w) for j in range(w)
                     if not (p.in_place and q == j)}
-        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def reference(self, spec, world, count, inputs):
         src = inputs["dst" if spec.params.in_place else "src"]
@@ -444,7 +485,7 @@ class AllReduceFamily(CollectiveFamily):
         input (it read before it reduced, and reduced before it pushed), so waiting for
         all of them is the exit barrier too."""
         p = spec.params
-        P, nb = p.pieces, p.blocks_per_peer
+        P, nb = p.pieces, self._bpp(spec)
         n = w * P
         buf = "dst" if p.in_place else "src"
         steps = []
@@ -467,13 +508,11 @@ class AllReduceFamily(CollectiveFamily):
             steps.append(s)
         expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
                     for r in range(w) for k in range(n)}
-        buffers = {nm: role for nm, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def _one_shot(self, spec, w):
         p = spec.params
-        nb = p.blocks_per_peer
+        nb = self._bpp(spec)
         buf = "dst" if p.in_place else "src"
         steps = []
         for r in range(w):
@@ -494,13 +533,11 @@ class AllReduceFamily(CollectiveFamily):
                 s += (_final([("done", q) for q in range(w) if q != r], "wait until every peer has read our input"))
             steps.append(s)
         expected = {(r, Slice("dst", 0)): Counter({(q, buf, 0, 0): 1 for q in range(w)}) for r in range(w)}
-        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def _two_shot(self, spec, w):
         p = spec.params
-        P, bpp = p.pieces, p.blocks_per_peer
+        P, bpp = p.pieces, self._bpp(spec)
         n = w * P  # the count is cut into w parts of P pieces: part q (pieces q*P..) is reduced by rank q
         buf = "dst" if p.in_place else "src"
         nb = bpp
@@ -531,9 +568,7 @@ class AllReduceFamily(CollectiveFamily):
             steps.append(s)
         expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
                     for r in range(w) for k in range(n)}
-        buffers = {nm: role for nm, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def reference(self, spec, world, count, inputs):
         parts = inputs["dst" if spec.params.in_place else "src"]
@@ -572,7 +607,7 @@ class BroadcastFamily(CollectiveFamily):
 
     def comm_plan(self, spec, w):
         p = spec.params
-        root, bpp = p.root, p.blocks_per_peer
+        root, bpp = p.root, self._bpp(spec)
         buf = "dst" if p.in_place else "src"
         steps = []
         for r in range(w):
@@ -589,9 +624,7 @@ class BroadcastFamily(CollectiveFamily):
             steps.append(s)
         expected = {(q, Slice("dst", 0)): Counter({(root, buf, 0, 0): 1}) for q in range(w)
                     if not (p.in_place and q == root)}
-        buffers = {n: role for n, (role, _) in self.data_buffers(spec).items()}
-        return schedule(w, spec.launch.blocks, steps, buffers=buffers, signals=self.signal_sizes(spec, w),
-                        expected=expected)
+        return self._schedule(spec, w, steps, expected)
 
     def reference(self, spec, world, count, inputs):
         src = inputs["dst" if spec.params.in_place else "src"]

@@ -2,11 +2,15 @@
 
 Kernels see the same arguments whatever the backend: a table of every
 rank's heap base as this rank can address it, and pointers into its own
-heap. A backend only has to allocate one heap per rank with the same size,
-and say where each peer's heap appears from each rank. One process driving
-every GPU with peer access is here; one process per GPU (CUDA IPC handles:
-each rank maps its peers' heaps) and NVSHMEM (nvshmem_malloc'd heap,
-nvshmem_ptr for peers) fit the same four methods.
+heap. A backend knows the world's `size`, the `devices` of the ranks this
+process drives ({rank: CUDA device}: every rank in one process, one rank per
+process otherwise), the PCI bus ids of every rank's GPU, and the `store`
+through which its processes meet (None for one process). It allocates one
+heap per local rank with the same size, and says where each peer's heap
+appears from each local rank. One process driving every GPU with peer
+access is here; one process per GPU with CUDA IPC handles is in ipc.py;
+NVSHMEM (nvshmem_malloc'd heap, nvshmem_ptr for peers) fits the same four
+methods.
 """
 
 from __future__ import annotations
@@ -41,34 +45,67 @@ def cupy_or_error():
 
 
 class Backend(Protocol):
-    devices: list[int]
+    size: int  # ranks in the world
+    devices: dict[int, int]  # rank -> CUDA device, for the ranks this process drives
+    bus_ids: list[str]  # PCI bus id of every rank's GPU (topology checks)
+    store: Any  # tsgen.runtime.store.Rendezvous when the ranks live in several processes, else None
 
-    def alloc_heap(self, nbytes: int) -> list[int]: ...
+    def alloc_heap(self, nbytes: int) -> dict[int, int]: ...  # {local rank: heap base}
 
-    def peer_tables(self, bases: list[int]) -> list[Any]: ...
+    def peer_tables(self, bases: dict[int, int]) -> dict[int, Any]: ...  # {local rank: device table}
 
-    def free_heap(self, bases: list[int]) -> None: ...
+    def free_heap(self, bases: dict[int, int]) -> None: ...
 
     def close(self) -> None: ...
+
+
+BACKENDS = ("single", "ipc")
+
+
+def world_size(backend: str, size: int | None, env=os.environ) -> int:
+    """The world size a run will have: `size` for one process (required), the
+    launcher's for one process per GPU (`size`, if given, must agree). Needs no GPU."""
+    if backend == "single":
+        if size is None:
+            raise RuntimeSetupError("the single-process backend needs the world size: give --gpus N")
+        return size
+    if backend == "ipc":
+        from .ipc import launcher_world
+
+        return launcher_world(env, size).size
+    raise RuntimeSetupError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def make_backend(name: str, size: int | None, cp) -> Backend:
+    size = world_size(name, size)
+    if name == "ipc":
+        from .ipc import IpcBackend
+
+        return IpcBackend(cp, size)
+    return SingleProcessBackend(size, cp)
 
 
 class SingleProcessBackend:
     """One process, GPUs 0..size-1 (or `devices`), peer access between every pair."""
 
+    store = None
+
     def __init__(self, size: int, cp, devices: list[int] | None = None):
-        self.cp = cp
+        self.cp, self.size = cp, size
         available = cp.cuda.runtime.getDeviceCount()
-        self.devices = list(devices) if devices is not None else list(range(size))
-        if len(self.devices) != size:
-            raise RuntimeSetupError(f"world size {size} but {len(self.devices)} devices given")
-        if max(self.devices) >= available:
+        devices = list(devices) if devices is not None else list(range(size))
+        if len(devices) != size:
+            raise RuntimeSetupError(f"world size {size} but {len(devices)} devices given")
+        if max(devices) >= available:
             raise RuntimeSetupError(
                 f"world size {size} needs {size} GPUs, but this machine shows {available}"
                 + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in os.environ else "")
             )
+        self.devices = dict(enumerate(devices))
         rt = cp.cuda.runtime
-        for i in self.devices:
-            for j in self.devices:
+        self.bus_ids = [rt.deviceGetPCIBusId(d) for d in devices]
+        for i in devices:
+            for j in devices:
                 if i == j:
                     continue
                 if not rt.deviceCanAccessPeer(i, j):
@@ -82,32 +119,33 @@ class SingleProcessBackend:
                     except rt.CUDARuntimeError as e:
                         if "PeerAccessAlreadyEnabled" not in str(e):
                             raise RuntimeSetupError(f"enabling peer access GPU {i} -> {j}: {e}") from None
-        self._heaps: list[list[int]] = []
+        self._heaps: list[dict[int, int]] = []
 
-    def alloc_heap(self, nbytes: int) -> list[int]:
+    def alloc_heap(self, nbytes: int) -> dict[int, int]:
         rt = self.cp.cuda.runtime
-        bases = []
+        bases: dict[int, int] = {}
         try:
-            for dev in self.devices:
+            for rank, dev in self.devices.items():
                 with self.cp.cuda.Device(dev):
-                    bases.append(rt.malloc(nbytes))  # outside CuPy's pool: exact bases
+                    bases[rank] = rt.malloc(nbytes)  # outside CuPy's pool: exact bases
         except rt.CUDARuntimeError as e:
             self.free_heap(bases)
             raise RuntimeSetupError(f"allocating a {nbytes}-byte symmetric heap per rank: {e}") from None
         self._heaps.append(bases)
         return bases
 
-    def peer_tables(self, bases: list[int]) -> list[Any]:
+    def peer_tables(self, bases: dict[int, int]) -> dict[int, Any]:
         # Unified addressing: a peer's pointer is valid as-is once peer access is on.
-        tables = []
-        for dev in self.devices:
+        every = [bases[r] for r in range(self.size)]
+        tables = {}
+        for rank, dev in self.devices.items():
             with self.cp.cuda.Device(dev):
-                tables.append(self.cp.asarray(bases, dtype=self.cp.uint64))
+                tables[rank] = self.cp.asarray(every, dtype=self.cp.uint64)
         return tables
 
-    def free_heap(self, bases: list[int]) -> None:
-        for dev, ptr in zip(self.devices, bases):
-            with self.cp.cuda.Device(dev):
+    def free_heap(self, bases: dict[int, int]) -> None:
+        for rank, ptr in bases.items():
+            with self.cp.cuda.Device(self.devices[rank]):
                 self.cp.cuda.runtime.free(ptr)
         if bases in self._heaps:
             self._heaps.remove(bases)

@@ -1,12 +1,14 @@
 """World: N GPUs, symmetric buffers, and manifest-driven launches.
 
 A `World` owns a backend (how symmetric memory and the peer table are made)
-and loads generated modules onto every rank. A `Module` is one generated
-source, compiled and loaded per device; `Module.alloc(count)` lays out the
-manifest's buffers in one symmetric heap per rank; `Module.launch` calls the
-kernel for this world size on every rank with the same leading arguments
-(peers, rank, calls, count) and one pointer per buffer. Nothing here knows
-about individual ops.
+and loads generated modules onto the ranks this process drives (`ranks`: all
+of them in one process, its own with one process per GPU). A `Module` is one
+generated source, compiled and loaded per device; `Module.alloc(count)` lays
+out the manifest's buffers in one symmetric heap per rank; `Module.launch`
+calls the kernel for this world size on the local ranks with the same leading
+arguments (peers, rank, calls, count) and one pointer per buffer. Per-rank
+things (devices, heap bases, peer tables, functions) are dicts keyed by
+global rank. Nothing here knows about individual ops.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import RuntimeSetupError
-from .backends import Backend, SingleProcessBackend, cupy_or_error
+from .backends import Backend, cupy_or_error, make_backend
 
 ALIGN = 256  # every buffer starts on a 256-byte boundary of the heap
 
@@ -102,17 +104,22 @@ class Buffers:
         self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
         self.by_name = {s.name: s for s in self.slots}
         world = module.world
+        # per local rank (world.ranks), keyed by global rank: heap base, peer table
         self.bases = world.backend.alloc_heap(self.heap_bytes)
         cp = world.cp
-        for rank in range(world.size):
-            with cp.cuda.Device(world.devices[rank]):
-                for s in self.slots:
-                    if s.role == "signal":
-                        cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
-                cp.cuda.runtime.deviceSynchronize()
-        self.peer_tables = world.backend.peer_tables(self.bases)
+        try:
+            for rank in world.ranks:
+                with cp.cuda.Device(world.devices[rank]):
+                    for s in self.slots:
+                        if s.role == "signal":
+                            cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
+                    cp.cuda.runtime.deviceSynchronize()
+            self.peer_tables = world.backend.peer_tables(self.bases)
+        except BaseException:
+            self.free()
+            raise
         # host copies of the same tables (host launchers address peers with them)
-        self.host_peer_tables = [np.asarray(t.get(), dtype=np.uint64) for t in self.peer_tables]
+        self.host_peer_tables = {r: np.asarray(t.get(), dtype=np.uint64) for r, t in self.peer_tables.items()}
 
     def array(self, name: str, rank: int):
         """CuPy view of buffer `name` on `rank` (no copy)."""
@@ -133,7 +140,7 @@ class Buffers:
     def free(self) -> None:
         if self.bases:
             self.module.world.backend.free_heap(self.bases)
-            self.bases = []
+            self.bases = {}
 
 
 class Module:
@@ -154,23 +161,25 @@ class Module:
         refusal = multimem_refusal(self.manifest, os.environ, world.multicast_supported())
         if refusal:
             raise RuntimeSetupError(refusal)
+        world.check_mesh()  # p2p kernels store into every peer: a partial NVLink mesh is refused
         self.kernel = next(k for k in self.manifest["kernels"] if k["world_size"] == world.size)
         source = self.manifest_path.with_name(self.manifest["source"])
-        self.binary = compile_source(source, arch=arch).output
         cp = world.cp
-        self.functions = []
-        for dev in world.devices:
-            with cp.cuda.Device(dev):
-                mod = cp.RawModule(path=str(self.binary))
-                self.functions.append(mod.get_function(self.kernel["name"]))
-        if self.manifest.get("blocks_wait", False):
-            world.check_resident(self.kernel, self.functions[0])
+        self.functions = {}  # per local rank
         self.launcher = None
         if self.manifest.get("host_launch", False):
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
-            library = compile_source(source, arch=arch, mode="shared").output
-            self.launcher = _host_launcher(library, self.kernel)
+            self.binary = compile_source(source, arch=arch, mode="shared").output
+            self.launcher = _host_launcher(self.binary, self.kernel)
+            return
+        self.binary = compile_source(source, arch=arch).output
+        for rank, dev in world.devices.items():
+            with cp.cuda.Device(dev):
+                mod = cp.RawModule(path=str(self.binary))
+                self.functions[rank] = mod.get_function(self.kernel["name"])
+        if self.manifest.get("blocks_wait", False):
+            world.check_resident(self.kernel, self.functions[world.ranks[0]])
 
     def alloc(self, count: int) -> Buffers:
         return Buffers(self, count)
@@ -181,14 +190,14 @@ class Module:
         ranks: Sequence[int] | None = None,
         streams: Sequence[Any] | None = None,
     ) -> None:
-        """Launch the kernel on `ranks` (default: all) without waiting. The call
+        """Launch the kernel on `ranks` (default: this process's) without waiting. The call
         number lives on the device (buffer `calls`), so launches may be captured
         in CUDA graphs and replayed."""
         world, cp = self.world, self.world.cp
         grid = tuple(self.kernel["grid"])
         block = tuple(self.kernel["block"])
         smem = self.kernel["shared_bytes"]
-        for rank in ranks if ranks is not None else range(world.size):
+        for rank in ranks if ranks is not None else world.ranks:
             args: list[Any] = []
             for a in self.kernel["args"]:
                 role = a["role"]
@@ -247,13 +256,42 @@ def _host_launcher(library: Path, kernel: dict):
 
 
 class World:
-    """N GPUs driven by one backend; the context manager frees what it made."""
+    """`size` GPUs driven by one backend; this process drives `ranks` of them (all of
+    them with the single-process backend, its own with "ipc"). Per-rank things are
+    keyed by global rank. The context manager frees what it made; leaving it with an
+    exception also tells the other processes (if any) to stop waiting."""
 
-    def __init__(self, size: int, backend: Backend | None = None):
+    def __init__(self, size: int | None = None, backend: Backend | str = "single"):
         self.cp = cupy_or_error()
-        self.backend = backend or SingleProcessBackend(size, self.cp)
-        self.size = size
-        self.devices = self.backend.devices
+        if isinstance(backend, str):
+            backend = make_backend(backend, size, self.cp)
+        if size is not None and backend.size != size:
+            raise RuntimeSetupError(f"world size {size} asked for, but the backend has {backend.size} ranks")
+        self.backend = backend
+        self.size = backend.size
+        self.devices = backend.devices  # {rank: CUDA device} for this process's ranks
+        self.ranks = sorted(self.devices)
+
+    @property
+    def is_root(self) -> bool:
+        """True in the process that drives rank 0 (the one that prints summaries)."""
+        return 0 in self.devices
+
+    def barrier(self, label: str) -> None:
+        """Every process gets here before any goes on (nothing to do in one process)."""
+        if self.backend.store is not None:
+            self.backend.store.barrier(label)
+
+    def exchange(self, label: str, value: Any) -> list[Any]:
+        """Every process's JSON-able `value`, in rank order ([value] in one process)."""
+        if self.backend.store is None:
+            return [value]
+        return [json.loads(v) for v in self.backend.store.all_gather(label, json.dumps(value).encode())]
+
+    def check_mesh(self) -> None:
+        from .topology import check_full_mesh
+
+        check_full_mesh(self.backend.bus_ids)
 
     def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
         return Module(self, Path(manifest), arch)
@@ -262,13 +300,13 @@ class World:
         """The device attribute (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132); False if unknown.
         Only read: nothing here creates a multicast object."""
         try:
-            return bool(self.cp.cuda.runtime.deviceGetAttribute(132, self.devices[0]))
+            return bool(self.cp.cuda.runtime.deviceGetAttribute(132, self.devices[self.ranks[0]]))
         except Exception:
             return False
 
     def synchronize(self) -> None:
-        """Wait for every rank; a failed kernel raises with the rank named."""
-        for rank, dev in enumerate(self.devices):
+        """Wait for this process's ranks; a failed kernel raises with the rank named."""
+        for rank, dev in self.devices.items():
             try:
                 with self.cp.cuda.Device(dev):
                     self.cp.cuda.runtime.deviceSynchronize()
@@ -280,7 +318,7 @@ class World:
         cp = self.cp
         blocks = kernel["grid"][0]
         threads = kernel["block"][0]
-        props = cp.cuda.runtime.getDeviceProperties(self.devices[0])
+        props = cp.cuda.runtime.getDeviceProperties(self.devices[self.ranks[0]])
         sms = props["multiProcessorCount"]
         try:
             per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
@@ -301,5 +339,7 @@ class World:
     def __enter__(self) -> "World":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self.backend.store is not None:
+            self.backend.store.abort(f"{exc_type.__name__}: {exc}")
         self.close()

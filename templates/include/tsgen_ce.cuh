@@ -1,0 +1,148 @@
+// tsgen_ce.cuh -- running a communication plan on the copy engines.
+//
+// Hand-written; inlined into copy-engine collectives after tsgen_plan.cuh.
+//
+// The plan is the same data the interpreter kernel runs (tsgen_plan.cuh),
+// scheduled over streams instead of blocks: every copy step is one
+// cudaMemcpyAsync between peer mappings (the DMA engines move the bytes, no
+// SM is busy), every reduce step is a kernel over the whole grid, and the
+// waits and signals around them are one-block "sync" kernels. Signals keep
+// their meaning: counters that only grow, waited for at epoch x per_call,
+// with the epoch read from the call counter on the device -- so a captured
+// CUDA graph replays correctly. Stream order gives the rest: a step's
+// signals are raised only after its copy has completed, its copy starts only
+// after its waits returned.
+#ifndef TSGEN_CE_CUH
+#define TSGEN_CE_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define TSGEN_CE_MAX_STREAMS 32
+#define TSGEN_CE_MAX_DEVICES 64
+
+// Return the first CUDA error of an expression from the enclosing launcher.
+#define TSGEN_CE_TRY(expr)                  \
+  do {                                      \
+    const cudaError_t tsgen_err_ = (expr);  \
+    if (tsgen_err_ != cudaSuccess) return tsgen_err_; \
+  } while (0)
+
+// ---------------------------------------------------------------------------
+// Device side: the sync kernel body and the reduce kernel body
+// ---------------------------------------------------------------------------
+
+// Raise the signals of step `sig` (after its copy or reduce finished earlier on
+// this stream), then wait for the waits of step `wait` (before the next op on
+// this stream). One thread per counter, one block.
+static __device__ __forceinline__ void tsgen_ce_sync(const tsgen_step* steps, int sig, int wait,
+                                                     int rank, uint64_t epoch, char* const* bufs,
+                                                     char* const* peers,
+                                                     const char* const* names) {
+  if (sig >= 0 && threadIdx.x < steps[sig].nsignal) {
+    // The copy engine's writes completed before this kernel started (stream
+    // order); the fence makes that order visible at system scope as well.
+    __threadfence_system();
+    const tsgen_signal s = steps[sig].signal[threadIdx.x];
+    uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+    red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank), 1ull);
+  }
+  if (wait >= 0 && threadIdx.x < steps[wait].nwait) {
+    const tsgen_wait w = steps[wait].wait[threadIdx.x];
+    wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
+                        tsgen_make_site(names[w.buf], rank, rank, w.index));
+  }
+}
+
+// The reduction of one step, spread over every thread of the grid (its waits
+// and signals are done by sync kernels around it on the same stream).
+template <typename T, int UNROLL>
+static __device__ __forceinline__ void tsgen_ce_reduce(const tsgen_step& st, int rank,
+                                                       uint64_t count, char* const* bufs,
+                                                       char* const* peers) {
+  uint64_t lo, hi;
+  tsgen_share_range<T>(st.dst, count, 0, 1, &lo, &hi);
+  if (hi <= lo) return;
+  T* srcs[TSGEN_MAX_SRCS];
+  TSGEN_FOR_SRC(j, st.nsrc) {
+    uint64_t slo, shi;
+    tsgen_share_range<T>(st.src[j], count, 0, 1, &slo, &shi);
+    srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+  }
+  tsgen_reduce_elems<T, UNROLL>(tsgen_slice_ptr<T>(st.dst, bufs, peers, rank) + lo, srcs, st.nsrc,
+                                hi - lo, blockIdx.x * blockDim.x + threadIdx.x,
+                                gridDim.x * blockDim.x);
+}
+
+// ---------------------------------------------------------------------------
+// Host side: streams, and the copy of one step
+// ---------------------------------------------------------------------------
+
+// The side streams of one device (stream 0 of a plan is the caller's stream),
+// with the events that fork them from it and join them back. Made on the
+// first call on each device and kept for the life of the process.
+struct tsgen_ce_lanes {
+  cudaStream_t side[TSGEN_CE_MAX_STREAMS];
+  cudaEvent_t fork;
+  cudaEvent_t join[TSGEN_CE_MAX_STREAMS];
+  bool ready;
+};
+
+static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
+  static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+  int dev = 0;
+  TSGEN_CE_TRY(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
+  tsgen_ce_lanes* l = &lanes[dev];
+  if (!l->ready) {
+    TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
+    for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
+      TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
+      TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->join[i], cudaEventDisableTiming));
+    }
+    l->ready = true;
+  }
+  *out = l;
+  return cudaSuccess;
+}
+
+// Streams 1..n-1 start after everything already queued on `stream`.
+static cudaError_t tsgen_ce_fork(cudaStream_t stream, tsgen_ce_lanes* l, int n) {
+  TSGEN_CE_TRY(cudaEventRecord(l->fork, stream));
+  for (int i = 1; i < n; ++i) TSGEN_CE_TRY(cudaStreamWaitEvent(l->side[i], l->fork, 0));
+  return cudaSuccess;
+}
+
+// `stream` continues after everything queued on streams 1..n-1.
+static cudaError_t tsgen_ce_join(cudaStream_t stream, tsgen_ce_lanes* l, int n) {
+  for (int i = 1; i < n; ++i) {
+    TSGEN_CE_TRY(cudaEventRecord(l->join[i], l->side[i]));
+    TSGEN_CE_TRY(cudaStreamWaitEvent(stream, l->join[i], 0));
+  }
+  return cudaSuccess;
+}
+
+// Address of slice `s` as this process sees it: local buffers directly, a
+// peer's through its heap base in `peers_host` (same offset in every heap).
+template <typename T>
+static T* tsgen_ce_slice_ptr(const tsgen_slice& s, char* const* bufs, char* const* peers_host,
+                             int rank, uint64_t elem) {
+  char* local = bufs[s.buf] + elem * sizeof(T);
+  return (T*)(s.rank == rank ? local : peers_host[s.rank] + (local - peers_host[rank]));
+}
+
+// The copy of one plan step (dst = src) as a DMA transfer.
+template <typename T>
+static cudaError_t tsgen_ce_copy(cudaStream_t stream, const tsgen_slice& dst, const tsgen_slice& src,
+                                 char* const* bufs, char* const* peers_host, int rank,
+                                 uint64_t count) {
+  uint64_t lo, hi, slo, shi;
+  tsgen_share_range<T>(dst, count, 0, 1, &lo, &hi);
+  tsgen_share_range<T>(src, count, 0, 1, &slo, &shi);
+  if (hi <= lo) return cudaSuccess;
+  return cudaMemcpyAsync(tsgen_ce_slice_ptr<T>(dst, bufs, peers_host, rank, lo),
+                         tsgen_ce_slice_ptr<T>(src, bufs, peers_host, rank, slo),
+                         (hi - lo) * sizeof(T), cudaMemcpyDefault, stream);
+}
+
+#endif  // TSGEN_CE_CUH

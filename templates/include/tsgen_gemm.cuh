@@ -1,0 +1,706 @@
+// tsgen_gemm.cuh -- a persistent, warp-specialized Hopper (sm_90a) GEMM:
+// C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
+// accumulation, 16-bit output.
+//
+// Hand-written; inlined into generated gemm sources after tsgen_sync.cuh. The
+// op's template supplies a `Config` struct (sizes as constexpr members, the
+// element type, and `mma`, the one wgmma instruction of its tile width).
+//
+// How one CTA works (threads = 128 x (1 + CONSUMERS)):
+//   * warpgroup 0, the producer, gives most of its registers back
+//     (setmaxnreg.dec) and one of its threads walks this CTA's tiles, loading
+//     A (TILE_M x TILE_K) and B (TILE_K x TILE_N) tiles with TMA
+//     (cp.async.bulk.tensor) into a ring of STAGES shared-memory stages. Each
+//     stage has a `full` mbarrier (the TMA bytes land; expect_tx /
+//     complete_tx) and an `empty` one (every consumer warpgroup that reads the
+//     stage, in every CTA the stage is multicast to, is done with it).
+//   * warpgroups 1..CONSUMERS take more registers (setmaxnreg.inc), wait for
+//     a full stage, issue TILE_K / 16 wgmma.mma_async per 64-row block of
+//     their TILE_M / CONSUMERS rows into fp32 registers, keep one stage of
+//     wgmma in flight (wait_group 1) and release the stage before it.
+//   * after the last K block of a tile each consumer warpgroup converts its
+//     accumulators to 16 bits, writes them to shared memory in 64 x 64
+//     chunks (two buffers, 128B-swizzled) and stores each chunk with a TMA
+//     store, which clips rows >= M. The producer meanwhile loads the next
+//     tile's first stages.
+//   * tiles are handed out persistently: cluster c takes cluster tiles c,
+//     c + clusters, ... in a grouped order (RASTER_GROUP row tiles at a
+//     time, rows first) so CTAs running together share A and B in L2.
+//   * with CLUSTER = 2, the two CTAs of a cluster take adjacent tiles that
+//     share B (along M) or A (along N); each loads half of the shared tile
+//     and multicasts it to both, halving that operand's L2 -> SM traffic.
+//
+// Shared-memory layout (all tiles 128B-swizzled, so 1024-byte aligned):
+//   A stages | B stages | epilogue chunk buffers | full[STAGES] | empty[STAGES]
+// A stage: TILE_M rows x 128 bytes (K-major; TILE_K = 64 16-bit values a row).
+// B stage: TILE_N / 64 boxes, each TILE_K rows (k) x 128 bytes (64 columns n).
+//
+// wgmma descriptors (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start
+// address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 62-63 swizzle (1 = 128B). With 128B swizzle:
+//   A, K-major: 8-row groups 1024 bytes apart (stride offset); the leading
+//     offset is unused; the k16 step j starts 32 * j bytes into the row.
+//   B, N-major (transpose bit set): 64-column boxes TILE_K * 128 bytes apart
+//     (leading offset), 8-row (k) groups 1024 bytes apart (stride offset); the
+//     k16 step j starts 16 rows = 2048 * j bytes in.
+#ifndef TSGEN_GEMM_CUH
+#define TSGEN_GEMM_CUH
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: nothing links against libcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <atomic>
+
+namespace tsgen_gemm {
+
+// ---------------------------------------------------------------------------
+// PTX wrappers (sm_90a). Shared-memory addresses are 32-bit shared-window
+// addresses (cvta.to.shared), as the PTX instructions take them.
+// ---------------------------------------------------------------------------
+
+static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// Makes the barrier inits visible to the other CTAs of the cluster and to the
+// TMA unit (async proxy) before anyone uses them.
+static __device__ __forceinline__ void fence_mbarrier_init_release_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrive (count 1) and expect `bytes` more transaction bytes in this phase.
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Arrive on the barrier at the same offset in CTA `cta` of this cluster (itself
+// included). Default .release.cta semantics, as CUTLASS's ClusterBarrier: what the
+// arrival announces is that our wgmma reads of a stage are complete (wgmma.wait_group),
+// which needs no memory fence; .release.cluster would add a MEMBAR.GPU per arrival.
+static __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n\t"
+      ".reg .b32 remote;\n\t"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n\t"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t"
+      "}" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+
+// True once the phase with parity `parity` has completed (try_wait suspends
+// the thread for a while before it gives up, so callers simply loop).
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t"
+      ".reg .pred p;\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t"
+      "}"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Wait for phase `parity` of a pipeline barrier. A pipeline that stops moving
+// traps after TSGEN_TIMEOUT_NS instead of hanging (the launch then fails with
+// "unspecified launch failure"). It traps without printing: any function call
+// in the kernel, printf's included, makes ptxas serialize every wgmma (C7510).
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (TSGEN_TIMEOUT_NS != 0 && globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
+  }
+}
+
+// TMA load of one box at (x = column, y = row) into this CTA's shared memory;
+// its bytes complete_tx on `bar`. Out-of-bounds elements are filled with zeros.
+static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                                   uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// The same box into the same shared-memory offset of every CTA in `cta_mask`,
+// completing on the barrier at the same offset in each of them.
+static __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                                             uint32_t bar, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
+// TMA store of one box from shared memory; rows and columns outside the tensor are not written.
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map),
+               "r"(x), "r"(y), "r"(src)
+               : "memory");
+}
+
+static __device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Wait until at most N of this thread's bulk groups still read their shared-memory source.
+template <int N>
+static __device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Wait until all of this thread's bulk groups are complete (their writes done).
+static __device__ __forceinline__ void bulk_wait_group_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+static __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+static __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(value) : "memory");
+}
+
+// bar.sync on a named barrier (0 is __syncthreads'): `threads` threads of the CTA meet.
+static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// wgmma.fence: orders earlier register accesses before the wgmma that follow.
+static __device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+static __device__ __forceinline__ void wgmma_commit_group() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+// Wait until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+static __device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Tells the compiler the accumulators changed here (they are written
+// asynchronously by wgmma): reads of them are not moved above this point.
+static __device__ __forceinline__ void fence_operand(float& x) {
+  asm volatile("" : "+f"(x)::"memory");
+}
+
+// Per-thread register budget of the whole warpgroup (all warps must execute it).
+template <int REGS>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+template <int REGS>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+static __device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+static __device__ __forceinline__ uint32_t cluster_id_x() {
+  uint32_t r;
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+
+static __device__ __forceinline__ uint32_t cluster_count_x() {
+  uint32_t r;
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster meets here (release / acquire at cluster
+// scope). Not .aligned: threads may arrive from divergent code (the producer thread).
+static __device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// wgmma descriptor of a 128B-swizzled tile starting at `addr` (see the top of this file).
+static __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
+         (1ull << 62);
+}
+
+// Two fp32 values rounded to the output type, packed: `lo` in the low 16 bits.
+template <class T>
+static __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------
+// Sizes and shared-memory offsets derived from the Config
+// ---------------------------------------------------------------------------
+
+template <class C>
+struct Layout {
+  static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
+  static_assert(C::TILE_K == 64, "one 128-byte swizzle row of 16-bit values per stage");
+  static_assert(C::TILE_N % 64 == 0 && C::TILE_N <= 256, "wgmma N: 64-column boxes, at most 256");
+  static_assert(C::TILE_M % (64 * C::CONSUMERS) == 0, "64-row wgmma blocks per consumer warpgroup");
+  static_assert(C::N % C::TILE_N == 0 && C::K % C::TILE_K == 0, "N and K are whole tiles");
+  static_assert(C::CLUSTER == 1 || C::CLUSTER == 2, "clusters of 1 or 2 CTAs");
+
+  static constexpr int THREADS = 128 * (1 + C::CONSUMERS);
+  static constexpr int K_BLOCKS = C::K / C::TILE_K;  // pipeline stages per tile
+  static constexpr int N_TILES = C::N / C::TILE_N;
+  static constexpr int WG_M = C::TILE_M / C::CONSUMERS;  // rows of C per consumer warpgroup
+  static constexpr int M_BLOCKS = WG_M / 64;             // 64-row wgmma blocks per consumer warpgroup
+  static constexpr int ACC = C::TILE_N / 2;              // fp32 accumulators per thread per 64-row block
+
+  // Cluster: CM x CN tiles per cluster; the shared operand is split into one box per CTA.
+  static constexpr bool SHARE_B = C::CLUSTER > 1 && C::CLUSTER_ALONG_M;   // along M: same columns, same B
+  static constexpr bool SHARE_A = C::CLUSTER > 1 && !C::CLUSTER_ALONG_M;  // along N: same rows, same A
+  static constexpr int CM = SHARE_B ? C::CLUSTER : 1;
+  static constexpr int CN = SHARE_A ? C::CLUSTER : 1;
+  static_assert(N_TILES % CN == 0, "a cluster along N takes whole pairs of column tiles");
+  static constexpr uint16_t CLUSTER_MASK = (1u << C::CLUSTER) - 1;
+
+  // Bytes. A TMA box is at most 128 bytes wide (the swizzle span): 64 columns.
+  static constexpr int A_BOX_ROWS = C::TILE_M / (SHARE_A ? C::CLUSTER : 1);
+  static constexpr int A_BOX = A_BOX_ROWS * 128;
+  static constexpr int B_BOXES = C::TILE_N / 64;
+  static constexpr int B_BOX = C::TILE_K * 128;
+  static_assert(!SHARE_B || B_BOXES % C::CLUSTER == 0, "the B tile splits into one set of boxes per CTA");
+  static constexpr int A_STAGE = C::TILE_M * 128;
+  static constexpr int B_STAGE = B_BOXES * B_BOX;
+  static constexpr int STAGE_TX = A_STAGE + B_STAGE;  // bytes that land in each CTA per stage
+  static constexpr int CHUNK = 64 * 128;              // epilogue: 64 rows x 64 columns of C
+
+  // Offsets from the 1024-byte aligned base.
+  static constexpr int A_OFF = 0;
+  static constexpr int B_OFF = A_OFF + C::STAGES * A_STAGE;
+  static constexpr int EPI_OFF = B_OFF + C::STAGES * B_STAGE;
+  static constexpr int FULL_OFF = EPI_OFF + C::CONSUMERS * 2 * CHUNK;
+  static constexpr int EMPTY_OFF = FULL_OFF + 8 * C::STAGES;
+  static constexpr int SMEM_BYTES = EMPTY_OFF + 8 * C::STAGES + 1024;  // + slack for aligning the base
+  static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/gemm.py smem_bytes() disagrees with this layout");
+};
+
+// ---------------------------------------------------------------------------
+// Persistent tile schedule: the same on the producer and the consumers, and on
+// both CTAs of a cluster (they walk cluster tiles in lockstep).
+// ---------------------------------------------------------------------------
+
+template <class C>
+struct Scheduler {
+  using L = Layout<C>;
+  uint32_t cluster_rows;  // cluster tiles down M
+  uint32_t total;         // cluster tiles
+  uint32_t index;         // this cluster's next cluster tile
+  uint32_t stride;        // clusters in the grid
+  uint32_t rank;          // this CTA in its cluster
+
+  __host__ __device__ static uint32_t cluster_tiles(uint32_t rows) {
+    const uint32_t m_tiles = (rows + C::TILE_M - 1) / C::TILE_M;
+    return (m_tiles + L::CM - 1) / L::CM * (L::N_TILES / L::CN);
+  }
+
+  // Host and device (tests walk the schedule on the CPU): cluster `cluster` of `clusters`.
+  __host__ __device__ Scheduler(uint32_t rows, uint32_t cluster, uint32_t clusters, uint32_t cta_rank)
+      : cluster_rows(((rows + C::TILE_M - 1) / C::TILE_M + L::CM - 1) / L::CM),
+        total(cluster_tiles(rows)),
+        index(cluster),
+        stride(clusters),
+        rank(cta_rank) {}
+
+  // The next tile of this CTA (its first row and column of C); false when none is left.
+  // Grouped order: RASTER_GROUP cluster rows at a time, down the rows first.
+  __host__ __device__ bool next(uint32_t& m0, uint32_t& n0) {
+    if (index >= total) return false;
+    const uint32_t per_group = C::RASTER_GROUP * (L::N_TILES / L::CN);
+    const uint32_t first_row = index / per_group * C::RASTER_GROUP;
+    const uint32_t left = cluster_rows - first_row;
+    const uint32_t group_rows = left < (uint32_t)C::RASTER_GROUP ? left : (uint32_t)C::RASTER_GROUP;
+    const uint32_t within = index % per_group;
+    const uint32_t cm = first_row + within % group_rows, cn = within / group_rows;
+    m0 = (cm * L::CM + (L::SHARE_B ? rank : 0)) * C::TILE_M;
+    n0 = (cn * L::CN + (L::SHARE_A ? rank : 0)) * C::TILE_N;
+    index += stride;
+    return true;
+  }
+};
+
+// The schedule of this CTA.
+template <class C>
+static __device__ __forceinline__ Scheduler<C> my_tiles(uint32_t rows) {
+  if constexpr (C::CLUSTER == 1) {
+    return Scheduler<C>(rows, blockIdx.x, gridDim.x, 0);
+  } else {
+    return Scheduler<C>(rows, cluster_id_x(), cluster_count_x(), cluster_ctarank());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Producer: one thread issues every TMA load of this CTA.
+// ---------------------------------------------------------------------------
+
+template <class C>
+static __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, uint32_t smem,
+                                               uint32_t rows) {
+  using L = Layout<C>;
+  Scheduler<C> tiles = my_tiles<C>(rows);
+  uint32_t stage = 0, phase = 0, m0, n0;
+  while (tiles.next(m0, n0)) {
+    // A cluster's second row tile can lie wholly below M (an odd number of row tiles):
+    // it still takes part in the pipeline (its B boxes feed its peer) but is never
+    // stored, so its A rows may be any rows; load rows that exist.
+    const uint32_t a_row = m0 < rows ? m0 : 0;
+    for (int kb = 0; kb < L::K_BLOCKS; ++kb) {
+      const uint32_t full = smem + L::FULL_OFF + 8 * stage;
+      // A fresh barrier counts as having completed the phase before its first, so
+      // the first pass over the ring (parity 1) does not wait.
+      mbar_wait(smem + L::EMPTY_OFF + 8 * stage, phase ^ 1);
+      mbar_arrive_expect_tx(full, L::STAGE_TX);
+      const int k0 = kb * C::TILE_K;
+      const uint32_t a = smem + L::A_OFF + stage * L::A_STAGE;
+      const uint32_t b = smem + L::B_OFF + stage * L::B_STAGE;
+      if constexpr (L::SHARE_A) {  // this CTA's half of the rows, to both CTAs
+        tma_load_2d_multicast(a + tiles.rank * L::A_BOX, a_map, k0, a_row + tiles.rank * L::A_BOX_ROWS, full,
+                              L::CLUSTER_MASK);
+      } else {
+        tma_load_2d(a, a_map, k0, a_row, full);
+      }
+#pragma unroll
+      for (int j = 0; j < L::B_BOXES; ++j) {
+        if constexpr (L::SHARE_B) {  // boxes j = rank, rank + CLUSTER, ..., to both CTAs
+          if (j % C::CLUSTER == (int)tiles.rank)
+            tma_load_2d_multicast(b + j * L::B_BOX, b_map, n0 + 64 * j, k0, full, L::CLUSTER_MASK);
+        } else {
+          tma_load_2d(b + j * L::B_BOX, b_map, n0 + 64 * j, k0, full);
+        }
+      }
+      if (++stage == C::STAGES) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consumers: wgmma mainloop and epilogue of consumer warpgroup `cw`.
+// ---------------------------------------------------------------------------
+
+// A stage is free again for the producer(s) of every CTA that writes into it.
+template <class C>
+static __device__ __forceinline__ void release_stage(uint32_t empty) {
+  if constexpr (C::CLUSTER == 1) {
+    mbar_arrive(empty);
+  } else {
+#pragma unroll
+    for (uint32_t cta = 0; cta < (uint32_t)C::CLUSTER; ++cta) mbar_arrive_cluster(empty, cta);
+  }
+}
+
+// Accumulators of rows [m0, m0 + WG_M) x columns [n0, n0 + TILE_N) -> C, through
+// the warpgroup's two 64 x 64 chunk buffers and TMA stores (one in flight while
+// the next chunk is written). `chunks` counts this warpgroup's chunks (buffer parity).
+template <class C>
+static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
+                                                  const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
+                                                  uint32_t m0, uint32_t n0, uint32_t rows, uint32_t& chunks) {
+  using L = Layout<C>;
+  const uint32_t t = threadIdx.x % 128, lane = t % 32;
+  // wgmma accumulator layout: warp w of the warpgroup holds rows 16w .. 16w + 15 of a
+  // 64-row block; per 8-column group q, lane l holds (row 16w + l/4, columns 8q + 2(l%4)
+  // + {0, 1}) in acc[4q], acc[4q + 1] and the same 8 rows further down in acc[4q + 2, 3].
+  const uint32_t row = 16 * (t / 32) + lane / 4;
+  const uint32_t swizzle = lane / 4;  // = row % 8: 128B swizzle XORs the 16-byte unit with it
+#pragma unroll
+  for (int mb = 0; mb < L::M_BLOCKS; ++mb) {
+    const uint32_t r0 = m0 + cw * L::WG_M + 64 * mb;
+    if (r0 >= rows) break;  // the same for the whole warpgroup; TMA clips inside the last block
+#pragma unroll
+    for (int j = 0; j < C::TILE_N / 64; ++j) {
+      const uint32_t buf = buffers + (chunks & 1) * L::CHUNK;
+      if (t == 0) bulk_wait_group_read<1>();  // the store issued from `buf` two chunks ago has read it
+      named_barrier_sync(1 + cw, 128);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float* d = &acc[mb][4 * (8 * j + q)];
+        const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
+        st_shared_u32(buf + row * 128 + col, pack2<typename C::Element>(d[0], d[1]));
+        st_shared_u32(buf + (row + 8) * 128 + col, pack2<typename C::Element>(d[2], d[3]));
+      }
+      fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
+      named_barrier_sync(1 + cw, 128);
+      if (t == 0) {
+        tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
+        bulk_commit_group();
+      }
+      ++chunks;
+    }
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_t smem, uint32_t rows, uint32_t cw) {
+  using L = Layout<C>;
+  Scheduler<C> tiles = my_tiles<C>(rows);
+  const bool leader = threadIdx.x % 128 == 0;  // arrives on barriers and issues the stores
+  float acc[L::M_BLOCKS][L::ACC];
+#pragma unroll
+  for (int mb = 0; mb < L::M_BLOCKS; ++mb)
+#pragma unroll
+    for (int i = 0; i < L::ACC; ++i) acc[mb][i] = 0.f;
+  // Descriptors of stage 0 (this warpgroup's rows of A; all of B); stage s adds s * bytes >> 4.
+  const uint64_t a_desc = sw128_descriptor(smem + L::A_OFF + cw * L::WG_M * 128, 16, 1024);
+  const uint64_t b_desc = sw128_descriptor(smem + L::B_OFF, L::B_BOX, 1024);
+  const uint32_t buffers = smem + L::EPI_OFF + cw * 2 * L::CHUNK;
+  uint32_t stage = 0, phase = 0, chunks = 0, m0, n0;
+  while (tiles.next(m0, n0)) {
+    uint32_t previous = 0;
+    for (int kb = 0; kb < L::K_BLOCKS; ++kb) {
+      mbar_wait(smem + L::FULL_OFF + 8 * stage, phase);
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < C::TILE_K / 16; ++k16) {
+#pragma unroll
+        for (int mb = 0; mb < L::M_BLOCKS; ++mb) {
+          C::mma(acc[mb], a_desc + ((stage * L::A_STAGE + mb * 64 * 128 + k16 * 32) >> 4),
+                 b_desc + ((stage * L::B_STAGE + k16 * 16 * 128) >> 4), kb > 0 || k16 > 0);
+        }
+      }
+      wgmma_commit_group();
+      if (kb > 0) {  // keep this stage's wgmma in flight; the previous stage's are done
+        wgmma_wait_group<1>();
+        if (leader) release_stage<C>(smem + L::EMPTY_OFF + 8 * previous);
+      }
+      previous = stage;
+      if (++stage == C::STAGES) stage = 0, phase ^= 1;
+    }
+    wgmma_wait_group<0>();
+    if (leader) release_stage<C>(smem + L::EMPTY_OFF + 8 * previous);
+#pragma unroll
+    for (int mb = 0; mb < L::M_BLOCKS; ++mb)
+#pragma unroll
+      for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
+    store_tile<C>(acc, c_map, buffers, cw, m0, n0, rows, chunks);
+  }
+  if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
+}
+
+// ---------------------------------------------------------------------------
+// The kernel body: `rows` = M.
+// ---------------------------------------------------------------------------
+
+template <class C>
+static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUtensorMap* b_map,
+                                           const CUtensorMap* c_map, uint32_t rows) {
+  using L = Layout<C>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(smem + L::FULL_OFF + 8 * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
+      // one arrival per consumer warpgroup of every CTA whose stage s this CTA's loads fill
+      mbar_init(smem + L::EMPTY_OFF + 8 * s, C::CONSUMERS * C::CLUSTER);
+    }
+    fence_mbarrier_init_release_cluster();
+    prefetch_tensormap(a_map);
+    prefetch_tensormap(b_map);
+    prefetch_tensormap(c_map);
+  }
+  // Barriers initialized in every CTA of the cluster before any TMA or remote arrive.
+  if constexpr (C::CLUSTER > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+  const uint32_t warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
+    if constexpr (C::CONSUMERS == 2) setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows);
+  } else {
+    if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
+    consume<C>(c_map, smem, rows, warpgroup - 1);
+  }
+  // No CTA leaves while its peer may still arrive on its barriers or multicast into it.
+  if constexpr (C::CLUSTER > 1) cluster_sync();
+}
+
+// ---------------------------------------------------------------------------
+// Host side: TMA descriptors and the launch.
+// ---------------------------------------------------------------------------
+
+// At most this many rows (M): TMA coordinates are 32-bit signed.
+constexpr uint64_t MAX_ROWS = 1ull << 30;
+
+template <class T>
+constexpr CUtensorMapDataType tensor_map_dtype();
+template <>
+constexpr CUtensorMapDataType tensor_map_dtype<__nv_bfloat16>() {
+  return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
+template <>
+constexpr CUtensorMapDataType tensor_map_dtype<__half>() {
+  return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// cuTensorMapEncodeTiled, a driver function, fetched through the runtime (so
+// nothing links against libcuda); looked up once per process.
+static inline cudaError_t tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* encode) {
+  struct Lookup {
+    void* fn = nullptr;
+    cudaError_t err = cudaSuccess;
+  };
+  static const Lookup found = [] {
+    Lookup l;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    l.err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &l.fn, 12000, cudaEnableDefault, &status);
+#else
+    l.err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &l.fn, cudaEnableDefault, &status);
+#endif
+    if (l.err == cudaSuccess && (status != cudaDriverEntryPointSuccess || l.fn == nullptr))
+      l.err = cudaErrorSymbolNotFound;
+    return l;
+  }();
+  *encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found.fn);
+  return found.err;
+}
+
+// A row-major `rows` x `cols` matrix of 16-bit values, read or written in boxes
+// of box_rows x 64 columns (128 bytes: the swizzle span), 128B-swizzled in
+// shared memory; out-of-bounds loads read zeros, out-of-bounds stores are dropped.
+static inline cudaError_t encode_matrix(CUtensorMap* map, CUtensorMapDataType dtype, const void* base,
+                                        uint64_t rows, uint64_t cols, uint32_t box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+  const cudaError_t err = tensor_map_encoder(&encode);
+  if (err != cudaSuccess) return err;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t row_stride[1] = {cols * 2};  // bytes
+  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(map, dtype, 2, const_cast<void*>(base), dims, row_stride, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+struct TensorMaps {
+  CUtensorMap a, b, c;
+};
+
+// The descriptors of A (M x K), B (K x N) and C (M x N). Encoding takes a few
+// microseconds, so each host thread keeps the last set and reuses it when the
+// pointers and M are the same (a descriptor holds nothing else).
+template <class C>
+static cudaError_t tensor_maps(const void* a, const void* b, const void* c, uint32_t rows,
+                               const TensorMaps** out) {
+  using L = Layout<C>;
+  struct Last {
+    bool valid = false;
+    const void *a = nullptr, *b = nullptr, *c = nullptr;
+    uint32_t rows = 0;
+    TensorMaps maps;
+  };
+  thread_local Last last;
+  if (!last.valid || last.a != a || last.b != b || last.c != c || last.rows != rows) {
+    last.valid = false;  // until all three are encoded
+    constexpr CUtensorMapDataType dtype = tensor_map_dtype<typename C::Element>();
+    cudaError_t err = encode_matrix(&last.maps.a, dtype, a, rows, C::K, L::A_BOX_ROWS);
+    if (err == cudaSuccess) err = encode_matrix(&last.maps.b, dtype, b, C::K, C::N, C::TILE_K);
+    if (err == cudaSuccess) err = encode_matrix(&last.maps.c, dtype, c, rows, C::N, 64);
+    if (err != cudaSuccess) return err;
+    last.valid = true, last.a = a, last.b = b, last.c = c, last.rows = rows;
+  }
+  *out = &last.maps;
+  return cudaSuccess;
+}
+
+// CTAs of `kernel` that are resident at once on the current device (whole
+// clusters); computed once per device, together with the shared-memory opt-in.
+template <class C>
+static cudaError_t resident_ctas(const void* kernel, int* ctas) {
+  using L = Layout<C>;
+  constexpr int MAX_DEVICES = 64;
+  static std::atomic<int> known[MAX_DEVICES];  // 0: not yet computed
+  int device;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < MAX_DEVICES && (*ctas = known[device].load()) > 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  int n = 0;
+  if constexpr (C::CLUSTER == 1) {
+    int sms = 0, per_sm = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
+    n = sms * per_sm;
+  } else {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(C::CLUSTER, 1, 1);
+    config.blockDim = dim3(L::THREADS, 1, 1);
+    config.dynamicSmemBytes = L::SMEM_BYTES;
+    int clusters = 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    n = clusters * C::CLUSTER;
+  }
+  if (err != cudaSuccess) return err;
+  if (n < C::CLUSTER) return cudaErrorLaunchOutOfResources;  // not even one cluster fits
+  if (device < MAX_DEVICES) known[device].store(n);
+  *ctas = n;
+  return cudaSuccess;
+}
+
+// Launch C = A . B for `count` rows on `stream`: a persistent grid of at most
+// C::BLOCKS CTAs, no more than are resident at once, no more than there are tiles.
+template <class C, class Kernel>
+static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, uint64_t count,
+                          cudaStream_t stream) {
+  using L = Layout<C>;
+  if (count == 0) return cudaSuccess;
+  if (count > MAX_ROWS) return cudaErrorInvalidValue;
+  const uint32_t rows = (uint32_t)count;
+  const TensorMaps* maps;
+  cudaError_t err = tensor_maps<C>(a, b, c, rows, &maps);
+  if (err != cudaSuccess) return err;
+  int resident;
+  err = resident_ctas<C>(reinterpret_cast<const void*>(kernel), &resident);
+  if (err != cudaSuccess) return err;
+  const uint64_t tiles = (uint64_t)Scheduler<C>::cluster_tiles(rows) * C::CLUSTER;
+  uint64_t grid = (uint64_t)C::BLOCKS / C::CLUSTER * C::CLUSTER;
+  grid = grid < (uint64_t)resident ? grid : (uint64_t)resident / C::CLUSTER * C::CLUSTER;
+  grid = grid < tiles ? grid : tiles;
+  kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->a, maps->b, maps->c, count);
+  return cudaGetLastError();
+}
+
+}  // namespace tsgen_gemm
+
+#endif  // TSGEN_GEMM_CUH

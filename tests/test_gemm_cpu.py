@@ -1,0 +1,380 @@
+"""The `gemm` op on the CPU: spec errors, rendering, the NumPy reference, the
+sm_90a build (registers, spills, SASS, the host launcher's library) and the
+persistent tile schedule, walked by the header's own Scheduler compiled as host
+code. Needs nvcc (and cuobjdump for SASS) for the build checks, no GPU."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT
+from tsgen.errors import SpecError, ToolchainError
+from tsgen.ops import get_family
+from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
+from tsgen.render import render
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc, gencode_flags
+
+SPEC = ROOT / "specs" / "gemm_bf16.yaml"
+HEAD = "# yaml-language-server: $schema=../schema/tsgen.schema.json\n"
+GEMM = "name: g\nop: gemm\nworld_sizes: [1]\n"
+
+
+def _missing(find) -> str | None:
+    try:
+        find()
+        return None
+    except ToolchainError as e:
+        return str(e)
+
+
+NO_NVCC = _missing(find_nvcc)
+NO_SASS = NO_NVCC or _missing(find_cuobjdump)
+needs_nvcc = pytest.mark.skipif(NO_NVCC is not None, reason=f"nvcc not found: {NO_NVCC}")
+needs_sass = pytest.mark.skipif(NO_SASS is not None, reason=f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A compile cache of this module's own, away from the user's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
+    yield
+    mp.undo()
+
+
+def variant(tmp: Path, name: str, **changes) -> Path:
+    """The shipped spec with some fields changed (nested dicts merge), written as specs/NAME.yaml."""
+    data = yaml.safe_load(SPEC.read_text())
+    data["name"] = name
+
+    def merge(into: dict, new: dict) -> None:
+        for key, value in new.items():
+            if isinstance(value, dict):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    merge(data, changes)
+    path = tmp / "specs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HEAD + yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def rendered_source(spec_path: Path, out: Path) -> Path:
+    r = render(load_spec(spec_path), base=spec_path.parent.parent)
+    for name, text in r.files().items():
+        (out / name).write_text(text)
+    return out / f"{r.name}.cu"
+
+
+# ---------------------------------------------------------------------------
+# Spec
+# ---------------------------------------------------------------------------
+
+BAD = [
+    ("n_not_whole_tiles", GEMM + "params:\n  n: 8000\n",
+     ["6:3: params.n: 8000 is not a multiple of tile.n = 256"]),
+    ("k_not_whole_tiles", GEMM + "params:\n  k: 1000\n",
+     ["6:3: params.k: 1000 is not a multiple of tile.k = 64"]),
+    ("tile_n", GEMM + "params:\n  tile: {m: 128, n: 96}\n",
+     ["6:18: params.tile.n: Input should be 64, 128, 192 or 256"]),
+    ("tile_k", GEMM + "params:\n  tile: {k: 32}\n",
+     ["6:10: params.tile.k: Input should be 64"]),
+    ("tile_m_split", GEMM + "params:\n  tile: {m: 64}\n",
+     ["6:10: params.tile.m: 64 rows do not split into 64-row wgmma blocks over 2 consumer warpgroups "
+      "(launch.threads 384): use a multiple of 128"]),
+    ("accumulators", GEMM + "params:\n  tile: {m: 128, n: 256}\nlaunch:\n  threads: 256\n",
+     ["6:3: params.tile: 128 x 256 over 1 consumer warpgroup(s) needs 256 fp32 accumulators per thread; "
+      "at most 128 fit in registers (use 2 consumers, launch.threads 384, or a smaller tile)"]),
+    ("shared_memory", GEMM + "params:\n  stages: 5\n",
+     [f"6:3: params.stages: 5 stages of a 128 x 256 x 64 tile need 279632 bytes of shared memory; "
+      f"sm_90 has {SMEM_LIMIT} per block: use fewer stages or a smaller tile"]),
+    ("dtype", GEMM + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
+    ("world_size", "name: g\nop: gemm\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
+    ("threads", GEMM + "launch:\n  threads: 512\n", ["6:3: launch.threads: Input should be 256 or 384"]),
+    ("unroll", GEMM + "launch:\n  unroll: 4\n", ["6:3: launch.unroll: unknown key"]),
+    ("blocks_cluster", GEMM + "launch:\n  blocks: 131\n",
+     ["6:3: launch.blocks: 131 is not a multiple of the cluster size 2"]),
+    ("cluster_along_n", GEMM + "params:\n  n: 768\n  cluster: {size: 2, along: n}\n",
+     ["7:22: params.cluster.along: a cluster along n takes 2 column tiles at a time: n = 768 is not a "
+      "multiple of 2 x tile.n = 512"]),
+    ("cluster_along_m_narrow", GEMM + "params:\n  n: 640\n  tile: {n: 64}\n",
+     ["6:3: params.cluster.along: a cluster along m splits the shared B tile into 64-column boxes, one "
+      "per CTA: needs tile.n >= 128"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(HEAD + text)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    assert e.value.problems == [f"{path}:{line}" for line in expected]
+
+
+def test_shipped_spec():
+    spec = load_spec(SPEC).model
+    p = spec.params
+    assert (p.n, p.k, p.tile.m, p.tile.n, p.tile.k, p.stages) == (8192, 8192, 128, 256, 64, 4)
+    assert (p.cluster.size, p.cluster.along, spec.launch.threads, spec.dtype) == (2, "m", 384, "bfloat16")
+    assert spec.test.count % p.tile.m != 0, "the test M must leave a tail tile"
+    assert smem_bytes(spec) == 4 * (128 * 64 + 64 * 256) * 2 + 2 * 2 * 8192 + 64 + 1024 <= SMEM_LIMIT
+
+
+# ---------------------------------------------------------------------------
+# Plan, manifest, rendering
+# ---------------------------------------------------------------------------
+
+
+def test_plan_and_manifest():
+    loaded = load_spec(SPEC)
+    family = get_family("gemm")
+    assert family.launched_from_host(loaded.model)
+    r = render(loaded, base=ROOT)
+    assert r.source == render(loaded, base=ROOT).source, "rendering is deterministic"
+    assert r.files() == {n: (ROOT / "generated" / n).read_text() for n in r.files()}, "generated/ is stale"
+    import json
+
+    m = json.loads(r.manifest)
+    assert m["host_launch"] and m["world_sizes"] == [1] and not m["blocks_wait"]
+    assert [(b["name"], b["role"], b["elems"]) for b in m["buffers"]] == [
+        ("calls", "signal", {"per_count": 0, "per_world_count": 0, "fixed": 2}),
+        ("a", "input", {"per_count": 8192, "per_world_count": 0, "fixed": 0}),
+        ("b", "input", {"per_count": 0, "per_world_count": 0, "fixed": 8192 * 8192}),
+        ("c", "output", {"per_count": 8192, "per_world_count": 0, "fixed": 0}),
+    ]
+    (k,) = m["kernels"]
+    assert [a["name"] for a in k["launcher_args"]] == ["peers", "rank", "calls", "count", "a", "b", "c"]
+    assert k["shared_bytes"] == m["constants"]["SMEM_BYTES"] == smem_bytes(loaded.model)
+    assert k["block"] == [384, 1, 1] and k["grid"] == [132, 1, 1]
+    # the device kernel takes the descriptors the launcher encodes
+    assert ('gemm_bf16_w1_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ '
+            'CUtensorMap b_map,') in r.source
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
+    assert '#include <cuda.h>' in r.source and "-lcuda" not in r.source
+
+
+def test_float16_renders_f16_wgmma(tmp_path):
+    path = variant(tmp_path, "g16", dtype="float16")
+    source = render(load_spec(path), base=tmp_path).source
+    assert "m64n256k16.f32.f16.f16" in source and "using Element = __half;" in source
+
+
+# ---------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reference_on_a_tiny_case(tmp_path, dtype):
+    path = variant(tmp_path, "tiny", dtype=dtype, params={"n": 256, "k": 64})
+    spec = load_spec(path).model
+    family = get_family("gemm")
+    count = 3
+    rng = np.random.default_rng(7)
+    inputs = family.make_inputs(spec, 1, count, rng, pattern=False)
+    a = to_f64(inputs["a"][0], dtype).reshape(count, 64)
+    b = to_f64(inputs["b"][0], dtype).reshape(64, 256)
+    # by hand: c[i, j] = sum over k of a[i, k] * b[k, j]
+    want = np.array([[sum(a[i, k] * b[k, j] for k in range(64)) for j in range(256)] for i in range(count)])
+    got = to_f64(family.reference(spec, 1, count, inputs)["c"][0], dtype).reshape(count, 256)
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=0)
+    assert np.array_equal(family.reference(spec, 1, count, inputs)["c"][0], from_f64(want.reshape(-1), dtype))
+    tol = family.tolerance(spec, 1, count, inputs)["c"][0]
+    assert tol.shape == (count * 256,) and (tol > 0).all()
+    assert (tol < 0.02 * np.abs(want).max()).all(), "the tolerance still catches a wrong element"
+    # the pattern call: small integers, exact in 16 bits, so C is exact too
+    pat = family.make_inputs(spec, 1, count, rng, pattern=True)
+    pa = to_f64(pat["a"][0], dtype)
+    assert set(np.unique(pa)) <= {-2, -1, 0, 1, 2}
+    exact = pa.reshape(count, 64) @ to_f64(pat["b"][0], dtype).reshape(64, 256)
+    assert np.array_equal(to_f64(family.reference(spec, 1, count, pat)["c"][0], dtype), exact.reshape(-1))
+
+
+# ---------------------------------------------------------------------------
+# Build: sm_90a cubin and the launcher's shared library
+# ---------------------------------------------------------------------------
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mode", ["cubin", "shared"])
+def test_compiles_without_spills(cache, mode):
+    res = compile_source(ROOT / "generated" / "gemm_bf16.cu", mode=mode)
+    entry = res.report["gemm_bf16_w1_kernel"]
+    # setmaxnreg (producer 40, consumers 232 registers) balances only at 384 x 168
+    assert entry["registers"] == 168, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    ptxas = Path(str(res.output) + ".ptxas.txt").read_text()
+    assert "wgmma.mma_async instructions are serialized" not in ptxas, ptxas
+
+
+@needs_nvcc
+def test_launcher_library(cache):
+    lib = compile_source(ROOT / "generated" / "gemm_bf16.cu", mode="shared").output
+    nm, readelf = shutil.which("nm"), shutil.which("readelf")
+    if nm is None or readelf is None:
+        pytest.skip("nm / readelf not found; the library built but its symbols are unchecked")
+    symbols = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                             check=True).stdout
+    assert re.search(r" T gemm_bf16_w1_launch$", symbols, re.M), symbols
+    needed = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    assert "libcuda.so" not in needed, "the tensor-map encoder comes through the runtime, not -lcuda"
+
+
+@needs_sass
+def test_sass(cache):
+    sass = dump_sass(compile_source(ROOT / "generated" / "gemm_bf16.cu").output)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    names = [o for o, _ in ops]
+    hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
+    assert len(hgmma) == 4 and all(h.startswith("HGMMA.64x256x16.F32.BF16") and ".tnspB" in h for h in hgmma), hgmma
+    for op in ("UTMALDG.2D", "UTMALDG.2D.MULTICAST", "UTMASTG.2D", "WARPGROUP.ARRIVE", "SYNCS.ARRIVE.TRANS64",
+               "SYNCS.PHASECHK.TRANS64.TRYWAIT", "USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL"):
+        assert op in names, op
+    assert not [o for o in names if o.startswith(("LDL", "STL"))], "no local memory"
+    assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("changes", [
+    {"dtype": "float16"},
+    {"params": {"cluster": {"size": 1}}},
+    {"params": {"cluster": {"along": "n"}}},
+    {"params": {"tile": {"m": 256, "n": 128}}},
+    {"params": {"tile": {"m": 128, "n": 128}, "stages": 6}, "launch": {"threads": 256}},
+], ids=["f16", "no_cluster", "cluster_n", "tile_256x128", "one_consumer"])
+def test_variants_compile(cache, tmp_path, changes):
+    source = rendered_source(variant(tmp_path, "v", **changes), tmp_path)
+    entry = compile_source(source).report["v_w1_kernel"]
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+
+
+# ---------------------------------------------------------------------------
+# The persistent schedule (the header's Scheduler, compiled for the host)
+# ---------------------------------------------------------------------------
+
+WALK = r"""
+#include "SOURCE"
+#include <cstdlib>
+// Every tile of every CTA of a grid of `ctas`: "cta m0 n0" per line.
+int main(int argc, char** argv) {
+  using C = MODULE::Config;
+  const uint32_t rows = (uint32_t)atoi(argv[1]), ctas = (uint32_t)atoi(argv[2]);
+  for (uint32_t b = 0; b < ctas; ++b) {
+    tsgen_gemm::Scheduler<C> tiles(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER);
+    uint32_t m0, n0;
+    while (tiles.next(m0, n0)) printf("%u %u %u\n", b, m0, n0);
+  }
+}
+"""
+
+
+def walker(source: Path, module: str, tmp: Path) -> Path:
+    main = tmp / f"walk_{module}.cu"
+    main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", module))
+    exe = tmp / f"walk_{module}"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+                   check=True, capture_output=True)
+    return exe
+
+
+@needs_nvcc
+@pytest.mark.parametrize("params", [
+    {},
+    {"cluster": {"along": "n"}, "raster_group": 3},
+    {"cluster": {"size": 1}, "tile": {"m": 256, "n": 128}},
+], ids=["shipped", "cluster_n", "no_cluster"])
+def test_schedule_covers_every_tile_once(tmp_path, params):
+    path = variant(tmp_path, "s", params={"n": 2048, "k": 128, **params})
+    spec = load_spec(path).model
+    p = spec.params
+    exe = walker(rendered_source(path, tmp_path), "s", tmp_path)
+    size, along = p.cluster.size, p.cluster.along
+    for rows in (1, 77, 129, 257, 1000, 8192 + 77):
+        for ctas in (2, 6, 132):
+            out = subprocess.run([str(exe), str(rows), str(ctas)], capture_output=True, text=True, check=True).stdout
+            walk = [tuple(map(int, line.split())) for line in out.splitlines()]
+            per_cta: dict[int, list[tuple[int, int]]] = {}
+            for cta, m0, n0 in walk:
+                per_cta.setdefault(cta, []).append((m0, n0))
+            stored = sorted((m0, n0) for _, m0, n0 in walk if m0 < rows)
+            want = sorted((m0, n0) for m0 in range(0, rows, p.tile.m) for n0 in range(0, p.n, p.tile.n))
+            assert stored == want, (rows, ctas)
+            # tiles past M only pad a cluster along m to whole row pairs
+            assert all(m0 < rows + (p.tile.m if size == 2 and along == "m" else 0) for _, m0, _ in walk)
+            for first in range(0, ctas, size):  # the CTAs of a cluster walk in lockstep, sharing an operand
+                mine = [per_cta.get(first + r, []) for r in range(size)]
+                assert len({len(t) for t in mine}) == 1, (rows, ctas, first)
+                for pair in zip(*mine):
+                    if size == 2 and along == "m":
+                        assert pair[1] == (pair[0][0] + p.tile.m, pair[0][1])
+                    elif size == 2:
+                        assert pair[1] == (pair[0][0], pair[0][1] + p.tile.n)
+
+
+# ---------------------------------------------------------------------------
+# tools/gpu_gemm.py: the parts that need no GPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_gemm", ROOT / "tools" / "gpu_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tool_variants_are_valid_specs(tmp_path, tool):
+    import json
+
+    for name in tool.VARIANTS:
+        manifest = json.loads(tool.variant_manifest(tmp_path, name, timeout_ms=3000).read_text())
+        assert manifest["host_launch"] and manifest["timeout_ms"] == 3000, name
+    assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) <= set(tool.VARIANTS)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_tool_conversions(tool, dtype):
+    def values(bits):  # tsgen's host form: bf16 travels as its bits, fp16 as float16
+        return to_f64(bits if dtype == "bfloat16" else bits.view(np.float16), dtype)
+
+    x = np.random.default_rng(3).standard_normal(10000).astype(np.float32)
+    bits = tool.from_f32(np, x, dtype)
+    assert bits.dtype == np.uint16
+    assert np.array_equal(values(bits), to_f64(from_f64(x.astype(np.float64), dtype), dtype))
+    assert np.array_equal(tool.to_f32(np, bits, dtype), values(bits).astype(np.float32))
+    for call in range(25):
+        assert np.isnan(values(np.array([tool.nan_poison(call, dtype)], dtype=np.uint16))).all()
+
+
+def test_gpu_tool_report(tool):
+    row = {"m": 77, "calls": 20, "max_rel_err": 3e-3, "poison_left": 0, "rows_past_m_written": 0, "pass": True}
+    summary = {
+        "device": "NVIDIA H200", "date": "2026-11-21 08:00 UTC", "command": "python tools/gpu_gemm.py out",
+        "iters": 30, "ratio_to_cublas": 0.85, "target": 0.8, "target_met": True, "all_checks_pass": False,
+        "seconds": 61.0,
+        "bench": [{"impl": "tsgen shipped", "dtype": "bfloat16", "ms": 1.6, "tflops": 687.2, "vs_cublas": 0.85,
+                   "rel_err": 2e-3},
+                  {"impl": "cuBLAS (torch matmul)", "dtype": "bfloat16", "ms": 1.36, "tflops": 808.5,
+                   "vs_cublas": 1.0}],
+        "checks": {"shipped": {"pass": True, "rows": [row]}, "fp16": {"pass": False, "crashed": ["trap"]}},
+    }
+    text = tool.markdown(summary)
+    assert "Device: NVIDIA H200; 2026-11-21 08:00 UTC; `python tools/gpu_gemm.py out`" in text
+    assert "| tsgen shipped | bfloat16 | 1.600 | 687 | 0.850 | 2.0e-03 |" in text
+    assert "target >= 0.8: met" in text and "| shipped | 77 | 20 | 3.00e-03 | 0 | 0 | PASS |" in text
+    assert "CRASHED: trap" in text and "All checks: FAIL" in text

@@ -1,0 +1,362 @@
+"""One process per GPU, on CPU: the launcher environment, device choice, the checks
+made when the ranks meet, and the IPC backend's handle exchange and teardown
+against a fake CUDA runtime (threads stand for processes, the store is real)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import close_ranks, localhost_ranks, together
+from tsgen.errors import RuntimeSetupError
+from tsgen.runtime.backends import world_size
+from tsgen.runtime.ipc import IpcBackend, join_problem, pick_device, process_env
+from tsgen.runtime.store import StoreError
+
+# ---------------------------------------------------------------------------
+# environment -> rank, world size, local rank
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"},
+     (3, 4, 1, "node7", 1234, "torchrun")),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
+     (2, 8, 2, "127.0.0.1", 29500, "mpirun (Open MPI)")),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0"}, (1, 2, 0, "127.0.0.1", 29500, "MPI (PMI)")),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_PORT": "4000"},
+     (5, 8, 1, "127.0.0.1", 4000, "Slurm")),
+    # no local rank: one host assumed, local rank = rank
+    ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 2, 1, "127.0.0.1", 29500, "torchrun")),
+    # torchrun inside an mpirun / Slurm job wins over the outer launcher
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+      "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, (0, 2, 0, "127.0.0.1", 29500, "torchrun")),
+    # mpirun inside a Slurm allocation
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+     (1, 2, 1, "127.0.0.1", 29500, "mpirun (Open MPI)")),
+], ids=["torchrun", "openmpi", "pmi", "slurm", "no-local-rank", "torchrun-first", "mpirun-over-slurm"])
+def test_process_env(env, want):
+    i = process_env(env)
+    assert (i.rank, i.size, i.local_rank, i.master_addr, i.master_port, i.launcher) == want
+
+
+def test_process_env_nothing_set_names_every_variable():
+    with pytest.raises(RuntimeSetupError) as e:
+        process_env({"PATH": "/bin"})
+    msg = str(e.value)
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                "SLURM_PROCID", "SLURM_NTASKS", "tsgen launch --nproc N"):
+        assert var in msg, var
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not (torchrun sets both)"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4 is set but OMPI_COMM_WORLD_RANK is not"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not a whole number"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 but WORLD_SIZE=4: ranks run from 0 to 3"),
+    ({"RANK": "-1", "WORLD_SIZE": "4"}, "RANK=-1 but WORLD_SIZE=4: ranks run from 0 to 3"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0: a world has at least 1 rank"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "x"}, "SLURM_LOCALID='x' is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": ""}, "MASTER_PORT='' is not a whole number"),
+])
+def test_process_env_errors(env, message):
+    with pytest.raises(RuntimeSetupError) as e:
+        process_env(env)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_world_size_per_backend():
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    assert world_size("single", 3, env) == 3
+    assert world_size("ipc", None, env) == 2
+    assert world_size("ipc", 2, env) == 2
+    with pytest.raises(RuntimeSetupError, match=r"world size 3 asked for \(--gpus\), but the launcher started 2 "
+                                                r"ranks \(WORLD_SIZE=2\)"):
+        world_size("ipc", 3, env)
+    with pytest.raises(RuntimeSetupError, match="give --gpus N"):
+        world_size("single", None, env)
+    with pytest.raises(RuntimeSetupError, match="backend 'nvshmem': choose one of single, ipc"):
+        world_size("nvshmem", 2, env)
+
+
+def test_pick_device():
+    assert pick_device(3, 4) == 3
+    assert pick_device(3, 1) == 0  # the launcher bound one GPU to this process
+    assert pick_device(0, 8) == 0
+    with pytest.raises(RuntimeSetupError) as e:
+        pick_device(4, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert str(e.value) == ("local rank 4 needs GPU 4, but this process sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1): "
+                            "start at most 2 ranks on this host")
+
+
+def _member(rank, size=3, host="a", bus=None):
+    return {"rank": rank, "size": size, "host": host, "bus": bus or f"0000:{rank:02x}:00.0"}
+
+
+def test_join_problem():
+    assert join_problem([_member(r) for r in range(3)], 3) is None
+    assert join_problem([_member(0), _member(1, size=4), _member(2)], 3) == (
+        "rank 1 was started in a world of 4 ranks, rank 0 in one of 3: the launcher's world sizes disagree")
+    assert join_problem([_member(0), _member(1, host="b"), _member(2, host="b")], 3) == (
+        "CUDA IPC needs every rank on one host, but the ranks run on 2 hosts (a: ranks 0; b: ranks 1, 2); "
+        "use one host, or the NVSHMEM backend across hosts")
+    assert join_problem([_member(0), _member(1), _member(2, bus="0000:00:00.0")], 3) == (
+        "ranks 0 and 2 both run on GPU 0000:00:00.0: give each rank its own GPU (LOCAL_RANK, or "
+        "CUDA_VISIBLE_DEVICES per rank)")
+
+
+# ---------------------------------------------------------------------------
+# The IPC backend against a fake CUDA runtime
+# ---------------------------------------------------------------------------
+
+
+class FakeError(Exception):
+    pass
+
+
+class Machine:
+    """GPU memory of one host, shared by the fake processes: allocations, IPC handles
+    and mappings, with the rules that matter (a handle is opened in another process;
+    nothing may be freed while a peer still maps it)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.next = 0x10000
+        self.allocs: dict[int, dict] = {}  # base -> {gpu, nbytes, maps}
+        self.mappings: dict[int, int] = {}  # mapped address -> base
+        self.violations: list[str] = []
+        self.fail_open: set[tuple[int, int]] = set()  # (importing gpu, exporting gpu)
+        self.dead: set[int] = set()  # GPUs whose context is lost
+
+    def runtime(self, gpus: list[int]):
+        return FakeRuntime(self, gpus)
+
+
+class FakeRuntime:
+    CUDARuntimeError = FakeError
+
+    def __init__(self, machine: Machine, gpus: list[int]):
+        self.m, self.gpus, self.current = machine, gpus, 0
+
+    def _gpu(self):
+        return self.gpus[self.current]
+
+    def getDeviceCount(self):
+        return len(self.gpus)
+
+    def deviceGetPCIBusId(self, d):
+        return f"0000:{self.gpus[d]:02x}:00.0"
+
+    def deviceGetByPCIBusId(self, bus):
+        gpu = int(bus.split(":")[1], 16)
+        if gpu not in self.gpus:
+            raise FakeError("cudaErrorInvalidDevice")
+        return self.gpus.index(gpu)
+
+    def deviceCanAccessPeer(self, a, b):
+        return 1
+
+    def deviceSynchronize(self):
+        if self._gpu() in self.m.dead:
+            raise FakeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    def malloc(self, n):
+        with self.m.lock:
+            base, self.m.next = self.m.next, self.m.next + max(n, 1) + 0x1000
+            self.m.allocs[base] = {"gpu": self._gpu(), "nbytes": n, "maps": 0}
+        return base
+
+    def free(self, ptr):
+        with self.m.lock:
+            a = self.m.allocs.pop(ptr)
+            if a["maps"]:
+                self.m.violations.append(f"heap {ptr:#x} freed while {a['maps']} peer(s) still map it")
+
+    def ipcGetMemHandle(self, ptr):
+        assert ptr in self.m.allocs, "handle of something that is not an allocation base"
+        return ptr.to_bytes(8, "little") + bytes(56)
+
+    def ipcOpenMemHandle(self, handle):
+        base = int.from_bytes(handle[:8], "little")
+        with self.m.lock:
+            a = self.m.allocs[base]
+            if a["gpu"] == self._gpu():
+                raise FakeError("cudaErrorInvalidContext: a handle cannot be opened in the process that made it")
+            if (self._gpu(), a["gpu"]) in self.m.fail_open:
+                raise FakeError("cudaErrorMapBufferObjectFailed: mapping of buffer object failed")
+            mapped, self.m.next = self.m.next, self.m.next + a["nbytes"] + 0x1000
+            self.m.mappings[mapped] = base
+            a["maps"] += 1
+        return mapped
+
+    def ipcCloseMemHandle(self, ptr):
+        with self.m.lock:
+            base = self.m.mappings.pop(ptr)
+            self.m.allocs[base]["maps"] -= 1
+
+
+def fake_cupy(machine: Machine, gpus: list[int]):
+    rt = machine.runtime(gpus)
+
+    class Cuda:
+        runtime = rt
+
+        @staticmethod
+        @contextlib.contextmanager
+        def Device(i):
+            old, rt.current = rt.current, i
+            try:
+                yield
+            finally:
+                rt.current = old
+
+    class Cp:
+        cuda = Cuda
+        uint64 = np.uint64
+
+        @staticmethod
+        def asarray(values, dtype):
+            return np.asarray(values, dtype=dtype)
+
+    return Cp
+
+
+def ipc_world(size, machine=None, timeout=10.0, gpus=None):
+    """`size` fake processes: each its Rendezvous and its fake CUDA seeing `gpus(rank)`."""
+    machine = machine or Machine()
+    rvs = localhost_ranks(size, timeout=timeout)
+    see = gpus or (lambda r: list(range(size)))
+
+    def make(r, rv):
+        env = {"RANK": str(r), "WORLD_SIZE": str(size), "LOCAL_RANK": str(r)}
+        return IpcBackend(fake_cupy(machine, see(r)), size, env=env, rendezvous=rv)
+
+    return machine, rvs, together(rvs, make)
+
+
+def _assert_all_released(machine):
+    assert machine.allocs == {} and machine.mappings == {} and machine.violations == []
+
+
+def test_heaps_peer_tables_and_free():
+    machine, rvs, backends = ipc_world(4)
+    try:
+        assert [b.devices for b in backends] == [{r: r} for r in range(4)]
+        assert backends[2].bus_ids == [f"0000:{r:02x}:00.0" for r in range(4)]
+        bases = together(backends, lambda r, b: b.alloc_heap(4096))
+        tables = together(backends, lambda r, b: b.peer_tables(bases[r]))
+        for r in range(4):
+            assert list(tables[r]) == [r]
+            table = tables[r][r]
+            for q in range(4):
+                addr = int(table[q])
+                # own heap as is; every peer's through a mapping of exactly its base
+                assert addr == bases[r][r] if q == r else machine.mappings[addr] == bases[q][q]
+        assert sum(a["maps"] for a in machine.allocs.values()) == 4 * 3
+        assert together(backends, lambda r, b: b.free_heap(bases[r])) == [None] * 4
+        _assert_all_released(machine)
+    finally:
+        close_ranks(rvs)
+
+
+def test_hundred_create_use_destroy_cycles_release_everything():
+    machine, rvs, _ = ipc_world(3)
+    try:
+        def cycle(r, rv):
+            env = {"RANK": str(r), "WORLD_SIZE": "3"}
+            for _ in range(100):
+                b = IpcBackend(fake_cupy(machine, [0, 1, 2]), 3, env=env, rendezvous=rv)
+                heaps = [b.alloc_heap(1000 + 256 * k) for k in range(2)]
+                for h in heaps:
+                    b.peer_tables(h)
+                b.free_heap(heaps[0])
+                b.close()  # frees the other
+        assert together(rvs, cycle, timeout=120) == [None] * 3
+        _assert_all_released(machine)
+    finally:
+        close_ranks(rvs)
+
+
+def test_open_failure_names_the_peer_and_closes_what_was_opened():
+    machine = Machine()
+    machine.fail_open.add((2, 3))  # rank 2 cannot map rank 3's heap
+    machine, rvs, backends = ipc_world(4, machine)
+    try:
+        bases = together(backends, lambda r, b: b.alloc_heap(512))
+        got = together(backends, lambda r, b: b.peer_tables(bases[r]))
+        assert isinstance(got[2], RuntimeSetupError)
+        assert str(got[2]) == ("rank 2 (GPU 2): cudaIpcOpenMemHandle of rank 3's heap 0 (GPU 0000:03:00.0) failed: "
+                               "cudaErrorMapBufferObjectFailed: mapping of buffer object failed")
+        # rank 2 had opened ranks 0 and 1 before failing: both closed again
+        assert sum(a["maps"] for a in machine.allocs.values()) == 3 * 3
+        assert together(backends, lambda r, b: b.close()) == [None] * 4
+        _assert_all_released(machine)
+    finally:
+        close_ranks(rvs)
+
+
+def test_heaps_of_different_sizes_are_refused():
+    machine, rvs, backends = ipc_world(3)
+    try:
+        bases = together(backends, lambda r, b: b.alloc_heap(2048 if r == 1 else 1024))
+        got = together(backends, lambda r, b: b.peer_tables(bases[r]))
+        assert str(got[0]) == ("heap 0: rank 1's is 2048 bytes, rank 0's 1024: the ranks allocated different "
+                               "buffers (another module or count?)")
+        assert str(got[1]).startswith("heap 0: rank 0's is 1024 bytes, rank 1's 2048")
+        assert together(backends, lambda r, b: b.close()) == [None] * 3
+        _assert_all_released(machine)
+    finally:
+        close_ranks(rvs)
+
+
+def test_a_peer_that_never_publishes_its_handle():
+    machine, rvs, backends = ipc_world(3, timeout=0.5)
+    try:
+        bases = together(backends, lambda r, b: b.alloc_heap(256))
+        got = together(backends[:2], lambda r, b: b.peer_tables(bases[r]))  # rank 2 never gets there
+        for r in (0, 1):
+            assert isinstance(got[r], StoreError)
+            assert str(got[r]).startswith(f"rank {r} waited 0.5 s in 'heap 0: CUDA IPC handles' for rank 2 (key "
+                                          "tsgen/1/2 in the tsgen store"), got[r]
+    finally:
+        close_ranks(rvs)
+
+
+def test_two_ranks_on_one_gpu_are_refused_by_every_rank():
+    machine, rvs, got = ipc_world(2, gpus=lambda r: [5])  # a launcher bound the same GPU to both
+    try:
+        for e in got:
+            assert isinstance(e, RuntimeSetupError)
+            assert str(e).startswith("ranks 0 and 1 both run on GPU 0000:05:00.0")
+        assert "joining the world: ranks 0 and 1 both run" in rvs[0].aborted()
+    finally:
+        close_ranks(rvs)
+
+
+def test_lost_context_frees_nothing_and_does_not_wait():
+    machine, rvs, backends = ipc_world(2, timeout=30)
+    try:
+        bases = together(backends, lambda r, b: b.alloc_heap(256))
+        together(backends, lambda r, b: b.peer_tables(bases[r]))
+        machine.dead.add(0)  # rank 0's kernel trapped
+        backends[0].free_heap(bases[0])  # returns at once (no barrier: rank 1 is not there)
+        assert bases[0][0] in machine.allocs
+    finally:
+        close_ranks(rvs)
+
+
+def test_peer_free_after_abort_still_frees_its_own_heap():
+    machine, rvs, backends = ipc_world(2, timeout=30)
+    try:
+        bases = together(backends, lambda r, b: b.alloc_heap(256))
+        together(backends, lambda r, b: b.peer_tables(bases[r]))
+        rvs[0].abort("RuntimeSetupError: kernel failed")  # rank 0 failed and left
+        backends[1].free_heap(bases[1])  # no wait, no error of its own: rank 0 reports
+        assert bases[1][1] not in machine.allocs and machine.mappings.get(int(0)) is None
+    finally:
+        close_ranks(rvs)

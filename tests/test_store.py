@@ -1,0 +1,178 @@
+"""The rendezvous store on CPU: tsgen's own TCP store with several processes and
+threads on localhost (all-gather, barrier, timeouts that name the missing rank
+and key, abort, ranks out of step, unreachable and busy ports), and the same
+collectives over torch's TCPStore where torch imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, close_ranks as _close, localhost_ranks as _ranks, together as _together
+from tsgen.launch import free_port
+from tsgen.runtime.store import Rendezvous, StoreError, TcpStore, connect, store_timeout
+
+PY = sys.executable
+
+
+WORKER = """
+import json, os, sys
+from tsgen.runtime.store import connect
+rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rv = connect("127.0.0.1", port, rank, size, {"TSGEN_STORE": "tsgen", "TSGEN_STORE_TIMEOUT": "20"})
+values = rv.all_gather("hello", f"from {rank}".encode())
+rv.barrier("after hello")
+big = rv.all_gather("big", bytes([rank]) * 100000)
+print(json.dumps([v.decode() for v in values] + [len(b) == 100000 and b[0] == r for r, b in enumerate(big)]))
+rv.close()
+"""
+
+
+def test_several_processes_all_gather_and_barrier():
+    port, size = free_port(), 3
+    procs = [subprocess.Popen([PY, "-c", WORKER, str(r), str(size), str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in reversed(range(size))]  # clients first
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert json.loads(out) == ["from 0", "from 1", "from 2", True, True, True]
+
+
+def test_all_gather_in_rank_order_and_repeated():
+    rvs = _ranks(4, free_port())
+    try:
+        for step in range(20):  # numbered collectives: no key is reused
+            got = _together(rvs, lambda r, rv: rv.all_gather(f"step {step}", f"{step}:{r}".encode()))
+            assert got == [[f"{step}:{q}".encode() for q in range(4)]] * 4
+    finally:
+        _close(rvs)
+
+
+def test_timeout_names_the_missing_rank_and_key():
+    rvs = _ranks(3, free_port(), timeout=0.5)
+    try:
+        # rank 2 never enters the barrier
+        got = _together(rvs[:2], lambda r, rv: rv.barrier("call 7 loaded"))
+        for r, e in enumerate(got):
+            assert isinstance(e, StoreError), e
+            assert str(e).startswith(f"rank {r} waited 0.5 s in 'call 7 loaded' for rank 2 (key tsgen/0/2 in the "
+                                     "tsgen store at 127.0.0.1:"), e
+    finally:
+        _close(rvs)
+
+
+def test_abort_releases_the_waiting_ranks_at_once():
+    rvs = _ranks(3, free_port(), timeout=30)
+    try:
+        def fn(r, rv):
+            if r == 2:
+                time.sleep(0.2)
+                rv.abort("RuntimeSetupError: rank 2 (GPU 2): kernel failed")
+                return None
+            t0 = time.monotonic()
+            try:
+                rv.barrier("before call 3")
+            except StoreError as e:
+                return str(e), time.monotonic() - t0
+
+        got = _together(rvs, fn)
+        for r in (0, 1):
+            message, waited = got[r]
+            assert message == (f"rank {r} gave up waiting in 'before call 3': rank 2: RuntimeSetupError: "
+                               "rank 2 (GPU 2): kernel failed")
+            assert waited < 5
+    finally:
+        _close(rvs)
+
+
+def test_ranks_out_of_step_are_reported():
+    rvs = _ranks(2, free_port())
+    try:
+        got = _together(rvs, lambda r, rv: rv.barrier("free heap 1" if r == 0 else "free heap 2"))
+        assert isinstance(got[0], StoreError)
+        assert str(got[0]) == ("ranks out of step at collective #0: rank 0 is at 'free heap 1', rank 1 at "
+                               "'free heap 2' (every rank must make the same calls in the same order)")
+    finally:
+        _close(rvs)
+
+
+def test_unreachable_store_and_busy_port():
+    port = free_port()
+    with pytest.raises(StoreError) as e:
+        TcpStore("127.0.0.1", port, serve=False, timeout=0.3)
+    assert f"could not reach the tsgen store at 127.0.0.1:{port} within 0 s" in str(e.value)
+    assert "rank 0 serves it" in str(e.value)
+    server = TcpStore("127.0.0.1", port, serve=True, timeout=5)
+    try:
+        with pytest.raises(StoreError, match=f"rank 0 cannot serve the tsgen store at 127.0.0.1:{port}: .*MASTER_PORT"):
+            TcpStore("127.0.0.1", port, serve=True, timeout=5)
+    finally:
+        server.close()
+
+
+def test_lost_server_is_an_error_not_a_hang():
+    rvs = _ranks(2, free_port(), timeout=5)
+    rvs[0].kv.close()  # the server goes away under rank 1
+    with pytest.raises(StoreError, match="lost the connection to the tsgen store .*did rank 0 exit"):
+        rvs[1].barrier("anything")
+    rvs[1].kv.close()
+
+
+def test_store_choice_and_timeout_from_environment():
+    assert store_timeout({}) == 300.0
+    assert store_timeout({"TSGEN_STORE_TIMEOUT": "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(StoreError, match="TSGEN_STORE_TIMEOUT"):
+            store_timeout({"TSGEN_STORE_TIMEOUT": bad})
+    with pytest.raises(StoreError, match="TSGEN_STORE='redis': choose torch, tsgen or auto"):
+        connect("127.0.0.1", free_port(), 0, 1, {"TSGEN_STORE": "redis"})
+
+
+def test_torch_store_same_collectives():
+    pytest.importorskip("torch.distributed")
+    rvs = _ranks(3, free_port(), timeout=0.5, store="torch")
+    try:
+        assert all(rv.kv.where.startswith("torch TCPStore at 127.0.0.1:") for rv in rvs)
+        got = _together(rvs, lambda r, rv: rv.all_gather("hello", bytes([r, 0, 255])))
+        assert got == [[bytes([q, 0, 255]) for q in range(3)]] * 3
+        got = _together(rvs[:2], lambda r, rv: rv.barrier("lonely"))
+        assert all(isinstance(e, StoreError) and "for rank 2 (key tsgen/1/2" in str(e) for e in got), got
+    finally:
+        _close(rvs)
+
+
+def test_rendezvous_serving_rank_waits_for_the_others_to_leave():
+    rvs = _ranks(2, free_port())
+    rvs[0].linger = 5.0
+    t0 = time.monotonic()
+    threading.Timer(0.3, rvs[1].close).start()
+    rvs[0].close()  # returns once rank 1 has left, not after the whole linger
+    assert 0.2 < time.monotonic() - t0 < 4
+
+
+def test_rendezvous_is_usable_over_any_keyvalue():
+    """The collectives need only set / get / check: a dict does for one rank."""
+
+    class Dict(dict):
+        where = "a dict"
+
+        def set(self, k, v):
+            self[k] = v
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def close(self):
+            pass
+
+    rv = Rendezvous(Dict(), 0, 1)
+    assert rv.all_gather("solo", b"x") == [b"x"]
+    rv.barrier("solo 2")
+    assert rv.aborted() is None
+    rv.abort("because")
+    assert rv.aborted() == "rank 0: because"

@@ -1,0 +1,173 @@
+"""GPU checks of the one-process-per-GPU (ipc) backend that need more than `tsgen test`
+(tools/gpu_ipc.sh runs them all; each prints PASS or FAIL and exits 0 or 1).
+
+  warm SPEC...              render + compile the specs in parallel (every rank then hits the cache)
+  die SPEC --rank R --call K
+                            under `tsgen launch`: `tsgen test --backend ipc`, but rank R kills
+                            itself (SIGKILL) just before launching call K; the other ranks must
+                            end with the kernel's timeout diagnostic and a non-zero exit
+  cycles SPEC --backend B [--gpus N] [--cycles 100]
+                            create / use / destroy a World that many times; device memory
+                            (cudaMemGetInfo) must come back to where it was after the first
+  compare SINGLE.json IPC.json [--bar 0.05]
+                            `tsgen bench --json` rows of the same spec and size: the ipc time
+                            within `bar` of the single-process time
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tsgen.errors import TsgenError  # noqa: E402
+from tsgen.harness import leave_now, materialize, run_test  # noqa: E402
+from tsgen.spec import load_spec  # noqa: E402
+
+MiB = 1 << 20
+
+
+def warm(specs: list[str]) -> int:
+    from tsgen.toolchain import compile_source
+
+    jobs = []  # (source, mode): what World.load compiles
+    for s in specs:
+        manifest = materialize(load_spec(s))
+        data = json.loads(manifest.read_text())
+        source = manifest.with_name(data["source"])
+        jobs += [(source, "cubin")] + ([(source, "shared")] if data.get("host_launch") else [])
+    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:  # nvcc runs as a subprocess
+        results = list(pool.map(lambda job: compile_source(job[0], mode=job[1]), jobs))
+    for (source, mode), r in zip(jobs, results):
+        print(f"{source.name} ({mode}): {'cached' if r.cached else 'compiled'} {r.output.name}")
+    return 0
+
+
+def die(spec: str, rank: int, call: int) -> int:
+    from tsgen.runtime.ipc import process_env
+
+    me = process_env(os.environ).rank
+
+    def maybe_die(c: int) -> None:
+        if me == rank and c == call:
+            print(f"rank {me}: dying before call {c} (SIGKILL)", flush=True)
+            time.sleep(0.5)  # the peers launch call c meanwhile: they wait for a rank that is gone
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        ok = run_test(spec, None, iters=call + 3, backend="ipc", before_launch=maybe_die)
+    except TsgenError as e:
+        print(f"tsgen: {e}", file=sys.stderr)
+        leave_now(e.exit_code)
+    print(f"rank {me}: FAIL: the run ended ({'right' if ok else 'wrong'} results) although rank {rank} died")
+    return 1
+
+
+def device_memory_used(cp, devices: list[int]) -> dict[int, int]:
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    used = {}
+    for d in devices:
+        with cp.cuda.Device(d):
+            cp.cuda.runtime.deviceSynchronize()
+            free, total = cp.cuda.runtime.memGetInfo()
+            used[d] = total - free
+    return used
+
+
+def cycles(spec: str, backend: str, gpus: int | None, n: int, tolerance: int = 2 * MiB) -> int:
+    from tsgen.runtime import World
+
+    manifest = materialize(load_spec(spec))
+    count = 4 << 20  # elements per rank: a heap of tens of MiB, so one leaked heap shows
+
+    def one_cycle() -> list[int]:
+        with World(gpus, backend=backend) as world:
+            module = world.load(manifest)
+            bufs = module.alloc(count)
+            try:
+                module.launch(bufs)
+                world.synchronize()
+                world.barrier("cycle: every kernel done")
+            finally:
+                bufs.free()
+            return sorted(world.devices.values())
+
+    devices = one_cycle()  # first: contexts, peer access, module code; not counted
+    import cupy as cp
+
+    before = device_memory_used(cp, devices)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        one_cycle()
+    elapsed = time.perf_counter() - t0
+    after = device_memory_used(cp, devices)
+    ok = True
+    for d in devices:
+        delta = after[d] - before[d]
+        ok &= abs(delta) <= tolerance
+        print(f"{backend} GPU {d}: {n} cycles in {elapsed:.1f} s; device memory used {before[d] / MiB:.1f} MiB "
+              f"before, {after[d] / MiB:.1f} MiB after ({delta:+d} bytes): {'PASS' if abs(delta) <= tolerance else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def compare(single_json: str, ipc_json: str, bar: float) -> int:
+    rows = {}
+    for label, path in (("single", single_json), ("ipc", ipc_json)):
+        data = json.loads(Path(path).read_text())["rows"]
+        rows[label] = {(r["spec"], r["bytes"]): r for r in data if r.get("backend") == "tsgen"}
+    common = sorted(set(rows["single"]) & set(rows["ipc"]))
+    if not common:
+        print(f"FAIL: no (spec, size) in both {single_json} and {ipc_json}")
+        return 1
+    ok = True
+    for key in common:
+        s, i = rows["single"][key]["time_us"], rows["ipc"][key]["time_us"]
+        ratio = i / s
+        good = abs(ratio - 1) <= bar
+        ok &= good
+        print(f"{key[0]} {key[1] / MiB:g} MiB: single {s:.1f} us ({rows['single'][key]['busbw_GBps']:.1f} GB/s busbw), "
+              f"ipc {i:.1f} us ({rows['ipc'][key]['busbw_GBps']:.1f} GB/s); ipc/single time {ratio:.3f}: "
+              f"{'PASS' if good else 'FAIL'} (bar: within {bar:.0%})")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("warm")
+    p.add_argument("specs", nargs="+")
+    p = sub.add_parser("die")
+    p.add_argument("spec")
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--call", type=int, default=2)
+    p = sub.add_parser("cycles")
+    p.add_argument("spec")
+    p.add_argument("--backend", choices=["single", "ipc"], required=True)
+    p.add_argument("--gpus", type=int, default=None)
+    p.add_argument("--cycles", type=int, default=100)
+    p = sub.add_parser("compare")
+    p.add_argument("single_json")
+    p.add_argument("ipc_json")
+    p.add_argument("--bar", type=float, default=0.05)
+    a = ap.parse_args(argv)
+    if a.cmd == "warm":
+        return warm([s if s.endswith(".yaml") else f"specs/{s}.yaml" for s in a.specs])
+    if a.cmd == "die":
+        return die(a.spec, a.rank, a.call)
+    if a.cmd == "cycles":
+        return cycles(a.spec, a.backend, a.gpus, a.cycles)
+    return compare(a.single_json, a.ipc_json, a.bar)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""One process per GPU: symmetric heaps shared through CUDA IPC handles.
+
+Each process drives one rank. Who it is comes from the launcher's
+environment (`process_env`: torchrun / tsgen launch, mpirun, MPI with PMI,
+Slurm); the ranks meet through a store (tsgen.runtime.store). A heap is one
+cudaMalloc per rank (outside CuPy's pool, so its IPC handle names exactly
+that allocation and the offset is 0); its handle goes through the store, and
+every rank opens every peer's handle, which gives this rank's peer table:
+each rank's heap base as mapped in this process. Freeing closes the peer
+mappings, waits until every rank has closed them, then frees the own heap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import RuntimeSetupError
+from . import store as store_mod
+from .store import StoreError
+
+# (launcher, rank variable, size variable, local-rank variable), first match wins:
+# torchrun inside an mpirun or Slurm job is still torchrun.
+LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("MPI (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+DEFAULT_PORT = 29500  # torch's default MASTER_PORT
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    rank: int
+    size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    size_var: str  # the variable `size` came from, for messages
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    text = env[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeSetupError(f"{name}={text!r} is not a whole number") from None
+
+
+def process_env(env: Mapping[str, str]) -> ProcessInfo:
+    """This process's rank, world size and local rank, from the variables a launcher
+    sets; the store's address from MASTER_ADDR / MASTER_PORT (default 127.0.0.1:29500).
+    Pure: raises RuntimeSetupError naming the variables when they are missing or wrong."""
+    for launcher, rank_var, size_var, local_var in LAUNCHERS:
+        if rank_var not in env and size_var not in env:
+            continue
+        for have, need in ((rank_var, size_var), (size_var, rank_var)):
+            if have in env and need not in env:
+                raise RuntimeSetupError(f"{have}={env[have]} is set but {need} is not ({launcher} sets both)")
+        rank, size = _int_var(env, rank_var), _int_var(env, size_var)
+        if size < 1:
+            raise RuntimeSetupError(f"{size_var}={size}: a world has at least 1 rank")
+        if not 0 <= rank < size:
+            raise RuntimeSetupError(f"{rank_var}={rank} but {size_var}={size}: ranks run from 0 to {size - 1}")
+        local_rank = _int_var(env, local_var) if local_var in env else rank
+        if local_rank < 0:
+            raise RuntimeSetupError(f"{local_var}={local_rank} is negative")
+        port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
+        if not 0 < port < 65536:
+            raise RuntimeSetupError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
+        return ProcessInfo(rank, size, local_rank, env.get("MASTER_ADDR") or "127.0.0.1", port, launcher, size_var)
+    names = ", ".join(f"{r}/{s} ({launcher})" for launcher, r, s, _ in LAUNCHERS)
+    raise RuntimeSetupError(
+        f"the ipc backend runs one process per GPU, but no launcher set this process's rank: none of {names} "
+        "is set. Start the ranks with `tsgen launch --nproc N -- ...`, torchrun, mpirun or srun"
+    )
+
+
+def launcher_world(env: Mapping[str, str], size: int | None = None) -> ProcessInfo:
+    """`process_env`, checking the world size asked for (None: any) against the launcher's."""
+    info = process_env(env)
+    if size is not None and size != info.size:
+        raise RuntimeSetupError(f"world size {size} asked for (--gpus), but the launcher started {info.size} "
+                                f"ranks ({info.size_var}={info.size})")
+    return info
+
+
+def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = None) -> int:
+    """The GPU of a process with this local rank that sees `visible` GPUs: the only one
+    when the launcher bound one GPU per process, else GPU `local_rank`. Pure."""
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    env = os.environ if env is None else env
+    shown = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
+    raise RuntimeSetupError(
+        f"local rank {local_rank} needs GPU {local_rank}, but this process sees {visible} GPUs{shown}: "
+        f"start at most {visible} ranks on this host"
+    )
+
+
+def join_problem(members: list[dict], size: int) -> str | None:
+    """What is wrong with the ranks that met (each: rank, size, host, bus id), or None. Pure."""
+    for m in members:
+        if m["size"] != size:
+            return (f"rank {m['rank']} was started in a world of {m['size']} ranks, rank 0 in one of "
+                    f"{members[0]['size']}: the launcher's world sizes disagree")
+    hosts = sorted({m["host"] for m in members})
+    if len(hosts) > 1:
+        where = "; ".join(f"{h}: ranks {', '.join(str(m['rank']) for m in members if m['host'] == h)}" for h in hosts)
+        return (f"CUDA IPC needs every rank on one host, but the ranks run on {len(hosts)} hosts ({where}); "
+                "use one host, or the NVSHMEM backend across hosts")
+    seen: dict[str, int] = {}
+    for m in members:
+        if m["bus"] in seen:
+            return (f"ranks {seen[m['bus']]} and {m['rank']} both run on GPU {m['bus']}: give each rank its own "
+                    "GPU (LOCAL_RANK, or CUDA_VISIBLE_DEVICES per rank)")
+        seen[m["bus"]] = m["rank"]
+    return None
+
+
+@dataclass
+class _Heap:
+    id: int  # the same on every rank: ranks allocate heaps in the same order
+    nbytes: int
+    opened: dict[int, int] = field(default_factory=dict)  # peer rank -> its heap mapped here
+
+
+class IpcBackend:
+    """This process's rank of a world of one process per GPU (see the module doc)."""
+
+    def __init__(self, cp, size: int | None = None, env: Mapping[str, str] | None = None,
+                 rendezvous: store_mod.Rendezvous | None = None):
+        env = os.environ if env is None else env
+        info = launcher_world(env, size)
+        self.cp, self.rank, self.size = cp, info.rank, info.size
+        rt = cp.cuda.runtime
+        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env)
+        self.devices = {self.rank: self.device}
+        self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
+        self._heaps: dict[int, _Heap] = {}  # by own base address
+        self._next_id = 0
+        try:
+            me = {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
+                  "bus": rt.deviceGetPCIBusId(self.device)}
+            members = [json.loads(m) for m in self.store.all_gather("join: host and GPU of every rank",
+                                                                    json.dumps(me).encode())]
+            problem = join_problem(members, self.size)
+            if problem:
+                raise RuntimeSetupError(problem)
+            self.bus_ids = [m["bus"] for m in members]
+            self._check_peer_access()
+        except Exception as e:
+            self.store.abort(f"joining the world: {e}")
+            raise
+
+    def _where(self) -> str:
+        return f"rank {self.rank} (GPU {self.device})"
+
+    def _check_peer_access(self) -> None:
+        """cudaDeviceCanAccessPeer for every peer GPU this process can see (a launcher that
+        binds one GPU per process hides them: then opening the handles is the test)."""
+        rt = self.cp.cuda.runtime
+        for r, bus in enumerate(self.bus_ids):
+            if r == self.rank:
+                continue
+            try:
+                peer = rt.deviceGetByPCIBusId(bus)
+            except rt.CUDARuntimeError:
+                continue
+            if not rt.deviceCanAccessPeer(self.device, peer):
+                raise RuntimeSetupError(
+                    f"{self._where()} cannot access rank {r}'s GPU {bus} directly (no peer access); tsgen's p2p "
+                    "kernels need every pair connected (NVLink or PCIe P2P)")
+
+    def alloc_heap(self, nbytes: int) -> dict[int, int]:
+        rt = self.cp.cuda.runtime
+        with self.cp.cuda.Device(self.device):
+            try:
+                base = rt.malloc(nbytes)  # outside CuPy's pool: the IPC handle names exactly this allocation
+            except rt.CUDARuntimeError as e:
+                raise RuntimeSetupError(f"{self._where()}: allocating a {nbytes}-byte symmetric heap: {e}") from None
+        self._heaps[base] = _Heap(self._next_id, nbytes)
+        self._next_id += 1
+        return {self.rank: base}
+
+    def peer_tables(self, bases: dict[int, int]) -> dict[int, Any]:
+        """Publish this rank's heap handle, open every peer's: {rank: device table of all bases}."""
+        cp, rt = self.cp, self.cp.cuda.runtime
+        base = bases[self.rank]
+        heap = self._heaps[base]
+        with cp.cuda.Device(self.device):
+            mine = struct.pack("!Q", heap.nbytes) + rt.ipcGetMemHandle(base)
+            got = self.store.all_gather(f"heap {heap.id}: CUDA IPC handles", mine)
+            try:
+                ptrs = []
+                for r, payload in enumerate(got):
+                    if r == self.rank:
+                        ptrs.append(base)
+                        continue
+                    (nbytes,) = struct.unpack("!Q", payload[:8])
+                    if nbytes != heap.nbytes:
+                        raise RuntimeSetupError(
+                            f"heap {heap.id}: rank {r}'s is {nbytes} bytes, rank {self.rank}'s {heap.nbytes}: the "
+                            "ranks allocated different buffers (another module or count?)")
+                    try:
+                        heap.opened[r] = rt.ipcOpenMemHandle(payload[8:])
+                    except rt.CUDARuntimeError as e:
+                        raise RuntimeSetupError(
+                            f"{self._where()}: cudaIpcOpenMemHandle of rank {r}'s heap {heap.id} (GPU "
+                            f"{self.bus_ids[r]}) failed: {e}") from None
+                    ptrs.append(heap.opened[r])
+                return {self.rank: cp.asarray(ptrs, dtype=cp.uint64)}
+            except BaseException:
+                self._close_mappings(heap)
+                raise
+
+    def _close_mappings(self, heap: _Heap) -> list[str]:
+        rt = self.cp.cuda.runtime
+        problems = []
+        for r, ptr in sorted(heap.opened.items()):
+            try:
+                rt.ipcCloseMemHandle(ptr)
+            except rt.CUDARuntimeError as e:
+                problems.append(f"closing rank {r}'s heap {heap.id}: {e}")
+        heap.opened.clear()
+        return problems
+
+    def free_heap(self, bases: dict[int, int]) -> None:
+        """Close the peer mappings, wait until every rank has, free the own heap. After a
+        kernel failed the CUDA context is gone: nothing can be freed, the driver reclaims
+        the memory when the process exits."""
+        rt = self.cp.cuda.runtime
+        heap = self._heaps.pop(bases[self.rank], None)
+        if heap is None:
+            return
+        with self.cp.cuda.Device(self.device):
+            try:
+                rt.deviceSynchronize()  # nothing of ours may still use the heap; fails if the context is lost
+            except rt.CUDARuntimeError as e:
+                print(f"tsgen: {self._where()}: CUDA context lost ({e}); leaving heap {heap.id} to the driver",
+                      file=sys.stderr)
+                return
+            problems = self._close_mappings(heap)
+            try:
+                self.store.barrier(f"heap {heap.id}: every rank closed its mappings")
+            except StoreError as e:
+                if self.store.aborted() is None:  # else a peer failed and says why itself
+                    problems.append(str(e))
+            try:
+                rt.free(bases[self.rank])
+            except rt.CUDARuntimeError as e:
+                problems.append(f"freeing heap {heap.id}: {e}")
+        if problems:
+            raise RuntimeSetupError(f"{self._where()}: " + "; ".join(problems))
+
+    def close(self) -> None:
+        """Free what is left (every rank frees its heaps in the order they were made)."""
+        problems = []
+        for base, heap in sorted(self._heaps.items(), key=lambda kv: kv[1].id):
+            try:
+                self.free_heap({self.rank: base})
+            except RuntimeSetupError as e:
+                problems.append(str(e))
+        if problems:
+            raise RuntimeSetupError("; ".join(problems))

@@ -1,0 +1,373 @@
+"""Rendezvous for one process per GPU: a key-value store shared by the ranks and
+the two collective steps the IPC backend needs (all-gather, barrier).
+
+The store is torch.distributed's TCPStore when torch imports (the default
+process group's store if one is initialized), otherwise tsgen's own: rank 0
+serves a dict over TCP, one thread per connection, and every rank, rank 0
+included, is a client. Both answer three requests -- set, get, check -- and
+`Rendezvous` builds the collectives on them by polling `check`, so both
+behave the same: every wait has a timeout that names the label of the step,
+the ranks that never arrived and their keys; a rank that fails can `abort`
+the rendezvous so the others stop waiting at once, with its message.
+
+Collectives are numbered in the order a process calls them (keys
+`tsgen/<number>/<rank>`): every rank must call the same collectives in the
+same order, and each value carries its label so ranks out of step are
+reported instead of exchanging the wrong data.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import socketserver
+import struct
+import threading
+import time
+from typing import Protocol
+
+from ..errors import RuntimeSetupError
+
+DEFAULT_TIMEOUT = 300.0  # seconds; TSGEN_STORE_TIMEOUT overrides (torch's default is the same)
+ABORT_KEY = "tsgen/abort"
+
+
+class StoreError(RuntimeSetupError):
+    """A rank did not arrive in time, the store could not be reached, or a peer gave up."""
+
+
+def store_timeout(env=os.environ) -> float:
+    text = env.get("TSGEN_STORE_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise StoreError(f"TSGEN_STORE_TIMEOUT={text!r}: give the store timeout in seconds (> 0)")
+    return value
+
+
+class KeyValue(Protocol):
+    """What a rendezvous needs from a store: no call waits for a key."""
+
+    where: str  # for messages: "tsgen store at 127.0.0.1:29500"
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...  # the key exists
+
+    def check(self, keys: list[str]) -> bool: ...  # every key exists
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# tsgen's own store: a dict behind a socket
+# ---------------------------------------------------------------------------
+# A message is a tag byte, a count, and that many length-prefixed byte strings.
+# Requests: b"S" (key, value), b"G" (key), b"C" (keys...); replies: b"+" (values...)
+# or b"-" (a key is missing).
+
+_COUNT = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, tag: bytes, *parts: bytes) -> None:
+    sock.sendall(tag + _COUNT.pack(len(parts)) + b"".join(_COUNT.pack(len(p)) + p for p in parts))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> tuple[bytes, list[bytes]]:
+    head = _recv_exact(sock, 1 + _COUNT.size)
+    tag, (count,) = head[:1], _COUNT.unpack(head[1:])
+    parts = []
+    for _ in range(count):
+        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
+        parts.append(_recv_exact(sock, n))
+    return tag, parts
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        data, lock = self.server.data, self.server.lock
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with lock:
+            self.server.clients.add(self.request)
+        try:
+            self._serve(data, lock)
+        finally:
+            with lock:
+                self.server.clients.discard(self.request)
+
+    def _serve(self, data: dict[str, bytes], lock: threading.Lock) -> None:
+        while True:
+            try:
+                tag, parts = _recv(self.request)
+            except (ConnectionError, OSError):
+                return
+            with lock:
+                if tag == b"S":
+                    data[parts[0].decode()] = parts[1]
+                    reply = (b"+",)
+                elif tag == b"G":
+                    value = data.get(parts[0].decode())
+                    reply = (b"-",) if value is None else (b"+", value)
+                elif tag == b"C":
+                    reply = (b"+",) if all(p.decode() in data for p in parts) else (b"-",)
+                else:
+                    return  # not our protocol: drop the connection
+            _send(self.request, *reply)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, address):
+        super().__init__(address, _Handler)
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.clients: set[socket.socket] = set()
+
+    def stop(self) -> None:
+        """Stop serving and drop every client, as if the serving process had exited."""
+        self.shutdown()
+        self.server_close()
+        with self.lock:
+            for sock in self.clients:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class TcpStore:
+    """tsgen's own store. `serve=True` (rank 0) also runs the server in a thread."""
+
+    def __init__(self, host: str, port: int, serve: bool, timeout: float):
+        self.where = f"tsgen store at {host}:{port}"
+        self._server = None
+        self._lock = threading.Lock()
+        if serve:
+            try:
+                self._server = _Server((host, port))
+            except OSError as e:
+                raise StoreError(
+                    f"rank 0 cannot serve the {self.where}: {e.strerror or e}; set MASTER_PORT to a free port "
+                    "(tsgen launch picks one)"
+                ) from None
+            threading.Thread(target=self._server.serve_forever, name="tsgen-store", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._sock = socket.create_connection((host, port), timeout=min(5.0, timeout))
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    self.close()
+                    raise StoreError(
+                        f"could not reach the {self.where} within {timeout:.0f} s ({e.strerror or e}); rank 0 "
+                        "serves it: is rank 0 running, and do MASTER_ADDR / MASTER_PORT agree on every rank?"
+                    ) from None
+                time.sleep(0.05)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.settimeout(timeout)
+
+    def _request(self, tag: bytes, *parts: bytes) -> tuple[bytes, list[bytes]]:
+        with self._lock:
+            try:
+                _send(self._sock, tag, *parts)
+                return _recv(self._sock)
+            except (ConnectionError, OSError) as e:
+                raise StoreError(f"lost the connection to the {self.where} ({e}); did rank 0 exit?") from None
+
+    def set(self, key: str, value: bytes) -> None:
+        self._request(b"S", key.encode(), value)
+
+    def get(self, key: str) -> bytes:
+        tag, parts = self._request(b"G", key.encode())
+        if tag != b"+":
+            raise StoreError(f"key {key!r} is not in the {self.where}")
+        return parts[0]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._request(b"C", *(k.encode() for k in keys))[0] == b"+"
+
+    def close(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()
+            self._sock = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+class TorchStore:
+    """torch.distributed's TCPStore (or the default process group's store) behind the same three calls."""
+
+    def __init__(self, store, where: str):
+        self.store, self.where = store, where
+
+    @classmethod
+    def connect(cls, host: str, port: int, serve: bool, timeout: float) -> "TorchStore":
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # torch already has a store on MASTER_PORT: share it (our keys start with tsgen/)
+            return cls(dist.distributed_c10d._get_default_store(), "torch.distributed's default store")
+        where = f"torch TCPStore at {host}:{port}"
+        try:
+            store = dist.TCPStore(host, port, is_master=serve, timeout=datetime.timedelta(seconds=timeout),
+                                  wait_for_workers=False)
+        except Exception as e:  # RuntimeError / DistNetworkError, message names the cause
+            raise StoreError(f"{'serving' if serve else 'reaching'} the {where}: {e}") from None
+        return cls(store, where)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.store.check(keys))
+
+    def close(self) -> None:
+        self.store = None
+
+
+# ---------------------------------------------------------------------------
+# Collectives over a store
+# ---------------------------------------------------------------------------
+
+
+class Rendezvous:
+    """`size` ranks meeting through one store; this object is rank `rank`'s side."""
+
+    def __init__(self, kv: KeyValue, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT,
+                 serves: bool = False, linger: float = 10.0):
+        self.kv, self.rank, self.size, self.timeout = kv, rank, size, timeout
+        self.serves, self.linger = serves, linger  # a serving rank waits for the others before closing
+        self._seq = 0
+        self.closed = False
+
+    def all_gather(self, label: str, value: bytes = b"", timeout: float | None = None) -> list[bytes]:
+        """Every rank's `value`, in rank order. `label` says what the step is for messages."""
+        seq, self._seq = self._seq, self._seq + 1
+        keys = [f"tsgen/{seq}/{r}" for r in range(self.size)]
+        self.kv.set(keys[self.rank], label.encode() + b"\0" + value)
+        self._wait(keys, label, self.timeout if timeout is None else timeout)
+        out = []
+        for r, key in enumerate(keys):
+            theirs, _, data = self.kv.get(key).partition(b"\0")
+            if theirs.decode() != label:
+                raise StoreError(
+                    f"ranks out of step at collective #{seq}: rank {self.rank} is at {label!r}, "
+                    f"rank {r} at {theirs.decode()!r} (every rank must make the same calls in the same order)"
+                )
+            out.append(data)
+        return out
+
+    def barrier(self, label: str, timeout: float | None = None) -> None:
+        self.all_gather(label, b"", timeout)
+
+    def abort(self, message: str) -> None:
+        """Tell every rank waiting in (or later entering) a collective to give up."""
+        try:
+            self.kv.set(ABORT_KEY, f"rank {self.rank}: {message}".encode())
+        except StoreError:
+            pass  # the store is gone: the others time out instead
+
+    def aborted(self) -> str | None:
+        try:
+            return self.kv.get(ABORT_KEY).decode() if self.kv.check([ABORT_KEY]) else None
+        except StoreError:
+            return None
+
+    def _wait(self, keys: list[str], label: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 50e-6
+        while not self.kv.check(keys):
+            why = self.aborted()
+            if why is not None:
+                raise StoreError(f"rank {self.rank} gave up waiting in {label!r}: {why}")
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self.kv.check([k])]
+                raise StoreError(
+                    f"rank {self.rank} waited {timeout:g} s in {label!r} for rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))} (key{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(keys[r] for r in missing)} in the {self.kv.where}); "
+                    "did that rank exit, hang, or make different calls?"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def close(self) -> None:
+        """Leave the rendezvous. The rank that serves the store keeps it up until every
+        rank has left (at most `linger` s, none once a rank aborted)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.serves:
+                deadline = time.monotonic() + self.linger
+                left = [f"tsgen/left/{r}" for r in range(self.size) if r != self.rank]
+                while not self.kv.check(left) and self.aborted() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            else:
+                self.kv.set(f"tsgen/left/{self.rank}", b"")
+        except StoreError:
+            pass
+        finally:
+            self.kv.close()
+
+
+def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rendezvous:
+    """A rendezvous on the store chosen by TSGEN_STORE: `torch` (torch.distributed's
+    TCPStore), `tsgen` (tsgen's own), or unset/`auto` (torch when it imports)."""
+    timeout = store_timeout(env)
+    choice = env.get("TSGEN_STORE", "auto")
+    if choice not in ("auto", "torch", "tsgen"):
+        raise StoreError(f"TSGEN_STORE={choice!r}: choose torch, tsgen or auto")
+    # under torchrun with TORCHELASTIC_USE_AGENT_STORE=True the agent serves MASTER_PORT
+    serve = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if choice != "tsgen":
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            if choice == "torch":
+                raise StoreError("TSGEN_STORE=torch but torch.distributed does not import") from None
+        else:
+            kv = TorchStore.connect(host, port, serve, timeout)
+            serve = serve and not kv.where.startswith("torch.distributed's default")
+            return Rendezvous(kv, rank, size, timeout, serves=serve)
+    return Rendezvous(TcpStore(host, port, serve, timeout), rank, size, timeout, serves=serve)
+
+
+_shared: dict[tuple, Rendezvous] = {}
+
+
+def shared(host: str, port: int, rank: int, size: int) -> Rendezvous:
+    """This process's rendezvous (made once, reused by every World, left at exit):
+    ranks that create and destroy Worlds in the same order stay in step."""
+    key = (host, port, rank, size)
+    rv = _shared.get(key)
+    if rv is None or rv.closed:
+        rv = _shared[key] = connect(host, port, rank, size)
+        atexit.register(rv.close)
+    return rv
