@@ -28,15 +28,16 @@ SHIPPED = {
     "all_to_all": [("all_to_all", {}, None), ("all_to_all_ce", {}, None)],
     "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot_pull", {}, None),
                    ("all_reduce_two_shot", {}, None), ("all_reduce_two_shot_ce", {}, None)],
-    "broadcast": [("broadcast", {}, None)],
+    "broadcast": [("broadcast", {}, None), ("broadcast_large", {}, None)],
 }
 TUNE = {
-    "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)]
-    + [("allgather_pull", {"blocks_per_peer": 32}, 128)],
+    "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (4, 24, 32)]
+    + [("allgather_pull", {"blocks_per_peer": 32}, 128), ("allgather_ce", {"direction": "pull"}, None)],
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
                        for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))],
     "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)],
-    "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (16, 64, 96)],
+    "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (8, 16, 64)]
+    + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)],
     "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],
 }
 

@@ -58,6 +58,10 @@ class AllReduceParams(CollectiveParams):
 
 class BroadcastParams(CollectiveParams):
     root: int = Field(0, ge=0, le=7, description="rank whose input every rank receives")
+    algorithm: Literal["push", "scatter_allgather"] = Field(
+        "push", description="push: the root writes the whole message into every peer (small sizes); "
+        "scatter_allgather: the root writes part j into rank j, then every rank writes its part into "
+        "every other non-root rank (the root sends each byte once: large sizes)")
 
 
 def _spec(kind: str, params: type) -> type[SpecBase]:
@@ -603,9 +607,13 @@ class BroadcastFamily(CollectiveFamily):
         return {"src": ("input", 1), "dst": ("output", 1)}
 
     def signal_sizes(self, spec, w):
+        if spec.params.algorithm == "scatter_allgather":
+            return {"entry": w, "scattered": 1, "gathered": w}
         return {"entry": w, "arrive": 1}
 
     def comm_plan(self, spec, w):
+        if spec.params.algorithm == "scatter_allgather":
+            return self._scatter_allgather(spec, w)
         p = spec.params
         root, bpp = p.root, self._bpp(spec)
         buf = "dst" if p.in_place else "src"
@@ -623,6 +631,40 @@ class BroadcastFamily(CollectiveFamily):
                               note="local copy"))
             steps.append(s)
         expected = {(q, Slice("dst", 0)): Counter({(root, buf, 0, 0): 1}) for q in range(w)
+                    if not (p.in_place and q == root)}
+        return self._schedule(spec, w, steps, expected)
+
+    def _scatter_allgather(self, spec, w):
+        """The message is cut into w - 1 parts, one per non-root rank: part k travels
+        root -> its owner -> every other non-root rank, so the root sends each byte once."""
+        p = spec.params
+        root, bpp = p.root, self._bpp(spec)
+        buf = "dst" if p.in_place else "src"
+        others = [q for q in range(w) if q != root]
+        n = len(others)
+        part = {q: k for k, q in enumerate(others)}  # rank -> the part it owns
+        steps = []
+        for r in range(w):
+            if r == root:  # nobody writes into the root, so it signals no entry
+                s = [Step("copy", dst=(q, Slice("dst", 0, part[q], n)), srcs=((r, Slice(buf, 0, part[q], n)),),
+                          waits=(("entry", q),), signals=(SignalRef(q, "scattered", 0),), blocks=bpp,
+                          note=f"part {part[q]} to its owner, rank {q}") for q in _ring(r, w)]
+                if not p.in_place:
+                    s += [Step("copy", dst=(r, Slice("dst", 0, k, n)), srcs=((r, Slice("src", 0, k, n)),),
+                               blocks=bpp, lane="local", note=f"local copy of part {k}") for k in range(n)]
+            else:
+                s = [_entry(r, w)]
+                mine = Slice("dst", 0, part[r], n)
+                for q in _ring(r, w):  # allgather among the non-root ranks: our part to each
+                    if q != root:
+                        s.append(Step("copy", dst=(q, mine), srcs=((r, mine),),
+                                      waits=(("scattered", 0), ("entry", q)),
+                                      signals=(SignalRef(q, "gathered", r),), blocks=bpp,
+                                      note=f"our part {part[r]} to rank {q}"))
+                waits = [("scattered", 0)] + [("gathered", q) for q in others if q != r]
+                s += _final(waits, "wait for our part from the root and every other part from its owner")
+            steps.append(s)
+        expected = {(q, Slice("dst", 0, k, n)): Counter({(root, buf, 0, k): 1}) for q in range(w) for k in range(n)
                     if not (p.in_place and q == root)}
         return self._schedule(spec, w, steps, expected)
 
