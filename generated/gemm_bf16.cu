@@ -4,7 +4,7 @@
 //
 // op gemm: C = A . B on one Hopper GPU: TMA loads into a multistage mbarrier pipeline, wgmma by consumer warpgroups, fp32 accumulation, persistent tiles; M at run time
 // kernels: gemm_bf16_w1 (one per world size; grid 132 x 384 threads)
-// count unit: elements
+// count unit: rows
 //
 // C = A . B on one H100/H200: A (M x 8192) and B (8192 x 8192) row-major bf16, fp32 accumulation, C (M x 8192) bf16; M at run time.
 //
@@ -844,7 +844,8 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_sync.cuh. The
+// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -1076,10 +1077,9 @@ static __device__ __forceinline__ uint32_t cluster_count_x() {
   return r;
 }
 
-// Every thread of every CTA in the cluster meets here (release / acquire at cluster
-// scope). Not .aligned: threads may arrive from divergent code (the producer thread).
+// Every thread of every CTA in the cluster meets here (release / acquire at cluster scope).
 static __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // wgmma descriptor of a 128B-swizzled tile starting at `addr` (see the top of this file).
@@ -1249,6 +1249,15 @@ static __device__ __forceinline__ void produce(const CUtensorMap* a_map, const C
       if (++stage == C::STAGES) stage = 0, phase ^= 1;
     }
   }
+  if constexpr (C::CLUSTER > 1) {
+    // Tail: wait until every stage has been released by every consumer warpgroup of
+    // the cluster. After that no peer arrives on this CTA's barriers any more, so it
+    // may leave (as CUTLASS's producer tail; no cluster barrier at the end).
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_wait(smem + L::EMPTY_OFF + 8 * stage, phase ^ 1);
+      if (++stage == C::STAGES) stage = 0, phase ^= 1;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -1390,8 +1399,6 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
     consume<C>(c_map, smem, rows, warpgroup - 1);
   }
-  // No CTA leaves while its peer may still arrive on its barriers or multicast into it.
-  if constexpr (C::CLUSTER > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------

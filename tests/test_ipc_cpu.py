@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -141,10 +142,22 @@ class FakeRuntime:
     CUDARuntimeError = FakeError
 
     def __init__(self, machine: Machine, gpus: list[int]):
-        self.m, self.gpus, self.current = machine, gpus, 0
+        self.m, self.gpus, self._local = machine, gpus, threading.local()
+
+    @property
+    def current(self):  # per thread, like CUDA's current device
+        return getattr(self._local, "current", 0)
+
+    @current.setter
+    def current(self, d):
+        self._local.current = d
 
     def _gpu(self):
         return self.gpus[self.current]
+
+    def memset(self, ptr, value, nbytes):
+        base = max((b for b in self.m.allocs if b <= ptr), default=None)
+        assert base is not None and ptr + nbytes <= base + self.m.allocs[base]["nbytes"], "memset outside a heap"
 
     def getDeviceCount(self):
         return len(self.gpus)
@@ -173,9 +186,13 @@ class FakeRuntime:
 
     def free(self, ptr):
         with self.m.lock:
-            a = self.m.allocs.pop(ptr)
-            if a["maps"]:
+            a = self.m.allocs[ptr]
+            assert not a.get("freed"), "freed twice"
+            if a["maps"]:  # the memory lives on until the last mapping is closed
                 self.m.violations.append(f"heap {ptr:#x} freed while {a['maps']} peer(s) still map it")
+                a["freed"] = True
+            else:
+                del self.m.allocs[ptr]
 
     def ipcGetMemHandle(self, ptr):
         assert ptr in self.m.allocs, "handle of something that is not an allocation base"
@@ -197,7 +214,10 @@ class FakeRuntime:
     def ipcCloseMemHandle(self, ptr):
         with self.m.lock:
             base = self.m.mappings.pop(ptr)
-            self.m.allocs[base]["maps"] -= 1
+            a = self.m.allocs[base]
+            a["maps"] -= 1
+            if a.get("freed") and not a["maps"]:
+                del self.m.allocs[base]
 
 
 def fake_cupy(machine: Machine, gpus: list[int]):
@@ -215,13 +235,17 @@ def fake_cupy(machine: Machine, gpus: list[int]):
             finally:
                 rt.current = old
 
+    class Table(np.ndarray):  # a "device" array: .get() copies to the host
+        def get(self):
+            return np.asarray(self).copy()
+
     class Cp:
         cuda = Cuda
         uint64 = np.uint64
 
         @staticmethod
         def asarray(values, dtype):
-            return np.asarray(values, dtype=dtype)
+            return np.asarray(values, dtype=dtype).view(Table)
 
     return Cp
 
@@ -240,7 +264,13 @@ def ipc_world(size, machine=None, timeout=10.0, gpus=None):
 
 
 def _assert_all_released(machine):
-    assert machine.allocs == {} and machine.mappings == {} and machine.violations == []
+    _assert_all_released_but_for(machine, 0)
+
+
+def _assert_all_released_but_for(machine, violations: int):
+    """Nothing left allocated or mapped; `violations` heaps freed while still mapped
+    (only after an abort, when the ranks no longer wait for each other)."""
+    assert machine.allocs == {} and machine.mappings == {} and len(machine.violations) == violations
 
 
 def test_heaps_peer_tables_and_free():
@@ -355,8 +385,173 @@ def test_peer_free_after_abort_still_frees_its_own_heap():
     try:
         bases = together(backends, lambda r, b: b.alloc_heap(256))
         together(backends, lambda r, b: b.peer_tables(bases[r]))
-        rvs[0].abort("RuntimeSetupError: kernel failed")  # rank 0 failed and left
+        rvs[0].abort("RuntimeSetupError: kernel failed")  # rank 0 failed
         backends[1].free_heap(bases[1])  # no wait, no error of its own: rank 0 reports
-        assert bases[1][1] not in machine.allocs and machine.mappings.get(int(0)) is None
+        assert machine.allocs[bases[1][1]]["freed"]  # rank 0 still maps it: alive until it closes
+        backends[0].free_heap(bases[0])
+        _assert_all_released_but_for(machine, 1)
     finally:
         close_ranks(rvs)
+
+
+def test_world_and_buffers_over_the_ipc_backend(monkeypatch):
+    """The real World and Buffers on the IPC backend: per-rank things keyed by this
+    process's rank only, every heap freed; an exception inside `with World` tells
+    the other processes through the store, so they stop waiting at once."""
+    import json
+    import types
+
+    from conftest import ROOT
+    from tsgen.runtime import world as world_mod
+
+    machine = Machine()
+    cp = fake_cupy(machine, [0, 1, 2])
+    monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
+    manifest = json.loads((ROOT / "generated" / "allgather.json").read_text())
+    rvs = localhost_ranks(3, timeout=30)
+
+    def run(r, rv):
+        env = {"RANK": str(r), "WORLD_SIZE": "3"}
+        with world_mod.World(3, backend=IpcBackend(cp, 3, env=env, rendezvous=rv)) as world:
+            assert (world.size, world.ranks, world.devices, world.is_root) == (3, [r], {r: r}, r == 0)
+            assert world.exchange("who", r * 10) == [0, 10, 20]
+            bufs = world_mod.Buffers(types.SimpleNamespace(manifest=manifest, world=world), 1000)
+            assert list(bufs.bases) == list(bufs.peer_tables) == list(bufs.host_peer_tables) == [r]
+            assert int(bufs.host_peer_tables[r][r]) == bufs.bases[r]
+            bufs.free()
+            assert bufs.bases == {}
+            world.barrier("all freed")
+            if r == 1:
+                raise RuntimeError("rank 1 broke")
+            t0 = time.monotonic()
+            try:
+                world.barrier("never complete")  # rank 1 is gone
+            except StoreError as e:
+                return str(e), time.monotonic() - t0
+
+    try:
+        got = together(rvs, run)
+    finally:
+        close_ranks(rvs)
+    assert str(got[1]) == "rank 1 broke"
+    for r in (0, 2):
+        message, waited = got[r]
+        assert message == f"rank {r} gave up waiting in 'never complete': rank 1: RuntimeError: rank 1 broke"
+        assert waited < 5
+    _assert_all_released(machine)
+
+
+def test_a_failure_inside_a_world_is_reported_as_is_and_everything_is_freed(monkeypatch):
+    """Rank 2 cannot map rank 3's heap: its own error surfaces (not a cleanup error), the
+    other ranks stop waiting at once, and every heap and mapping is released."""
+    import json
+    import types
+
+    from conftest import ROOT
+    from tsgen.runtime import world as world_mod
+
+    machine = Machine()
+    machine.fail_open.add((2, 3))
+    cp = fake_cupy(machine, [0, 1, 2, 3])
+    monkeypatch.setattr(world_mod, "cupy_or_error", lambda: cp)
+    manifest = json.loads((ROOT / "generated" / "allgather.json").read_text())
+    rvs = localhost_ranks(4, timeout=30)
+
+    def run(r, rv):
+        env = {"RANK": str(r), "WORLD_SIZE": "4"}
+        with world_mod.World(4, backend=IpcBackend(cp, 4, env=env, rendezvous=rv)) as world:
+            world_mod.Buffers(types.SimpleNamespace(manifest=manifest, world=world), 1000)
+            world.barrier("call 0: inputs loaded, outputs poisoned")
+
+    t0 = time.monotonic()
+    try:
+        got = together(rvs, run)
+    finally:
+        close_ranks(rvs)
+    assert time.monotonic() - t0 < 10
+    assert str(got[2]).startswith("rank 2 (GPU 2): cudaIpcOpenMemHandle of rank 3's heap 0")
+    for r in (0, 1, 3):
+        assert isinstance(got[r], StoreError) and "rank 2: RuntimeSetupError: rank 2 (GPU 2): cudaIpc" in str(got[r])
+    assert machine.allocs == {} and machine.mappings == {}  # a heap may be freed before a peer unmapped it
+
+
+# ---------------------------------------------------------------------------
+# packaging and the GPU script's timing comparison
+# ---------------------------------------------------------------------------
+
+
+def test_extras_bring_the_runtime_and_the_generator_needs_none():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    from conftest import ROOT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in reqs}  # noqa: E731
+    extras = project["optional-dependencies"]
+    for cuda in ("12", "13"):
+        assert names(extras[f"cuda{cuda}"]) == {f"cupy-cuda{cuda}x", f"nvidia-nvshmem-cu{cuda}",
+                                                f"nvshmem4py-cu{cuda}", "nvidia-ml-py"}
+    assert not any("cupy" in n or "nvshmem" in n or "nvidia" in n for n in names(project["dependencies"]))
+
+
+@pytest.mark.parametrize("ipc_us,rc", [(1010.0, 0), (990.0, 0), (1060.0, 1), (900.0, 1)])
+def test_compare_bar(tmp_path, ipc_us, rc):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def rows(t):
+        return {"rows": [{"backend": "tsgen", "spec": "allgather", "bytes": 256 << 20, "time_us": t,
+                          "busbw_GBps": 201326592 / t / 1e3}]}
+
+    (tmp_path / "s.json").write_text(json.dumps(rows(1000.0)))
+    (tmp_path / "i.json").write_text(json.dumps(rows(ipc_us)))
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "ipc_checks.py"), "compare", str(tmp_path / "s.json"),
+                        str(tmp_path / "i.json")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == rc, p.stdout + p.stderr
+    assert ("PASS" if rc == 0 else "FAIL") in p.stdout
+
+
+def _ipc_checks():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("ipc_checks", ROOT / "tools" / "ipc_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DUMMY_RANKS = """
+import os, signal, sys, time
+r = int(os.environ["RANK"])
+if r == 1:
+    time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(0.8 if r != 2 else 60)  # {hang}
+print(f"tsgen: timeout: rank {r} block 0 thread 0 waited 300 ms on entry[1]", flush=True)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_dying_rank_verdict_on_launch_output(hang):
+    """The GPU script's verdict over real `tsgen launch` output from dummy ranks: rank 1
+    is killed; the others 'time out' on their own (PASS), or rank 2 hangs until the
+    launcher stops it (FAIL, naming rank 2)."""
+    import io
+    import sys
+
+    from tsgen.launch import launch
+
+    code = DUMMY_RANKS if hang else DUMMY_RANKS.replace("60", "0.8")
+    out, err = io.StringIO(), io.StringIO()
+    rc = launch([sys.executable, "-c", code], 4, out=out, err=err, grace=2.0, kill_after=2.0)
+    problems = _ipc_checks().dying_rank_verdict(rc, out.getvalue() + err.getvalue(), 4, 1)
+    if not hang:
+        assert problems == [], out.getvalue() + err.getvalue()
+    else:
+        assert problems == ["rank 2 printed no timeout diagnostic",
+                            "rank 2 exit code 143 (want 1 or 2: ended on its own)"]

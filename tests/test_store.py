@@ -176,3 +176,18 @@ def test_rendezvous_is_usable_over_any_keyvalue():
     assert rv.aborted() is None
     rv.abort("because")
     assert rv.aborted() == "rank 0: because"
+
+
+def test_torch_default_process_group_store_is_shared():
+    """Under torch.distributed (init_process_group already on MASTER_PORT) the store is
+    the process group's own: no second server on the same port."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        rv = connect("127.0.0.1", port, 0, 1, {"TSGEN_STORE": "auto"})
+        assert rv.kv.where == "torch.distributed's default store" and not rv.serves
+        assert rv.all_gather("solo", b"x") == [b"x"]
+        rv.close()
+    finally:
+        dist.destroy_process_group()

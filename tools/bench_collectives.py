@@ -22,7 +22,7 @@ from tsgen.bench import bench_collective, best_baselines, human, parse_sizes  # 
 
 # op -> list of (spec file, param overrides, launch.blocks)
 SHIPPED = {
-    "allgather": [("allgather", {}, None), ("allgather_ce", {}, None)],
+    "allgather": [("allgather", {}, None), ("allgather_ring", {}, None), ("allgather_ce", {}, None)],
     "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None),
                        ("reduce_scatter_ce", {}, None)],
     "all_to_all": [("all_to_all", {}, None), ("all_to_all_ce", {}, None)],
@@ -32,10 +32,14 @@ SHIPPED = {
 }
 TUNE = {
     "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (4, 24, 32)]
-    + [("allgather_pull", {"blocks_per_peer": 32}, 128), ("allgather_ce", {"direction": "pull"}, None)],
+    + [("allgather_pull", {"blocks_per_peer": 32}, 128)]
+    + [("allgather", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)]
+    + [("allgather_ring", {"blocks_per_peer": b, "pieces": p}, 2 * b) for b, p in ((32, 8), (64, 8), (64, 16))],
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
-                       for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))],
-    "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)],
+                       for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))]
+    + [("reduce_scatter", {"peer_order": "pairwise", "blocks_per_peer": b, "pieces": 4}, 2 * b) for b in (32, 64)],
+    "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)]
+    + [("all_to_all", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)],
     "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (8, 16, 64)]
     + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)],
     "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],

@@ -163,7 +163,7 @@ def check_variant(manifest: Path, ms: list[int], calls: int, echo=print) -> dict
                     left = max(int(p) for p in poisoned)
                 finally:
                     bufs.free()
-                guard = guard_rows(module, manifest, rows, n, k, dtype)
+                guard = guard_rows(manifest, rows, n, k)
                 passed = err <= MAX_REL_ERR and left == 0 and guard == 0
                 ok &= passed
                 rows_out.append({"m": rows, "calls": calls, "max_rel_err": err, "poison_left": left,
@@ -174,7 +174,7 @@ def check_variant(manifest: Path, ms: list[int], calls: int, echo=print) -> dict
     return {"pass": ok, "rows": rows_out}
 
 
-def guard_rows(module, manifest: Path, rows: int, n: int, k: int, dtype: str) -> int:
+def guard_rows(manifest: Path, rows: int, n: int, k: int) -> int:
     """Call the host launcher directly with C inside a buffer 130 rows longer whose extra
     rows hold a sentinel; returns how many sentinel elements the kernel overwrote."""
     import cupy as cp
@@ -281,8 +281,9 @@ def child(args: list[str], timeout: int) -> tuple[dict | None, str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return None, f"timed out after {timeout} s\n{(e.stdout or '')}{(e.stderr or '')}"
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= says
+        out = b"".join(x if isinstance(x, bytes) else x.encode() for x in (e.stdout or b"", e.stderr or b""))
+        return None, out.decode(errors="replace") + f"\ntimed out after {timeout} s"
     text = proc.stdout + proc.stderr
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -396,7 +397,9 @@ def markdown(s: dict) -> str:
               "|---|---|---|---|---|---|---|"]
     for name, c in s["checks"].items():
         if "crashed" in c:
-            lines.append(f"| {name} | | | | | | CRASHED: {c['crashed'][-1] if c['crashed'] else ''} |")
+            why = next((x for x in reversed(c["crashed"]) if "rror" in x or "skipped" in x or "timed out" in x),
+                       c["crashed"][-1] if c["crashed"] else "")
+            lines.append(f"| {name} | | | | | | CRASHED: {why.strip()} |")
         for r in c.get("rows", []):
             lines.append(f"| {name} | {r['m']} | {r['calls']} | {r['max_rel_err']:.2e} | {r['poison_left']} | "
                          f"{r['rows_past_m_written']} | {'PASS' if r['pass'] else 'FAIL'} |")

@@ -46,25 +46,14 @@ for n in 2 4; do
     step "test ipc w$n $s" 60 $TSGEN launch --nproc $n -- $TSGEN test specs/$s.yaml --backend ipc --iters 20
   done
 done
-TSGEN_STORE=auto step "test ipc w4 allgather (torch store)" 60 \
-  $TSGEN launch --nproc 4 -- $TSGEN test specs/allgather.yaml --backend ipc --iters 20
+step "test ipc w4 allgather (torch store)" 60 \
+  env TSGEN_STORE=auto $TSGEN launch --nproc 4 -- $TSGEN test specs/allgather.yaml --backend ipc --iters 20
 
 # 2. rank 1 dies (SIGKILL) before call 2 of an allgather: every other rank waits for it, so
-# each must print the kernel's timeout diagnostic and exit non-zero on its own (not killed
-# by the launcher), and tsgen launch must return rank 1's code (137) within its grace.
-t0=$SECONDS
-timeout -k 5 90 $TSGEN launch --nproc 4 --grace 45 -- \
-  python3 tools/ipc_checks.py die specs/allgather.yaml --rank 1 --call 2 > "$LOG/dying_rank.log" 2>&1
-rc=$?
-verdict=PASS why=""
-[ $rc -eq 137 ] || { verdict=FAIL; why+=" launch rc=$rc (want 137: rank 1's SIGKILL);"; }
-for r in 0 2 3; do
-  grep -q "^\[rank $r\] tsgen: timeout: rank $r " "$LOG/dying_rank.log" || { verdict=FAIL; why+=" no timeout diagnostic from rank $r;"; }
-  code=$(grep -o "exit codes: .*" "$LOG/dying_rank.log" | grep -o "rank $r: [0-9]*" | grep -o "[0-9]*$")
-  case "$code" in 1|2) ;; *) verdict=FAIL; why+=" rank $r exit code '${code}' (want 1 or 2: ended by itself);";; esac
-done
-RESULTS+=("$(printf '%-44s %s  %3d s %s' "dying rank: others time out" $verdict $((SECONDS - t0)) "$why")")
-[ $verdict = PASS ] || { FAILS=$((FAILS + 1)); tail -20 "$LOG/dying_rank.log"; }
+# each must print the kernel's timeout diagnostic and exit non-zero on its own (not stopped
+# by the launcher), and tsgen launch must return rank 1's code (137)
+step "dying rank: the others time out" 90 \
+  python3 tools/ipc_checks.py dying-rank specs/allgather.yaml --nproc 4 --rank 1 --call 2
 
 # 3. 100 create/use/destroy cycles, device memory before/after (2 MiB tolerance)
 step "cycles single w4 x100" 120 python3 tools/ipc_checks.py cycles specs/allgather.yaml --backend single --gpus 4

@@ -2,10 +2,13 @@
 (tools/gpu_ipc.sh runs them all; each prints PASS or FAIL and exits 0 or 1).
 
   warm SPEC...              render + compile the specs in parallel (every rank then hits the cache)
+  dying-rank SPEC [--nproc 4] [--rank 1] [--call 2]
+                            `tsgen launch` of `die` below; PASS when launch returns rank R's
+                            137 and every other rank printed the kernel's timeout diagnostic
+                            and exited non-zero on its own (1 or 2, not stopped by the launcher)
   die SPEC --rank R --call K
-                            under `tsgen launch`: `tsgen test --backend ipc`, but rank R kills
-                            itself (SIGKILL) just before launching call K; the other ranks must
-                            end with the kernel's timeout diagnostic and a non-zero exit
+                            (one rank of the above) `tsgen test --backend ipc`, but rank R
+                            kills itself (SIGKILL) just before launching call K
   cycles SPEC --backend B [--gpus N] [--cycles 100]
                             create / use / destroy a World that many times; device memory
                             (cudaMemGetInfo) must come back to where it was after the first
@@ -72,13 +75,49 @@ def die(spec: str, rank: int, call: int) -> int:
     return 1
 
 
+def dying_rank_verdict(rc: int, out: str, nproc: int, rank: int) -> list[str]:
+    """What is wrong with a dying-rank run (launch's exit code and output), or []. Pure."""
+    import re
+
+    problems = [] if rc == 128 + signal.SIGKILL else [f"tsgen launch returned {rc}, not {128 + signal.SIGKILL} "
+                                                       f"(rank {rank}'s SIGKILL)"]
+    codes = dict((int(r), int(c)) for r, c in re.findall(r"rank (\d+): (-?\d+)", "".join(
+        re.findall(r"tsgen launch: exit codes: (.*)", out)[-1:])))
+    for r in range(nproc):
+        if r == rank:
+            continue
+        if not re.search(rf"^\[rank {r}\] tsgen: timeout: rank {r} ", out, re.MULTILINE):
+            problems.append(f"rank {r} printed no timeout diagnostic")
+        if codes.get(r) not in (1, 2):
+            problems.append(f"rank {r} exit code {codes.get(r)} (want 1 or 2: ended on its own)")
+    return problems
+
+
+def dying_rank(spec: str, nproc: int, rank: int, call: int, limit: float = 80) -> int:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "tsgen", "launch", "--nproc", str(nproc), "--grace", "45", "--",
+           sys.executable, __file__, "die", spec, "--rank", str(rank), "--call", str(call)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, f"{e.stdout or ''}{e.stderr or ''}\n(hung: still running after {limit:g} s)"
+    print(out.rstrip())
+    problems = dying_rank_verdict(rc, out, nproc, rank)
+    print(f"dying rank {rank} at call {call}, {nproc} ranks, {time.perf_counter() - t0:.1f} s: "
+          + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
+    return 1 if problems else 0
+
+
 def device_memory_used(cp, devices: list[int]) -> dict[int, int]:
     gc.collect()
-    cp.get_default_memory_pool().free_all_blocks()
     used = {}
     for d in devices:
         with cp.cuda.Device(d):
             cp.cuda.runtime.deviceSynchronize()
+            cp.get_default_memory_pool().free_all_blocks()  # the current device's pool
             free, total = cp.cuda.runtime.memGetInfo()
             used[d] = total - free
     return used
@@ -146,6 +185,11 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("warm")
     p.add_argument("specs", nargs="+")
+    p = sub.add_parser("dying-rank")
+    p.add_argument("spec")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--call", type=int, default=2)
     p = sub.add_parser("die")
     p.add_argument("spec")
     p.add_argument("--rank", type=int, default=1)
@@ -162,6 +206,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "warm":
         return warm([s if s.endswith(".yaml") else f"specs/{s}.yaml" for s in a.specs])
+    if a.cmd == "dying-rank":
+        return dying_rank(a.spec, a.nproc, a.rank, a.call)
     if a.cmd == "die":
         return die(a.spec, a.rank, a.call)
     if a.cmd == "cycles":

@@ -101,7 +101,7 @@ BACKEND_OPTION = click.option(
     help="single: this process drives --gpus GPUs; ipc: one process per GPU, started by "
          "`tsgen launch --nproc N -- tsgen ...` (or torchrun, mpirun, srun)")
 GPUS_OPTION = click.option("--gpus", type=int, default=None,
-                           help="world size: GPUs to run on (with --backend ipc: the launcher's, if given)")
+                           help="world size: GPUs to run on (--backend ipc: optional, must match the launcher's)")
 
 
 @main.command()

@@ -89,7 +89,7 @@ def run_test(
     it): every rank makes the same seeded inputs for all ranks, loads and checks
     its own, and the results meet in the store, so every rank returns the same
     verdict and only rank 0 prints. `before_launch(call)` runs just before each
-    launch (tools/ipc_die.py kills a rank there)."""
+    launch (`tools/ipc_checks.py die` kills a rank there)."""
     from .runtime import World
     from .runtime.backends import world_size
 

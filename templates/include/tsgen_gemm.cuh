@@ -2,7 +2,8 @@
 // C (M x N) = A (M x K) . B (K x N), all row-major, 16-bit inputs, fp32
 // accumulation, 16-bit output.
 //
-// Hand-written; inlined into generated gemm sources after tsgen_sync.cuh. The
+// Hand-written; inlined into generated gemm sources after tsgen_copy.cuh (it uses
+// globaltimer_ns and fence_proxy_async_shared_cta of tsgen_ptx.cuh). The
 // op's template supplies a `Config` struct (sizes as constexpr members, the
 // element type, and `mma`, the one wgmma instruction of its tile width).
 //
@@ -234,10 +235,9 @@ static __device__ __forceinline__ uint32_t cluster_count_x() {
   return r;
 }
 
-// Every thread of every CTA in the cluster meets here (release / acquire at cluster
-// scope). Not .aligned: threads may arrive from divergent code (the producer thread).
+// Every thread of every CTA in the cluster meets here (release / acquire at cluster scope).
 static __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // wgmma descriptor of a 128B-swizzled tile starting at `addr` (see the top of this file).
@@ -407,6 +407,15 @@ static __device__ __forceinline__ void produce(const CUtensorMap* a_map, const C
       if (++stage == C::STAGES) stage = 0, phase ^= 1;
     }
   }
+  if constexpr (C::CLUSTER > 1) {
+    // Tail: wait until every stage has been released by every consumer warpgroup of
+    // the cluster. After that no peer arrives on this CTA's barriers any more, so it
+    // may leave (as CUTLASS's producer tail; no cluster barrier at the end).
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_wait(smem + L::EMPTY_OFF + 8 * stage, phase ^ 1);
+      if (++stage == C::STAGES) stage = 0, phase ^= 1;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -548,8 +557,6 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
     consume<C>(c_map, smem, rows, warpgroup - 1);
   }
-  // No CTA leaves while its peer may still arrive on its barriers or multicast into it.
-  if constexpr (C::CLUSTER > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------

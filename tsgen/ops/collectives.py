@@ -35,6 +35,10 @@ class CollectiveParams(StrictModel):
     in_place: bool = Field(False, description="output overwrites the input buffer (NCCL's in-place layout)")
     blocks_per_peer: int = Field(8, ge=1, le=64, description="blocks that copy to (or from) each peer")
     pieces: int = Field(1, ge=1, le=16, description="pipeline depth: each transfer is cut into this many signalled pieces")
+    peer_order: Literal["concurrent", "pairwise"] = Field(
+        "concurrent", description="concurrent: the transfers to every peer run at once, each on its own "
+        "blocks_per_peer blocks; pairwise: one peer after another (rank r sends to r+1, then r+2, ...) on the "
+        "same blocks, so each GPU writes to one peer and is written by one at a time")
     transport: Literal["p2p", "copy_engine"] = Field(
         "p2p", description="p2p: the kernel's threads load and store peer memory; copy_engine: copy steps are "
         "cudaMemcpyAsync over peer mappings (DMA engines, no SMs), one stream per plan lane, with small kernels for "
@@ -42,9 +46,11 @@ class CollectiveParams(StrictModel):
 
 
 class AllgatherParams(CollectiveParams):
-    direction: Literal["push", "pull", "multimem"] = Field(
-        "push", description="push: write into peers; pull: read from peers; multimem: one NVLink-multicast "
-        "store per element (compiled only: the runtime refuses it unless explicitly enabled)")
+    direction: Literal["push", "pull", "ring", "multimem"] = Field(
+        "push", description="push: write into peers; pull: read from peers; ring: pass chunks around the "
+        "ring r -> r+1 in `pieces` signalled pieces, forwarding each piece as it lands (every GPU writes to "
+        "one peer only); multimem: one NVLink-multicast store per element (compiled only: the runtime "
+        "refuses it unless explicitly enabled)")
 
 
 class AllReduceParams(CollectiveParams):
@@ -113,6 +119,11 @@ class CollectiveFamily(OpFamily):
     def _bpp(self, spec: Any) -> int:
         """Blocks per copy step: with the copy engine a step is one cudaMemcpyAsync."""
         return 1 if self.copy_engine(spec) else spec.params.blocks_per_peer
+
+    @staticmethod
+    def _peer_lane(spec: Any) -> str | None:
+        """Lane of the per-peer transfers: one shared lane when they go pairwise."""
+        return "peers" if spec.params.peer_order == "pairwise" else None
 
     def _schedule(self, spec: Any, w: int, steps: list[list[Step]], expected: dict) -> CommPlan:
         """The plan of `steps` over the kernel's blocks -- or, with the copy engine, over
@@ -263,25 +274,61 @@ class AllgatherFamily(CollectiveFamily):
     def signal_sizes(self, spec, w):
         if self.is_multimem(spec):
             return {"barrier": 1}
+        if spec.params.direction == "ring":
+            return {"entry": w, "arrive": w * spec.params.pieces}
         return {"entry": w, ("arrive" if spec.params.direction == "push" else "done"): w}
+
+    def _ring_plan(self, spec, w):
+        """Rank r sends chunk r, then forwards chunks r-1, r-2, ... to r+1, piece by piece,
+        each as soon as it has landed; chunk r+1 arrives last and goes no further."""
+        p = spec.params
+        P, bpp = p.pieces, self._bpp(spec)
+        steps = []
+        for r in range(w):
+            left, right = (r - 1) % w, (r + 1) % w
+            own = (lambda i: Slice("dst", r, i, P)) if p.in_place else (lambda i: Slice("src", 0, i, P))
+            s = [_entry(r, w, to=[left])]  # only our left neighbour writes into us
+            for hop in range(w - 1):
+                c = (r - hop) % w
+                for i in range(P):
+                    waits = (("entry", right),) + ((("arrive", c * P + i),) if hop else ())
+                    s.append(Step("copy", dst=(right, Slice("dst", c, i, P)),
+                                  srcs=((r, own(i) if hop == 0 else Slice("dst", c, i, P)),), waits=waits,
+                                  signals=(SignalRef(right, "arrive", c * P + i),), blocks=bpp, lane="ring",
+                                  note=f"chunk {c} piece {i} to rank {right}"))
+            if not p.in_place:
+                s += [Step("copy", dst=(r, Slice("dst", r, i, P)), srcs=((r, own(i)),), blocks=bpp, lane="local",
+                           note=f"local copy, piece {i}") for i in range(P)]
+            s += _final([("arrive", c * P + i) for c in range(w) if c != r for i in range(P)],
+                        "wait for every chunk")
+            steps.append(s)
+        origin = "dst" if p.in_place else "src"
+        expected = {(q, Slice("dst", j, i, P)): Counter({(j, origin, j if p.in_place else 0, i): 1})
+                    for q in range(w) for j in range(w) for i in range(P) if not (p.in_place and q == j)}
+        return self._schedule(spec, w, steps, expected)
 
     def comm_plan(self, spec, w):
         p = spec.params
         if self.is_multimem(spec):
             raise ValueError("multimem variants are not plans: they have no CPU verification")
+        if p.direction == "ring":
+            return self._ring_plan(spec, w)
         bpp = self._bpp(spec)
         steps = []
         for r in range(w):
             src = (r, Slice("dst", r)) if p.in_place else (r, Slice("src", 0))
             s = [_entry(r, w)]
+            lane = self._peer_lane(spec)
             for q in _ring(r, w):
                 if p.direction == "push":
                     s.append(Step("copy", dst=(q, Slice("dst", r)), srcs=(src,), waits=(("entry", q),),
-                                  signals=(SignalRef(q, "arrive", r),), blocks=bpp, note=f"put to rank {q}"))
+                                  signals=(SignalRef(q, "arrive", r),), blocks=bpp, lane=lane,
+                                  note=f"put to rank {q}"))
                 else:
                     qsrc = (q, Slice("dst", q)) if p.in_place else (q, Slice("src", 0))
                     s.append(Step("copy", dst=(r, Slice("dst", q)), srcs=(qsrc,), waits=(("entry", q),),
-                                  signals=(SignalRef(q, "done", r),), blocks=bpp, note=f"get from rank {q}"))
+                                  signals=(SignalRef(q, "done", r),), blocks=bpp, lane=lane,
+                                  note=f"get from rank {q}"))
             if not p.in_place:
                 s.append(Step("copy", dst=(r, Slice("dst", r)), srcs=(src,), blocks=bpp, note="local copy"))
             name = "arrive" if p.direction == "push" else "done"
@@ -348,11 +395,12 @@ class ReduceScatterFamily(CollectiveFamily):
         steps = []
         for r in range(w):
             s = [_entry(r, w)]
-            for q in _ring(r, w):  # one lane per peer: its pieces go out in order
+            for q in _ring(r, w):  # one lane per peer (or one for all, pairwise): pieces go out in order
                 for i in range(P):
                     s.append(Step("copy", dst=(q, Slice("inbox", r, i, P)), srcs=((r, Slice(src_buf, q, i, P)),),
                                   waits=(("entry", q),), signals=(SignalRef(q, "arrive", r * P + i),),
-                                  blocks=bpp, lane=f"to{q}", note=f"piece {i} of chunk {q} to rank {q}'s inbox"))
+                                  blocks=bpp, lane=self._peer_lane(spec) or f"to{q}",
+                                  note=f"piece {i} of chunk {q} to rank {q}'s inbox"))
             for i in range(P):  # the reduce lane follows the pieces as they arrive
                 dst = (r, Slice("dst", r, i, P)) if p.in_place else (r, Slice("dst", 0, i, P))
                 srcs = ((r, Slice(src_buf, r, i, P)),) + tuple((r, Slice("inbox", q, i, P)) for q in range(w) if q != r)
@@ -428,7 +476,7 @@ class AllToAllFamily(CollectiveFamily):
                 else:
                     s.append(Step("copy", dst=(q, Slice("dst", r)), srcs=((r, Slice("src", q)),),
                                   waits=(("entry", q),), signals=(SignalRef(q, "arrive", r),),
-                                  blocks=bpp, note=f"chunk {q} to rank {q}"))
+                                  blocks=bpp, lane=self._peer_lane(spec), note=f"chunk {q} to rank {q}"))
             if p.in_place:
                 for q in _ring(r, w):
                     s.append(Step("copy", dst=(r, Slice("dst", q)), srcs=((r, Slice("inbox", q)),),

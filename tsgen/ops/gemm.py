@@ -109,6 +109,7 @@ class GemmFamily(OpFamily):
     kind = "gemm"
     Spec = GemmSpec
     template = "gemm.cu.j2"
+    count_unit = "rows"  # M
     host_launch = True  # TMA descriptors are encoded on the host
     summary = (
         "C = A . B on one Hopper GPU: TMA loads into a multistage mbarrier pipeline, wgmma by "

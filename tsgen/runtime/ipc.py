@@ -235,9 +235,11 @@ class IpcBackend:
         return problems
 
     def free_heap(self, bases: dict[int, int]) -> None:
-        """Close the peer mappings, wait until every rank has, free the own heap. After a
-        kernel failed the CUDA context is gone: nothing can be freed, the driver reclaims
-        the memory when the process exits."""
+        """Close the peer mappings, wait until every rank has, free the own heap. Once a
+        rank has aborted the ranks are out of step: free without waiting (a peer that
+        still maps the heap keeps it alive until it closes its mapping or exits). After
+        a kernel failed the CUDA context is gone: nothing can be freed, the driver
+        reclaims the memory when the process exits."""
         rt = self.cp.cuda.runtime
         heap = self._heaps.pop(bases[self.rank], None)
         if heap is None:

@@ -238,14 +238,20 @@ class TorchStore:
             raise StoreError(f"{'serving' if serve else 'reaching'} the {where}: {e}") from None
         return cls(store, where)
 
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self.store, method)(*args)
+        except Exception as e:  # torch raises RuntimeError / DistNetworkError / DistStoreError
+            raise StoreError(f"the {self.where} failed ({e}); did the rank serving it exit?") from None
+
     def set(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+        self._call("set", key, value)
 
     def get(self, key: str) -> bytes:
-        return bytes(self.store.get(key))
+        return bytes(self._call("get", key))
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self.store.check(keys))
+        return bool(self._call("check", keys))
 
     def close(self) -> None:
         self.store = None
@@ -276,6 +282,9 @@ class Rendezvous:
         for r, key in enumerate(keys):
             theirs, _, data = self.kv.get(key).partition(b"\0")
             if theirs.decode() != label:
+                why = self.aborted()  # a rank that failed went straight to its cleanup: say why
+                if why is not None:
+                    raise StoreError(f"rank {self.rank} gave up waiting in {label!r}: {why}")
                 raise StoreError(
                     f"ranks out of step at collective #{seq}: rank {self.rank} is at {label!r}, "
                     f"rank {r} at {theirs.decode()!r} (every rank must make the same calls in the same order)"

@@ -104,20 +104,18 @@ class Buffers:
         self.slots, self.heap_bytes = layout(module.manifest, count, module.world.size)
         self.by_name = {s.name: s for s in self.slots}
         world = module.world
-        # per local rank (world.ranks), keyed by global rank: heap base, peer table
+        # per local rank (world.ranks), keyed by global rank: heap base, peer table.
+        # The backend owns the heap: if anything below fails, World.close frees it
+        # (after telling the other processes, so none waits for this one).
         self.bases = world.backend.alloc_heap(self.heap_bytes)
         cp = world.cp
-        try:
-            for rank in world.ranks:
-                with cp.cuda.Device(world.devices[rank]):
-                    for s in self.slots:
-                        if s.role == "signal":
-                            cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
-                    cp.cuda.runtime.deviceSynchronize()
-            self.peer_tables = world.backend.peer_tables(self.bases)
-        except BaseException:
-            self.free()
-            raise
+        for rank in world.ranks:
+            with cp.cuda.Device(world.devices[rank]):
+                for s in self.slots:
+                    if s.role == "signal":
+                        cp.cuda.runtime.memset(self.bases[rank] + s.offset, s.init_byte, s.nbytes)
+                cp.cuda.runtime.deviceSynchronize()
+        self.peer_tables = world.backend.peer_tables(self.bases)
         # host copies of the same tables (host launchers address peers with them)
         self.host_peer_tables = {r: np.asarray(t.get(), dtype=np.uint64) for r, t in self.peer_tables.items()}
 
@@ -261,10 +259,10 @@ class World:
     keyed by global rank. The context manager frees what it made; leaving it with an
     exception also tells the other processes (if any) to stop waiting."""
 
-    def __init__(self, size: int | None = None, backend: Backend | str = "single"):
+    def __init__(self, size: int | None = None, backend: Backend | str | None = "single"):
         self.cp = cupy_or_error()
-        if isinstance(backend, str):
-            backend = make_backend(backend, size, self.cp)
+        if backend is None or isinstance(backend, str):
+            backend = make_backend(backend or "single", size, self.cp)
         if size is not None and backend.size != size:
             raise RuntimeSetupError(f"world size {size} asked for, but the backend has {backend.size} ranks")
         self.backend = backend
