@@ -896,6 +896,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 namespace tsgen_gemm {
 
@@ -997,6 +998,51 @@ static __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map),
                "r"(x), "r"(y), "r"(src)
                : "memory");
+}
+
+// The same for a 3-D tensor (x = column, y = row, z = batch): batched operands of the
+// fused ops, where a box never crosses from one batch (a source rank's rows) into the next.
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int x, int y, int z,
+                                                   uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(
+          dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar)
+      : "memory");
+}
+
+static __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                                             int z, uint32_t bar, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(z), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
+static __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int x, int y, int z) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(map),
+               "r"(x), "r"(y), "r"(z), "r"(src)
+               : "memory");
+}
+
+// Orders this thread's earlier generic-proxy accesses (an acquire load of a signal) before
+// its later async-proxy ones (TMA loads of the data the signal announced).
+static __device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Spin until *signal >= expected (ld.acquire.sys), then fence toward the async proxy.
+// Traps after TSGEN_TIMEOUT_NS without printing, as mbar_wait (a printf would make
+// ptxas serialize the kernel's wgmma).
+static __device__ __forceinline__ void wait_signal_ge_sys(const uint64_t* signal, uint64_t expected) {
+  if (ld_acquire_sys_global_u64(signal) < expected) {
+    const uint64_t start = globaltimer_ns();
+    while (ld_acquire_sys_global_u64(signal) < expected) {
+      if (TSGEN_TIMEOUT_NS != 0 && globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
+    }
+  }
+  fence_proxy_async_global();
 }
 
 static __device__ __forceinline__ void bulk_commit_group() {
@@ -1108,6 +1154,32 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 // Sizes and shared-memory offsets derived from the Config
 // ---------------------------------------------------------------------------
 
+// Config::BATCHES (optional, default 1): A and C are BATCHES row blocks of `rows` rows
+// each (3-D tensor maps: column, row, batch); a tile never spans two batches, and a
+// row tile past `rows` is clipped per batch. The fused ops use one batch per source rank.
+template <class C, class = void>
+struct BatchesOf {
+  static constexpr int value = 1;
+};
+template <class C>
+struct BatchesOf<C, std::void_t<decltype(C::BATCHES)>> {
+  static constexpr int value = C::BATCHES;
+};
+
+// What a fused op hooks into the kernel (the plain gemm passes NoHook; every call
+// inlines to nothing):
+//   first_batch()            the batch the schedule starts with (then first + 1, ... mod BATCHES)
+//   wait(batch)              the producer thread, before it loads A rows of `batch`
+//   a_map(a_map, batch, z)   the tensor map to load A of `batch` from, and its z coordinate
+struct NoHook {
+  __device__ __forceinline__ uint32_t first_batch() const { return 0; }
+  __device__ __forceinline__ void wait(uint32_t) {}
+  __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
+    z = (int)batch;
+    return a;
+  }
+};
+
 template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
@@ -1117,6 +1189,8 @@ struct Layout {
   static_assert(C::N % C::TILE_N == 0 && C::K % C::TILE_K == 0, "N and K are whole tiles");
   static_assert(C::CLUSTER == 1 || C::CLUSTER == 2, "clusters of 1 or 2 CTAs");
 
+  static constexpr int BATCHES = BatchesOf<C>::value;
+  static_assert(BATCHES >= 1, "at least one batch");
   static constexpr int THREADS = 128 * (1 + C::CONSUMERS);
   static constexpr int K_BLOCKS = C::K / C::TILE_K;  // pipeline stages per tile
   static constexpr int N_TILES = C::N / C::TILE_N;
@@ -1161,34 +1235,57 @@ struct Layout {
 template <class C>
 struct Scheduler {
   using L = Layout<C>;
-  uint32_t cluster_rows;  // cluster tiles down M
+  uint32_t cluster_rows;  // cluster tiles down M (per batch)
+  uint32_t per_batch;     // cluster tiles per batch
   uint32_t total;         // cluster tiles
   uint32_t index;         // this cluster's next cluster tile
   uint32_t stride;        // clusters in the grid
   uint32_t rank;          // this CTA in its cluster
+  uint32_t first;         // the batch visited first
 
-  __host__ __device__ static uint32_t cluster_tiles(uint32_t rows) {
+  // Cluster tiles of one batch of `rows` rows.
+  __host__ __device__ static uint32_t batch_tiles(uint32_t rows) {
     const uint32_t m_tiles = (rows + C::TILE_M - 1) / C::TILE_M;
     return (m_tiles + L::CM - 1) / L::CM * (L::N_TILES / L::CN);
   }
 
+  __host__ __device__ static uint32_t cluster_tiles(uint32_t rows) { return batch_tiles(rows) * L::BATCHES; }
+
   // Host and device (tests walk the schedule on the CPU): cluster `cluster` of `clusters`.
-  __host__ __device__ Scheduler(uint32_t rows, uint32_t cluster, uint32_t clusters, uint32_t cta_rank)
+  // Batches are visited one after the other, starting with `first_batch`.
+  __host__ __device__ Scheduler(uint32_t rows, uint32_t cluster, uint32_t clusters, uint32_t cta_rank,
+                                uint32_t first_batch = 0)
       : cluster_rows(((rows + C::TILE_M - 1) / C::TILE_M + L::CM - 1) / L::CM),
+        per_batch(batch_tiles(rows)),
         total(cluster_tiles(rows)),
         index(cluster),
         stride(clusters),
-        rank(cta_rank) {}
+        rank(cta_rank),
+        first(first_batch) {}
 
-  // The next tile of this CTA (its first row and column of C); false when none is left.
-  // Grouped order: RASTER_GROUP cluster rows at a time, down the rows first.
   __host__ __device__ bool next(uint32_t& m0, uint32_t& n0) {
+    uint32_t batch;
+    return next(m0, n0, batch);
+  }
+
+  // The next tile of this CTA (its first row within the batch, its first column of C,
+  // and its batch); false when none is left. Grouped order within a batch:
+  // RASTER_GROUP cluster rows at a time, down the rows first.
+  __host__ __device__ bool next(uint32_t& m0, uint32_t& n0, uint32_t& batch) {
     if (index >= total) return false;
+    uint32_t local = index;
+    if constexpr (L::BATCHES > 1) {
+      const uint32_t b = index / per_batch;
+      local = index - b * per_batch;
+      batch = (first + b) % (uint32_t)L::BATCHES;
+    } else {
+      batch = 0;
+    }
     const uint32_t per_group = C::RASTER_GROUP * (L::N_TILES / L::CN);
-    const uint32_t first_row = index / per_group * C::RASTER_GROUP;
+    const uint32_t first_row = local / per_group * C::RASTER_GROUP;
     const uint32_t left = cluster_rows - first_row;
     const uint32_t group_rows = left < (uint32_t)C::RASTER_GROUP ? left : (uint32_t)C::RASTER_GROUP;
-    const uint32_t within = index % per_group;
+    const uint32_t within = local % per_group;
     const uint32_t cm = first_row + within % group_rows, cn = within / group_rows;
     m0 = (cm * L::CM + (L::SHARE_B ? rank : 0)) * C::TILE_M;
     n0 = (cn * L::CN + (L::SHARE_A ? rank : 0)) * C::TILE_N;
@@ -1199,11 +1296,11 @@ struct Scheduler {
 
 // The schedule of this CTA.
 template <class C>
-static __device__ __forceinline__ Scheduler<C> my_tiles(uint32_t rows) {
+static __device__ __forceinline__ Scheduler<C> my_tiles(uint32_t rows, uint32_t first_batch) {
   if constexpr (C::CLUSTER == 1) {
-    return Scheduler<C>(rows, blockIdx.x, gridDim.x, 0);
+    return Scheduler<C>(rows, blockIdx.x, gridDim.x, 0, first_batch);
   } else {
-    return Scheduler<C>(rows, cluster_id_x(), cluster_count_x(), cluster_ctarank());
+    return Scheduler<C>(rows, cluster_id_x(), cluster_count_x(), cluster_ctarank(), first_batch);
   }
 }
 
@@ -1211,13 +1308,16 @@ static __device__ __forceinline__ Scheduler<C> my_tiles(uint32_t rows) {
 // Producer: one thread issues every TMA load of this CTA.
 // ---------------------------------------------------------------------------
 
-template <class C>
-static __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, uint32_t smem,
-                                               uint32_t rows) {
+template <class C, class Hook>
+static __device__ __forceinline__ void produce(const CUtensorMap* a_full, const CUtensorMap* b_map, uint32_t smem,
+                                               uint32_t rows, Hook& hook) {
   using L = Layout<C>;
-  Scheduler<C> tiles = my_tiles<C>(rows);
-  uint32_t stage = 0, phase = 0, m0, n0;
-  while (tiles.next(m0, n0)) {
+  Scheduler<C> tiles = my_tiles<C>(rows, hook.first_batch());
+  uint32_t stage = 0, phase = 0, m0, n0, batch;
+  while (tiles.next(m0, n0, batch)) {
+    hook.wait(batch);  // the rows of this batch are in place (fused ops)
+    int z;
+    const CUtensorMap* a_map = hook.a_map(a_full, batch, z);
     // A cluster's second row tile can lie wholly below M (an odd number of row tiles):
     // it still takes part in the pipeline (its B boxes feed its peer) but is never
     // stored, so its A rows may be any rows; load rows that exist.
@@ -1231,9 +1331,14 @@ static __device__ __forceinline__ void produce(const CUtensorMap* a_map, const C
       const int k0 = kb * C::TILE_K;
       const uint32_t a = smem + L::A_OFF + stage * L::A_STAGE;
       const uint32_t b = smem + L::B_OFF + stage * L::B_STAGE;
-      if constexpr (L::SHARE_A) {  // this CTA's half of the rows, to both CTAs
+      if constexpr (L::SHARE_A && L::BATCHES > 1) {
+        tma_load_3d_multicast(a + tiles.rank * L::A_BOX, a_map, k0, a_row + tiles.rank * L::A_BOX_ROWS, z, full,
+                              L::CLUSTER_MASK);
+      } else if constexpr (L::SHARE_A) {  // this CTA's half of the rows, to both CTAs
         tma_load_2d_multicast(a + tiles.rank * L::A_BOX, a_map, k0, a_row + tiles.rank * L::A_BOX_ROWS, full,
                               L::CLUSTER_MASK);
+      } else if constexpr (L::BATCHES > 1) {
+        tma_load_3d(a, a_map, k0, a_row, z, full);
       } else {
         tma_load_2d(a, a_map, k0, a_row, full);
       }
@@ -1281,7 +1386,8 @@ static __device__ __forceinline__ void release_stage(uint32_t empty) {
 template <class C>
 static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
                                                   const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
-                                                  uint32_t m0, uint32_t n0, uint32_t rows, uint32_t& chunks) {
+                                                  uint32_t m0, uint32_t n0, uint32_t batch, uint32_t rows,
+                                                  uint32_t& chunks) {
   using L = Layout<C>;
   const uint32_t t = threadIdx.x % 128, lane = t % 32;
   // wgmma accumulator layout: warp w of the warpgroup holds rows 16w .. 16w + 15 of a
@@ -1308,7 +1414,11 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
       fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
       named_barrier_sync(1 + cw, 128);
       if (t == 0) {
-        tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
+        if constexpr (L::BATCHES > 1) {
+          tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, (int)batch);
+        } else {
+          tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
+        }
         bulk_commit_group();
       }
       ++chunks;
@@ -1317,9 +1427,10 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
 }
 
 template <class C>
-static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_t smem, uint32_t rows, uint32_t cw) {
+static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_t smem, uint32_t rows, uint32_t cw,
+                                               uint32_t first_batch) {
   using L = Layout<C>;
-  Scheduler<C> tiles = my_tiles<C>(rows);
+  Scheduler<C> tiles = my_tiles<C>(rows, first_batch);
   const bool leader = threadIdx.x % 128 == 0;  // arrives on barriers and issues the stores
   float acc[L::M_BLOCKS][L::ACC];
 #pragma unroll
@@ -1330,8 +1441,8 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
   const uint64_t a_desc = sw128_descriptor(smem + L::A_OFF + cw * L::WG_M * 128, 16, 1024);
   const uint64_t b_desc = sw128_descriptor(smem + L::B_OFF, L::B_BOX, 1024);
   const uint32_t buffers = smem + L::EPI_OFF + cw * 2 * L::CHUNK;
-  uint32_t stage = 0, phase = 0, chunks = 0, m0, n0;
-  while (tiles.next(m0, n0)) {
+  uint32_t stage = 0, phase = 0, chunks = 0, m0, n0, batch;
+  while (tiles.next(m0, n0, batch)) {
     uint32_t previous = 0;
     for (int kb = 0; kb < L::K_BLOCKS; ++kb) {
       mbar_wait(smem + L::FULL_OFF + 8 * stage, phase);
@@ -1358,7 +1469,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     for (int mb = 0; mb < L::M_BLOCKS; ++mb)
 #pragma unroll
       for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
-    store_tile<C>(acc, c_map, buffers, cw, m0, n0, rows, chunks);
+    store_tile<C>(acc, c_map, buffers, cw, m0, n0, batch, rows, chunks);
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
 }
@@ -1367,9 +1478,10 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
 // The kernel body: `rows` = M.
 // ---------------------------------------------------------------------------
 
-template <class C>
+// `rows` = M (per batch); `hook`: see NoHook.
+template <class C, class Hook = NoHook>
 static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                           const CUtensorMap* c_map, uint32_t rows) {
+                                           const CUtensorMap* c_map, uint32_t rows, Hook hook = Hook()) {
   using L = Layout<C>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -1394,10 +1506,10 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     if constexpr (C::CONSUMERS == 2) setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows);
+    if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows, hook);
   } else {
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
-    consume<C>(c_map, smem, rows, warpgroup - 1);
+    consume<C>(c_map, smem, rows, warpgroup - 1, hook.first_batch());
   }
 }
 
@@ -1445,16 +1557,21 @@ static inline cudaError_t tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* 
 // A row-major `rows` x `cols` matrix of 16-bit values, read or written in boxes
 // of box_rows x 64 columns (128 bytes: the swizzle span), 128B-swizzled in
 // shared memory; out-of-bounds loads read zeros, out-of-bounds stores are dropped.
+// With batches > 1 (or three_d): `batches` such matrices one after the other (a 3-D
+// tensor: column, row, batch; boxes of one batch), so that loads past a batch's last row
+// read zeros and stores there are dropped.
 static inline cudaError_t encode_matrix(CUtensorMap* map, CUtensorMapDataType dtype, const void* base,
-                                        uint64_t rows, uint64_t cols, uint32_t box_rows) {
+                                        uint64_t rows, uint64_t cols, uint32_t box_rows, uint64_t batches = 1,
+                                        bool three_d = false) {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
   const cudaError_t err = tensor_map_encoder(&encode);
   if (err != cudaSuccess) return err;
-  const cuuint64_t dims[2] = {cols, rows};
-  const cuuint64_t row_stride[1] = {cols * 2};  // bytes
-  const cuuint32_t box[2] = {64, box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(map, dtype, 2, const_cast<void*>(base), dims, row_stride, box, element_strides,
+  const cuuint32_t dims_n = batches > 1 || three_d ? 3 : 2;
+  const cuuint64_t dims[3] = {cols, rows, batches};
+  const cuuint64_t strides[2] = {cols * 2, rows * cols * 2};  // bytes, of dimensions 1 and 2
+  const cuuint32_t box[3] = {64, box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, dtype, dims_n, const_cast<void*>(base), dims, strides, box, element_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
@@ -1529,6 +1646,24 @@ static cudaError_t resident_ctas(const void* kernel, int* ctas) {
 
 // Launch C = A . B for `count` rows on `stream`: a persistent grid of at most
 // C::BLOCKS CTAs, no more than are resident at once, no more than there are tiles.
+// The persistent grid for `rows` rows (per batch): at most C::BLOCKS CTAs, no more than are
+// resident at once less `reserve` CTAs' worth of SMs (left free for kernels that must
+// run beside this one: the fused ops' signal kernels), no more than there are tiles.
+template <class C>
+static cudaError_t grid_size(const void* kernel, uint32_t rows, int reserve, unsigned* out) {
+  int resident;
+  const cudaError_t err = resident_ctas<C>(kernel, &resident);
+  if (err != cudaSuccess) return err;
+  resident -= reserve;
+  if (resident < C::CLUSTER) return cudaErrorLaunchOutOfResources;
+  const uint64_t tiles = (uint64_t)Scheduler<C>::cluster_tiles(rows) * C::CLUSTER;
+  uint64_t grid = (uint64_t)C::BLOCKS / C::CLUSTER * C::CLUSTER;
+  grid = grid < (uint64_t)resident ? grid : (uint64_t)resident / C::CLUSTER * C::CLUSTER;
+  grid = grid < tiles ? grid : tiles;
+  *out = (unsigned)grid;
+  return cudaSuccess;
+}
+
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, uint64_t count,
                           cudaStream_t stream) {
@@ -1539,14 +1674,10 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
   const TensorMaps* maps;
   cudaError_t err = tensor_maps<C>(a, b, c, rows, &maps);
   if (err != cudaSuccess) return err;
-  int resident;
-  err = resident_ctas<C>(reinterpret_cast<const void*>(kernel), &resident);
+  unsigned grid;
+  err = grid_size<C>(reinterpret_cast<const void*>(kernel), rows, 0, &grid);
   if (err != cudaSuccess) return err;
-  const uint64_t tiles = (uint64_t)Scheduler<C>::cluster_tiles(rows) * C::CLUSTER;
-  uint64_t grid = (uint64_t)C::BLOCKS / C::CLUSTER * C::CLUSTER;
-  grid = grid < (uint64_t)resident ? grid : (uint64_t)resident / C::CLUSTER * C::CLUSTER;
-  grid = grid < tiles ? grid : tiles;
-  kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->a, maps->b, maps->c, count);
+  kernel<<<grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->a, maps->b, maps->c, count);
   return cudaGetLastError();
 }
 

@@ -378,3 +378,28 @@ def test_gpu_tool_report(tool):
     assert "| tsgen shipped | bfloat16 | 1.600 | 687 | 0.850 | 2.0e-03 |" in text
     assert "target >= 0.8: met" in text and "| shipped | 77 | 20 | 3.00e-03 | 0 | 0 | PASS |" in text
     assert "CRASHED: trap" in text and "All checks: FAIL" in text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_tool_uploads_bits_into_runtime_buffers(tool, dtype):
+    """The tool writes from_f32's 16-bit patterns into the runtime's buffer views. Those views
+    are typed by np_dtype (float16 for fp16, uint16 for bf16): writing bits into a float16
+    view converts them as numbers (the run-3 fp16 failure, rel err 8e3..7e7). The tool's
+    bits16 view must hold exactly the values the kernel then reads."""
+    from tsgen.runtime.world import np_dtype
+
+    class FakeBuffers:  # Buffers.array with NumPy instead of CuPy
+        def __init__(self):
+            self.heap = {"a": np.zeros(1000, dtype=np_dtype(dtype))}
+
+        def array(self, name, rank):
+            return self.heap[name]
+
+    bufs = FakeBuffers()
+    x = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    view = tool.bits16(bufs, "a")
+    view[...] = tool.from_f32(np, x, dtype)
+    typed = bufs.heap["a"]  # what the kernel reads: bf16 bits or fp16 values
+    seen = to_f64(typed, dtype)
+    assert np.abs(seen - x).max() <= 2.0**-7 * np.abs(x).max()
+    assert np.array_equal(tool.to_f32(np, view, dtype), seen.astype(np.float32))

@@ -24,25 +24,27 @@ from tsgen.bench import bench_collective, best_baselines, human, parse_sizes  # 
 SHIPPED = {
     "allgather": [("allgather", {}, None), ("allgather_ring", {}, None), ("allgather_ce", {}, None)],
     "reduce_scatter": [("reduce_scatter", {}, None), ("reduce_scatter_large", {}, None),
-                       ("reduce_scatter_ce", {}, None)],
+                       ("reduce_scatter_ring", {}, None), ("reduce_scatter_ce", {}, None)],
     "all_to_all": [("all_to_all", {}, None), ("all_to_all_ce", {}, None)],
     "all_reduce": [("all_reduce_one_shot", {}, None), ("all_reduce_two_shot_pull", {}, None),
-                   ("all_reduce_two_shot", {}, None), ("all_reduce_two_shot_ce", {}, None)],
-    "broadcast": [("broadcast", {}, None), ("broadcast_large", {}, None)],
+                   ("all_reduce_two_shot", {}, None), ("all_reduce_ring", {}, None),
+                   ("all_reduce_two_shot_ce", {}, None)],
+    "broadcast": [("broadcast", {}, None), ("broadcast_ring", {}, None)],
 }
 TUNE = {
     "allgather": [("allgather", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (4, 24, 32)]
     + [("allgather_pull", {"blocks_per_peer": 32}, 128)]
     + [("allgather", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)]
-    + [("allgather_ring", {"blocks_per_peer": b, "pieces": p}, 2 * b) for b, p in ((32, 8), (64, 8), (64, 16))],
+    + [("allgather_ring", {"blocks_per_peer": b, "pieces": p}, min(132, 2 * b)) for b, p in ((64, 4), (64, 12))],
     "reduce_scatter": [("reduce_scatter", {"blocks_per_peer": b, "pieces": p}, min(132, 4 * b + 1))
                        for b, p in ((16, 4), (24, 4), (24, 8), (32, 8))]
-    + [("reduce_scatter", {"peer_order": "pairwise", "blocks_per_peer": b, "pieces": 4}, 2 * b) for b in (32, 64)],
+    + [("reduce_scatter_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (4, 16)],
     "all_to_all": [("all_to_all", {"blocks_per_peer": b}, min(132, 4 * b + 1)) for b in (24, 32)]
     + [("all_to_all", {"peer_order": "pairwise", "blocks_per_peer": b}, b + 1) for b in (32, 64, 96)],
     "all_reduce": [("all_reduce_two_shot_pull", {"blocks_per_peer": b}, b + 8) for b in (8, 16, 64)]
-    + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)],
-    "broadcast": [("broadcast", {"blocks_per_peer": 32}, 97)],
+    + [("all_reduce_one_shot", {"blocks_per_peer": b}, b + 1) for b in (4, 8, 16)]
+    + [("all_reduce_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (2, 8)],
+    "broadcast": [("broadcast_ring", {"blocks_per_peer": 64, "pieces": p}, 128) for p in (8, 32)],
 }
 
 

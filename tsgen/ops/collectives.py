@@ -54,20 +54,29 @@ class AllgatherParams(CollectiveParams):
 
 
 class AllReduceParams(CollectiveParams):
-    algorithm: Literal["one_shot", "two_shot", "two_shot_pull", "multimem"] = Field(
+    algorithm: Literal["one_shot", "two_shot", "two_shot_pull", "ring", "multimem"] = Field(
         "two_shot", description="one_shot: every rank reads every peer's input and reduces all of it; "
+        "ring: ring reduce-scatter then ring allgather, r -> r+1 only, in signalled pieces; "
         "two_shot: reduce-scatter by push into inboxes, then allgather by push (large sizes); "
         "two_shot_pull: each rank reads and reduces its part from every peer, then pushes it (small sizes); "
         "multimem: two-shot with multimem.ld_reduce + multimem.st and a multimem.red barrier (compiled only: "
         "the runtime refuses it unless explicitly enabled)")
 
 
+class ReduceScatterParams(CollectiveParams):
+    algorithm: Literal["direct", "ring"] = Field(
+        "direct", description="direct: push each peer's chunk into its inbox, every rank reduces its own; "
+        "ring: partial sums travel r -> r+1, each rank adds its part and forwards (one outgoing peer per "
+        "GPU; a rounding to dtype per hop)")
+
+
 class BroadcastParams(CollectiveParams):
     root: int = Field(0, ge=0, le=7, description="rank whose input every rank receives")
-    algorithm: Literal["push", "scatter_allgather"] = Field(
+    algorithm: Literal["push", "scatter_allgather", "ring"] = Field(
         "push", description="push: the root writes the whole message into every peer (small sizes); "
         "scatter_allgather: the root writes part j into rank j, then every rank writes its part into "
-        "every other non-root rank (the root sends each byte once: large sizes)")
+        "every other non-root rank (the root sends each byte once); ring: a chain root -> root+1 -> ... "
+        "in signalled pieces, each forwarded as it lands (large sizes)")
 
 
 def _spec(kind: str, params: type) -> type[SpecBase]:
@@ -181,6 +190,22 @@ class CollectiveFamily(OpFamily):
         problems = self._multimem_check(spec) if self.is_multimem(spec) else []
         if self.copy_engine(spec) and self.is_multimem(spec):
             problems.append((("params", "transport"), "multimem variants store through NVLink multicast, not the copy engine"))
+        if self.copy_engine(spec) and getattr(spec.params, "direction", "push") == "pull":
+            # measured (NOTES run 16): a cudaMemcpyAsync whose source is a peer's memory blocked
+            # the launching thread until it ran, so the next rank was never launched
+            problems.append((("params", "direction"), "the copy engine pushes only: a copy reading a peer's "
+                             "memory blocks the host thread that launches every rank; use direction: push"))
+        if problems or self.is_multimem(spec):
+            return problems
+        for w in spec.world_sizes:  # the C tables index shares with 16 bits; streams are finite
+            cp = self.comm_plan(spec, w)
+            shares = sum(len(b) for rp in cp.ranks for b in rp.blocks)
+            if shares > 0xFFFF:
+                problems.append((("params", "pieces"), f"the plan at world size {w} has {shares} block shares, "
+                                 "more than the 65535 its tables can index: fewer pieces or blocks_per_peer"))
+            if self.copy_engine(spec) and cp.nblocks > 32:
+                problems.append((("params", "pieces"), f"the plan at world size {w} needs {cp.nblocks} streams, "
+                                 "more than the copy-engine launcher's 32"))
         return problems
 
     def is_multimem(self, spec) -> bool:
@@ -356,12 +381,13 @@ def _itemsize(dtype: str) -> int:
     return 2 if dtype in ("bfloat16", "float16") else 4
 
 
-def _reduce_tolerance(dtype: str, parts: list[np.ndarray]) -> np.ndarray:
-    """|error| allowed for a sum of `parts` (fp32 accumulation, one rounding to dtype)."""
+def _reduce_tolerance(dtype: str, parts: list[np.ndarray], roundings: int = 1) -> np.ndarray:
+    """|error| allowed for a sum of `parts` (fp32 accumulation; `roundings` roundings to dtype:
+    1 when the sum is rounded once, one per hop when a ring carries rounded partial sums)."""
     if dtype == "int32":
         return np.zeros(parts[0].shape)
     mag = sum(np.abs(to_f64(p, dtype)) for p in parts)
-    return 2 * EPS[dtype] * mag + 2 * EPS["float32"] * len(parts) * mag + 1e-30
+    return (1 + roundings) * EPS[dtype] * mag + 2 * EPS["float32"] * len(parts) * mag + 1e-30
 
 
 def _sum(dtype: str, parts: list[np.ndarray]) -> np.ndarray:
@@ -376,7 +402,7 @@ def _sum(dtype: str, parts: list[np.ndarray]) -> np.ndarray:
 
 class ReduceScatterFamily(CollectiveFamily):
     kind = "reduce_scatter"
-    Params = CollectiveParams
+    Params = ReduceScatterParams
     summary = ("rank r ends with the sum over ranks of chunk r (push chunks into peers' inboxes, "
                "pipelined in pieces, reduce locally in fp32)")
 
@@ -389,6 +415,8 @@ class ReduceScatterFamily(CollectiveFamily):
         return {"entry": w, "arrive": w * spec.params.pieces}
 
     def comm_plan(self, spec, w):
+        if spec.params.algorithm == "ring":
+            return self._ring(spec, w)
         p = spec.params
         P, bpp = p.pieces, self._bpp(spec)
         src_buf = "dst" if p.in_place else "src"
@@ -415,6 +443,44 @@ class ReduceScatterFamily(CollectiveFamily):
                 expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
         return self._schedule(spec, w, steps, expected)
 
+    def _ring(self, spec, w):
+        """Chunk c starts at rank c+1 and ends at rank c: at hop h rank r adds its part of
+        chunk r-h-1 to the partial sum that arrived in its inbox and writes the result
+        into rank r+1's inbox; the last hop's sum is the output."""
+        p = spec.params
+        P, bpp = p.pieces, self._bpp(spec)
+        src_buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            right = (r + 1) % w
+            s = [_entry(r, w, to=[(r - 1) % w])]  # only our left neighbour writes into us
+            for hop in range(w - 1):
+                c = (r - hop - 1) % w
+                for i in range(P):
+                    mine = (r, Slice(src_buf, c, i, P))
+                    dst = (right, Slice("inbox", c, i, P))
+                    if hop == 0:
+                        step = Step("copy", dst=dst, srcs=(mine,), waits=(("entry", right),),
+                                    note=f"chunk {c} piece {i}: our part to rank {right}")
+                    else:
+                        step = Step("reduce", dst=dst, srcs=((r, Slice("inbox", c, i, P)), mine),
+                                    waits=(("arrive", c * P + i), ("entry", right)),
+                                    note=f"chunk {c} piece {i}: partial sum + our part to rank {right}")
+                    s.append(dataclasses.replace(step, signals=(SignalRef(right, "arrive", c * P + i),),
+                                                 blocks=bpp, lane="ring"))
+            for i in range(P):
+                dst = (r, Slice("dst", r, i, P)) if p.in_place else (r, Slice("dst", 0, i, P))
+                s.append(Step("reduce", dst=dst, srcs=((r, Slice("inbox", r, i, P)), (r, Slice(src_buf, r, i, P))),
+                              waits=(("arrive", r * P + i),), blocks=bpp, lane="final",
+                              note=f"our chunk, piece {i}: last partial sum + our part"))
+            steps.append(s)
+        expected = {}
+        for r in range(w):
+            for i in range(P):
+                sl = Slice("dst", r, i, P) if p.in_place else Slice("dst", 0, i, P)
+                expected[(r, sl)] = Counter({(q, src_buf, r, i): 1 for q in range(w)})
+        return self._schedule(spec, w, steps, expected)
+
     def _parts(self, spec, world, count, inputs, r):
         src = inputs["dst" if spec.params.in_place else "src"]
         return [src[q][r * count:(r + 1) * count] for q in range(world)]
@@ -433,7 +499,8 @@ class ReduceScatterFamily(CollectiveFamily):
     def tolerance(self, spec, world, count, inputs):
         out = []
         for r in range(world):
-            tol = _reduce_tolerance(spec.dtype, self._parts(spec, world, count, inputs, r))
+            tol = _reduce_tolerance(spec.dtype, self._parts(spec, world, count, inputs, r),
+                                    roundings=world if spec.params.algorithm == "ring" else 1)
             if spec.params.in_place:
                 full = np.zeros(world * count)
                 full[r * count:(r + 1) * count] = tol
@@ -510,6 +577,9 @@ class AllReduceFamily(CollectiveFamily):
     multimem_switch = ("algorithm", "multimem")
 
     def data_buffers(self, spec):
+        if spec.params.algorithm == "ring":  # the inbox holds one partial sum per part
+            io = {"dst": ("inout", 1)} if spec.params.in_place else {"src": ("input", 1), "dst": ("output", 1)}
+            return io | {"inbox": ("scratch", 1)}
         two = spec.params.algorithm == "two_shot"
         if spec.params.algorithm in ("two_shot_pull", "multimem"):
             return {"dst": ("inout", 1)} if spec.params.in_place else {"src": ("input", 1), "dst": ("output", 1)}
@@ -523,13 +593,63 @@ class AllReduceFamily(CollectiveFamily):
             return {"entry": w, "done": w} | ({"reduced": 1} if spec.params.in_place else {})
         if spec.params.algorithm == "two_shot_pull":
             return {"entry": w, "gathered": w * P}
+        if spec.params.algorithm == "ring":
+            return {"entry": w, "arrive": w * P, "gathered": w * P}
         if spec.params.algorithm == "multimem":
             return {"barrier": 1}
         return {"entry": w, "arrive": w * P, "reduced": P, "gathered": w * P}
 
     def comm_plan(self, spec, w):
-        return {"one_shot": self._one_shot, "two_shot": self._two_shot,
-                "two_shot_pull": self._two_shot_pull}[spec.params.algorithm](spec, w)
+        return {"one_shot": self._one_shot, "two_shot": self._two_shot, "two_shot_pull": self._two_shot_pull,
+                "ring": self._ring}[spec.params.algorithm](spec, w)
+
+    def _ring(self, spec, w):
+        """Ring reduce-scatter of the w parts (part c ends reduced at rank c), then a ring
+        allgather of the reduced parts; every GPU writes only into rank r+1."""
+        p = spec.params
+        P, bpp = p.pieces, self._bpp(spec)
+        n = w * P  # part c, piece i = piece c*P + i of the count
+        buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            right = (r + 1) % w
+            s = [_entry(r, w, to=[(r - 1) % w])]  # only our left neighbour writes into us
+            for hop in range(w - 1):  # reduce-scatter: partial sums of part r-hop-1 go right
+                c = (r - hop - 1) % w
+                for i in range(P):
+                    k = c * P + i
+                    mine, dst = (r, Slice(buf, 0, k, n)), (right, Slice("inbox", 0, k, n))
+                    if hop == 0:
+                        step = Step("copy", dst=dst, srcs=(mine,), waits=(("entry", right),),
+                                    note=f"part {c} piece {i}: our input to rank {right}")
+                    else:
+                        step = Step("reduce", dst=dst, srcs=((r, Slice("inbox", 0, k, n)), mine),
+                                    waits=(("arrive", k), ("entry", right)),
+                                    note=f"part {c} piece {i}: partial sum + our input to rank {right}")
+                    s.append(dataclasses.replace(step, signals=(SignalRef(right, "arrive", k),),
+                                                 blocks=bpp, lane="rs"))
+            # One lane: each block reduces its share of a piece of our part, then sends that
+            # same share on (it wrote it itself, so no signal is needed in between).
+            for i in range(P):
+                k = r * P + i
+                s.append(Step("reduce", dst=(r, Slice("dst", 0, k, n)),
+                              srcs=((r, Slice("inbox", 0, k, n)), (r, Slice(buf, 0, k, n))),
+                              waits=(("arrive", k),), blocks=bpp, lane="ag",
+                              note=f"our part, piece {i}: last partial sum + our input"))
+            for hop in range(w - 1):  # allgather: reduced part r-hop goes right
+                c = (r - hop) % w
+                for i in range(P):
+                    k = c * P + i
+                    waits = (("entry", right),) + ((("gathered", k),) if hop else ())
+                    s.append(Step("copy", dst=(right, Slice("dst", 0, k, n)), srcs=((r, Slice("dst", 0, k, n)),),
+                                  waits=waits, signals=(SignalRef(right, "gathered", k),), blocks=bpp, lane="ag",
+                                  note=f"reduced part {c} piece {i} to rank {right}"))
+            s += _final([("gathered", c * P + i) for c in range(w) if c != r for i in range(P)],
+                        "wait for every reduced part")
+            steps.append(s)
+        expected = {(r, Slice("dst", 0, k, n)): Counter({(q, buf, 0, k): 1 for q in range(w)})
+                    for r in range(w) for k in range(n)}
+        return self._schedule(spec, w, steps, expected)
 
     def _two_shot_pull(self, spec, w):
         """Entry; reduce our part straight from every rank's input (peer reads); push it
@@ -629,7 +749,7 @@ class AllReduceFamily(CollectiveFamily):
 
     def tolerance(self, spec, world, count, inputs):
         parts = inputs["dst" if spec.params.in_place else "src"]
-        tol = _reduce_tolerance(spec.dtype, parts)
+        tol = _reduce_tolerance(spec.dtype, parts, roundings=world if spec.params.algorithm == "ring" else 1)
         return {"dst": [tol for _ in range(world)]}
 
 
@@ -657,11 +777,15 @@ class BroadcastFamily(CollectiveFamily):
     def signal_sizes(self, spec, w):
         if spec.params.algorithm == "scatter_allgather":
             return {"entry": w, "scattered": 1, "gathered": w}
+        if spec.params.algorithm == "ring":
+            return {"entry": w, "arrive": spec.params.pieces}
         return {"entry": w, "arrive": 1}
 
     def comm_plan(self, spec, w):
         if spec.params.algorithm == "scatter_allgather":
             return self._scatter_allgather(spec, w)
+        if spec.params.algorithm == "ring":
+            return self._chain(spec, w)
         p = spec.params
         root, bpp = p.root, self._bpp(spec)
         buf = "dst" if p.in_place else "src"
@@ -679,6 +803,32 @@ class BroadcastFamily(CollectiveFamily):
                               note="local copy"))
             steps.append(s)
         expected = {(q, Slice("dst", 0)): Counter({(root, buf, 0, 0): 1}) for q in range(w)
+                    if not (p.in_place and q == root)}
+        return self._schedule(spec, w, steps, expected)
+
+    def _chain(self, spec, w):
+        """root -> root+1 -> ... -> root-1, piece by piece, each forwarded as it lands."""
+        p = spec.params
+        root, P, bpp = p.root, p.pieces, self._bpp(spec)
+        buf = "dst" if p.in_place else "src"
+        steps = []
+        for r in range(w):
+            right, last = (r + 1) % w, (root - 1) % w
+            s = [] if r == root else [_entry(r, w, to=[(r - 1) % w])]  # our left neighbour writes into us
+            if r != last:
+                for i in range(P):
+                    src = (r, Slice(buf if r == root else "dst", 0, i, P))
+                    waits = (("entry", right),) + (() if r == root else (("arrive", i),))
+                    s.append(Step("copy", dst=(right, Slice("dst", 0, i, P)), srcs=(src,), waits=waits,
+                                  signals=(SignalRef(right, "arrive", i),), blocks=bpp, lane="chain",
+                                  note=f"piece {i} to rank {right}"))
+            else:
+                s += _final([("arrive", i) for i in range(P)], "wait for every piece")
+            if r == root and not p.in_place:
+                s += [Step("copy", dst=(r, Slice("dst", 0, i, P)), srcs=((r, Slice("src", 0, i, P)),), blocks=bpp,
+                           lane="local", note=f"local copy, piece {i}") for i in range(P)]
+            steps.append(s)
+        expected = {(q, Slice("dst", 0, i, P)): Counter({(root, buf, 0, i): 1}) for q in range(w) for i in range(P)
                     if not (p.in_place and q == root)}
         return self._schedule(spec, w, steps, expected)
 

@@ -1,0 +1,200 @@
+"""allgather_gemm on the CPU: spec errors, render + manifest, the NumPy reference, the
+sm_90a build (no spills, HGMMA, 3-D TMA), the batched schedule walked on the host, and
+tools/gpu_fused.py's report. Needs nvcc / cuobjdump for the build checks, no GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT
+from test_gemm_cpu import NO_NVCC, NO_SASS, needs_nvcc, needs_sass  # noqa: F401
+from tsgen.errors import SpecError
+from tsgen.ops import get_family
+from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.render import render
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
+
+SPECS = [ROOT / "specs" / "allgather_gemm.yaml", ROOT / "specs" / "allgather_gemm_plain.yaml"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
+    yield
+    mp.undo()
+
+
+def variant(tmp, name, **changes):
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["name"] = name
+
+    def merge(into, new):
+        for k, v in new.items():
+            if isinstance(v, dict):
+                merge(into.setdefault(k, {}), v)
+            else:
+                into[k] = v
+
+    merge(data, changes)
+    path = tmp / "specs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"params": {"n": 2000}}, "not a multiple of tile.n"),
+    ({"params": {"reserve_sms": 3}}, "reserve_sms"),
+    ({"params": {"overlap": "dma"}}, "overlap"),
+    ({"world_sizes": [1]}, "world_sizes"),
+    ({"params": {"stages": 6}}, "shared"),
+])
+def test_bad_spec(tmp_path, changes, expected):
+    with pytest.raises(SpecError, match=expected):
+        load_spec(variant(tmp_path, "bad", **changes))
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_render_and_manifest(path):
+    r = render(load_spec(path), base=ROOT)
+    m = json.loads(r.manifest)
+    assert m["host_launch"] and m["world_sizes"] == [2, 3, 4]
+    k = m["kernels"][0]
+    assert [a["role"] for a in k["launcher_args"]][:5] == ["peers", "peers_host", "rank", "calls", "count"]
+    assert [b["name"] for b in m["buffers"]] == ["calls", "a", "b", "c", "a_full", "sig"]
+    overlapped = "plain" not in path.stem
+    assert ("cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy)" in r.source) == overlapped
+    assert ("GatherHook<allgather_gemm::OVERLAP>" in r.source) or not overlapped
+    assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
+
+
+def test_reference_tiny():
+    fam = get_family("allgather_gemm")
+    spec = load_spec(SPECS[0]).model
+    spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 256, "k": 64})})
+    inputs = fam.make_inputs(spec, 3, 5, np.random.default_rng(0), pattern=False)
+    ref = fam.reference(spec, 3, 5, inputs)["c"]
+    for r in range(3):
+        full = np.concatenate([to_f64(inputs["a"][s], "bfloat16").reshape(5, 64) for s in range(3)])
+        want = full @ to_f64(inputs["b"][r], "bfloat16").reshape(64, 256)
+        got = to_f64(ref[r], "bfloat16").reshape(15, 256)
+        assert np.allclose(got, want, rtol=2**-7, atol=1e-6)
+    tol = fam.tolerance(spec, 3, 5, inputs)["c"]
+    assert len(tol) == 3 and tol[0].shape == ref[0].shape
+    assert fam.flops(spec, 4, 2048) == 2.0 * 4 * 2048 * 256 * 64
+
+
+@needs_nvcc
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("mode", ["cubin", "shared"])
+def test_compiles_without_spills(cache, tmp_path, path, mode):
+    r = render(load_spec(path), base=ROOT)
+    src = tmp_path / f"{r.name}.cu"
+    src.write_text(r.source)
+    report = compile_source(src, mode=mode).report
+    gemms = {k: v for k, v in report.items() if k.endswith("_gemm")}
+    if mode == "cubin":
+        assert len(gemms) == 3
+    for name, e in gemms.items():
+        assert e["spill_stores"] == 0 and e["spill_loads"] == 0 and e["stack_frame"] == 0, (name, e)
+
+
+@needs_sass
+def test_sass(cache, tmp_path):
+    r = render(load_spec(SPECS[0]), base=ROOT)
+    src = tmp_path / f"{r.name}.cu"
+    src.write_text(r.source)
+    sass = dump_sass(compile_source(src).output)
+    assert "HGMMA.64x256x16.F32.BF16" in sass
+    assert "UTMALDG.3D" in sass and "UTMASTG.3D" in sass
+
+
+WALK = r"""
+#include "SOURCE"
+#include <cstdlib>
+// "cta batch m0 n0" per tile of a grid of `ctas`, starting at batch `first`.
+int main(int argc, char** argv) {
+  using C = MODULE::Config<WORLD>;
+  const uint32_t rows = atoi(argv[1]), ctas = atoi(argv[2]), first = atoi(argv[3]);
+  for (uint32_t b = 0; b < ctas; ++b) {
+    tsgen_gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
+    uint32_t m0, n0, batch;
+    while (t.next(m0, n0, batch)) printf("%u %u %u %u\n", b, batch, m0, n0);
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_batched_schedule(tmp_path):
+    path = variant(tmp_path, "w", params={"n": 512, "k": 128})
+    spec = load_spec(path).model
+    r = render(load_spec(path), base=tmp_path)
+    src = tmp_path / "w.cu"
+    src.write_text(r.source)
+    main = tmp_path / "walk.cu"
+    main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "3"))
+    exe = tmp_path / "walk"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+                   check=True, capture_output=True)
+    tm, tn = spec.params.tile.m, spec.params.tile.n
+    for rows in (1, 129, 259, 1000):
+        for ctas in (2, 6, 132):
+            for first in (0, 2):
+                out = subprocess.run([str(exe), str(rows), str(ctas), str(first)], capture_output=True, text=True,
+                                     check=True).stdout
+                walk = [tuple(map(int, x.split())) for x in out.splitlines()]
+                stored = sorted((b, m0, n0) for _, b, m0, n0 in walk if m0 < rows)
+                want = sorted((b, m0, n0) for b in range(3) for m0 in range(0, rows, tm) for n0 in range(0, 512, tn))
+                assert stored == want, (rows, ctas, first)
+                for cta in range(ctas):  # each CTA walks sources first, first + 1, ... (mod 3)
+                    seq = [(b - first) % 3 for c, b, _, _ in walk if c == cta]
+                    assert seq == sorted(seq), (rows, ctas, first, cta)
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    s = importlib.util.spec_from_file_location("gpu_fused", ROOT / "tools" / "gpu_fused.py")
+    m = importlib.util.module_from_spec(s)
+    s.loader.exec_module(m)
+    return m
+
+
+def test_tool_builds_specs(tmp_path, tool):
+    for name in tool.SPECS:
+        m = json.loads(tool.build(tmp_path, name, timeout_ms=5000).read_text())
+        assert m["timeout_ms"] == 5000 and m["constants"]["N"] == 2048 and m["constants"]["K"] == tool.K
+
+
+def test_tool_conversions(tool):
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    bits = tool.from_f32(np, x)
+    assert np.array_equal(bits, from_f64(x.astype(np.float64), "bfloat16"))
+    assert np.array_equal(tool.to_f32(np, bits), to_f64(bits, "bfloat16").astype(np.float32))
+
+
+def test_tool_report(tool):
+    torch_rows = [{"m": 8192, "gemm": 340.0, "comm": 250.0, "sequential": 690.0, "fused": 440.0}]
+    tsgen_rows = [{"impl": "tsgen overlapped", "m": 8192, "us": 400.0, "rel_err": 2e-3}]
+    table = tool.summarize(tsgen_rows, torch_rows)
+    row = next(r for r in table if r["impl"] == "tsgen overlapped")
+    assert row["speedup_vs_sequential"] == pytest.approx(690 / 400)
+    assert row["vs_torch_fused"] == pytest.approx(440 / 400) and row["overlap_efficiency"] == pytest.approx(340 / 400)
+    s = {"device": "4 x NVIDIA H200", "date": "2026-11-21 10:00 UTC", "command": "python tools/gpu_fused.py o",
+         "checks": [{"pass": True, "rows": [{"spec": "overlapped", "world": 2, "m_local": 259, "calls": 20,
+                                            "max_rel_err": 2e-3, "poison_left": 0, "pass": True}]}],
+         "table": table, "torch_rows": torch_rows, "all_checks_pass": True, "seconds": 100.0}
+    text = tool.markdown(s)
+    assert "| overlapped | 2 | 259 | 20 | 2.00e-03 | 0 | PASS |" in text
+    assert "| 8192 | tsgen overlapped | 400.0 |" in text and "All checks: PASS" in text

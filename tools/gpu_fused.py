@@ -1,0 +1,439 @@
+"""allgather_gemm on 2-4 GPUs: correctness, then tsgen (plain, overlapped) against cuBLAS +
+NCCL one after the other and PyTorch SymmetricMemory's fused_all_gather_matmul.
+
+Usage: python tools/gpu_fused.py OUT_DIR     (on the lent machines: bash tools/gpu_fused.sh)
+
+1. Correctness (one child per world size 2, 3, 4; single-process tsgen World): both shipped
+   specs (specs/allgather_gemm.yaml: overlap copy_engine; allgather_gemm_plain.yaml: none),
+   M_local = CHECK_M, K = 8192, N_local = 2048; CALLS back-to-back calls, fresh random bf16
+   A on every rank before each call, C poisoned with a NaN pattern; ||C_r - ref_r|| / ||ref_r||
+   <= 1e-2 per rank against a float32 product of the same inputs; no poison left.
+2. Timing at world 4, K = N = 8192 (N_local = 2048), M = 4096, 8192, 16384 total rows:
+   tsgen plain / overlapped (one process drives the 4 GPUs; ITERS calls queued back to back
+   on every GPU between two events per GPU, time = the slowest GPU's / ITERS), and, one
+   process per GPU (tsgen.baselines.launch_workers): cuBLAS alone (torch.matmul of the
+   gathered (M x K) . (K x N_local)), NCCL all_gather_into_tensor alone, the two one after
+   the other, and torch.ops.symm_mem.fused_all_gather_matmul.
+NVLink multicast is off everywhere (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in every process). Writes OUT/fused_bench.json and
+OUT/fused_bench.md and prints the table last. Exit 0: all checks passed; 1: a check failed
+or a step crashed; 2: setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+os.environ.update(SAFE_ENV)
+
+SPECS = {"overlapped": ROOT / "specs" / "allgather_gemm.yaml", "plain": ROOT / "specs" / "allgather_gemm_plain.yaml"}
+WORLDS = [2, 3, 4]
+CHECK_M = 259  # M_local: two full row tiles and a tail per source
+CALLS = 20
+BENCH_WORLD = 4
+BENCH_M = [4096, 8192, 16384]  # total rows
+K, N = 8192, 8192
+ITERS, WARMUP = 20, 3
+MAX_REL_ERR = 1e-2
+CHECK_TIMEOUT_S, TSGEN_BENCH_TIMEOUT_S, TORCH_TIMEOUT_S, DEADLINE_S = 75, 90, 120, 280
+
+
+def build(out: Path, name: str, timeout_ms: int | None) -> Path:
+    """Render shipped spec `name` (with a short timeout for checks) into OUT/build; the manifest."""
+    import yaml
+
+    from tsgen.render import render, write_if_different
+    from tsgen.spec import load_spec
+
+    data = yaml.safe_load(SPECS[name].read_text())
+    data["name"] = f"{data['name']}_t" if timeout_ms else data["name"]
+    if timeout_ms:
+        data.setdefault("sync", {})["timeout_ms"] = timeout_ms
+    path = out / "build" / "specs" / f"{data['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    r = render(load_spec(path), base=path.parent.parent)
+    for f, text in r.files().items():
+        write_if_different(out / "build" / "generated" / f, text)
+    return out / "build" / "generated" / f"{r.name}.json"
+
+
+def to_f32(cp, bits):
+    return (bits.astype(cp.uint32) << 16).view(cp.float32)
+
+
+def from_f32(cp, x):
+    u = x.view(cp.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+
+
+# ---------------------------------------------------------------------------
+# Child: correctness at one world size
+# ---------------------------------------------------------------------------
+
+
+def check(out: Path, world_size: int) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows, ok = [], True
+    with World(world_size) as world:
+        for name in SPECS:
+            t0 = time.perf_counter()
+            module = world.load(build(out, name, timeout_ms=5000))
+            n_local = module.manifest["constants"]["N"]
+            m = CHECK_M
+            bufs = module.alloc(m)
+            try:
+                arr = {(x, r): bufs.array(x, r).view(cp.uint16) for x in "abc" for r in world.ranks}
+                rng = {}
+                for r in world.ranks:
+                    with cp.cuda.Device(world.devices[r]):
+                        rng[r] = cp.random.default_rng(100 + r)
+                        arr["b", r][...] = from_f32(cp, rng[r].standard_normal(K * n_local, dtype=cp.float32))
+                errs, left = [], 0
+                for call in range(CALLS):
+                    poison = 0x7F80 | (0x41 + call % 60)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            arr["a", r][...] = from_f32(cp, rng[r].standard_normal(m * K, dtype=cp.float32))
+                            arr["c", r][...] = poison
+                    world.synchronize()
+                    module.launch(bufs)
+                    world.synchronize()
+                    host_a = {s: arr["a", s].get() for s in world.ranks}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            # through the host: arrays of other GPUs are not used here directly
+                            full = cp.concatenate([to_f32(cp, cp.asarray(host_a[s])).reshape(m, K)
+                                                   for s in world.ranks])
+                            ref = full @ to_f32(cp, arr["b", r]).reshape(K, n_local)
+                            got = to_f32(cp, arr["c", r]).reshape(world_size * m, n_local)
+                            bad = ~cp.isfinite(got)
+                            err = float(cp.linalg.norm(cp.where(bad, 0, got - ref)) / cp.linalg.norm(ref))
+                            errs.append(err + float(cp.count_nonzero(bad)))
+                            left = max(left, int(cp.count_nonzero(arr["c", r] == poison)))
+            finally:
+                bufs.free()
+            err = max(errs)
+            passed = err <= MAX_REL_ERR and left == 0
+            ok &= passed
+            rows.append({"spec": name, "world": world_size, "m_local": m, "calls": CALLS, "max_rel_err": err,
+                         "poison_left": left, "pass": passed, "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"  {name} world {world_size}: {'PASS' if passed else 'FAIL'} max rel err {err:.2e}, "
+                  f"{left} poisoned left", flush=True)
+    return {"pass": ok, "rows": rows}
+
+
+# ---------------------------------------------------------------------------
+# Child: tsgen timing at world 4
+# ---------------------------------------------------------------------------
+
+
+def bench_tsgen(out: Path) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows = []
+    with World(BENCH_WORLD) as world:
+        for name in SPECS:
+            module = world.load(build(out, name, timeout_ms=None))
+            n_local = module.manifest["constants"]["N"]
+            for m_total in BENCH_M:
+                m = m_total // BENCH_WORLD
+                bufs = module.alloc(m)
+                try:
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            g = cp.random.default_rng(r)
+                            bufs.array("a", r).view(cp.uint16)[...] = from_f32(cp, g.standard_normal(m * K, dtype=cp.float32))
+                            bufs.array("b", r).view(cp.uint16)[...] = from_f32(
+                                cp, g.standard_normal(K * n_local, dtype=cp.float32))
+                    for _ in range(WARMUP):
+                        module.launch(bufs)
+                    world.synchronize()
+                    ev = {}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
+                            ev[r][0].record()
+                    for _ in range(ITERS):
+                        module.launch(bufs)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r][1].record()
+                    world.synchronize()
+                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / ITERS
+                    # the timed output is right: one row block of rank 0 against its reference
+                    with cp.cuda.Device(world.devices[0]):
+                        a1 = to_f32(cp, cp.asarray(bufs.array("a", 1).view(cp.uint16)[:128 * K].get())).reshape(128, K)
+                        ref = a1 @ to_f32(cp, bufs.array("b", 0).view(cp.uint16)).reshape(K, n_local)
+                        got = to_f32(cp, bufs.array("c", 0).view(cp.uint16)).reshape(-1, n_local)[m:m + 128]
+                        err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+                finally:
+                    bufs.free()
+                rows.append({"impl": f"tsgen {name}", "m": m_total, "us": ms * 1e3, "rel_err": err})
+                print(f"  tsgen {name} M={m_total}: {ms * 1e3:.1f} us (rel err {err:.1e})", flush=True)
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------
+# Workers: cuBLAS / NCCL / symm_mem, one process per GPU
+# ---------------------------------------------------------------------------
+
+
+def torch_worker(cfg: dict, rank: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    world = cfg["world"]
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=cfg["init_method"], rank=rank, world_size=world, device_id=dev)
+    group = dist.group.WORLD
+    fused = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        try:
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        except Exception:  # noqa: BLE001 -- newer torch needs no enabling
+            pass
+        fused = torch.ops.symm_mem.fused_all_gather_matmul
+    except Exception as e:  # noqa: BLE001
+        fused_err = f"{type(e).__name__}: {e}"
+    n_local = cfg["n"] // world
+
+    def timed(fn) -> float:
+        for _ in range(cfg["warmup"]):
+            fn()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(cfg["iters"]):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / cfg["iters"] * 1e3], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    rows = []
+    for m_total in cfg["ms"]:
+        m = m_total // world
+        a = torch.randn(m, cfg["k"], device=dev, dtype=torch.bfloat16)
+        b = torch.randn(cfg["k"], n_local, device=dev, dtype=torch.bfloat16)
+        full = torch.empty(m_total, cfg["k"], device=dev, dtype=torch.bfloat16)
+        row = {"m": m_total}
+        row["gemm"] = timed(lambda: torch.matmul(full, b))
+        row["comm"] = timed(lambda: dist.all_gather_into_tensor(full, a, group=group))
+
+        def seq():
+            dist.all_gather_into_tensor(full, a, group=group)
+            return torch.matmul(full, b)
+
+        row["sequential"] = timed(seq)
+        if fused is not None:
+            try:
+                _, outs = fused(a, [b], 0, group.group_name)
+                ref = seq()
+                row["fused_rel_err"] = float((outs[0].float() - ref.float()).norm() / ref.float().norm())
+                row["fused"] = timed(lambda: fused(a, [b], 0, group.group_name))
+            except Exception as e:  # noqa: BLE001
+                row["fused_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            row["fused_error"] = fused_err
+        rows.append(row)
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+def worker_main(cfg_path: str, rank: int) -> None:
+    import traceback
+
+    os.environ.update(SAFE_ENV)
+    cfg = json.loads(Path(cfg_path).read_text())
+    try:
+        rows = torch_worker(cfg, rank)
+        if rank == 0:
+            Path(cfg["result_path"]).write_text(json.dumps(rows))
+        code = 0
+    except BaseException:  # noqa: BLE001
+        text = f"rank {rank}:\n{traceback.format_exc()}"
+        Path(cfg["error_dir"], f"error-{rank}.txt").write_text(text)
+        sys.stderr.write(text)
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def bench_torch() -> dict:
+    from tsgen.baselines import free_port, launch_workers
+
+    cfg = {"world": BENCH_WORLD, "ms": BENCH_M, "k": K, "n": N, "iters": ITERS, "warmup": WARMUP,
+           "init_method": f"tcp://127.0.0.1:{free_port()}"}
+    rows = launch_workers(cfg, BENCH_WORLD, timeout=TORCH_TIMEOUT_S,
+                          argv=[sys.executable, str(Path(__file__).resolve()), "--worker"])
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------
+# Parent
+# ---------------------------------------------------------------------------
+
+
+def child(args: list[str], timeout: int) -> tuple[dict | None, str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **SAFE_ENV})
+    except subprocess.TimeoutExpired as e:
+        out = b"".join(x if isinstance(x, bytes) else x.encode() for x in (e.stdout or b"", e.stderr or b""))
+        return None, out.decode(errors="replace") + f"\ntimed out after {timeout} s"
+    text = proc.stdout + proc.stderr
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), text
+    return None, text + f"\n(exit code {proc.returncode})"
+
+
+def summarize(tsgen_rows: list[dict], torch_rows: list[dict]) -> list[dict]:
+    table = []
+    for tr in torch_rows:
+        m = tr["m"]
+        flops = 2.0 * m * K * N / BENCH_WORLD  # per GPU
+        limit = max(tr["gemm"], tr["comm"])
+        impls = [(r["impl"], r["us"]) for r in tsgen_rows if r["m"] == m]
+        impls += [("cuBLAS + NCCL (sequential)", tr["sequential"])]
+        if "fused" in tr:
+            impls.append(("torch symm_mem fused_all_gather_matmul", tr["fused"]))
+        for impl, us in impls:
+            table.append({"m": m, "impl": impl, "us": us, "tflops": flops / us / 1e6,
+                          "speedup_vs_sequential": tr["sequential"] / us,
+                          "vs_torch_fused": tr["fused"] / us if "fused" in tr else None,
+                          "overlap_efficiency": limit / us, "t_gemm_us": tr["gemm"], "t_comm_us": tr["comm"]})
+    return table
+
+
+def markdown(s: dict) -> str:
+    lines = [f"# allgather_gemm on {BENCH_WORLD} GPUs: K = N = {K} (N_local = {N // BENCH_WORLD}), bf16", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample.", "",
+             "| correctness | world | M_local | calls | max rel err | poison left | result |",
+             "|---|---|---|---|---|---|---|"]
+    for c in s["checks"]:
+        for r in c.get("rows", []):
+            lines.append(f"| {r['spec']} | {r['world']} | {r['m_local']} | {r['calls']} | {r['max_rel_err']:.2e} | "
+                         f"{r['poison_left']} | {'PASS' if r['pass'] else 'FAIL'} |")
+        if "crashed" in c:
+            lines.append(f"| world {c['world']} | | | | | | CRASHED: {c['crashed'][-1] if c['crashed'] else ''} |")
+    lines += ["", "| M (total) | impl | time (us) | TFLOP/s per GPU | vs sequential | vs torch fused | "
+              "overlap eff. max(t_gemm, t_comm)/t |", "|---|---|---|---|---|---|---|"]
+    for r in s["table"]:
+        vs = f"{r['vs_torch_fused']:.2f}" if r["vs_torch_fused"] else ""
+        lines.append(f"| {r['m']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['speedup_vs_sequential']:.2f} "
+                     f"| {vs} | {r['overlap_efficiency']:.2f} |")
+    for tr in s.get("torch_rows", []):
+        extra = f"; fused: {tr['fused_error']}" if "fused_error" in tr else ""
+        lines.append(f"\nM={tr['m']}: t_gemm (cuBLAS) {tr['gemm']:.1f} us, t_comm (NCCL all_gather) "
+                     f"{tr['comm']:.1f} us{extra}")
+    for name, err in s.get("errors", {}).items():
+        lines.append(f"\n{name}: {err}")
+    lines += ["", f"All checks: {'PASS' if s['all_checks_pass'] else 'FAIL'} ({s['seconds']} s)", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], int(sys.argv[3]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        kind, arg = args.child
+        result = check(out, int(arg)) if kind == "check" else bench_tsgen(out)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    try:
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    except Exception as e:  # noqa: BLE001
+        print(f"gpu_fused: needs CuPy and GPUs: {e}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    deadline = started + DEADLINE_S
+    checks, all_ok, errors = [], True, {}
+    for w in [w for w in WORLDS if w <= gpus]:
+        left = deadline - time.perf_counter() - TSGEN_BENCH_TIMEOUT_S - TORCH_TIMEOUT_S
+        if left < 20:
+            checks.append({"world": w, "pass": False, "crashed": ["skipped: out of time"]})
+            all_ok = False
+            continue
+        t0 = time.perf_counter()
+        result, text = child([str(out), "--child", "check", str(w)], timeout=int(min(CHECK_TIMEOUT_S, left)))
+        print(f"check world {w} ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + x for x in text.strip().splitlines()[-10:] if not x.startswith("RESULT ")), flush=True)
+        if result is None:
+            result = {"world": w, "pass": False, "crashed": text.strip().splitlines()[-20:]}
+        checks.append(result)
+        all_ok &= result["pass"]
+    tsgen_rows, torch_rows = [], []
+    if gpus >= BENCH_WORLD:
+        t0 = time.perf_counter()
+        left = int(max(30, min(TSGEN_BENCH_TIMEOUT_S, deadline - time.perf_counter() - TORCH_TIMEOUT_S)))
+        result, text = child([str(out), "--child", "bench", "x"], timeout=left)
+        print(f"tsgen bench ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + x for x in text.strip().splitlines()[-10:] if not x.startswith("RESULT ")), flush=True)
+        if result is None:
+            all_ok = False
+            errors["tsgen bench"] = text.strip().splitlines()[-1] if text.strip() else "?"
+        else:
+            tsgen_rows = result["rows"]
+        t0 = time.perf_counter()
+        try:
+            torch_rows = bench_torch()["rows"]
+        except Exception as e:  # noqa: BLE001
+            all_ok = False
+            errors["torch baselines"] = str(e)[-2000:]
+        print(f"torch baselines ({time.perf_counter() - t0:.0f} s)", flush=True)
+    else:
+        errors["bench"] = f"needs {BENCH_WORLD} GPUs, found {gpus}"
+    summary = {
+        "device": f"{gpus} x {device}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "tools/gpu_fused.py", *sys.argv[1:]]),
+        "checks": checks, "tsgen_rows": tsgen_rows, "torch_rows": torch_rows,
+        "table": summarize(tsgen_rows, torch_rows), "errors": errors,
+        "all_checks_pass": all_ok, "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "fused_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = markdown(summary)
+    (out / "fused_bench.md").write_text(text)
+    print()
+    print(text)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
