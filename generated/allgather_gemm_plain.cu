@@ -1174,9 +1174,14 @@ struct BatchesOf<C, std::void_t<decltype(C::BATCHES)>> {
 //   first_batch()            the batch the schedule starts with (then first + 1, ... mod BATCHES)
 //   wait(batch)              the producer thread, before it loads A rows of `batch`
 //   a_map(a_map, batch, z)   the tensor map to load A of `batch` from, and its z coordinate
+//   stored(batch, leader)    every thread of a consumer warpgroup, after it issued the TMA
+//                            stores of its part of a tile of `batch` (leader: the thread
+//                            that issued them; a tile wholly past M stores nothing but
+//                            still calls it): per-tile completion signals (gemm_reduce_scatter)
 struct NoHook {
   __device__ __forceinline__ uint32_t first_batch() const { return 0; }
   __device__ __forceinline__ void wait(uint32_t) {}
+  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
     z = (int)batch;
     return a;
@@ -1429,11 +1434,11 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
   }
 }
 
-template <class C>
+template <class C, class Hook>
 static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_t smem, uint32_t rows, uint32_t cw,
-                                               uint32_t first_batch) {
+                                               Hook& hook) {
   using L = Layout<C>;
-  Scheduler<C> tiles = my_tiles<C>(rows, first_batch);
+  Scheduler<C> tiles = my_tiles<C>(rows, hook.first_batch());
   const bool leader = threadIdx.x % 128 == 0;  // arrives on barriers and issues the stores
   float acc[L::M_BLOCKS][L::ACC];
 #pragma unroll
@@ -1473,6 +1478,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
 #pragma unroll
       for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
     store_tile<C>(acc, c_map, buffers, cw, m0, n0, batch, rows, chunks);
+    hook.stored(batch, leader);
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
 }
@@ -1512,7 +1518,7 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
     if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows, hook);
   } else {
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
-    consume<C>(c_map, smem, rows, warpgroup - 1, hook.first_batch());
+    consume<C>(c_map, smem, rows, warpgroup - 1, hook);
   }
 }
 
@@ -1691,9 +1697,11 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 // --------------------------------------------------------------------------
 // Inlined from templates/include/tsgen_fused.cuh
 // --------------------------------------------------------------------------
-// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm):
-// the producer hook that makes GEMM tiles wait for their source's rows, the one-block
-// sync kernel body (entry / wait / signal), and the side streams of the host launcher.
+// tsgen_fused.cuh -- the communication side of the fused GEMM ops (allgather_gemm,
+// gemm_reduce_scatter): the producer hook that makes GEMM tiles wait for their source's
+// rows, the hook that signals finished row blocks (gemm_reduce_scatter), the reduce
+// kernel body, the one-block sync kernel body (entry / wait / signal), and the side
+// streams of the host launcher.
 //
 // Hand-written; inlined into fused sources after tsgen_gemm.cuh.
 //
@@ -1703,6 +1711,9 @@ static cudaError_t launch(Kernel kernel, const void* a, const void* b, void* c, 
 //                  (Lives in the writer's memory: raised by s, waited for by the writer.)
 //   sig[READY + s] = e: source s's rows of call e have landed in this rank's a_full
 //                  (raised by s after its copy completed, waited for by the GEMM here).
+// gemm_reduce_scatter reads them so (see ScatterHook): FREE[q] = e: rank q has entered call
+// e, so its previous call's reduce no longer reads this rank's partial; READY[s] = e (at
+// the owner): source s's partial block for this rank is stored in s's memory.
 // The epoch e is the device call counter: the entry kernel advances calls[0] to e on
 // the caller's stream before anything else of the call, every later kernel of the call
 // reads calls[0] (stream order after the entry), so CUDA graph replay works.
@@ -1743,6 +1754,7 @@ struct GatherHook {
       }
     }
   }
+  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* full, uint32_t batch, int& z) const {
     if (batch == rank) {
       z = 0;
@@ -1752,6 +1764,182 @@ struct GatherHook {
     return full;
   }
 };
+
+// ---------------------------------------------------------------------------
+// Device: gemm_reduce_scatter's hook. Batch q of the GEMM = row block q of this rank's
+// partial product (count rows each), the block that rank q owns; the walk starts at
+// rank + 1 and ends with this rank's own block, so the blocks peers wait for come first.
+// OVERLAP: the producer waits for sig[FREE + q] >= epoch before the first tile of block q
+// (rank q has entered this call, so it no longer reads our previous call's partial), and
+// after each tile every consumer warpgroup leader waits for its TMA stores, fences them
+// toward the generic proxy and counts the tile in sig[TILES + q]; the arrival that
+// completes block q resets the counter and raises sig[READY + rank] = epoch at rank q.
+// Without OVERLAP (plain) the launcher orders the GEMM between two signal exchanges.
+// ---------------------------------------------------------------------------
+constexpr int TILES = 2 * MAX_WORLD;  // sig[TILES + q]: tiles of block q stored in this call
+constexpr int RS_SIGNALS = 3 * MAX_WORLD;
+
+template <bool OVERLAP>
+struct ScatterHook {
+  char* const* peers;
+  uint64_t* sig;      // this rank's signals
+  uint64_t epoch;
+  uint32_t rank, world;
+  uint32_t expected;  // arrivals that complete a block: CTA tiles per batch x consumer warpgroups
+  uint32_t waited;    // bit q: FREE[q] already waited for by this producer
+
+  __device__ __forceinline__ uint32_t first_batch() const { return (rank + 1) % world; }
+  __device__ __forceinline__ void wait(uint32_t batch) {
+    if constexpr (OVERLAP) {
+      if (batch != rank && !((waited >> batch) & 1u)) {
+        tsgen_gemm::wait_signal_ge_sys(sig + FREE + batch, epoch);
+        waited |= 1u << batch;
+      }
+    }
+  }
+  __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
+    z = (int)batch;
+    return a;
+  }
+  __device__ __forceinline__ void stored(uint32_t batch, bool leader) {
+    if constexpr (OVERLAP) {
+      // our own block is read after the GEMM, in stream order: nobody waits for it
+      if (!leader || batch == rank) return;
+      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done
+      tsgen_gemm::fence_proxy_async_global();  // ... and ordered before what follows (generic proxy)
+      const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
+      if (before + 1 == (uint64_t)expected) {
+        // every tile of block q is stored (acquired through the counter): reset it for the
+        // next call (ordered after this kernel by the stream) and announce the block at q
+        st_relaxed_gpu_global_u64(sig + TILES + batch, 0ull);
+        fence_acq_rel_sys();
+        st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Device: gemm_reduce_scatter's reductions. The row block is `elems` 16-bit values
+// (count x N, a multiple of 8): 16-byte vectors, grid-stride, UNROLL vectors in flight
+// per thread. Peers' partials are read over NVLink with plain loads after an acquire.
+// ---------------------------------------------------------------------------
+template <class T>
+struct Vec8;  // 8 x 16-bit <-> 8 x fp32
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ __forceinline__ void add(float (&f)[8], uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] += __uint_as_float(w[i] << 16);
+      f[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+};
+template <>
+struct Vec8<__half> {
+  static __device__ __forceinline__ void add(float (&f)[8], uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] += x.x;
+      f[2 * i + 1] += x.y;
+    }
+  }
+};
+
+template <class T>
+static __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(tsgen_gemm::pack2<T>(f[0], f[1]), tsgen_gemm::pack2<T>(f[2], f[3]),
+                    tsgen_gemm::pack2<T>(f[4], f[5]), tsgen_gemm::pack2<T>(f[6], f[7]));
+}
+
+// acc (fp32, 8 per vector) as two float4
+static __device__ __forceinline__ void load_acc(float (&f)[8], const float* acc, uint64_t v) {
+  const float4 x = reinterpret_cast<const float4*>(acc)[2 * v], y = reinterpret_cast<const float4*>(acc)[2 * v + 1];
+  f[0] = x.x, f[1] = x.y, f[2] = x.z, f[3] = x.w, f[4] = y.x, f[5] = y.y, f[6] = y.z, f[7] = y.w;
+}
+static __device__ __forceinline__ void store_acc(float* acc, uint64_t v, const float (&f)[8]) {
+  reinterpret_cast<float4*>(acc)[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(acc)[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+enum ReduceMode : int {
+  PULL_ALL = 0,  // plain: c = sum over every rank s of s's partial block `rank` (all in place)
+  PULL_PEER = 1, // overlapped, one source at a time as its READY arrives: acc (=|+=) s's block
+  FINISH = 2,    // overlapped, after the GEMM: c = acc + our own block
+};
+
+// One pass over the row block: f = (ACC_IN ? acc : 0) + sum of the NSRC sources' vectors,
+// stored to acc (TO_ACC) or rounded to c. `src`: each source's partial at block `rank`.
+template <class T, int NSRC, int UNROLL, bool ACC_IN, bool TO_ACC>
+static __device__ __forceinline__ void reduce_pass(const T* const (&src)[NSRC], float* acc, T* c, uint64_t vectors) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t base = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; base < vectors; base += stride * UNROLL) {
+    float f[UNROLL][8];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[u][i] = 0.f;
+      if (ACC_IN && base + u * stride < vectors) load_acc(f[u], acc, base + u * stride);
+    }
+#pragma unroll
+    for (int s = 0; s < NSRC; ++s) {
+      uint4 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        v[u] = base + u * stride < vectors
+                   ? ld_weak_na_global_v4(reinterpret_cast<const uint4*>(src[s]) + base + u * stride)
+                   : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) Vec8<T>::add(f[u], v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (base + u * stride >= vectors) continue;
+      if constexpr (TO_ACC) {
+        store_acc(acc, base + u * stride, f[u]);
+      } else {
+        reinterpret_cast<uint4*>(c)[base + u * stride] = pack8<T>(f[u]);
+      }
+    }
+  }
+}
+
+// The reduce kernel body. Every rank's partial is (WORLD x count) x N; block q at q x elems.
+template <class T, int WORLD, int UNROLL>
+static __device__ __forceinline__ void reduce_body(char* const* peers, int rank, const uint64_t* calls,
+                                                   const uint64_t* sig, const T* partial, float* acc, T* c,
+                                                   uint64_t elems, int mode) {
+  const uint64_t vectors = elems / 8;
+  const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
+  if (mode == PULL_ALL) {  // the launcher ran the signal exchange before this kernel
+    const T* src[WORLD];
+#pragma unroll
+    for (int i = 0; i < WORLD; ++i)
+      src[i] = tsgen_peer_ptr(partial, peers, rank, (rank + i) % WORLD) + (uint64_t)rank * elems;
+    reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
+  } else if (mode == FINISH) {
+    const T* src[1] = {partial + (uint64_t)rank * elems};
+    reduce_pass<T, 1, UNROLL, true, false>(src, acc, c, vectors);
+  } else {
+    // sources in the order they compute our block: rank - 1 first (its first batch), ...
+    for (int j = 1; j < WORLD; ++j) {
+      const int s = (rank - j + WORLD) % WORLD;
+      if (threadIdx.x == 0)
+        wait_ge_acquire_sys(sig + READY + s, epoch, tsgen_make_site("sig.ready", rank, rank, READY + s));
+      __syncthreads();
+      const T* src[1] = {tsgen_peer_ptr(partial, peers, rank, s) + (uint64_t)rank * elems};
+      if (j == 1) {
+        reduce_pass<T, 1, UNROLL, false, true>(src, acc, c, vectors);
+      } else {
+        reduce_pass<T, 1, UNROLL, true, true>(src, acc, c, vectors);
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Device: one-block sync kernel body (blockDim.x >= WORLD), by mode.

@@ -1,7 +1,12 @@
 """allgather_gemm on 2-4 GPUs: correctness, then tsgen (plain, overlapped) against cuBLAS +
 NCCL one after the other and PyTorch SymmetricMemory's fused_all_gather_matmul.
 
-Usage: python tools/gpu_fused.py OUT_DIR     (on the lent machines: bash tools/gpu_fused.sh)
+Usage: python tools/gpu_fused.py OUT_DIR [--ops allgather_gemm gemm_reduce_scatter]
+       (on the lent machines: bash tools/gpu_fused.sh [--ops ...]); --ops picks the ops (default
+       all). gemm_reduce_scatter's part (checks at world 2 and 4, timing at world 4 against
+       cuBLAS + NCCL reduce_scatter_tensor and symm_mem's fused_matmul_reduce_scatter) is
+       described above run_gemm_rs and writes OUT/gemm_rs_bench.{json,md}; what follows is
+       allgather_gemm's.
 
 1. Correctness (one child per world size 2, 3, 4; single-process tsgen World): both shipped
    specs (specs/allgather_gemm.yaml: overlap copy_engine; allgather_gemm_plain.yaml: none),
@@ -50,14 +55,15 @@ MAX_REL_ERR = 1e-2
 CHECK_TIMEOUT_S, TSGEN_BENCH_TIMEOUT_S, TORCH_TIMEOUT_S, DEADLINE_S = 75, 90, 120, 280
 
 
-def build(out: Path, name: str, timeout_ms: int | None) -> Path:
-    """Render shipped spec `name` (with a short timeout for checks) into OUT/build; the manifest."""
+def build(out: Path, name: str, timeout_ms: int | None, specs: dict | None = None) -> Path:
+    """Render shipped spec `name` of `specs` (default SPECS; with a short timeout for checks)
+    into OUT/build; the manifest."""
     import yaml
 
     from tsgen.render import render, write_if_different
     from tsgen.spec import load_spec
 
-    data = yaml.safe_load(SPECS[name].read_text())
+    data = yaml.safe_load((specs or SPECS)[name].read_text())
     data["name"] = f"{data['name']}_t" if timeout_ms else data["name"]
     if timeout_ms:
         data.setdefault("sync", {})["timeout_ms"] = timeout_ms
@@ -270,7 +276,7 @@ def worker_main(cfg_path: str, rank: int) -> None:
     os.environ.update(SAFE_ENV)
     cfg = json.loads(Path(cfg_path).read_text())
     try:
-        rows = torch_worker(cfg, rank)
+        rows = (rs_torch_worker if cfg.get("op") == "gemm_reduce_scatter" else torch_worker)(cfg, rank)
         if rank == 0:
             Path(cfg["result_path"]).write_text(json.dumps(rows))
         code = 0
@@ -312,7 +318,8 @@ def child(args: list[str], timeout: int) -> tuple[dict | None, str]:
     return None, text + f"\n(exit code {proc.returncode})"
 
 
-def summarize(tsgen_rows: list[dict], torch_rows: list[dict]) -> list[dict]:
+def summarize(tsgen_rows: list[dict], torch_rows: list[dict],
+              fused_name: str = "torch symm_mem fused_all_gather_matmul") -> list[dict]:
     table = []
     for tr in torch_rows:
         m = tr["m"]
@@ -321,7 +328,7 @@ def summarize(tsgen_rows: list[dict], torch_rows: list[dict]) -> list[dict]:
         impls = [(r["impl"], r["us"]) for r in tsgen_rows if r["m"] == m]
         impls += [("cuBLAS + NCCL (sequential)", tr["sequential"])]
         if "fused" in tr:
-            impls.append(("torch symm_mem fused_all_gather_matmul", tr["fused"]))
+            impls.append((fused_name, tr["fused"]))
         for impl, us in impls:
             table.append({"m": m, "impl": impl, "us": us, "tflops": flops / us / 1e6,
                           "speedup_vs_sequential": tr["sequential"] / us,
@@ -363,13 +370,17 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=OPS,
+                    help="which fused ops to check and time (default: all)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
         kind, arg = args.child
-        result = check(out, int(arg)) if kind == "check" else bench_tsgen(out)
+        children = {"check": lambda: check(out, int(arg)), "bench": lambda: bench_tsgen(out),
+                    "rs_check": lambda: rs_check(out, int(arg)), "rs_bench": lambda: rs_bench_tsgen(out)}
+        result = children[kind]()
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     try:
@@ -381,6 +392,16 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         print(f"gpu_fused: needs CuPy and GPUs: {e}", file=sys.stderr)
         return 2
+    ok = True
+    if "allgather_gemm" in args.ops:
+        ok &= run_allgather_gemm(out, gpus, device)
+    if "gemm_reduce_scatter" in args.ops:
+        ok &= run_gemm_rs(out, gpus, device)
+    return 0 if ok else 1
+
+
+def run_allgather_gemm(out: Path, gpus: int, device: str) -> bool:
+    """allgather_gemm: checks, timing, OUT/fused_bench.{json,md}; True when all checks passed."""
     started = time.perf_counter()
     deadline = started + DEADLINE_S
     checks, all_ok, errors = [], True, {}
@@ -432,7 +453,309 @@ def main() -> int:
     (out / "fused_bench.md").write_text(text)
     print()
     print(text)
-    return 0 if all_ok else 1
+    return all_ok
+
+
+# ---------------------------------------------------------------------------
+# gemm_reduce_scatter (--ops gemm_reduce_scatter): A sharded by columns (M x K/W per rank),
+# B by rows (K/W x N), C_r = rows [r M/W, (r + 1) M/W) of sum_s A_s . B_s. The tsgen `count`
+# is M/W. Checks at world 2 and 4 (RS_CALLS calls, fresh random A every call, C poisoned),
+# timing at world 4 against cuBLAS + NCCL reduce_scatter_tensor one after the other and
+# torch.ops.symm_mem.fused_matmul_reduce_scatter; OUT/gemm_rs_bench.{json,md}. Under
+# RS_DEADLINE_S (each step has its own timeout).
+# ---------------------------------------------------------------------------
+
+OPS = ["allgather_gemm", "gemm_reduce_scatter"]
+RS_SPECS = {"overlapped": ROOT / "specs" / "gemm_reduce_scatter.yaml",
+            "plain": ROOT / "specs" / "gemm_reduce_scatter_plain.yaml"}
+RS_WORLDS = [2, 4]
+RS_CHECK_COUNT = 129  # rows of C per rank: a full row tile and a tail per block
+RS_CALLS = 20
+RS_FUSED = "torch symm_mem fused_matmul_reduce_scatter"
+RS_CHECK_TIMEOUT_S, RS_BENCH_TIMEOUT_S, RS_TORCH_TIMEOUT_S, RS_DEADLINE_S = 60, 60, 90, 225
+
+
+def rs_reference(xp, a, b, world, count, k_local, n):
+    """Per rank r: rows r of sum_s A_s . B_s, float32 products summed in float32 (a[s], b[s]:
+    rank s's A ((world x count) x k_local) and B (k_local x n) as float32, any shape)."""
+    parts = [a[s].reshape(world * count, k_local) @ b[s].reshape(-1)[:k_local * n].reshape(k_local, n)
+             for s in range(world)]
+    total = parts[0]
+    for x in parts[1:]:
+        total = total + x
+    return [total[r * count:(r + 1) * count] for r in range(world)]
+
+
+def rs_check(out: Path, world_size: int) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows, ok = [], True
+    with World(world_size) as world:
+        for name in RS_SPECS:
+            t0 = time.perf_counter()
+            module = world.load(build(out, name, timeout_ms=5000, specs=RS_SPECS))
+            n, k_local, count = module.manifest["constants"]["N"], K // world_size, RS_CHECK_COUNT
+            m = world_size * count
+            bufs = module.alloc(count)
+            try:
+                arr = {(x, r): bufs.array(x, r).view(cp.uint16) for x in "abc" for r in world.ranks}
+                rng, b32 = {}, {}
+                for r in world.ranks:
+                    with cp.cuda.Device(world.devices[r]):
+                        rng[r] = cp.random.default_rng(200 + r)
+                        arr["b", r][:k_local * n] = from_f32(cp, rng[r].standard_normal(k_local * n, dtype=cp.float32))
+                host_b = {s: arr["b", s][:k_local * n].get() for s in world.ranks}
+                for r in world.ranks:  # every rank's B on every GPU, as float32, for the references
+                    with cp.cuda.Device(world.devices[r]):
+                        b32[r] = [to_f32(cp, cp.asarray(host_b[s])) for s in world.ranks]
+                errs, left = [], 0
+                for call in range(RS_CALLS):
+                    poison = 0x7F80 | (0x41 + call % 60)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            arr["a", r][...] = from_f32(cp, rng[r].standard_normal(m * k_local, dtype=cp.float32))
+                            arr["c", r][...] = poison
+                    world.synchronize()
+                    module.launch(bufs)
+                    world.synchronize()
+                    host_a = {s: arr["a", s].get() for s in world.ranks}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            a32 = [to_f32(cp, cp.asarray(host_a[s])) for s in world.ranks]
+                            ref = rs_reference(cp, a32, b32[r], world_size, count, k_local, n)[r]
+                            got = to_f32(cp, arr["c", r]).reshape(count, n)
+                            bad = ~cp.isfinite(got)
+                            err = float(cp.linalg.norm(cp.where(bad, 0, got - ref)) / cp.linalg.norm(ref))
+                            errs.append(err + float(cp.count_nonzero(bad)))
+                            left = max(left, int(cp.count_nonzero(arr["c", r] == poison)))
+            finally:
+                bufs.free()
+            err = max(errs)
+            passed = err <= MAX_REL_ERR and left == 0
+            ok &= passed
+            rows.append({"spec": name, "world": world_size, "m_local": count, "calls": RS_CALLS, "max_rel_err": err,
+                         "poison_left": left, "pass": passed, "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"  gemm_rs {name} world {world_size}: {'PASS' if passed else 'FAIL'} max rel err {err:.2e}, "
+                  f"{left} poisoned left", flush=True)
+    return {"pass": ok, "rows": rows}
+
+
+def rs_bench_tsgen(out: Path) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows = []
+    k_local = K // BENCH_WORLD
+    with World(BENCH_WORLD) as world:
+        for name in RS_SPECS:
+            module = world.load(build(out, name, timeout_ms=5000, specs=RS_SPECS))
+            for m_total in BENCH_M:
+                count = m_total // BENCH_WORLD
+                bufs = module.alloc(count)
+                try:
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            g = cp.random.default_rng(r)
+                            bufs.array("a", r).view(cp.uint16)[...] = from_f32(
+                                cp, g.standard_normal(m_total * k_local, dtype=cp.float32))
+                            bufs.array("b", r).view(cp.uint16)[:k_local * N] = from_f32(
+                                cp, g.standard_normal(k_local * N, dtype=cp.float32))
+                    for _ in range(WARMUP):
+                        module.launch(bufs)
+                    world.synchronize()
+                    ev = {}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
+                            ev[r][0].record()
+                    for _ in range(ITERS):
+                        module.launch(bufs)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r][1].record()
+                    world.synchronize()
+                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / ITERS
+                    # the timed output is right: the first 64 rows of rank 0's C
+                    with cp.cuda.Device(world.devices[0]):
+                        ref = None
+                        for s in world.ranks:
+                            a_s = to_f32(cp, cp.asarray(bufs.array("a", s).view(cp.uint16)[:64 * k_local].get()))
+                            b_s = to_f32(cp, cp.asarray(bufs.array("b", s).view(cp.uint16)[:k_local * N].get()))
+                            x = a_s.reshape(64, k_local) @ b_s.reshape(k_local, N)
+                            ref = x if ref is None else ref + x
+                        got = to_f32(cp, bufs.array("c", 0).view(cp.uint16)[:64 * N]).reshape(64, N)
+                        err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+                finally:
+                    bufs.free()
+                rows.append({"impl": f"tsgen gemm_rs {name}", "m": m_total, "us": ms * 1e3, "rel_err": err})
+                print(f"  tsgen gemm_rs {name} M={m_total}: {ms * 1e3:.1f} us (rel err {err:.1e})", flush=True)
+    return {"rows": rows}
+
+
+def rs_torch_worker(cfg: dict, rank: int) -> list[dict]:
+    """cuBLAS (A_r . B_r, M x N), NCCL reduce_scatter_tensor of it, the two one after the other,
+    and symm_mem's fused_matmul_reduce_scatter, per M; times are the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    world = cfg["world"]
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=cfg["init_method"], rank=rank, world_size=world, device_id=dev)
+    group = dist.group.WORLD
+    fused, fused_err = None, ""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        try:
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        except Exception:  # noqa: BLE001 -- newer torch needs no enabling
+            pass
+        fused = torch.ops.symm_mem.fused_matmul_reduce_scatter
+    except Exception as e:  # noqa: BLE001
+        fused_err = f"{type(e).__name__}: {e}"
+    k_local = cfg["k"] // world
+
+    def timed(fn) -> float:
+        for _ in range(cfg["warmup"]):
+            fn()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(cfg["iters"]):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / cfg["iters"] * 1e3], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    rows = []
+    for m_total in cfg["ms"]:
+        a = torch.randn(m_total, k_local, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k_local, cfg["n"], device=dev, dtype=torch.bfloat16)
+        part = torch.matmul(a, b)
+        outp = torch.empty(m_total // world, cfg["n"], device=dev, dtype=torch.bfloat16)
+        row = {"m": m_total}
+        row["gemm"] = timed(lambda: torch.matmul(a, b))
+        row["comm"] = timed(lambda: dist.reduce_scatter_tensor(outp, part, group=group))
+
+        def seq():
+            dist.reduce_scatter_tensor(outp, torch.matmul(a, b), group=group)
+            return outp
+
+        row["sequential"] = timed(seq)
+        if fused is not None:
+            try:
+                got = fused(a, b, "sum", 0, group.group_name)
+                ref = seq().float()
+                row["fused_rel_err"] = float((got.float() - ref).norm() / ref.norm())
+                row["fused"] = timed(lambda: fused(a, b, "sum", 0, group.group_name))
+            except Exception as e:  # noqa: BLE001
+                row["fused_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            row["fused_error"] = fused_err
+        rows.append(row)
+        del a, b, part, outp
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+def rs_markdown(s: dict) -> str:
+    lines = [f"# gemm_reduce_scatter on {BENCH_WORLD} GPUs: K = N = {K} (K/world = {K // BENCH_WORLD}), bf16", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {ITERS} calls back to back per sample.", "",
+             "| correctness | world | rows of C per rank | calls | max rel err | poison left | result |",
+             "|---|---|---|---|---|---|---|"]
+    for c in s["checks"]:
+        for r in c.get("rows", []):
+            lines.append(f"| {r['spec']} | {r['world']} | {r['m_local']} | {r['calls']} | {r['max_rel_err']:.2e} | "
+                         f"{r['poison_left']} | {'PASS' if r['pass'] else 'FAIL'} |")
+        if "crashed" in c:
+            lines.append(f"| world {c['world']} | | | | | | CRASHED: {c['crashed'][-1] if c['crashed'] else ''} |")
+    lines += ["", "| M (total) | impl | time (us) | TFLOP/s per GPU | vs sequential | vs torch fused | "
+              "overlap eff. max(t_gemm, t_comm)/t |", "|---|---|---|---|---|---|---|"]
+    for r in s["table"]:
+        vs = f"{r['vs_torch_fused']:.2f}" if r["vs_torch_fused"] else ""
+        lines.append(f"| {r['m']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.0f} | {r['speedup_vs_sequential']:.2f} "
+                     f"| {vs} | {r['overlap_efficiency']:.2f} |")
+    for tr in s.get("torch_rows", []):
+        extra = f"; fused: {tr['fused_error']}" if "fused_error" in tr else ""
+        lines.append(f"\nM={tr['m']}: t_gemm (cuBLAS) {tr['gemm']:.1f} us, t_comm (NCCL reduce_scatter) "
+                     f"{tr['comm']:.1f} us{extra}")
+    for name, err in s.get("errors", {}).items():
+        lines.append(f"\n{name}: {err}")
+    lines += ["", f"All checks: {'PASS' if s['all_checks_pass'] else 'FAIL'} ({s['seconds']} s)", ""]
+    return "\n".join(lines)
+
+
+def run_gemm_rs(out: Path, gpus: int, device: str) -> bool:
+    """gemm_reduce_scatter: checks, timing, OUT/gemm_rs_bench.{json,md}; True when all checks passed."""
+    from tsgen.baselines import free_port, launch_workers
+
+    started = time.perf_counter()
+    deadline = started + RS_DEADLINE_S
+    checks, all_ok, errors = [], True, {}
+    bench = gpus >= BENCH_WORLD
+    reserve = (RS_BENCH_TIMEOUT_S + RS_TORCH_TIMEOUT_S) if bench else 0
+    for w in [w for w in RS_WORLDS if w <= gpus]:
+        left = deadline - time.perf_counter() - reserve
+        if left < 20:
+            checks.append({"world": w, "pass": False, "crashed": ["skipped: out of time"]})
+            all_ok = False
+            continue
+        t0 = time.perf_counter()
+        result, text = child([str(out), "--child", "rs_check", str(w)], timeout=int(min(RS_CHECK_TIMEOUT_S, left)))
+        print(f"gemm_rs check world {w} ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + x for x in text.strip().splitlines()[-10:] if not x.startswith("RESULT ")), flush=True)
+        if result is None:
+            result = {"world": w, "pass": False, "crashed": text.strip().splitlines()[-20:]}
+        checks.append(result)
+        all_ok &= result["pass"]
+    tsgen_rows, torch_rows = [], []
+    if bench:
+        t0 = time.perf_counter()
+        left = int(max(30, min(RS_BENCH_TIMEOUT_S, deadline - time.perf_counter() - RS_TORCH_TIMEOUT_S)))
+        result, text = child([str(out), "--child", "rs_bench", "x"], timeout=left)
+        print(f"tsgen gemm_rs bench ({time.perf_counter() - t0:.0f} s):")
+        print("\n".join("  " + x for x in text.strip().splitlines()[-10:] if not x.startswith("RESULT ")), flush=True)
+        if result is None:
+            all_ok = False
+            errors["tsgen bench"] = text.strip().splitlines()[-1] if text.strip() else "?"
+        else:
+            tsgen_rows = result["rows"]
+        t0 = time.perf_counter()
+        cfg = {"op": "gemm_reduce_scatter", "world": BENCH_WORLD, "ms": BENCH_M, "k": K, "n": N, "iters": ITERS,
+               "warmup": WARMUP, "init_method": f"tcp://127.0.0.1:{free_port()}"}
+        left = int(max(30, min(RS_TORCH_TIMEOUT_S, deadline - time.perf_counter())))
+        try:
+            torch_rows = launch_workers(cfg, BENCH_WORLD, timeout=left,
+                                        argv=[sys.executable, str(Path(__file__).resolve()), "--worker"])
+        except Exception as e:  # noqa: BLE001
+            all_ok = False
+            errors["torch baselines"] = str(e)[-2000:]
+        print(f"torch gemm_rs baselines ({time.perf_counter() - t0:.0f} s)", flush=True)
+    else:
+        errors["bench"] = f"needs {BENCH_WORLD} GPUs, found {gpus}"
+    summary = {
+        "device": f"{gpus} x {device}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "tools/gpu_fused.py", *sys.argv[1:]]),
+        "checks": checks, "tsgen_rows": tsgen_rows, "torch_rows": torch_rows,
+        "table": summarize(tsgen_rows, torch_rows, fused_name=RS_FUSED), "errors": errors,
+        "all_checks_pass": all_ok, "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "gemm_rs_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = rs_markdown(summary)
+    (out / "gemm_rs_bench.md").write_text(text)
+    print()
+    print(text)
+    return all_ok
 
 
 if __name__ == "__main__":

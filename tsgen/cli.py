@@ -72,9 +72,11 @@ def build(paths, out_dir, check, prune, do_compile, arch):
         for r in result.rendered:
             # what the runtime loads: a cubin, or the library with the host launcher
             mode = "shared" if r.plan.family.launched_from_host(r.plan.spec) else "cubin"
-            res = compile_source(out_dir / f"{r.name}.cu", arch=arch, mode=mode)
-            worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.report.values()), default=0)
-            regs = max((v.get("registers", 0) for v in res.report.values()), default=0)
+            res = compile_source(out_dir / f"{r.name}.cu", arch=arch, mode=mode,
+                                 link=r.plan.family.device_libs(r.plan.spec))
+            worst = max((v.get("spill_stores", 0) + v.get("spill_loads", 0) for v in res.own_report.values()),
+                        default=0)
+            regs = max((v.get("registers", 0) for v in res.own_report.values()), default=0)
             click.echo(f"  {r.name}.cu -> {res.output} ({'cached' if res.cached else 'compiled'}; "
                        f"max {regs} registers, {worst} spill bytes)")
 

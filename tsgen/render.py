@@ -144,6 +144,7 @@ def render(loaded: LoadedSpec, base: Path | None = None) -> Rendered:
         "host_launch": family.launched_from_host(spec),
         # NVLink multicast: compiled only; the runtime refuses it unless explicitly enabled
         "multimem": family.is_multimem(spec),
+        **({"device_libs": list(libs)} if (libs := family.device_libs(spec)) else {}),
         "constants": plan.constants,
         "buffers": [
             {

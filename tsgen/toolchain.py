@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ToolchainError
@@ -103,6 +104,9 @@ def nvcc_version(nvcc: Path) -> str:
 
 
 _FUNC = re.compile(r"Function properties for (\S+)")
+# nvcc -dlink -Xnvlink -v: the linked kernels' resources
+_NVLINK_FUNC = re.compile(r"nvlink info\s*: Function properties for '(\S+)':")
+_NVLINK_USE = re.compile(r"nvlink info\s*: used (\d+) registers.*?(\d+) stack.*?(\d+) bytes lmem")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -111,7 +115,16 @@ def parse_ptxas_report(text: str) -> dict[str, dict[str, int]]:
     report: dict[str, dict[str, int]] = {}
     current = None
     entry = None
+    linked = None
     for line in text.splitlines():
+        if m := _NVLINK_FUNC.search(line):
+            linked = m.group(1)
+            continue
+        if (m := _NVLINK_USE.search(line)) and linked:
+            report.setdefault(linked, {}).update(
+                linked_registers=int(m.group(1)), linked_stack=int(m.group(2)), linked_lmem=int(m.group(3)))
+            linked = None
+            continue
         if m := re.search(r"Compiling entry function '(\S+)'", line):
             entry = m.group(1)
             report.setdefault(entry, {})
@@ -137,23 +150,108 @@ def _spec_of(source: Path) -> str:
     return m.group(1) if m else "?"
 
 
+# ---------------------------------------------------------------------------
+# Device libraries (-rdc=true + device link): NVSHMEM
+# ---------------------------------------------------------------------------
+
+# Device library name -> (header that marks its include/, archive in its lib/, pip install hint)
+DEVICE_LIBS = {
+    "nvshmem": ("nvshmem.h", "libnvshmem_device.a",
+                "`pip install nvidia-nvshmem-cu13` (CUDA 13) or `pip install nvidia-nvshmem-cu12` (CUDA 12), "
+                "or set NVSHMEM_HOME to an NVSHMEM install"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceLib:
+    name: str
+    include: Path  # -I
+    archive: Path  # lib<name>_device.a, linked with nvcc -dlink
+
+    @property
+    def link_flags(self) -> list[str]:
+        lib = self.archive.name[3:-2]  # libnvshmem_device.a -> nvshmem_device
+        return [f"-L{self.archive.parent}", f"-l{lib}"]
+
+
+def _device_lib_roots(name: str) -> list[Path]:
+    """Where an install of `name` may live: $NVSHMEM_HOME, then the pip wheels
+    (nvidia/nvshmem/{include,lib} in nvidia-nvshmem-cu12 and -cu13)."""
+    roots: list[Path] = []
+    home = os.environ.get(f"{name.upper()}_HOME")
+    if home:
+        roots.append(Path(home))
+    try:
+        import nvidia  # namespace package of the pip CUDA wheels
+    except ImportError:
+        return roots
+    for base in getattr(nvidia, "__path__", []):
+        base = Path(base)
+        roots += [base / name] + sorted(base.glob(f"cu*/{name}")) + sorted(base.glob("cu*"))
+    return roots
+
+
+def find_device_lib(name: str) -> DeviceLib:
+    """include/ and lib<name>_device.a of a device library, or ToolchainError saying how to get them."""
+    if name not in DEVICE_LIBS:
+        raise ToolchainError(f"unknown device library {name!r}; known: {', '.join(sorted(DEVICE_LIBS))}")
+    header, archive, hint = DEVICE_LIBS[name]
+    for root in _device_lib_roots(name):
+        inc, lib = root / "include", root / "lib" / archive
+        if (inc / header).is_file() and lib.is_file():
+            return DeviceLib(name, inc, lib)
+    raise ToolchainError(f"{name}: {header} and {archive} not found ({name.upper()}_HOME, pip wheels); {hint}")
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest().encode()
+
+
+def library_function(name: str) -> bool:
+    """A function of a device library's own code (NVSHMEM's nvshmemi_* templates are
+    compiled into our object with -rdc; some spill a few bytes -- theirs, not ours)."""
+    return re.search(r"\d(nvshmem[ix]?|nvshmemi_transfer)_", name) is not None
+
+
 class CompileResult:
     def __init__(self, output: Path, report: dict[str, dict[str, int]], cached: bool):
         self.output, self.report, self.cached = output, report, cached
 
+    @property
+    def own_report(self) -> dict[str, dict[str, int]]:
+        """The report without device-library functions (see library_function)."""
+        return {k: v for k, v in self.report.items() if not library_function(k)}
+
 
 def compile_source(
-    source: str | Path, arch: str = DEFAULT_ARCH, mode: str = "cubin", extra: list[str] | None = None
+    source: str | Path, arch: str = DEFAULT_ARCH, mode: str = "cubin", extra: list[str] | None = None,
+    link: tuple[str, ...] | list[str] = (),
 ) -> CompileResult:
     """nvcc `source` to a cubin, an object (mode="obj"), or a shared library with the
     host launchers (mode="shared", what the runtime loads for `host_launch` ops),
-    cached by content hash; raises ToolchainError naming the file, line and spec."""
+    cached by content hash; raises ToolchainError naming the file, line and spec.
+
+    `link`: device libraries (DEVICE_LIBS, the manifest's `device_libs`). The source
+    is then compiled with -rdc=true against the library's headers; mode="cubin"
+    device-links that object with lib<name>_device.a into one cubin (nvcc -dlink
+    -cubin), mode="obj" stops at the relocatable object."""
     source = Path(source)
     nvcc = find_nvcc()
+    libs = [find_device_lib(n) for n in link]
     flags = gencode_flags(arch) + NVCC_FLAGS + list(extra or [])
+    if libs:
+        if mode == "shared":
+            raise ToolchainError(f"{source}: modules linked against {', '.join(link)} load as cubins "
+                                 "(mode='cubin'), not as shared libraries")
+        flags += ["-rdc=true"] + [f"-I{lib.include}" for lib in libs]
     text = source.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([text, arch.encode(), mode.encode(), " ".join(flags).encode(), nvcc_version(nvcc).encode()])
+        b"\0".join([text, arch.encode(), mode.encode(), " ".join(flags).encode(), nvcc_version(nvcc).encode()]
+                   + [_file_digest(lib.archive) for lib in libs])
     ).hexdigest()[:24]
     out_dir = cache_dir()
     suffix = {"cubin": "cubin", "obj": "o", "shared": "so"}[mode]
@@ -165,7 +263,10 @@ def compile_source(
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}.", suffix=".tmp")
     os.close(fd)
     what = {"cubin": ["-cubin"], "obj": ["-c"], "shared": ["-shared", "-Xcompiler", "-fPIC"]}[mode]
-    cmd = [str(nvcc), *what, *flags, "-o", tmp, str(source)]
+    linked = bool(libs) and mode == "cubin"
+    if linked:  # relocatable object first, then the device link below
+        what = ["-c"]
+    cmd = [str(nvcc), *what, *flags, "-o", tmp + (".o" if linked else ""), str(source)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -175,11 +276,27 @@ def compile_source(
                 + f"\ncommand: {' '.join(cmd)}"
             )
         report_text = proc.stderr + proc.stdout
+        if linked:
+            # Device link: our object + lib<name>_device.a -> one cubin that the runtime loads
+            # with cuModuleLoad (then nvshmemx_cumodule_init). -Xnvlink -v reports the linked
+            # kernels' registers and local memory after the library's code is pulled in.
+            lflags = [f for lib in libs for f in lib.link_flags]
+            lcmd = [str(nvcc), *gencode_flags(arch), "-dlink", "-cubin", "-Xnvlink", "-v", "-o", tmp,
+                    tmp + ".o", *lflags]
+            lproc = subprocess.run(lcmd, capture_output=True, text=True)
+            if lproc.returncode != 0:
+                raise ToolchainError(
+                    f"device link failed for {source} (rendered from spec {_spec_of(source)}):\n"
+                    + (lproc.stderr + lproc.stdout).strip()
+                    + f"\ncommand: {' '.join(lcmd)}"
+                )
+            report_text += lproc.stderr + lproc.stdout
         os.replace(tmp, out)
         report_file.write_text(report_text)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for p in (tmp, tmp + ".o"):
+            if os.path.exists(p):
+                os.unlink(p)
     return CompileResult(out, parse_ptxas_report(report_text), cached=False)
 
 

@@ -329,9 +329,14 @@ struct BatchesOf<C, std::void_t<decltype(C::BATCHES)>> {
 //   first_batch()            the batch the schedule starts with (then first + 1, ... mod BATCHES)
 //   wait(batch)              the producer thread, before it loads A rows of `batch`
 //   a_map(a_map, batch, z)   the tensor map to load A of `batch` from, and its z coordinate
+//   stored(batch, leader)    every thread of a consumer warpgroup, after it issued the TMA
+//                            stores of its part of a tile of `batch` (leader: the thread
+//                            that issued them; a tile wholly past M stores nothing but
+//                            still calls it): per-tile completion signals (gemm_reduce_scatter)
 struct NoHook {
   __device__ __forceinline__ uint32_t first_batch() const { return 0; }
   __device__ __forceinline__ void wait(uint32_t) {}
+  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
     z = (int)batch;
     return a;
@@ -584,11 +589,11 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
   }
 }
 
-template <class C>
+template <class C, class Hook>
 static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_t smem, uint32_t rows, uint32_t cw,
-                                               uint32_t first_batch) {
+                                               Hook& hook) {
   using L = Layout<C>;
-  Scheduler<C> tiles = my_tiles<C>(rows, first_batch);
+  Scheduler<C> tiles = my_tiles<C>(rows, hook.first_batch());
   const bool leader = threadIdx.x % 128 == 0;  // arrives on barriers and issues the stores
   float acc[L::M_BLOCKS][L::ACC];
 #pragma unroll
@@ -628,6 +633,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
 #pragma unroll
       for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
     store_tile<C>(acc, c_map, buffers, cw, m0, n0, batch, rows, chunks);
+    hook.stored(batch, leader);
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
 }
@@ -667,7 +673,7 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
     if (threadIdx.x == 0) produce<C>(a_map, b_map, smem, rows, hook);
   } else {
     if constexpr (C::CONSUMERS == 2) setmaxnreg_inc<232>();
-    consume<C>(c_map, smem, rows, warpgroup - 1, hook.first_batch());
+    consume<C>(c_map, smem, rows, warpgroup - 1, hook);
   }
 }
 

@@ -151,6 +151,12 @@ class OpFamily:
         """True when the runtime must call the host launcher (see `host_launch`)."""
         return self.host_launch
 
+    def device_libs(self, spec: Any) -> tuple[str, ...]:
+        """Device libraries the module is linked against (-rdc=true + device link, see
+        toolchain.DEVICE_LIBS): () for self-contained sources, ("nvshmem",) for the
+        NVSHMEM transport. Recorded in the manifest as `device_libs` when not empty."""
+        return ()
+
     def is_multimem(self, spec: Any) -> bool:
         """True for NVLink-multicast variants (compiled only; the runtime refuses them)."""
         return False

@@ -39,10 +39,12 @@ class CollectiveParams(StrictModel):
         "concurrent", description="concurrent: the transfers to every peer run at once, each on its own "
         "blocks_per_peer blocks; pairwise: one peer after another (rank r sends to r+1, then r+2, ...) on the "
         "same blocks, so each GPU writes to one peer and is written by one at a time")
-    transport: Literal["p2p", "copy_engine"] = Field(
+    transport: Literal["p2p", "copy_engine", "nvshmem"] = Field(
         "p2p", description="p2p: the kernel's threads load and store peer memory; copy_engine: copy steps are "
         "cudaMemcpyAsync over peer mappings (DMA engines, no SMs), one stream per plan lane, with small kernels for "
-        "signals, waits and reductions (large messages)")
+        "signals, waits and reductions (large messages); nvshmem: the same plan with NVSHMEM device calls (a copy "
+        "to a peer is a put with signal, a copy from a peer a get; reductions local only), built with -rdc and "
+        "device-linked against libnvshmem_device: the path past one host")
 
 
 class AllgatherParams(CollectiveParams):
@@ -145,6 +147,9 @@ class CollectiveFamily(OpFamily):
     def launched_from_host(self, spec: Any) -> bool:
         return self.copy_engine(spec)
 
+    def device_libs(self, spec: Any) -> tuple[str, ...]:
+        return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
+
     def plan(self, spec: Any) -> Plan:
         plan = super().plan(spec)
         if not self.copy_engine(spec):
@@ -195,6 +200,8 @@ class CollectiveFamily(OpFamily):
             # the launching thread until it ran, so the next rank was never launched
             problems.append((("params", "direction"), "the copy engine pushes only: a copy reading a peer's "
                              "memory blocks the host thread that launches every rank; use direction: push"))
+        if spec.params.transport == "nvshmem":
+            problems += self._nvshmem_check(spec)
         if problems or self.is_multimem(spec):
             return problems
         for w in spec.world_sizes:  # the C tables index shares with 16 bits; streams are finite
@@ -208,12 +215,33 @@ class CollectiveFamily(OpFamily):
                                  "more than the copy-engine launcher's 32"))
         return problems
 
+    def _nvshmem_check(self, spec):
+        """The nvshmem transport moves remote data by put (copy into a peer, from our memory)
+        and get (copy from a peer into ours); reductions and anything else run on local memory."""
+        if self.is_multimem(spec):
+            return [(("params", "transport"), "multimem variants store through NVLink multicast, not NVSHMEM; "
+                     "use transport: p2p")]
+        for w in spec.world_sizes:
+            for r, rp in enumerate(self.comm_plan(spec, w).ranks):
+                for st in rp.steps:
+                    if st.op == "reduce" and any(q != r for q, _ in (st.dst,) + tuple(st.srcs)):
+                        return [(("params", "transport"), f"{spec.op} with these params reduces a peer's memory "
+                                 f"(world size {w}, rank {r}: {st.note}); the nvshmem transport reduces local memory "
+                                 "only (puts into inboxes, then a local sum): use a push algorithm such as "
+                                 "all_reduce two_shot or reduce_scatter direct, or transport: p2p")]
+                    if st.op == "copy" and st.dst[0] != r and st.srcs[0][0] != r:
+                        return [(("params", "transport"), f"a copy between two peers (world size {w}, rank {r}: "
+                                 f"{st.note}) is neither a put nor a get: not supported by the nvshmem transport")]
+        return []
+
     def is_multimem(self, spec) -> bool:
         return self.multimem_switch is not None and getattr(spec.params, self.multimem_switch[0]) == self.multimem_switch[1]
 
     def template_for(self, spec) -> str:
         if self.is_multimem(spec):
             return "multimem.cu.j2"
+        if spec.params.transport == "nvshmem":
+            return "nvshmem_collective.cu.j2"
         return "ce_collective.cu.j2" if self.copy_engine(spec) else self.template
 
     def _multimem_check(self, spec):
@@ -229,7 +257,7 @@ class CollectiveFamily(OpFamily):
 
     def template_vars(self, spec):
         # every collective inlines tsgen_plan.cuh (vector math; the plan interpreter)
-        out = {"plan_header": True, "copy_engine": self.copy_engine(spec)}
+        out = {"plan_header": True, "copy_engine": self.copy_engine(spec), "nvshmem": spec.params.transport == "nvshmem"}
         if self.is_multimem(spec):
             return out
         plans = {w: self.comm_plan(spec, w) for w in spec.world_sizes}

@@ -1,4 +1,5 @@
-"""Fused compute + communication GEMMs on Hopper (sm_90a): `allgather_gemm`.
+"""Fused compute + communication GEMMs on Hopper (sm_90a): `allgather_gemm` and
+`gemm_reduce_scatter` (described at its family, below).
 
 allgather_gemm: A is row-sharded over the ranks (rank r holds A_r, M_local x K), B
 and C are sharded by columns (rank r holds B_r, K x N_local, and computes
@@ -145,4 +146,172 @@ class AllgatherGemmFamily(OpFamily):
         return 2.0 * world * count * spec.params.n * spec.params.k
 
 
-FAMILIES: list[OpFamily] = [AllgatherGemmFamily()]
+# ---------------------------------------------------------------------------
+# gemm_reduce_scatter
+# ---------------------------------------------------------------------------
+
+RS_SIGNALS = 3 * MAX_WORLD  # tsgen_fused::RS_SIGNALS: FREE, READY, TILES
+
+
+class GemmReduceScatterParams(GemmParams):
+    n: int = Field(8192, ge=64, le=1 << 20, description="columns of B and C (N, compile-time)")
+    k: int = Field(8192, ge=64, le=1 << 20,
+                   description="the full K (compile-time): rank r holds columns [r K/world, (r + 1) K/world) of "
+                   "A and those rows of B; K/world must be whole tile.k blocks for every world size")
+    overlap: Literal["none", "pull"] = Field(
+        "pull", description="none: GEMM, signal exchange, then each rank pulls and sums its row block from "
+        "every rank; pull: the GEMM computes the row blocks peers own first and signals each one to its owner "
+        "when its last tile is stored, while a reduce kernel on reserved SMs pulls and accumulates them")
+    reserve_sms: int = Field(16, ge=2, le=64, description="pull: SMs the GEMM leaves to the reduce kernel "
+                             "(clusters of 2 CTAs, one per SM): an even number")
+
+
+class GemmReduceScatterSpec(SpecBase):
+    """Spec of op `gemm_reduce_scatter`: C_r = rows r of sum_s A_s . B_s (A column-, B row-sharded)."""
+
+    op: Literal["gemm_reduce_scatter"]
+    world_sizes: WorldSizes
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="A, B, partial and C element type")
+    params: GemmReduceScatterParams = GemmReduceScatterParams()
+    launch: GemmLaunch = GemmLaunch()
+
+
+class GemmReduceScatterFamily(AllgatherGemmFamily):
+    """gemm_reduce_scatter: A is sharded by columns (rank s holds A_s, M x K/world), B by rows
+    (B_s, K/world x N); rank r's output is rows [r M/world, (r + 1) M/world) of sum_s A_s . B_s,
+    summed in fp32, 16-bit out. The run-time `count` is M/world, the rows of C on each rank (the
+    manifest's buffer sizes are count x per-rank or world x count: so M = world x count and is
+    always divisible); N and K (the full K) are compile-time, K/world whole tile.k blocks.
+
+    The GEMM is the `gemm` op's kernel with one batch per row block (owner rank), walked
+    rank + 1, rank + 2, ..., own block last, into a 16-bit symmetric scratch `partial` (M x N):
+    16-bit partials are what NCCL's reduce-scatter moves, half the NVLink bytes of fp32 ones,
+    at the price of one rounding per partial (relative 2^-9 in bf16, far inside 1e-2).
+
+      overlap: none  GEMM; signal exchange (every rank's partial is stored); each rank pulls
+                     block r from every rank and writes c = their fp32 sum (all SMs).
+      overlap: pull  the GEMM's epilogue hook counts stored tiles per block and the last one
+                     raises READY at the owner; a reduce kernel on `reserve_sms` SMs (a side
+                     stream, clusters of 2) accumulates each source's block into fp32 `acc` as
+                     it is announced (source rank - 1 first: it computes our block first);
+                     after the GEMM, c = acc + own block (all SMs, local).
+    Cross-call hazard: a rank writes block q of `partial` only after rank q entered the call
+    (FREE[q], raised by q's entry kernel after q's previous reduce ended, in stream order).
+    """
+
+    kind = "gemm_reduce_scatter"
+    Spec = GemmReduceScatterSpec
+    template = "gemm_reduce_scatter.cu.j2"
+    count_unit = "rows"  # M / world: the rows of C on each rank
+    summary = ("C_r = row block r of sum_s A_s . B_s: A column-sharded, B row-sharded; a TMA + wgmma GEMM of "
+               "16-bit partials that signals each finished row block to its owner, which pulls and sums in fp32")
+
+    def check(self, spec):
+        p = spec.params
+        problems = GemmFamily().check(spec)
+        if max(spec.world_sizes) > MAX_WORLD:
+            problems.append((("world_sizes",), f"at most {MAX_WORLD} ranks"))
+        for w in spec.world_sizes:
+            if p.k % (w * p.tile.k):
+                problems.append((("params", "k"),
+                                 f"K = {p.k} over {w} ranks is not whole tile.k = {p.tile.k} blocks per rank: "
+                                 f"K must be a multiple of {w} x {p.tile.k} = {w * p.tile.k} for world size {w}"))
+        if p.overlap != "none" and p.reserve_sms % 2:
+            problems.append((("params", "reserve_sms"),
+                             f"{p.reserve_sms} is odd: the reduce kernel runs in clusters of 2 CTAs"))
+        if p.overlap != "none" and p.reserve_sms % p.cluster.size:
+            problems.append((("params", "reserve_sms"),
+                             f"{p.reserve_sms} is not a multiple of the cluster size {p.cluster.size}"))
+        return problems
+
+    def buffers(self, spec):
+        p = spec.params
+        bufs = [
+            Buffer("a", spec.dtype, "input", per_count=p.k),  # (world x count) x K/world
+            # K/world x N; sized K x N (the manifest's sizes have no 1/world term): the first K/world rows
+            Buffer("b", spec.dtype, "input", per_count=0, fixed=p.k * p.n),
+            Buffer("c", spec.dtype, "output", per_count=p.n),  # count x N
+            Buffer("partial", spec.dtype, "scratch", per_count=0, per_world_count=p.n),  # (world x count) x N
+        ]
+        if p.overlap != "none":
+            bufs.append(Buffer("acc", "float32", "scratch", per_count=p.n))  # count x N, fp32
+        bufs.append(Buffer("sig", "uint64", "signal", per_count=0, fixed=RS_SIGNALS))
+        return tuple(bufs)
+
+    def plan(self, spec):
+        # the launcher takes every op's leading arguments + one pointer per buffer
+        buffers = (CALLS,) + self.buffers(spec)
+        args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
+            Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
+        kernels = tuple(
+            Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
+                   smem=smem_bytes(spec), args=args)
+            for w in spec.world_sizes)
+        return Plan(self, spec, buffers, kernels, self.constants(spec))
+
+    def template_vars(self, spec):
+        args = self.plan(spec).kernels[0].args
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args)}
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        p = spec.params
+        k_local = p.k // world
+        a, b = [], []
+        for r in range(world):
+            if pattern:  # small integers (exact in 16 bits) that depend on rank, row and column
+                i, j = np.arange(world * count * k_local), np.arange(p.k * p.n)
+                av = ((i * 7 + i // k_local * 3 + r * 5) % 5 - 2).astype(np.float64)
+                bv = ((j * 5 + j // p.n + r * 3) % 7 - 3).astype(np.float64)
+            else:
+                av, bv = rng.standard_normal(world * count * k_local), rng.standard_normal(p.k * p.n)
+            a.append(from_f64(av, spec.dtype))
+            b.append(from_f64(bv, spec.dtype))
+        return {"a": a, "b": b}
+
+    def partials(self, spec, world, count, inputs) -> list[np.ndarray]:
+        """A_s . B_s of every rank s, float32 products summed in float32 ((world x count) x N)."""
+        p = spec.params
+        k_local = p.k // world
+        out = []
+        for s in range(world):
+            a = to_f64(inputs["a"][s], spec.dtype).astype(np.float32).reshape(world * count, k_local)
+            b = to_f64(inputs["b"][s], spec.dtype).astype(np.float32)[:k_local * p.n].reshape(k_local, p.n)
+            out.append(a @ b)
+        return out
+
+    def product(self, spec, world, count, inputs, r) -> np.ndarray:
+        parts = self.partials(spec, world, count, inputs)
+        return sum(x[r * count:(r + 1) * count] for x in parts)
+
+    def reference(self, spec, world, count, inputs):
+        parts = self.partials(spec, world, count, inputs)
+        total = sum(parts)
+        return {"c": [from_f64(total[r * count:(r + 1) * count].reshape(-1).astype(np.float64), spec.dtype)
+                      for r in range(world)]}
+
+    def tolerance(self, spec, world, count, inputs):
+        """Each partial is rounded to 16 bits before the fp32 sum, the sum once more: one unit in
+        the last place of every partial and of the result, plus the fp32 sums' own rounding."""
+        ulp = 2.0**-7 if spec.dtype == "bfloat16" else 2.0**-10
+        parts = self.partials(spec, world, count, inputs)
+        amax = max(np.abs(to_f64(x, spec.dtype)).max(initial=0) for x in inputs["a"])
+        bmax = max(np.abs(to_f64(x, spec.dtype)).max(initial=0) for x in inputs["b"])
+        out = []
+        for r in range(world):
+            rows = slice(r * count, (r + 1) * count)
+            mag = sum(np.abs(x[rows]) for x in parts).astype(np.float64)
+            total = np.abs(sum(x[rows] for x in parts)).astype(np.float64)
+            out.append((ulp * (mag + total) + 2.0**-16 * world * np.sqrt(spec.params.k) * amax * bmax).reshape(-1))
+        return {"c": out}
+
+    def bytes_moved(self, spec, world, count):
+        """Each rank pulls its row block from every peer: (world - 1) x count x N 16-bit values."""
+        return (world - 1) * count * spec.params.n * 2
+
+    def flops(self, spec, world, count) -> float:
+        """Per rank: (world x count) x N x K/world multiply-adds."""
+        return 2.0 * count * spec.params.n * spec.params.k
+
+
+FAMILIES: list[OpFamily] = [AllgatherGemmFamily(), GemmReduceScatterFamily()]

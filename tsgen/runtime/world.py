@@ -96,6 +96,18 @@ def multimem_refusal(manifest: dict, env, multicast_supported: bool) -> str | No
             "use the non-multimem variant")
 
 
+def device_lib_refusal(manifest: dict, backend: Any) -> str | None:
+    """Why a device-linked module (manifest `device_libs`) cannot run on `backend`, or None.
+    An nvshmem-transport kernel needs NVSHMEM initialized, its heap from nvshmem_malloc and
+    nvshmemx_cumodule_init on the module: a backend says so with `nvshmem = True`. Pure."""
+    libs = manifest.get("device_libs", [])
+    if "nvshmem" in libs and not getattr(backend, "nvshmem", False):
+        return (f"{manifest.get('name', '?')}: built for the NVSHMEM transport (params.transport: nvshmem), which "
+                "runs only under an NVSHMEM backend (symmetric heap from nvshmem_malloc, "
+                "nvshmemx_cumodule_init on the module); this runtime has none yet: use the p2p variant of the spec")
+    return None
+
+
 class Buffers:
     """The symmetric heap of one module for one `count`, on every rank."""
 
@@ -157,6 +169,9 @@ class Module:
                 f"add {world.size} to world_sizes in {self.manifest['spec']}"
             )
         refusal = multimem_refusal(self.manifest, os.environ, world.multicast_supported())
+        if refusal:
+            raise RuntimeSetupError(refusal)
+        refusal = device_lib_refusal(self.manifest, world.backend)
         if refusal:
             raise RuntimeSetupError(refusal)
         world.check_mesh()  # p2p kernels store into every peer: a partial NVLink mesh is refused

@@ -1,0 +1,245 @@
+"""gemm_reduce_scatter on the CPU: spec errors, render + manifest, the NumPy reference, the
+sm_90a build (cubin and shared library: no spills, HGMMA, 3-D TMA), the batched schedule
+(own row block last) walked on the host, and tools/gpu_fused.py's gemm_reduce_scatter part.
+Needs nvcc / cuobjdump for the build checks, no GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT
+from test_gemm_cpu import needs_nvcc, needs_sass
+from tsgen.errors import SpecError
+from tsgen.ops import get_family
+from tsgen.ops.collectives import from_f64, to_f64
+from tsgen.render import render
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
+
+SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-cache")))
+    yield
+    mp.undo()
+
+
+def variant(tmp, name, **changes):
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["name"] = name
+
+    def merge(into, new):
+        for k, v in new.items():
+            if isinstance(v, dict):
+                merge(into.setdefault(k, {}), v)
+            else:
+                into[k] = v
+
+    merge(data, changes)
+    path = tmp / "specs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"world_sizes": [2, 3, 4]}, r"K = 8192 over 3 ranks .*multiple of 3 x 64"),
+    ({"params": {"k": 4096 + 64}}, "params.k"),
+    ({"params": {"n": 2000}}, "not a multiple of tile.n"),
+    ({"params": {"reserve_sms": 15}}, "reserve_sms"),
+    ({"params": {"overlap": "push"}}, "overlap"),
+    ({"world_sizes": [1]}, "world_sizes"),
+    ({"world_sizes": [16]}, "world_sizes"),
+    ({"params": {"stages": 6}}, "shared"),
+])
+def test_bad_spec(tmp_path, changes, expected):
+    with pytest.raises(SpecError, match=expected):
+        load_spec(variant(tmp_path, "bad", **changes))
+
+
+def test_world_3_when_k_divides(tmp_path):
+    spec = load_spec(variant(tmp_path, "w3", world_sizes=[2, 3, 4], params={"k": 12288})).model
+    assert spec.world_sizes == [2, 3, 4]
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_render_and_manifest(path):
+    r = render(load_spec(path), base=ROOT)
+    m = json.loads(r.manifest)
+    overlapped = "plain" not in path.stem
+    assert m["host_launch"] and m["world_sizes"] == [2, 4] and m["count_unit"] == "rows"
+    k = m["kernels"][0]
+    assert [a["role"] for a in k["launcher_args"]][:4] == ["peers", "rank", "calls", "count"]
+    names = ["calls", "a", "b", "c", "partial"] + (["acc"] if overlapped else []) + ["sig"]
+    assert [b["name"] for b in m["buffers"]] == names
+    bufs = {b["name"]: b for b in m["buffers"]}
+    assert bufs["a"]["elems"] == {"per_count": 8192, "per_world_count": 0, "fixed": 0}
+    assert bufs["partial"]["elems"] == {"per_count": 0, "per_world_count": 8192, "fixed": 0}
+    assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 24
+    assert "ScatterHook<gemm_reduce_scatter" in r.source and "K = gemm_reduce_scatter" in r.source
+    assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
+    assert ("PULL_PEER);" in r.source) == overlapped and ("PULL_ALL);" in r.source) != overlapped
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
+    assert "cudaMemcpy" not in r.source.split("// ---- world size 2 ----")[1]
+
+
+def test_reference_tiny():
+    fam = get_family("gemm_reduce_scatter")
+    spec = load_spec(SPECS[0]).model
+    spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 256, "k": 256})})
+    world, count = 4, 5
+    inputs = fam.make_inputs(spec, world, count, np.random.default_rng(0), pattern=False)
+    assert inputs["a"][0].size == world * count * 64 and inputs["b"][0].size == 256 * 256
+    ref = fam.reference(spec, world, count, inputs)["c"]
+    full_a = np.concatenate([to_f64(inputs["a"][s], "bfloat16").reshape(world * count, 64) for s in range(world)],
+                            axis=1)
+    full_b = np.concatenate([to_f64(inputs["b"][s], "bfloat16")[:64 * 256].reshape(64, 256) for s in range(world)])
+    want = full_a @ full_b  # the unsharded product
+    for r in range(world):
+        got = to_f64(ref[r], "bfloat16").reshape(count, 256)
+        assert np.allclose(got, want[r * count:(r + 1) * count], rtol=2**-7, atol=1e-4)
+    tol = fam.tolerance(spec, world, count, inputs)["c"]
+    assert len(tol) == world and tol[0].shape == ref[0].shape and (tol[0] > 0).all()
+    assert fam.flops(spec, 4, 2048) == 2.0 * 2048 * 256 * 256
+    assert fam.bytes_moved(spec, 4, 2048) == 3 * 2048 * 256 * 2
+
+
+def test_reference_pattern_exact():
+    """Small integers: every product and sum is exact, so the reference is exactly A . B."""
+    fam = get_family("gemm_reduce_scatter")
+    spec = load_spec(SPECS[1]).model
+    spec = spec.model_copy(update={"params": spec.params.model_copy(update={"n": 64, "k": 128})})
+    inputs = fam.make_inputs(spec, 2, 3, np.random.default_rng(0), pattern=True)
+    ref = fam.reference(spec, 2, 3, inputs)["c"]
+    a = np.concatenate([to_f64(inputs["a"][s], "bfloat16").reshape(6, 64) for s in range(2)], axis=1)
+    b = np.concatenate([to_f64(inputs["b"][s], "bfloat16")[:64 * 64].reshape(64, 64) for s in range(2)])
+    want = a @ b
+    for r in range(2):
+        assert np.array_equal(to_f64(ref[r], "bfloat16"), to_f64(from_f64(want[3 * r:3 * r + 3].reshape(-1),
+                                                                          "bfloat16"), "bfloat16"))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("mode", ["cubin", "shared"])
+def test_compiles_without_spills(cache, tmp_path, path, mode):
+    r = render(load_spec(path), base=ROOT)
+    src = tmp_path / f"{r.name}.cu"
+    src.write_text(r.source)
+    report = compile_source(src, mode=mode).report
+    kernels = {k: v for k, v in report.items() if k.endswith(("_gemm", "_reduce"))}
+    assert len(kernels) == 4, report.keys()
+    for name, e in kernels.items():
+        assert e["spill_stores"] == 0 and e["spill_loads"] == 0, (name, e)
+        if name.endswith("_gemm"):
+            assert e["stack_frame"] == 0, (name, e)
+
+
+@needs_sass
+def test_sass(cache, tmp_path):
+    r = render(load_spec(SPECS[0]), base=ROOT)
+    src = tmp_path / f"{r.name}.cu"
+    src.write_text(r.source)
+    sass = dump_sass(compile_source(src).output)
+    assert "HGMMA.64x256x16.F32.BF16" in sass
+    assert "UTMALDG.3D" in sass and "UTMASTG.3D" in sass
+
+
+WALK = r"""
+#include "SOURCE"
+#include <cstdlib>
+// "cta batch m0 n0" per tile of a grid of `ctas`, starting at batch `first`.
+int main(int argc, char** argv) {
+  using C = MODULE::Config<WORLD>;
+  const uint32_t rows = atoi(argv[1]), ctas = atoi(argv[2]), first = atoi(argv[3]);
+  printf("K %d tiles %u\n", C::K, tsgen_gemm::Scheduler<C>::batch_tiles(rows));
+  for (uint32_t b = 0; b < ctas; ++b) {
+    tsgen_gemm::Scheduler<C> t(rows, b / C::CLUSTER, ctas / C::CLUSTER, b % C::CLUSTER, first);
+    uint32_t m0, n0, batch;
+    while (t.next(m0, n0, batch)) printf("%u %u %u %u\n", b, batch, m0, n0);
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_schedule_own_block_last(tmp_path):
+    """Every CTA walks row blocks rank + 1, ..., rank (own last); the arrivals the hook counts
+    per block (CTA tiles x consumer warpgroups) match the tiles the schedule hands out."""
+    path = variant(tmp_path, "w", params={"n": 512, "k": 512})
+    spec = load_spec(path).model
+    src = tmp_path / "w.cu"
+    src.write_text(render(load_spec(path), base=tmp_path).source)
+    main = tmp_path / "walk.cu"
+    main.write_text(WALK.replace("SOURCE", str(src)).replace("MODULE", "w").replace("WORLD", "4"))
+    exe = tmp_path / "walk"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), "-std=c++17", "-o", str(exe), str(main)],
+                   check=True, capture_output=True)
+    tm, tn = spec.params.tile.m, spec.params.tile.n
+    for rows in (1, 129, 259):
+        for ctas in (2, 6, 132):
+            for rank in (0, 3):
+                first = (rank + 1) % 4
+                lines = subprocess.run([str(exe), str(rows), str(ctas), str(first)], capture_output=True, text=True,
+                                       check=True).stdout.splitlines()
+                head = lines[0].split()
+                assert head[1] == "128"  # K / world
+                walk = [tuple(map(int, x.split())) for x in lines[1:]]
+                for q in range(4):  # every CTA tile of block q counted: batch_tiles x CLUSTER
+                    assert sum(1 for _, b, _, _ in walk if b == q) == int(head[3]) * 2
+                stored = sorted((b, m0, n0) for _, b, m0, n0 in walk if m0 < rows)
+                want = sorted((b, m0, n0) for b in range(4) for m0 in range(0, rows, tm) for n0 in range(0, 512, tn))
+                assert stored == want
+                for cta in range(ctas):
+                    seq = [(b - first) % 4 for c, b, _, _ in walk if c == cta]
+                    assert seq == sorted(seq)
+                    assert not seq or seq[-1] <= 3 and all(b != rank for c, b, _, _ in walk
+                                                           if c == cta and (b - first) % 4 < 3)
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    s = importlib.util.spec_from_file_location("gpu_fused", ROOT / "tools" / "gpu_fused.py")
+    m = importlib.util.module_from_spec(s)
+    s.loader.exec_module(m)
+    return m
+
+
+def test_tool_builds_rs_specs(tmp_path, tool):
+    for name, path in tool.RS_SPECS.items():
+        m = json.loads(tool.build(tmp_path, name, timeout_ms=5000, specs=tool.RS_SPECS).read_text())
+        assert m["timeout_ms"] == 5000 and m["constants"]["N"] == tool.N and m["constants"]["K"] == tool.K
+        assert m["op"] == "gemm_reduce_scatter"
+
+
+def test_tool_rs_reference(tool):
+    """The device script's reference (float32 products summed in float32, NumPy on the host)
+    agrees with the family's."""
+    rng = np.random.default_rng(3)
+    world, count, kl, n = 2, 3, 8, 16
+    a = [rng.standard_normal(world * count * kl).astype(np.float32) for _ in range(world)]
+    b = [rng.standard_normal(kl * n).astype(np.float32) for _ in range(world)]
+    got = tool.rs_reference(np, a, b, world, count, kl, n)
+    full = sum(a[s].reshape(world * count, kl) @ b[s].reshape(kl, n) for s in range(world))
+    for r in range(world):
+        assert np.allclose(got[r], full[r * count:(r + 1) * count], rtol=1e-6)
+
+
+def test_tool_rs_report(tool):
+    torch_rows = [{"m": 8192, "gemm": 350.0, "comm": 300.0, "sequential": 716.0, "fused": 522.0}]
+    tsgen_rows = [{"impl": "tsgen gemm_rs overlapped", "m": 8192, "us": 450.0, "rel_err": 2e-3}]
+    table = tool.summarize(tsgen_rows, torch_rows, fused_name="torch symm_mem fused_matmul_reduce_scatter")
+    row = next(r for r in table if r["impl"] == "tsgen gemm_rs overlapped")
+    assert row["speedup_vs_sequential"] == pytest.approx(716 / 450)
+    assert row["vs_torch_fused"] == pytest.approx(522 / 450) and row["overlap_efficiency"] == pytest.approx(350 / 450)
+    assert any(r["impl"] == "torch symm_mem fused_matmul_reduce_scatter" for r in table)

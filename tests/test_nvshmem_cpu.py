@@ -1,0 +1,188 @@
+"""The NVSHMEM device transport (params.transport: nvshmem), on CPU: the shipped
+specs render the same verified plans into NVSHMEM device calls, compile with
+-rdc=true and device-link against libnvshmem_device from the pip wheel
+(nvidia-nvshmem-cu13 / -cu12) into a cubin with the NVSHMEM entry points and
+no spills; bad combinations are spec errors; the runtime refuses the modules
+without an NVSHMEM backend. Compiling needs nvcc and the wheel (skips say which
+is missing); no GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, run_cli
+from tsgen import toolchain
+from tsgen.errors import SpecError, ToolchainError
+from tsgen.spec import load_spec
+from tsgen.toolchain import compile_source, find_cuobjdump, find_device_lib, find_nvcc
+
+NVSHMEM_SPECS = ["allgather_nvshmem", "all_to_all_nvshmem"]
+
+
+def _missing(find) -> str | None:
+    try:
+        find()
+        return None
+    except ToolchainError as e:
+        return str(e)
+
+
+NO_NVCC = _missing(find_nvcc)
+NO_WHEEL = _missing(lambda: find_device_lib("nvshmem"))
+needs_link = pytest.mark.skipif(
+    NO_NVCC is not None or NO_WHEEL is not None,
+    reason=f"compiling the nvshmem transport needs nvcc and the NVSHMEM wheel: {NO_NVCC or NO_WHEEL}",
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TSGEN_CACHE_DIR", str(tmp_path_factory.mktemp("tsgen-nvshmem-cache")))
+    yield
+    mp.undo()
+
+
+def _write(tmp_path, text: str):
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    return p
+
+
+# ---------------------------------------------------------------------------
+# Specs, rendering, plans
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NVSHMEM_SPECS)
+def test_nvshmem_specs_render_put_with_signal(name):
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
+    assert spec.params.transport == "nvshmem"
+    manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
+    assert manifest["device_libs"] == ["nvshmem"] and manifest["host_launch"] is False
+    text = (ROOT / "generated" / f"{name}.cu").read_text()
+    assert "#include <nvshmem.h>" in text and "Inlined from templates/include/tsgen_nvshmem.cuh" in text
+    body = text.split("namespace " + name + " {", 1)[1]
+    assert "tsgen_nvshmem_run_plan<T, UNROLL, WORLD>" in body and "tsgen_run_plan<" not in body
+    header = (ROOT / "templates" / "include" / "tsgen_nvshmem.cuh").read_text()
+    for call in ("nvshmemx_putmem_signal_nbi_block", "NVSHMEM_SIGNAL_ADD", "nvshmem_signal_wait_until",
+                 "NVSHMEM_CMP_GE", "nvshmemx_signal_op", "nvshmem_quiet", "nvshmemx_getmem_block",
+                 "wait_ge_acquire_sys"):  # the repo's bounded spin with the timeout diagnostic
+        assert call in header, call
+
+
+def test_p2p_specs_do_not_change():
+    """Only nvshmem specs carry device_libs; the p2p sources inline no NVSHMEM header."""
+    for name in ("allgather", "all_to_all"):
+        manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
+        assert "device_libs" not in manifest
+        assert "nvshmem" not in (ROOT / "generated" / f"{name}.cu").read_text()
+
+
+def test_nvshmem_plans_verify():
+    """Same plans as p2p: `tsgen verify` runs them on the CPU."""
+    r = run_cli("verify", *(f"specs/{n}.yaml" for n in NVSHMEM_SPECS), "--world", "2..8")
+    assert r.code == 0, r
+    assert "14 plans verified" in r.stdout, r
+
+
+def test_nvshmem_spec_errors(tmp_path):
+    head = "name: bad\nworld_sizes: [2, 4]\n"
+    cases = {
+        "op: allgather\nparams:\n  transport: nvshmem\n  direction: multimem\n": "multicast, not NVSHMEM",
+        "op: all_reduce\nparams:\n  transport: nvshmem\n  algorithm: multimem\n": "multicast, not NVSHMEM",
+        "op: all_reduce\nparams:\n  transport: nvshmem\n  algorithm: one_shot\n": "reduces local memory only",
+        "op: reduce_scatter\nparams:\n  transport: nvshmem\n  algorithm: ring\n": "reduces local memory only",
+        # one field: a transport is nvshmem or copy_engine, never both
+        "op: allgather\nparams:\n  transport: [nvshmem, copy_engine]\n": "transport",
+        "op: allgather\nparams:\n  transport: nvshmem_ce\n": "transport",
+    }
+    for body, message in cases.items():
+        with pytest.raises(SpecError, match=re.escape(message)):
+            load_spec(_write(tmp_path, head + body))
+    # push algorithms whose reductions are local are accepted
+    for body in ("op: all_reduce\nparams:\n  transport: nvshmem\n  algorithm: two_shot\n",
+                 "op: reduce_scatter\nparams:\n  transport: nvshmem\n",
+                 "op: allgather\nparams:\n  transport: nvshmem\n  direction: ring\n  pieces: 2\n",
+                 "op: allgather\nparams:\n  transport: nvshmem\n  direction: pull\n"):
+        assert load_spec(_write(tmp_path, head + body)).model.params.transport == "nvshmem"
+
+
+def test_runtime_refuses_without_nvshmem_backend():
+    from tsgen.runtime.world import device_lib_refusal
+
+    manifest = json.loads((ROOT / "generated" / "allgather_nvshmem.json").read_text())
+    msg = device_lib_refusal(manifest, object())
+    assert msg and "NVSHMEM backend" in msg and "allgather_nvshmem" in msg
+
+    class Nvshmem:
+        nvshmem = True
+
+    assert device_lib_refusal(manifest, Nvshmem()) is None
+    assert device_lib_refusal(json.loads((ROOT / "generated" / "allgather.json").read_text()), object()) is None
+
+
+# ---------------------------------------------------------------------------
+# Toolchain: finding the wheel, compiling, device-linking
+# ---------------------------------------------------------------------------
+
+
+def test_missing_wheel_names_the_pip_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(toolchain, "_device_lib_roots", lambda name: [tmp_path])
+    with pytest.raises(ToolchainError, match=re.escape("pip install nvidia-nvshmem-cu13")):
+        find_device_lib("nvshmem")
+    with pytest.raises(ToolchainError, match="unknown device library"):
+        find_device_lib("nccl")
+
+
+def test_nvshmem_home_is_found(monkeypatch, tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "include" / "nvshmem.h").write_text("")
+    (tmp_path / "lib" / "libnvshmem_device.a").write_bytes(b"!<arch>\n")
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
+    lib = find_device_lib("nvshmem")
+    assert lib.include == tmp_path / "include"
+    assert lib.link_flags == [f"-L{tmp_path / 'lib'}", "-lnvshmem_device"]
+
+
+@needs_link
+@pytest.mark.parametrize("name", NVSHMEM_SPECS)
+def test_nvshmem_source_device_links(cache, name):
+    source = ROOT / "generated" / f"{name}.cu"
+    manifest = json.loads(source.with_suffix(".json").read_text())
+    res = compile_source(source, arch="sm_90a", link=tuple(manifest["device_libs"]))
+    data = res.output.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    kernels = [k["name"] for k in manifest["kernels"]]
+    for k in kernels:
+        entry = res.report[k]
+        assert entry["registers"] > 0 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (k, entry)
+        assert entry["linked_lmem"] == 0, (k, entry)  # after the device link: no local memory
+    for fn, entry in res.own_report.items():  # our helpers; NVSHMEM's own templates are theirs
+        assert entry.get("spill_stores", 0) == 0 and entry.get("spill_loads", 0) == 0, (fn, entry)
+    # The device link pulled in libnvshmem_device: the state nvshmemx_cumodule_init fills
+    # in, and the transport's put-with-signal path (used when the target is not NVLink-reachable).
+    for symbol in (b"nvshmemi_device_state_d", b"nvshmemi_transfer_put_signal_dispatch", *(k.encode() for k in kernels)):
+        assert symbol in data, symbol
+    if _missing(find_cuobjdump) is None:
+        elf = subprocess.run([str(find_cuobjdump()), "-elf", str(res.output)], capture_output=True, text=True,
+                             check=True).stdout
+        entries = set(re.findall(r"FUNC\s+GLOBAL\s+DEFAULT\s+ENTRY\s+\S+\s+(\S+)", elf))
+        assert set(kernels) <= entries, (kernels, entries)
+        assert re.search(r"OBJECT\s+GLOBAL.*\snvshmemi_device_state_d\s*$", elf, re.M), "device state symbol"
+    again = compile_source(source, arch="sm_90a", link=tuple(manifest["device_libs"]))
+    assert again.cached and again.output == res.output
+
+
+@needs_link
+def test_nvshmem_source_needs_the_link(cache):
+    """Negative control: without the device library the source does not build."""
+    with pytest.raises(ToolchainError, match="nvshmem.h"):
+        compile_source(ROOT / "generated" / "allgather_nvshmem.cu", arch="sm_90a")
+    with pytest.raises(ToolchainError, match="load as cubins"):
+        compile_source(ROOT / "generated" / "allgather_nvshmem.cu", mode="shared", link=("nvshmem",))
