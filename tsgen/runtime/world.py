@@ -207,10 +207,14 @@ class Module:
         number lives on the device (buffer `calls`), so launches may be captured
         in CUDA graphs and replayed."""
         world, cp = self.world, self.world.cp
+        ranks = list(ranks if ranks is not None else world.ranks)
+        if self.launcher is not None:
+            self._host_launch_all(buffers, ranks, streams)
+            return
         grid = tuple(self.kernel["grid"])
         block = tuple(self.kernel["block"])
         smem = self.kernel["shared_bytes"]
-        for rank in ranks if ranks is not None else world.ranks:
+        for rank in ranks:
             args: list[Any] = []
             for a in self.kernel["args"]:
                 role = a["role"]
@@ -226,10 +230,28 @@ class Module:
                     args.append(np.uint64(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
             with cp.cuda.Device(world.devices[rank]):
                 stream = streams[rank] if streams is not None else cp.cuda.Stream.null
-                if self.launcher is not None:
-                    self._host_launch(buffers, rank, stream)
-                else:
-                    self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+                self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
+
+    def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams: Sequence[Any] | None) -> None:
+        """Call the host launcher of every rank, each from its own thread when there are
+        several: a launcher may block its thread inside a CUDA call until peers have
+        launched too (measured: a cudaMemcpyAsync that reads a peer, or one queued on the
+        legacy default stream behind a wait), which from a single thread never happens."""
+        cp = self.world.cp
+
+        def one(rank: int) -> None:
+            with cp.cuda.Device(self.world.devices[rank]):
+                stream = streams[rank] if streams is not None else cp.cuda.Stream.null
+                self._host_launch(buffers, rank, stream)
+
+        if len(ranks) == 1:
+            one(ranks[0])
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
+            for future in [pool.submit(one, r) for r in ranks]:
+                future.result()  # the first failing rank's error
 
     def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
         import ctypes
