@@ -757,6 +757,18 @@ static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint
   tsgen_barrier_blocks(counter, 2 * generation, rank);
 }
 
+// Host launchers: make the device that holds `local` (a buffer of the calling rank)
+// current for the CUDA runtime linked into this library, whichever thread calls:
+// the runtime launches ranks from one thread each, and a thread's current device
+// is per CUDA runtime instance.
+static inline cudaError_t tsgen_use_device_of(const void* local) {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, local);
+  if (err != cudaSuccess) return err;
+  if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
+  return cudaSetDevice(attr.device);
+}
+
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------

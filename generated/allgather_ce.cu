@@ -751,6 +751,18 @@ static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint
   tsgen_barrier_blocks(counter, 2 * generation, rank);
 }
 
+// Host launchers: make the device that holds `local` (a buffer of the calling rank)
+// current for the CUDA runtime linked into this library, whichever thread calls:
+// the runtime launches ranks from one thread each, and a thread's current device
+// is per CUDA runtime instance.
+static inline cudaError_t tsgen_use_device_of(const void* local) {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, local);
+  if (err != cudaSuccess) return err;
+  if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
+  return cudaSetDevice(attr.device);
+}
+
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
@@ -1806,6 +1818,7 @@ extern "C" __global__ void allgather_ce_w2_end(uint64_t* calls) {
 // peers, in host memory. Returns the first CUDA error.
 extern "C" cudaError_t allgather_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
   if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
   TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
@@ -1878,6 +1891,7 @@ extern "C" __global__ void allgather_ce_w3_end(uint64_t* calls) {
 // peers, in host memory. Returns the first CUDA error.
 extern "C" cudaError_t allgather_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
   if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
   TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
@@ -1992,6 +2006,7 @@ extern "C" __global__ void allgather_ce_w4_end(uint64_t* calls) {
 // peers, in host memory. Returns the first CUDA error.
 extern "C" cudaError_t allgather_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
   if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
   TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
@@ -2164,6 +2179,7 @@ extern "C" __global__ void allgather_ce_w8_end(uint64_t* calls) {
 // peers, in host memory. Returns the first CUDA error.
 extern "C" cudaError_t allgather_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
   if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(tsgen_use_device_of(calls));
   tsgen_ce_lanes* lanes = nullptr;
   TSGEN_CE_TRY(tsgen_ce_lanes_get(&lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };

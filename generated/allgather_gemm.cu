@@ -760,6 +760,18 @@ static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint
   tsgen_barrier_blocks(counter, 2 * generation, rank);
 }
 
+// Host launchers: make the device that holds `local` (a buffer of the calling rank)
+// current for the CUDA runtime linked into this library, whichever thread calls:
+// the runtime launches ranks from one thread each, and a thread's current device
+// is per CUDA runtime instance.
+static inline cudaError_t tsgen_use_device_of(const void* local) {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, local);
+  if (err != cudaSuccess) return err;
+  if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
+  return cudaSetDevice(attr.device);
+}
+
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
@@ -2172,6 +2184,7 @@ extern "C" cudaError_t allgather_gemm_w2_launch(char* const* peers, char* const*
   using C = allgather_gemm::Config<2>;
   constexpr int WORLD = 2;
   if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
   // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
@@ -2243,6 +2256,7 @@ extern "C" cudaError_t allgather_gemm_w3_launch(char* const* peers, char* const*
   using C = allgather_gemm::Config<3>;
   constexpr int WORLD = 3;
   if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
   // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
@@ -2314,6 +2328,7 @@ extern "C" cudaError_t allgather_gemm_w4_launch(char* const* peers, char* const*
   using C = allgather_gemm::Config<4>;
   constexpr int WORLD = 4;
   if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
   // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)

@@ -752,6 +752,18 @@ static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint
   tsgen_barrier_blocks(counter, 2 * generation, rank);
 }
 
+// Host launchers: make the device that holds `local` (a buffer of the calling rank)
+// current for the CUDA runtime linked into this library, whichever thread calls:
+// the runtime launches ranks from one thread each, and a thread's current device
+// is per CUDA runtime instance.
+static inline cudaError_t tsgen_use_device_of(const void* local) {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, local);
+  if (err != cudaSuccess) return err;
+  if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
+  return cudaSetDevice(attr.device);
+}
+
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
@@ -1779,7 +1791,9 @@ gemm_bf16_w1_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_cons
 
 // Host launcher: encodes the tensor maps, sizes the persistent grid, launches on `stream`.
 extern "C" cudaError_t gemm_bf16_w1_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, cudaStream_t stream) {
-  (void)peers, (void)rank, (void)calls;
+  (void)peers, (void)rank;
+  const cudaError_t err = tsgen_use_device_of(calls);
+  if (err != cudaSuccess) return err;
   return tsgen_gemm::launch<gemm_bf16::Config>(gemm_bf16_w1_kernel, a, b, c, count, stream);
 }
 

@@ -757,6 +757,18 @@ static __device__ __forceinline__ void tsgen_barrier_all(uint64_t* counter, uint
   tsgen_barrier_blocks(counter, 2 * generation, rank);
 }
 
+// Host launchers: make the device that holds `local` (a buffer of the calling rank)
+// current for the CUDA runtime linked into this library, whichever thread calls:
+// the runtime launches ranks from one thread each, and a thread's current device
+// is per CUDA runtime instance.
+static inline cudaError_t tsgen_use_device_of(const void* local) {
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, local);
+  if (err != cudaSuccess) return err;
+  if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
+  return cudaSetDevice(attr.device);
+}
+
 #endif  // TSGEN_SYNC_CUH
 
 // --------------------------------------------------------------------------
@@ -2183,6 +2195,7 @@ extern "C" cudaError_t gemm_reduce_scatter_plain_w2_launch(char* const* peers, i
   using C = gemm_reduce_scatter_plain::Config<2>;
   constexpr int WORLD = 2;
   if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;  // per batch (row block)
   // tensor maps: A (3-D: column, row, block), B (K/world x N), partial (3-D)
@@ -2259,6 +2272,7 @@ extern "C" cudaError_t gemm_reduce_scatter_plain_w4_launch(char* const* peers, i
   using C = gemm_reduce_scatter_plain::Config<4>;
   constexpr int WORLD = 4;
   if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen_use_device_of(calls));
   if (count > tsgen_gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;  // per batch (row block)
   // tensor maps: A (3-D: column, row, block), B (K/world x N), partial (3-D)

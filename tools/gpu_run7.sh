@@ -4,4 +4,4 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout 90 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "collective_odd_count and _ce" 2>&1 | tail -2
-FUSED_TIMEOUT=280 bash tools/gpu_fused.sh --ops allgather_gemm 2>&1 | grep -vE "sys.excepthook|Original exception|^\s*$" | tail -30
+FUSED_TIMEOUT=420 bash tools/gpu_fused.sh --ops allgather_gemm gemm_reduce_scatter 2>&1 | grep -vE "sys.excepthook|Original exception|^\s*$" | tail -30
