@@ -180,6 +180,8 @@ class Module:
         cp = world.cp
         self.functions = {}  # per local rank
         self.launcher = None
+        self._pool = None  # threads that call host launchers, one per local rank
+        self._streams: dict[int, Any] = {}
         if self.manifest.get("host_launch", False):
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
@@ -241,17 +243,26 @@ class Module:
 
         def one(rank: int) -> None:
             with cp.cuda.Device(self.world.devices[rank]):
-                stream = streams[rank] if streams is not None else cp.cuda.Stream.null
-                self._host_launch(buffers, rank, stream)
+                self._host_launch(buffers, rank, streams[rank] if streams is not None else self._stream(rank))
 
         if len(ranks) == 1:
             one(ranks[0])
             return
-        from concurrent.futures import ThreadPoolExecutor
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=len(ranks)) as pool:
-            for future in [pool.submit(one, r) for r in ranks]:
-                future.result()  # the first failing rank's error
+            self._pool = ThreadPoolExecutor(max_workers=len(self.world.ranks), thread_name_prefix="tsgen-launch")
+        for future in [self._pool.submit(one, r) for r in ranks]:
+            future.result()  # the first failing rank's error
+
+    def _stream(self, rank: int):
+        """The stream host launchers use when the caller gives none: a non-blocking one per
+        rank, never the legacy default stream (measured: peer copies queued there ordered
+        the two devices' default streams against each other and deadlocked the ranks)."""
+        if rank not in self._streams:
+            with self.world.cp.cuda.Device(self.world.devices[rank]):
+                self._streams[rank] = self.world.cp.cuda.Stream(non_blocking=True)
+        return self._streams[rank]
 
     def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
         import ctypes
