@@ -129,7 +129,9 @@ def test_collective_odd_count(spec, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32"])
 @pytest.mark.parametrize("spec", ["allgather", "reduce_scatter", "all_to_all", "all_reduce_one_shot",
-                                  "all_reduce_two_shot", "broadcast", "allgather_pull"])
+                                  "all_reduce_two_shot", "broadcast", "allgather_pull", "all_reduce_two_shot_pull",
+                                  "allgather_ring", "reduce_scatter_ring", "all_reduce_ring", "broadcast_ring",
+                                  "all_reduce_two_shot_ce"])
 def test_collective_dtype_matrix(spec, dtype, world):
     """Every collective in every dtype on the vector path (count a multiple of 8)."""
     need_gpus(world)
