@@ -32,7 +32,7 @@ def _is_multimem(spec_path):
     return "multimem" in spec_path.read_text()
 
 
-COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"}
+COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
 COMPUTE_OPS = {"gemm"}  # one GPU; tests/test_gemm_gpu.py
 PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS]
 
@@ -131,7 +131,7 @@ def test_collective_odd_count(spec, world):
 @pytest.mark.parametrize("spec", ["allgather", "reduce_scatter", "all_to_all", "all_reduce_one_shot",
                                   "all_reduce_two_shot", "broadcast", "allgather_pull", "all_reduce_two_shot_pull",
                                   "allgather_ring", "reduce_scatter_ring", "all_reduce_ring", "broadcast_ring",
-                                  "all_reduce_two_shot_ce"])
+                                  "all_reduce_two_shot_ce", "all_to_all_v"])
 def test_collective_dtype_matrix(spec, dtype, world):
     """Every collective in every dtype on the vector path (count a multiple of 8)."""
     need_gpus(world)
