@@ -236,9 +236,9 @@ def compile_source(
     cached by content hash; raises ToolchainError naming the file, line and spec.
 
     `link`: device libraries (DEVICE_LIBS, the manifest's `device_libs`). The source
-    is then compiled with -rdc=true against the library's headers; mode="cubin"
-    device-links that object with lib<name>_device.a into one cubin (nvcc -dlink
-    -cubin), mode="obj" stops at the relocatable object."""
+    is then compiled with -rdc=true against the library's headers and device-linked
+    with lib<name>_device.a into one cubin (nvcc -dlink -cubin): only mode="cubin"
+    is meaningful with `link`."""
     source = Path(source)
     nvcc = find_nvcc()
     libs = [find_device_lib(n) for n in link]
