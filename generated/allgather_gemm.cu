@@ -917,6 +917,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 
 #include <atomic>
 #include <type_traits>
+#include <utility>  // std::declval
 
 namespace tsgen_gemm {
 
@@ -1205,6 +1206,15 @@ struct NoHook {
   }
 };
 
+// Optional hook method (detected; hooks without it compile to the unchanged producer):
+//   k_block(kb)              the producer thread, before the kb-th K block of a tile: the K
+//                            block to load instead (a rotation of the K loop) after waiting
+//                            for its operands to be in place (cannon / summa: per K panel)
+template <class H, class = void>
+struct HasKBlock : std::false_type {};
+template <class H>
+struct HasKBlock<H, std::void_t<decltype(std::declval<H&>().k_block(0))>> : std::true_type {};
+
 template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
@@ -1348,12 +1358,14 @@ static __device__ __forceinline__ void produce(const CUtensorMap* a_full, const 
     // stored, so its A rows may be any rows; load rows that exist.
     const uint32_t a_row = m0 < rows ? m0 : 0;
     for (int kb = 0; kb < L::K_BLOCKS; ++kb) {
+      int kblock = kb;  // the K block loaded: kb, or the hook's choice (it waits for its operands)
+      if constexpr (HasKBlock<Hook>::value) kblock = hook.k_block(kb);
       const uint32_t full = smem + L::FULL_OFF + 8 * stage;
       // A fresh barrier counts as having completed the phase before its first, so
       // the first pass over the ring (parity 1) does not wait.
       mbar_wait(smem + L::EMPTY_OFF + 8 * stage, phase ^ 1);
       mbar_arrive_expect_tx(full, L::STAGE_TX);
-      const int k0 = kb * C::TILE_K;
+      const int k0 = kblock * C::TILE_K;
       const uint32_t a = smem + L::A_OFF + stage * L::A_STAGE;
       const uint32_t b = smem + L::B_OFF + stage * L::B_STAGE;
       if constexpr (L::SHARE_A && L::BATCHES > 1) {

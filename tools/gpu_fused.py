@@ -1,12 +1,13 @@
 """allgather_gemm on 2-4 GPUs: correctness, then tsgen (plain, overlapped) against cuBLAS +
 NCCL one after the other and PyTorch SymmetricMemory's fused_all_gather_matmul.
 
-Usage: python tools/gpu_fused.py OUT_DIR [--ops allgather_gemm gemm_reduce_scatter]
+Usage: python tools/gpu_fused.py OUT_DIR [--ops allgather_gemm gemm_reduce_scatter cannon summa]
        (on the lent machines: bash tools/gpu_fused.sh [--ops ...]); --ops picks the ops (default
        all). gemm_reduce_scatter's part (checks at world 2 and 4, timing at world 4 against
        cuBLAS + NCCL reduce_scatter_tensor and symm_mem's fused_matmul_reduce_scatter) is
-       described above run_gemm_rs and writes OUT/gemm_rs_bench.{json,md}; what follows is
-       allgather_gemm's.
+       described above run_gemm_rs and writes OUT/gemm_rs_bench.{json,md}; cannon's and summa's
+       (2 x 2 grid: checks, then TFLOP/s against cuBLAS on the whole matrix on one GPU) above
+       run_grid, OUT/grid_bench.{json,md}; what follows is allgather_gemm's.
 
 1. Correctness (one child per world size 2, 3, 4; single-process tsgen World): both shipped
    specs (specs/allgather_gemm.yaml: overlap copy_engine; allgather_gemm_plain.yaml: none),
@@ -383,7 +384,9 @@ def main() -> int:
     if args.child:
         kind, arg = args.child
         children = {"check": lambda: check(out, int(arg)), "bench": lambda: bench_tsgen(out),
-                    "rs_check": lambda: rs_check(out, int(arg)), "rs_bench": lambda: rs_bench_tsgen(out)}
+                    "rs_check": lambda: rs_check(out, int(arg)), "rs_bench": lambda: rs_bench_tsgen(out),
+                    "grid_check": lambda: grid_check(out, arg.split(",")),
+                    "grid_bench": lambda: grid_bench_tsgen(out, arg.split(",")), "grid_cublas": grid_cublas}
         result = children[kind]()
         print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -401,6 +404,9 @@ def main() -> int:
         ok &= run_allgather_gemm(out, gpus, device)
     if "gemm_reduce_scatter" in args.ops:
         ok &= run_gemm_rs(out, gpus, device)
+    grid_ops = [op for op in GRID_OPS if op in args.ops]
+    if grid_ops:
+        ok &= run_grid(out, gpus, device, grid_ops)
     return 0 if ok else 1
 
 
@@ -469,7 +475,7 @@ def run_allgather_gemm(out: Path, gpus: int, device: str) -> bool:
 # RS_DEADLINE_S (each step has its own timeout).
 # ---------------------------------------------------------------------------
 
-OPS = ["allgather_gemm", "gemm_reduce_scatter"]
+OPS = ["allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"]
 RS_SPECS = {"overlapped": ROOT / "specs" / "gemm_reduce_scatter.yaml",
             "plain": ROOT / "specs" / "gemm_reduce_scatter_plain.yaml"}
 RS_WORLDS = [2, 4]
@@ -761,6 +767,268 @@ def run_gemm_rs(out: Path, gpus: int, device: str) -> bool:
     (out / "gemm_rs_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = rs_markdown(summary)
     (out / "gemm_rs_bench.md").write_text(text)
+    print()
+    print(text)
+    return all_ok
+
+
+# ---------------------------------------------------------------------------
+# cannon / summa (--ops cannon summa): C = A . B block-distributed on a 2 x 2 grid (world 4):
+# rank (i, j) = 2 i + j holds A_ij, B_ij, C_ij; count = M/2, the block's rows; N = K = 8192.
+# 1. Checks (one child, world 4): GRID_CALLS calls, fresh random bf16 A and B blocks on every
+#    rank before each call, C poisoned; ||C_ij - ref_ij|| / ||ref_ij|| <= 1e-2 against a float32
+#    product of the whole matrices (assembled from the blocks); no poison left.
+# 2. Timing: the whole problem GRID_SIZES^3 (count = size / 2), GRID_ITERS calls back to back
+#    per GPU between two events (time = the slowest GPU's), TFLOP/s = 2 size^3 / time over the 4
+#    GPUs together, against cuBLAS (torch.matmul) of the whole matrix on one GPU, in the same run.
+# OUT/grid_bench.{json,md}; the whole part under GRID_DEADLINE_S, each child with its timeout.
+# ---------------------------------------------------------------------------
+
+GRID_OPS = ["cannon", "summa"]
+GRID_SPECS = {op: ROOT / "specs" / f"{op}.yaml" for op in GRID_OPS}
+GRID_WORLD, GRID_Q = 4, 2
+GRID_CHECK_COUNT = 129  # rows of each block: a full row tile and a tail
+GRID_CALLS = 20
+GRID_SIZES = [8192, 16384]
+GRID_ITERS, GRID_WARMUP = 10, 2
+GRID_CHECK_TIMEOUT_S, GRID_BENCH_TIMEOUT_S, GRID_CUBLAS_TIMEOUT_S, GRID_DEADLINE_S = 32, 38, 15, 88
+
+
+def grid_reference(xp, a, b, q):
+    """Per rank (i, j): block (i, j) of the whole A . B, float32 (a[r], b[r]: rank r's blocks as
+    float32 (count x K/q), (K/q x N/q)); the whole matrices are assembled from the blocks."""
+    whole_a = xp.concatenate([xp.concatenate([a[i * q + j] for j in range(q)], axis=1) for i in range(q)])
+    whole_b = xp.concatenate([xp.concatenate([b[i * q + j] for j in range(q)], axis=1) for i in range(q)])
+    c = whole_a @ whole_b
+    m, n = a[0].shape[0], b[0].shape[1]
+    return [c[i * m:(i + 1) * m, j * n:(j + 1) * n] for i in range(q) for j in range(q)]
+
+
+def grid_check(out: Path, ops: list[str]) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows, ok = [], True
+    with World(GRID_WORLD) as world:
+        for name in ops:
+            t0 = time.perf_counter()
+            module = world.load(build(out, name, timeout_ms=5000, specs=GRID_SPECS))
+            n, k = module.manifest["constants"]["N_TOTAL"], module.manifest["constants"]["K"]
+            kb, nb, count = k // GRID_Q, n // GRID_Q, GRID_CHECK_COUNT
+            bufs = module.alloc(count)
+            try:
+                arr = {(x, r): bufs.array(x, r).view(cp.uint16) for x in "abc" for r in world.ranks}
+                rng = {}
+                for r in world.ranks:
+                    with cp.cuda.Device(world.devices[r]):
+                        rng[r] = cp.random.default_rng(300 + r)
+                errs, left = [], 0
+                for call in range(GRID_CALLS):
+                    poison = 0x7F80 | (0x41 + call % 60)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            arr["a", r][:count * kb] = from_f32(cp, rng[r].standard_normal(count * kb, dtype=cp.float32))
+                            arr["b", r][:kb * nb] = from_f32(cp, rng[r].standard_normal(kb * nb, dtype=cp.float32))
+                            arr["c", r][...] = poison
+                    world.synchronize()
+                    module.launch(bufs)
+                    world.synchronize()
+                    host_a = {s: arr["a", s][:count * kb].get() for s in world.ranks}
+                    host_b = {s: arr["b", s][:kb * nb].get() for s in world.ranks}
+                    with cp.cuda.Device(world.devices[0]):  # through the host, on GPU 0
+                        a32 = [to_f32(cp, cp.asarray(host_a[s])).reshape(count, kb) for s in world.ranks]
+                        b32 = [to_f32(cp, cp.asarray(host_b[s])).reshape(kb, nb) for s in world.ranks]
+                        refs = grid_reference(cp, a32, b32, GRID_Q)
+                        for r in world.ranks:
+                            got = to_f32(cp, cp.asarray(arr["c", r][:count * nb].get())).reshape(count, nb)
+                            bad = ~cp.isfinite(got)
+                            err = float(cp.linalg.norm(cp.where(bad, 0, got - refs[r])) / cp.linalg.norm(refs[r]))
+                            errs.append(err + float(cp.count_nonzero(bad)))
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            left = max(left, int(cp.count_nonzero(arr["c", r][:count * nb] == poison)))
+            finally:
+                bufs.free()
+            err = max(errs)
+            passed = err <= MAX_REL_ERR and left == 0
+            ok &= passed
+            rows.append({"spec": name, "world": GRID_WORLD, "m_local": count, "calls": GRID_CALLS,
+                         "max_rel_err": err, "poison_left": left, "pass": passed,
+                         "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"  {name} world {GRID_WORLD}: {'PASS' if passed else 'FAIL'} max rel err {err:.2e}, "
+                  f"{left} poisoned left", flush=True)
+    return {"pass": ok, "rows": rows}
+
+
+def grid_bench_tsgen(out: Path, ops: list[str]) -> dict:
+    import cupy as cp
+
+    from tsgen.runtime import World
+
+    rows = []
+    with World(GRID_WORLD) as world:
+        for name in ops:
+            module = world.load(build(out, name, timeout_ms=5000, specs=GRID_SPECS))
+            n, k = module.manifest["constants"]["N_TOTAL"], module.manifest["constants"]["K"]
+            for size in GRID_SIZES:
+                if size != n or size != k:  # N and K are compiled in: other sizes need their own spec
+                    module = world.load(build_sized(out, name, size))
+                    n = k = size
+                kb, nb, count = k // GRID_Q, n // GRID_Q, size // GRID_Q
+                bufs = module.alloc(count)
+                try:
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            g = cp.random.default_rng(r)
+                            bufs.array("a", r).view(cp.uint16)[:count * kb] = from_f32(
+                                cp, g.standard_normal(count * kb, dtype=cp.float32))
+                            bufs.array("b", r).view(cp.uint16)[:kb * nb] = from_f32(
+                                cp, g.standard_normal(kb * nb, dtype=cp.float32))
+                    streams = {}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            streams[r] = cp.cuda.Stream(non_blocking=True)
+                    for _ in range(GRID_WARMUP):
+                        module.launch(bufs, streams=streams)
+                    world.synchronize()
+                    ev = {}
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r] = (cp.cuda.Event(), cp.cuda.Event())
+                            ev[r][0].record(streams[r])
+                    for _ in range(GRID_ITERS):
+                        module.launch(bufs, streams=streams)
+                    for r in world.ranks:
+                        with cp.cuda.Device(world.devices[r]):
+                            ev[r][1].record(streams[r])
+                    world.synchronize()
+                    ms = max(cp.cuda.get_elapsed_time(*ev[r]) for r in world.ranks) / GRID_ITERS
+                    # the timed output is right: the first 64 rows of C_00 = sum_s A_0s . B_s0
+                    with cp.cuda.Device(world.devices[0]):
+                        ref = None
+                        for s in range(GRID_Q):
+                            a_s = to_f32(cp, cp.asarray(bufs.array("a", s).view(cp.uint16)[:64 * kb].get()))
+                            b_s = to_f32(cp, cp.asarray(bufs.array("b", s * GRID_Q).view(cp.uint16)[:kb * nb].get()))
+                            x = a_s.reshape(64, kb) @ b_s.reshape(kb, nb)
+                            ref = x if ref is None else ref + x
+                        got = to_f32(cp, bufs.array("c", 0).view(cp.uint16)[:64 * nb]).reshape(64, nb)
+                        err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+                finally:
+                    bufs.free()
+                rows.append({"impl": f"tsgen {name}", "size": size, "us": ms * 1e3, "rel_err": err})
+                print(f"  tsgen {name} {size}^3: {ms * 1e3:.1f} us (rel err {err:.1e})", flush=True)
+    return {"rows": rows}
+
+
+def build_sized(out: Path, name: str, size: int) -> Path:
+    """Shipped spec `name` with N = K = size (renamed), rendered into OUT/build."""
+    import yaml
+
+    data = yaml.safe_load(GRID_SPECS[name].read_text())
+    data["name"] = f"{data['name']}_{size}"
+    data["params"]["n"] = data["params"]["k"] = size
+    data.setdefault("sync", {})["timeout_ms"] = 5000
+    path = out / "build" / "sized" / f"{data['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return build(out, data["name"], timeout_ms=None, specs={data["name"]: path})
+
+
+def grid_cublas() -> dict:
+    """cuBLAS (torch.matmul) of the whole size^3 bf16 problem on GPU 0."""
+    import torch
+
+    rows = []
+    dev = torch.device("cuda", 0)
+    for size in GRID_SIZES:
+        a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+        for _ in range(GRID_WARMUP):
+            torch.matmul(a, b)
+        torch.cuda.synchronize(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(GRID_ITERS):
+            torch.matmul(a, b)
+        end.record()
+        torch.cuda.synchronize(dev)
+        us = start.elapsed_time(end) / GRID_ITERS * 1e3
+        rows.append({"impl": "cuBLAS (1 GPU, whole matrix)", "size": size, "us": us})
+        print(f"  cuBLAS {size}^3 on one GPU: {us:.1f} us", flush=True)
+        del a, b
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def grid_markdown(s: dict) -> str:
+    lines = [f"# cannon / summa on a {GRID_Q} x {GRID_Q} grid ({GRID_WORLD} GPUs), bf16, C = A . B (whole size^3)", "",
+             f"Device: {s['device']}; {s['date']}; `{s['command']}`; {GRID_ITERS} calls back to back per sample.", "",
+             "| correctness | world | rows per block | calls | max rel err | poison left | result |",
+             "|---|---|---|---|---|---|---|"]
+    for c in s["checks"]:
+        for r in c.get("rows", []):
+            lines.append(f"| {r['spec']} | {r['world']} | {r['m_local']} | {r['calls']} | {r['max_rel_err']:.2e} | "
+                         f"{r['poison_left']} | {'PASS' if r['pass'] else 'FAIL'} |")
+        if "crashed" in c:
+            lines.append(f"| | | | | | | CRASHED: {c['crashed'][-1] if c['crashed'] else ''} |")
+    lines += ["", "| size (M = N = K) | impl | time (us) | TFLOP/s (all GPUs) | vs cuBLAS 1 GPU |", "|---|---|---|---|---|"]
+    for r in s["rows"]:
+        vs = f"{r['vs_cublas']:.2f}" if r.get("vs_cublas") else ""
+        lines.append(f"| {r['size']} | {r['impl']} | {r['us']:.1f} | {r['tflops']:.0f} | {vs} |")
+    for name, err in s.get("errors", {}).items():
+        lines.append(f"\n{name}: {err}")
+    lines += ["", f"All checks: {'PASS' if s['all_checks_pass'] else 'FAIL'} ({s['seconds']} s)", ""]
+    return "\n".join(lines)
+
+
+def run_grid(out: Path, gpus: int, device: str, ops: list[str]) -> bool:
+    """cannon / summa: checks, timing, OUT/grid_bench.{json,md}; True when all checks passed."""
+    started = time.perf_counter()
+    deadline = started + GRID_DEADLINE_S
+    checks, all_ok, errors, rows = [], True, {}, []
+    if gpus < GRID_WORLD:
+        errors["grid"] = f"needs {GRID_WORLD} GPUs, found {gpus}"
+        all_ok = False
+    else:
+        steps = [("check", "grid_check", GRID_CHECK_TIMEOUT_S), ("tsgen bench", "grid_bench", GRID_BENCH_TIMEOUT_S),
+                 ("cuBLAS", "grid_cublas", GRID_CUBLAS_TIMEOUT_S)]
+        for label, kind, limit in steps:
+            left = int(min(limit, deadline - time.perf_counter()))
+            if left < 5:
+                errors[label] = "skipped: out of time"
+                all_ok = False
+                continue
+            t0 = time.perf_counter()
+            result, text = child([str(out), "--child", kind, ",".join(ops)], timeout=left)
+            print(f"grid {label} ({time.perf_counter() - t0:.0f} s):")
+            print("\n".join("  " + x for x in text.strip().splitlines()[-10:] if not x.startswith("RESULT ")),
+                  flush=True)
+            if result is None:
+                all_ok = False
+                if kind == "grid_check":
+                    checks.append({"pass": False, "crashed": text.strip().splitlines()[-20:]})
+                else:
+                    errors[label] = text.strip().splitlines()[-1] if text.strip() else "?"
+            elif kind == "grid_check":
+                checks.append(result)
+                all_ok &= result["pass"]
+            else:
+                rows += result["rows"]
+    cublas = {r["size"]: r["us"] for r in rows if r["impl"].startswith("cuBLAS")}
+    for r in rows:
+        r["tflops"] = 2.0 * r["size"] ** 3 / r["us"] / 1e6
+        r["vs_cublas"] = cublas[r["size"]] / r["us"] if r["size"] in cublas else None
+    summary = {
+        "device": f"{gpus} x {device}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "tools/gpu_fused.py", *sys.argv[1:]]),
+        "checks": checks, "rows": rows, "errors": errors,
+        "all_checks_pass": all_ok, "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "grid_bench.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = grid_markdown(summary)
+    (out / "grid_bench.md").write_text(text)
     print()
     print(text)
     return all_ok

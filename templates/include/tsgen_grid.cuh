@@ -1,0 +1,164 @@
+// tsgen_grid.cuh -- the communication side of the process-grid GEMMs (cannon, summa):
+// the producer hook that rotates the GEMM's K loop and waits per K panel, the one-block
+// sync kernel body (entry / wait free / signal / wait ready), the copy schedule's table
+// entry and the side streams of the host launcher.
+//
+// Hand-written; inlined into grid GEMM sources after tsgen_gemm.cuh.
+//
+// Signals (u64 counters that only grow, in the `sig` buffer of every rank):
+//   sig[FREE + s]      = e: rank s has entered call e (its previous GEMM, which read its
+//                      panels, is done): this rank may push into s's a_pan / b_pan.
+//   sig[A_READY + p]   = e: panel p of A (of B: B_READY + p) has landed in this rank's
+//                      a_pan (b_pan) in call e (raised by the rank that pushed it, after
+//                      its copy completed: each panel arrives exactly once per call).
+// The epoch e is the device call counter: the entry kernel advances calls[0] on the
+// caller's stream before anything else of the call, later kernels read it (stream order),
+// so CUDA graph replay needs no host-side epoch.
+#ifndef TSGEN_GRID_CUH
+#define TSGEN_GRID_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace tsgen_grid {
+
+constexpr int MAX_Q = 8;
+constexpr int MAX_WORLD = MAX_Q * MAX_Q;
+constexpr int FREE = 0;
+constexpr int A_READY = MAX_WORLD;
+constexpr int B_READY = MAX_WORLD + MAX_Q;
+constexpr int SIGNALS = MAX_WORLD + 2 * MAX_Q;
+constexpr int SYNC_THREADS = MAX_WORLD;  // the sync kernel: one thread per peer
+
+// One push of the copy schedule (tsgen/ops/grid_gemm.py Copy): operand 0 = A, 1 = B;
+// from the input block or the own panel `slot`; into panel `slot` of rank `dst`; after
+// waiting for the own panel `wait` of the operand to arrive (-1: no wait).
+struct CopyStep {
+  int8_t operand, from_input, slot, wait;
+  int16_t dst;
+};
+
+// ---------------------------------------------------------------------------
+// Device: the GEMM producer's hook (tsgen_gemm::NoHook + k_block). The GEMM's K is the q
+// panels of K/q (KBP K blocks each); rank (i, j) starts at panel (i + j) mod q
+// (`start` = its first K block) and wraps around. Before the first load of panel p the
+// producer waits for A_READY[p] and B_READY[p] >= epoch (then remembers it).
+// ---------------------------------------------------------------------------
+template <int K_BLOCKS, int KBP>
+struct PanelHook {
+  const uint64_t* sig;  // this rank's signals
+  uint64_t epoch;
+  uint32_t start;   // the first K block of the walk
+  uint32_t waited;  // bit p: panel p already waited for by this producer
+
+  __device__ __forceinline__ uint32_t first_batch() const { return 0; }
+  __device__ __forceinline__ void wait(uint32_t) {}
+  __device__ __forceinline__ void stored(uint32_t, bool) {}
+  __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
+    z = (int)batch;
+    return a;
+  }
+  // The kb-th K block of the walk that starts at K block `first` (host and device: the
+  // tests walk it on the CPU).
+  __host__ __device__ static uint32_t rotate(uint32_t kb, uint32_t first) {
+    const uint32_t k = kb + first;
+    return k >= (uint32_t)K_BLOCKS ? k - K_BLOCKS : k;
+  }
+  __device__ __forceinline__ int k_block(int kb) {
+    const uint32_t k = rotate((uint32_t)kb, start);
+    const uint32_t p = k / KBP;
+    if (!((waited >> p) & 1u)) {
+      tsgen_gemm::wait_signal_ge_sys(sig + A_READY + p, epoch);
+      tsgen_gemm::wait_signal_ge_sys(sig + B_READY + p, epoch);
+      waited |= 1u << p;
+    }
+    return (int)k;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Device: one-block sync kernel body (blockDim.x >= WORLD), by mode.
+// ---------------------------------------------------------------------------
+enum SyncMode : int {
+  ENTRY = 0,       // advance calls[0] to this call's epoch; raise FREE[rank] at every peer
+  WAIT_FREE = 1,   // wait until every peer raised FREE[peer] here (its panels are ours to write)
+  SIGNAL = 2,      // the copy before this kernel (stream order) completed: sig[index] = epoch at target
+  WAIT_READY = 3,  // wait for our own sig[index] >= epoch (a panel we forward has arrived)
+};
+
+template <int WORLD>
+static __device__ __forceinline__ void sync_body(char* const* peers, int rank, uint64_t* calls, uint64_t* sig,
+                                                 int mode, int target, int index) {
+  const int t = threadIdx.x;
+  if (mode == ENTRY) {
+    // the previous call's kernels on this stream (its GEMM included) are done: stream order
+    const uint64_t epoch = ld_relaxed_gpu_global_u64(calls) + 1;
+    __syncthreads();  // everyone has read calls[0] before thread 0 advances it
+    if (t == 0) st_relaxed_gpu_global_u64(calls, epoch);
+    if (t < WORLD && t != rank)
+      st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, t) + FREE + rank, epoch);
+    return;
+  }
+  const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
+  if (mode == WAIT_FREE) {
+    if (t < WORLD && t != rank)
+      wait_ge_acquire_sys(sig + FREE + t, epoch, tsgen_make_site("sig.free", rank, rank, FREE + t));
+    return;
+  }
+  if (mode == WAIT_READY) {
+    if (t == 0) wait_ge_acquire_sys(sig + index, epoch, tsgen_make_site("sig.ready", rank, rank, index));
+    return;
+  }
+  // SIGNAL: the copy engine's writes completed before this kernel started (stream order);
+  // the fence makes them visible at system scope before the release that announces them.
+  __threadfence_system();
+  if (t == 0) st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, rank, target) + index, epoch);
+}
+
+// ---------------------------------------------------------------------------
+// Host: side streams per device (made on the first call, kept for the process).
+// ---------------------------------------------------------------------------
+#define TSGEN_GRID_TRY(expr)                            \
+  do {                                                  \
+    const cudaError_t tsgen_err_ = (expr);              \
+    if (tsgen_err_ != cudaSuccess) return tsgen_err_;   \
+  } while (0)
+
+struct Lanes {
+  cudaStream_t copy[2];  // the pushes of A, of B (copy engine + their signal / wait kernels)
+  cudaEvent_t fork, done[2];
+  bool ready;
+};
+
+static cudaError_t lanes(Lanes** out) {
+  constexpr int MAX_DEVICES = 64;
+  static Lanes all[MAX_DEVICES];
+  int dev = 0;
+  TSGEN_GRID_TRY(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  Lanes* l = &all[dev];
+  if (!l->ready) {
+    int lo = 0, hi = 0;
+    TSGEN_GRID_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    for (int i = 0; i < 2; ++i) {
+      // their small kernels are on the GEMM's critical path: they go first when SMs free up
+      TSGEN_GRID_TRY(cudaStreamCreateWithPriority(&l->copy[i], cudaStreamNonBlocking, hi));
+      TSGEN_GRID_TRY(cudaEventCreateWithFlags(&l->done[i], cudaEventDisableTiming));
+    }
+    TSGEN_GRID_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
+    l->ready = true;
+  }
+  *out = l;
+  return cudaSuccess;
+}
+
+// The same element on rank `peer`, as this process addresses it (peers_host: every
+// rank's heap base; the same offsets in every heap).
+template <typename T>
+static T* host_peer_ptr(T* local, char* const* peers_host, int rank, int peer) {
+  return (T*)(peers_host[peer] + ((const char*)local - peers_host[rank]));
+}
+
+}  // namespace tsgen_grid
+
+#endif  // TSGEN_GRID_CUH
