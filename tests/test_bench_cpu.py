@@ -2,6 +2,8 @@
 
 import pytest
 
+from conftest import ROOT
+
 from tsgen.bench import collective_table, per_rank_count, plot_busbw
 
 ROWS = [
@@ -41,3 +43,12 @@ def test_plot(tmp_path):
     out = tmp_path / "busbw.png"
     plot_busbw(ROWS, out)
     assert out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("spec", ["all_to_all_v", "gemm_bf16", "allgather_gemm"])
+def test_bench_refuses_ops_without_an_nccl_counterpart(spec):
+    from tsgen.bench import bench_collective
+    from tsgen.errors import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match="tsgen bench times"):
+        bench_collective(ROOT / "specs" / f"{spec}.yaml", 2, [1 << 20])

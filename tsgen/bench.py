@@ -141,6 +141,10 @@ def write_results(rows: list[dict], json_path: Path, meta: dict) -> None:
 # Collectives: tsgen (CUDA graphs per GPU) against NCCL and symm-mem
 # ---------------------------------------------------------------------------
 
+# ops with an NCCL counterpart and an nccl-tests size convention
+BENCH_OPS = frozenset({"allgather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast"})
+
+
 def per_rank_count(op: str, nbytes: int, dtype: str, world: int) -> int:
     """tsgen's `count` for an nccl-tests size in bytes (see tsgen.baselines.elem_counts)."""
     from .baselines import elem_counts
@@ -205,6 +209,11 @@ def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int =
 
     loaded = load_spec(spec_path)
     spec = loaded.model
+    if spec.op not in BENCH_OPS:
+        raise RuntimeSetupError(
+            f"{spec_path}: tsgen bench times {', '.join(sorted(BENCH_OPS))} against NCCL; op {spec.op} "
+            + ("takes a counts matrix as input: time it from your own script" if spec.op == "all_to_all_v"
+               else "has its own benchmark: tools/gpu_gemm.py or tools/gpu_fused.py"))
     manifest = materialize(loaded)
     rows = []
     with World(gpus, backend=backend) as world:
