@@ -1155,6 +1155,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <mutex>
+
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_DEVICES 64
 
@@ -1227,11 +1229,13 @@ struct tsgen_ce_lanes {
 
 static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
   static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+  static std::mutex made;  // ranks launch from threads of their own
   int dev = 0;
   TSGEN_CE_TRY(cudaGetDevice(&dev));
   if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
   tsgen_ce_lanes* l = &lanes[dev];
-  if (!l->ready) {
+  std::lock_guard<std::mutex> lock(made);
+  if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -1823,45 +1827,70 @@ extern "C" cudaError_t all_to_all_ce_w2_launch(char* const* peers, char* const* 
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 4));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 1 to rank 1)
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 3: waits of step 3 (wait for every peer's chunk)
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 0 to rank 0)
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 3: waits of step 3 (wait for every peer's chunk)
-      all_to_all_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 4));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 4);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   all_to_all_ce_w2_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -1896,87 +1925,137 @@ extern "C" cudaError_t all_to_all_ce_w3_launch(char* const* peers, char* const* 
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 5));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 1 to rank 1)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 2 to rank 2)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 4: waits of step 4 (wait for every peer's chunk)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 2 to rank 2)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 0 to rank 0)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 4: waits of step 4 (wait for every peer's chunk)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 0 to rank 0)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 1 to rank 1)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 4: waits of step 4 (wait for every peer's chunk)
-      all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 5));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 5);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   all_to_all_ce_w3_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -2011,145 +2090,230 @@ extern "C" cudaError_t all_to_all_ce_w4_launch(char* const* peers, char* const* 
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   cudaStream_t s[6] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 6));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 1 to rank 1)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 2 to rank 2)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 3 to rank 3)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 5: waits of step 5 (wait for every peer's chunk)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 2 to rank 2)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 3 to rank 3)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 0 to rank 0)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 5: waits of step 5 (wait for every peer's chunk)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 3 to rank 3)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 0 to rank 0)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 1 to rank 1)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 5: waits of step 5 (wait for every peer's chunk)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       break;
     case 3:
       // stream 0: signals of step 0
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 0 to rank 0)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 1 to rank 1)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 2 to rank 2)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 5: waits of step 5 (wait for every peer's chunk)
-      all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 6));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 6);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   all_to_all_ce_w4_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -2184,537 +2348,862 @@ extern "C" cudaError_t all_to_all_ce_w8_launch(char* const* peers, char* const* 
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 10));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 3:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 4:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 5:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 6:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 7 to rank 7)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 7 to rank 7
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
     case 7:
       // stream 0: signals of step 0
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (chunk 0 to rank 0)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: chunk 0 to rank 0
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[1], {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 2 (chunk 1 to rank 1)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
+        err = cudaGetLastError();
+      }
       // stream 2: step 2: chunk 1 to rank 1
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[2], {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 2
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 3 (chunk 2 to rank 2)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
+        err = cudaGetLastError();
+      }
       // stream 3: step 3: chunk 2 to rank 2
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[3], {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 2, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 3
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 4 (chunk 3 to rank 3)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
+        err = cudaGetLastError();
+      }
       // stream 4: step 4: chunk 3 to rank 3
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[4], {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[4], {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 3, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 4
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 5 (chunk 4 to rank 4)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 5: step 5: chunk 4 to rank 4
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[5], {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[5], {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 4, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 5
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 6 (chunk 5 to rank 5)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 6: step 6: chunk 5 to rank 5
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[6], {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[6], {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 5, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 6
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 7 (chunk 6 to rank 6)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 7: step 7: chunk 6 to rank 6
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[7], {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[7], {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 6, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 7
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: step 8: own chunk
-      TSGEN_CE_TRY(tsgen_ce_copy<all_to_all_ce::T>(s[8], {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<all_to_all_ce::T>(s[8], {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 7, 0}, bufs, peers_host, rank, count);
       // stream 9: waits of step 9 (wait for every peer's chunk)
-      all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        all_to_all_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 10));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 10);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   all_to_all_ce_w8_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }

@@ -1157,6 +1157,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <mutex>
+
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_DEVICES 64
 
@@ -1229,11 +1231,13 @@ struct tsgen_ce_lanes {
 
 static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
   static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+  static std::mutex made;  // ranks launch from threads of their own
   int dev = 0;
   TSGEN_CE_TRY(cudaGetDevice(&dev));
   if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
   tsgen_ce_lanes* l = &lanes[dev];
-  if (!l->ready) {
+  std::lock_guard<std::mutex> lock(made);
+  if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
@@ -2612,113 +2616,182 @@ extern "C" cudaError_t reduce_scatter_ce_w2_launch(char* const* peers, char* con
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[3] = { stream, lanes->side[1], lanes->side[2] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 3));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (reduce piece 0)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: reduce piece 0
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 6 (reduce piece 1)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: reduce piece 1
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 7 (reduce piece 2)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: reduce piece 2
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 8 (reduce piece 3)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: reduce piece 3
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (reduce piece 0)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: reduce piece 0
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 6 (reduce piece 1)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: reduce piece 1
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 7 (reduce piece 2)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: reduce piece 2
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 8 (reduce piece 3)
-      reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: reduce piece 3
-      reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 3));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 3);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   reduce_scatter_ce_w2_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -2753,234 +2826,377 @@ extern "C" cudaError_t reduce_scatter_ce_w3_launch(char* const* peers, char* con
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 4));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (reduce piece 0)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: reduce piece 0
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 10 (reduce piece 1)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: reduce piece 1
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 11 (reduce piece 2)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: reduce piece 2
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 12 (reduce piece 3)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: reduce piece 3
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (reduce piece 0)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: reduce piece 0
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 10 (reduce piece 1)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: reduce piece 1
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 11 (reduce piece 2)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: reduce piece 2
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 12 (reduce piece 3)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: reduce piece 3
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (reduce piece 0)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: reduce piece 0
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 10 (reduce piece 1)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: reduce piece 1
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 11 (reduce piece 2)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: reduce piece 2
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 12 (reduce piece 3)
-      reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: reduce piece 3
-      reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 4));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 4);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   reduce_scatter_ce_w3_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -3015,401 +3231,646 @@ extern "C" cudaError_t reduce_scatter_ce_w4_launch(char* const* peers, char* con
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 5));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (reduce piece 0)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: reduce piece 0
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 14 (reduce piece 1)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: reduce piece 1
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 15 (reduce piece 2)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: reduce piece 2
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 16 (reduce piece 3)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: reduce piece 3
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (reduce piece 0)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: reduce piece 0
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 14 (reduce piece 1)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: reduce piece 1
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 15 (reduce piece 2)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: reduce piece 2
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 16 (reduce piece 3)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: reduce piece 3
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (reduce piece 0)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: reduce piece 0
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 14 (reduce piece 1)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: reduce piece 1
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 15 (reduce piece 2)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: reduce piece 2
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 16 (reduce piece 3)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: reduce piece 3
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
+        err = cudaGetLastError();
+      }
       break;
     case 3:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (reduce piece 0)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: reduce piece 0
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 14 (reduce piece 1)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: reduce piece 1
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 15 (reduce piece 2)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: reduce piece 2
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 16 (reduce piece 3)
-      reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: reduce piece 3
-      reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 5));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 5);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   reduce_scatter_ce_w4_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }
@@ -3444,1529 +3905,2462 @@ extern "C" cudaError_t reduce_scatter_ce_w8_launch(char* const* peers, char* con
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   cudaStream_t s[9] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8] };
   TSGEN_CE_TRY(tsgen_ce_fork(stream, lanes, 9));
+  // From here on the first error stops the enqueuing, but the side streams are still
+  // joined: an unjoined fork would break a stream capture and hide the error.
+  cudaError_t err = cudaSuccess;
   switch (rank) {
     case 0:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 1:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 2:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 3:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 4:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 5:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 6:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 7 to rank 7's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
     case 7:
       // stream 0: signals of step 0
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
+        err = cudaGetLastError();
+      }
       // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
+        err = cudaGetLastError();
+      }
       // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
       // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
+        err = cudaGetLastError();
+      }
       // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
       // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
+        err = cudaGetLastError();
+      }
       // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
       // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
+        err = cudaGetLastError();
+      }
       // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
       // stream 1: signals of step 4
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
+        err = cudaGetLastError();
+      }
       // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
+        err = cudaGetLastError();
+      }
       // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
       // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
+        err = cudaGetLastError();
+      }
       // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
       // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
+        err = cudaGetLastError();
+      }
       // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
       // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
+        err = cudaGetLastError();
+      }
       // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
       // stream 2: signals of step 8
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
+        err = cudaGetLastError();
+      }
       // stream 3: waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
+        err = cudaGetLastError();
+      }
       // stream 3: step 9: piece 0 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
       // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
+        err = cudaGetLastError();
+      }
       // stream 3: step 10: piece 1 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
       // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
+        err = cudaGetLastError();
+      }
       // stream 3: step 11: piece 2 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
       // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
+        err = cudaGetLastError();
+      }
       // stream 3: step 12: piece 3 of chunk 2 to rank 2's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
       // stream 3: signals of step 12
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
+        err = cudaGetLastError();
+      }
       // stream 4: waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
+        err = cudaGetLastError();
+      }
       // stream 4: step 13: piece 0 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
       // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
+        err = cudaGetLastError();
+      }
       // stream 4: step 14: piece 1 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
       // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
+        err = cudaGetLastError();
+      }
       // stream 4: step 15: piece 2 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
       // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
+        err = cudaGetLastError();
+      }
       // stream 4: step 16: piece 3 of chunk 3 to rank 3's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
       // stream 4: signals of step 16
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
+        err = cudaGetLastError();
+      }
       // stream 5: waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
+        err = cudaGetLastError();
+      }
       // stream 5: step 17: piece 0 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
       // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
+        err = cudaGetLastError();
+      }
       // stream 5: step 18: piece 1 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
       // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
+        err = cudaGetLastError();
+      }
       // stream 5: step 19: piece 2 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
       // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
+        err = cudaGetLastError();
+      }
       // stream 5: step 20: piece 3 of chunk 4 to rank 4's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
       // stream 5: signals of step 20
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
+        err = cudaGetLastError();
+      }
       // stream 6: waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
+        err = cudaGetLastError();
+      }
       // stream 6: step 21: piece 0 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
       // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
+        err = cudaGetLastError();
+      }
       // stream 6: step 22: piece 1 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
       // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
+        err = cudaGetLastError();
+      }
       // stream 6: step 23: piece 2 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
       // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
+        err = cudaGetLastError();
+      }
       // stream 6: step 24: piece 3 of chunk 5 to rank 5's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
       // stream 6: signals of step 24
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
+        err = cudaGetLastError();
+      }
       // stream 7: waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
+        err = cudaGetLastError();
+      }
       // stream 7: step 25: piece 0 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
       // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
+        err = cudaGetLastError();
+      }
       // stream 7: step 26: piece 1 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
       // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
+        err = cudaGetLastError();
+      }
       // stream 7: step 27: piece 2 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
       // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
+        err = cudaGetLastError();
+      }
       // stream 7: step 28: piece 3 of chunk 6 to rank 6's inbox
-      TSGEN_CE_TRY(tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count));
+      if (err == cudaSuccess)
+        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
       // stream 7: signals of step 28
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 29 (reduce piece 0)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: step 29: reduce piece 0
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 30 (reduce piece 1)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: step 30: reduce piece 1
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 31 (reduce piece 2)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: step 31: reduce piece 2
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
+        err = cudaGetLastError();
+      }
       // stream 8: waits of step 32 (reduce piece 3)
-      reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
+        err = cudaGetLastError();
+      }
       // stream 8: step 32: reduce piece 3
-      reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-      TSGEN_CE_TRY(cudaGetLastError());
+      if (err == cudaSuccess) {
+        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
+        err = cudaGetLastError();
+      }
       break;
   }
-  TSGEN_CE_TRY(tsgen_ce_join(stream, lanes, 9));
+  const cudaError_t joined = tsgen_ce_join(stream, lanes, 9);
+  if (err != cudaSuccess) return err;
+  if (joined != cudaSuccess) return joined;
   reduce_scatter_ce_w8_end<<<1, 1, 0, stream>>>(calls);
   return cudaGetLastError();
 }

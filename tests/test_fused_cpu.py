@@ -5,7 +5,6 @@ tools/gpu_fused.py's report. Needs nvcc / cuobjdump for the build checks, no GPU
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from test_gemm_cpu import NO_NVCC, NO_SASS, needs_nvcc, needs_sass  # noqa: F401
+from test_gemm_cpu import needs_nvcc, needs_sass
 from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64

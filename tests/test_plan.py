@@ -9,7 +9,7 @@ import pytest
 from conftest import SPECS
 
 from tsgen.ops import get_family
-from tsgen.plan import SignalRef, Slice, verify
+from tsgen.plan import SignalRef, verify
 from tsgen.spec import load_spec
 
 COLLECTIVES = [s for s in SPECS if hasattr(get_family(load_spec(s).model.op), "comm_plan")

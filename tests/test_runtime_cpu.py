@@ -12,7 +12,7 @@ from conftest import ROOT, SPECS
 from tsgen.bench import parse_size, parse_sizes
 from tsgen.errors import RuntimeSetupError
 from tsgen.harness import _poison_value, as_bits, poison_byte
-from tsgen.ops import family_names, get_family
+from tsgen.ops import get_family
 from tsgen.runtime.world import ALIGN, check_array, layout, np_dtype
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,6 @@ def main():
           "| spec | world 2 | world 3 | world 4 |", "|---|---|---|---|"]
     by = {}
     for r in corr:
-        summary = r["lines"][-1] if r["lines"] else ""
         wrong = sum(int(m.group(1)) for line in r["lines"] for m in [re.search(r"(\d+) wrong of", line)] if m)
         checked = sum(int(m.group(1)) for line in r["lines"] for m in [re.search(r"wrong of (\d+)", line)] if m)
         by.setdefault(r["spec"], {})[r["world"]] = f"{'PASS' if r['pass'] else 'FAIL'} ({wrong} wrong / {checked})"

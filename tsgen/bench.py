@@ -250,9 +250,10 @@ def bench_collective(spec_path, gpus: int | None, sizes: list[int], iters: int =
                 samples = []
                 for rep in range(reps):
                     events = []
+                    # untimed, on every rank at once (host launchers need that): lines the ranks up
+                    module.launch(sets[0], streams=streams)
                     for r in world.ranks:
                         with cp.cuda.Device(world.devices[r]):
-                            module.launch(sets[0], ranks=[r], streams=streams)  # untimed: lines the ranks up
                             start, end = cp.cuda.Event(), cp.cuda.Event()
                             start.record(streams[r])
                             graphs[r].launch(streams[r])

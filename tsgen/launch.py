@@ -93,8 +93,11 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
     pumps: list[threading.Thread] = []
     try:
         for rank in range(nproc):
-            p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
+            try:
+                p = subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+            except OSError as e:  # no such program, not executable, ...
+                raise ValueError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
             procs.append(p)
             for stream, sink in ((p.stdout, out), (p.stderr, err)):
                 t = threading.Thread(target=_pump, args=(stream, f"[rank {rank}] ", sink, lock), daemon=True)

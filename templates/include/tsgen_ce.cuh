@@ -18,6 +18,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <mutex>
+
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_DEVICES 64
 
@@ -90,11 +92,13 @@ struct tsgen_ce_lanes {
 
 static cudaError_t tsgen_ce_lanes_get(tsgen_ce_lanes** out) {
   static tsgen_ce_lanes lanes[TSGEN_CE_MAX_DEVICES];
+  static std::mutex made;  // ranks launch from threads of their own
   int dev = 0;
   TSGEN_CE_TRY(cudaGetDevice(&dev));
   if (dev < 0 || dev >= TSGEN_CE_MAX_DEVICES) return cudaErrorInvalidDevice;
   tsgen_ce_lanes* l = &lanes[dev];
-  if (!l->ready) {
+  std::lock_guard<std::mutex> lock(made);
+  if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
     for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
       TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));

@@ -181,7 +181,6 @@ class CollectiveFamily(OpFamily):
 
     def check(self, spec):
         problems = []
-        need = max(self.min_blocks(spec, w) for w in spec.world_sizes)
         if spec.launch.blocks < 1:
             problems.append((("launch", "blocks"), "need at least one block"))
         if spec.launch.blocks > 132:
@@ -251,9 +250,6 @@ class CollectiveFamily(OpFamily):
         if spec.op == "all_reduce" and spec.dtype not in ("bfloat16", "float32"):
             problems.append((("dtype",), "multimem all_reduce reduces bfloat16 or float32 (multimem.ld_reduce .v4 forms)"))
         return problems
-
-    def min_blocks(self, spec, w) -> int:
-        return 1
 
     def template_vars(self, spec):
         # every collective inlines tsgen_plan.cuh (vector math; the plan interpreter)

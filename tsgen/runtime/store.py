@@ -354,7 +354,11 @@ def connect(host: str, port: int, rank: int, size: int, env=os.environ) -> Rende
     if choice not in ("auto", "torch", "tsgen"):
         raise StoreError(f"TSGEN_STORE={choice!r}: choose torch, tsgen or auto")
     # under torchrun with TORCHELASTIC_USE_AGENT_STORE=True the agent serves MASTER_PORT
-    serve = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent and choice == "tsgen":
+        raise StoreError("TSGEN_STORE=tsgen under torchrun's agent store: MASTER_PORT is served by the torchrun "
+                         "agent (a torch TCPStore); use TSGEN_STORE=torch or auto")
+    serve = rank == 0 and not agent
     if choice != "tsgen":
         try:
             import torch.distributed  # noqa: F401
@@ -373,7 +377,8 @@ _shared: dict[tuple, Rendezvous] = {}
 
 def shared(host: str, port: int, rank: int, size: int) -> Rendezvous:
     """This process's rendezvous (made once, reused by every World, left at exit):
-    ranks that create and destroy Worlds in the same order stay in step."""
+    ranks that create and destroy Worlds in the same order stay in step. Once any rank
+    has aborted, every later wait on it fails with that rank's message: the job is over."""
     key = (host, port, rank, size)
     rv = _shared.get(key)
     if rv is None or rv.closed:

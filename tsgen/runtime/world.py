@@ -255,6 +255,13 @@ class Module:
         for future in [self._pool.submit(one, r) for r in ranks]:
             future.result()  # the first failing rank's error
 
+    def close(self) -> None:
+        """Stop the launch threads and drop the launch streams (World.close calls this)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._streams.clear()
+
     def _stream(self, rank: int):
         """The stream host launchers use when the caller gives none: a non-blocking one per
         rank, never the legacy default stream (measured: peer copies queued there ordered
@@ -317,6 +324,7 @@ class World:
         self.size = backend.size
         self.devices = backend.devices  # {rank: CUDA device} for this process's ranks
         self.ranks = sorted(self.devices)
+        self._modules: list[Module] = []  # closed with the World
 
     @property
     def is_root(self) -> bool:
@@ -340,7 +348,9 @@ class World:
         check_full_mesh(self.backend.bus_ids)
 
     def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:
-        return Module(self, Path(manifest), arch)
+        module = Module(self, Path(manifest), arch)
+        self._modules.append(module)
+        return module
 
     def multicast_supported(self) -> bool:
         """The device attribute (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132); False if unknown.
@@ -380,6 +390,9 @@ class World:
             )
 
     def close(self) -> None:
+        for module in self._modules:
+            module.close()
+        self._modules.clear()
         self.backend.close()
 
     def __enter__(self) -> "World":
