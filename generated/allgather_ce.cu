@@ -1831,62 +1831,35 @@ extern "C" cudaError_t allgather_ce_w2_launch(char* const* peers, char* const* p
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    allgather_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    allgather_ce_w2_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: waits of step 3 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+      sync(1, 1, -1);  // signals of step 1
+      copy(2, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: local copy
+      sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: waits of step 3 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w2_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+      copy(1, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+      sync(1, 1, -1);  // signals of step 1
+      copy(2, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: local copy
+      sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 4);
@@ -1929,129 +1902,52 @@ extern "C" cudaError_t allgather_ce_w3_launch(char* const* peers, char* const* p
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    allgather_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    allgather_ce_w3_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: waits of step 4 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+      sync(2, 2, -1);  // signals of step 2
+      copy(3, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: local copy
+      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: waits of step 4 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+      copy(2, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+      sync(2, 2, -1);  // signals of step 2
+      copy(3, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: local copy
+      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: waits of step 4 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w3_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+      copy(1, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+      copy(2, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+      sync(2, 2, -1);  // signals of step 2
+      copy(3, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: local copy
+      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 5);
@@ -2094,222 +1990,75 @@ extern "C" cudaError_t allgather_ce_w4_launch(char* const* peers, char* const* p
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    allgather_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    allgather_ce_w4_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: waits of step 5 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 3)
+      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
+      sync(3, 3, -1);  // signals of step 3
+      copy(4, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: local copy
+      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: waits of step 5 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 3)
+      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 0)
+      copy(3, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 0
+      sync(3, 3, -1);  // signals of step 3
+      copy(4, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: local copy
+      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: waits of step 5 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 3)
+      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+      copy(2, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 1)
+      copy(3, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 1
+      sync(3, 3, -1);  // signals of step 3
+      copy(4, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: local copy
+      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
       break;
     case 3:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: waits of step 5 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w4_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+      copy(1, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+      copy(2, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 2)
+      copy(3, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 2
+      sync(3, 3, -1);  // signals of step 3
+      copy(4, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: local copy
+      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 6);
@@ -2352,854 +2101,227 @@ extern "C" cudaError_t allgather_ce_w8_launch(char* const* peers, char* const* p
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    allgather_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    allgather_ce_w8_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 3)
+      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 4)
+      copy(4, {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: put to rank 4
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 5)
+      copy(5, {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 5: put to rank 5
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 6)
+      copy(6, {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 6: put to rank 6
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 7)
+      copy(7, {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 7: put to rank 7
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 3)
+      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 4)
+      copy(3, {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 4
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 5)
+      copy(4, {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: put to rank 5
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 6)
+      copy(5, {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 5: put to rank 6
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 7)
+      copy(6, {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 6: put to rank 7
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 0)
+      copy(7, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 7: put to rank 0
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 3)
+      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 4)
+      copy(2, {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 4
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 5)
+      copy(3, {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 5
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 6)
+      copy(4, {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: put to rank 6
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 7)
+      copy(5, {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 5: put to rank 7
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 0)
+      copy(6, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 6: put to rank 0
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 1)
+      copy(7, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 7: put to rank 1
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 3:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 4)
+      copy(1, {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 4
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 5)
+      copy(2, {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 5
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 6)
+      copy(3, {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 6
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 7)
+      copy(4, {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: put to rank 7
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 0)
+      copy(5, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 5: put to rank 0
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 1)
+      copy(6, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 6: put to rank 1
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 2)
+      copy(7, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 7: put to rank 2
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 4:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 5)
+      copy(1, {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 1: put to rank 5
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 6)
+      copy(2, {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 2: put to rank 6
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 7)
+      copy(3, {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 3: put to rank 7
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 0)
+      copy(4, {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 4: put to rank 0
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 1)
+      copy(5, {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 5: put to rank 1
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 2)
+      copy(6, {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 6: put to rank 2
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 3)
+      copy(7, {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 7: put to rank 3
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 5:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 6)
+      copy(1, {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 1: put to rank 6
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 7)
+      copy(2, {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 2: put to rank 7
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 0)
+      copy(3, {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 3: put to rank 0
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 1)
+      copy(4, {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 4: put to rank 1
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 2)
+      copy(5, {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 5: put to rank 2
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 3)
+      copy(6, {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 6: put to rank 3
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 4)
+      copy(7, {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 7: put to rank 4
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 6:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 7)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 7
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 7)
+      copy(1, {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 1: put to rank 7
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+      copy(2, {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 1)
+      copy(3, {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 3: put to rank 1
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 2)
+      copy(4, {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 4: put to rank 2
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 3)
+      copy(5, {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 5: put to rank 3
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 4)
+      copy(6, {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 6: put to rank 4
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 5)
+      copy(7, {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 7: put to rank 5
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
     case 7:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (put to rank 0)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: put to rank 0
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[1], {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, entry, arrive, 1, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 2 (put to rank 1)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 2: put to rank 1
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[2], {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 2
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, entry, arrive, 2, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 3 (put to rank 2)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 3);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 3: put to rank 2
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[3], {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 3
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, entry, arrive, 3, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 4 (put to rank 3)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 4);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 4: put to rank 3
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[4], {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 4
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 5 (put to rank 4)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 5: put to rank 4
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[5], {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 5
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, entry, arrive, 5, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 6 (put to rank 5)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 6: put to rank 5
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[6], {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 6
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, entry, arrive, 6, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 7 (put to rank 6)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 7: put to rank 6
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[7], {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 7
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, entry, arrive, 7, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 8: local copy
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<allgather_ce::T>(s[8], {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0}, bufs, peers_host, rank, count);
-      // stream 9: waits of step 9 (wait for every peer's data)
-      if (err == cudaSuccess) {
-        allgather_ce_w8_sync<<<1, 32, 0, s[9]>>>(peers, rank, calls, count, src, dst, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+      copy(1, {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+      sync(1, 1, -1);  // signals of step 1
+      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+      copy(2, {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+      sync(2, 2, -1);  // signals of step 2
+      sync(3, -1, 3);  // waits of step 3 (put to rank 2)
+      copy(3, {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 3: put to rank 2
+      sync(3, 3, -1);  // signals of step 3
+      sync(4, -1, 4);  // waits of step 4 (put to rank 3)
+      copy(4, {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 4: put to rank 3
+      sync(4, 4, -1);  // signals of step 4
+      sync(5, -1, 5);  // waits of step 5 (put to rank 4)
+      copy(5, {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 5: put to rank 4
+      sync(5, 5, -1);  // signals of step 5
+      sync(6, -1, 6);  // waits of step 6 (put to rank 5)
+      copy(6, {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 6: put to rank 5
+      sync(6, 6, -1);  // signals of step 6
+      sync(7, -1, 7);  // waits of step 7 (put to rank 6)
+      copy(7, {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 7: put to rank 6
+      sync(7, 7, -1);  // signals of step 7
+      copy(8, {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 8: local copy
+      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 10);

@@ -2619,174 +2619,59 @@ extern "C" cudaError_t reduce_scatter_ce_w2_launch(char* const* peers, char* con
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 6 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 7 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 8 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+      reduce(2, 5);  // step 5: reduce piece 0
+      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+      reduce(2, 6);  // step 6: reduce piece 1
+      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+      reduce(2, 7);  // step 7: reduce piece 2
+      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+      reduce(2, 8);  // step 8: reduce piece 3
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 6 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 7 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 8 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+      reduce(2, 5);  // step 5: reduce piece 0
+      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+      reduce(2, 6);  // step 6: reduce piece 1
+      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+      reduce(2, 7);  // step 7: reduce piece 2
+      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+      reduce(2, 8);  // step 8: reduce piece 3
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 3);
@@ -2829,369 +2714,106 @@ extern "C" cudaError_t reduce_scatter_ce_w3_launch(char* const* peers, char* con
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 10 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 11 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 12 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+      reduce(3, 9);  // step 9: reduce piece 0
+      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+      reduce(3, 10);  // step 10: reduce piece 1
+      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+      reduce(3, 11);  // step 11: reduce piece 2
+      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+      reduce(3, 12);  // step 12: reduce piece 3
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 10 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 11 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 12 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+      reduce(3, 9);  // step 9: reduce piece 0
+      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+      reduce(3, 10);  // step 10: reduce piece 1
+      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+      reduce(3, 11);  // step 11: reduce piece 2
+      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+      reduce(3, 12);  // step 12: reduce piece 3
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 10 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 11 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 12 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+      reduce(3, 9);  // step 9: reduce piece 0
+      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+      reduce(3, 10);  // step 10: reduce piece 1
+      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+      reduce(3, 11);  // step 11: reduce piece 2
+      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+      reduce(3, 12);  // step 12: reduce piece 3
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 4);
@@ -3234,638 +2856,171 @@ extern "C" cudaError_t reduce_scatter_ce_w4_launch(char* const* peers, char* con
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 14 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 15 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 16 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+      reduce(4, 13);  // step 13: reduce piece 0
+      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+      reduce(4, 14);  // step 14: reduce piece 1
+      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+      reduce(4, 15);  // step 15: reduce piece 2
+      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+      reduce(4, 16);  // step 16: reduce piece 3
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 14 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 15 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 16 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+      reduce(4, 13);  // step 13: reduce piece 0
+      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+      reduce(4, 14);  // step 14: reduce piece 1
+      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+      reduce(4, 15);  // step 15: reduce piece 2
+      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+      reduce(4, 16);  // step 16: reduce piece 3
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 14 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 15 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 16 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+      reduce(4, 13);  // step 13: reduce piece 0
+      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+      reduce(4, 14);  // step 14: reduce piece 1
+      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+      reduce(4, 15);  // step 15: reduce piece 2
+      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+      reduce(4, 16);  // step 16: reduce piece 3
       break;
     case 3:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 14 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 15 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 16 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+      reduce(4, 13);  // step 13: reduce piece 0
+      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+      reduce(4, 14);  // step 14: reduce piece 1
+      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+      reduce(4, 15);  // step 15: reduce piece 2
+      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+      reduce(4, 16);  // step 16: reduce piece 3
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 5);
@@ -3908,2454 +3063,611 @@ extern "C" cudaError_t reduce_scatter_ce_w8_launch(char* const* peers, char* con
   // From here on the first error stops the enqueuing, but the side streams are still
   // joined: an unjoined fork would break a stream capture and hide the error.
   cudaError_t err = cudaSuccess;
+  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
+    err = cudaGetLastError();
+  };
+  auto copy = [&](int b, const tsgen_slice& dst, const tsgen_slice& src) {
+    if (err == cudaSuccess) err = tsgen_ce_copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
+  };
+  auto reduce = [&](int b, int step) {
+    if (err != cudaSuccess) return;
+    reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
+    err = cudaGetLastError();
+  };
   switch (rank) {
     case 0:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(4, {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0});  // step 13: piece 0 of chunk 4 to rank 4's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(4, {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1});  // step 14: piece 1 of chunk 4 to rank 4's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(4, {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2});  // step 15: piece 2 of chunk 4 to rank 4's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(4, {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3});  // step 16: piece 3 of chunk 4 to rank 4's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(5, {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0});  // step 17: piece 0 of chunk 5 to rank 5's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(5, {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1});  // step 18: piece 1 of chunk 5 to rank 5's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(5, {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2});  // step 19: piece 2 of chunk 5 to rank 5's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(5, {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3});  // step 20: piece 3 of chunk 5 to rank 5's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(6, {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0});  // step 21: piece 0 of chunk 6 to rank 6's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(6, {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1});  // step 22: piece 1 of chunk 6 to rank 6's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(6, {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2});  // step 23: piece 2 of chunk 6 to rank 6's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(6, {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3});  // step 24: piece 3 of chunk 6 to rank 6's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(7, {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0});  // step 25: piece 0 of chunk 7 to rank 7's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(7, {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1});  // step 26: piece 1 of chunk 7 to rank 7's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(7, {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2});  // step 27: piece 2 of chunk 7 to rank 7's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(7, {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3});  // step 28: piece 3 of chunk 7 to rank 7's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 1:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(3, {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0});  // step 9: piece 0 of chunk 4 to rank 4's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(3, {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1});  // step 10: piece 1 of chunk 4 to rank 4's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(3, {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2});  // step 11: piece 2 of chunk 4 to rank 4's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(3, {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3});  // step 12: piece 3 of chunk 4 to rank 4's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(4, {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0});  // step 13: piece 0 of chunk 5 to rank 5's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(4, {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1});  // step 14: piece 1 of chunk 5 to rank 5's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(4, {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2});  // step 15: piece 2 of chunk 5 to rank 5's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(4, {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3});  // step 16: piece 3 of chunk 5 to rank 5's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(5, {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0});  // step 17: piece 0 of chunk 6 to rank 6's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(5, {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1});  // step 18: piece 1 of chunk 6 to rank 6's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(5, {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2});  // step 19: piece 2 of chunk 6 to rank 6's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(5, {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3});  // step 20: piece 3 of chunk 6 to rank 6's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(6, {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0});  // step 21: piece 0 of chunk 7 to rank 7's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(6, {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1});  // step 22: piece 1 of chunk 7 to rank 7's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(6, {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2});  // step 23: piece 2 of chunk 7 to rank 7's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(6, {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3});  // step 24: piece 3 of chunk 7 to rank 7's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(7, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 25: piece 0 of chunk 0 to rank 0's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(7, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 26: piece 1 of chunk 0 to rank 0's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(7, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 27: piece 2 of chunk 0 to rank 0's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(7, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 28: piece 3 of chunk 0 to rank 0's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 2:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(2, {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0});  // step 5: piece 0 of chunk 4 to rank 4's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(2, {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1});  // step 6: piece 1 of chunk 4 to rank 4's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(2, {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2});  // step 7: piece 2 of chunk 4 to rank 4's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(2, {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3});  // step 8: piece 3 of chunk 4 to rank 4's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(3, {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0});  // step 9: piece 0 of chunk 5 to rank 5's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(3, {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1});  // step 10: piece 1 of chunk 5 to rank 5's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(3, {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2});  // step 11: piece 2 of chunk 5 to rank 5's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(3, {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3});  // step 12: piece 3 of chunk 5 to rank 5's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(4, {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0});  // step 13: piece 0 of chunk 6 to rank 6's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(4, {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1});  // step 14: piece 1 of chunk 6 to rank 6's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(4, {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2});  // step 15: piece 2 of chunk 6 to rank 6's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(4, {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3});  // step 16: piece 3 of chunk 6 to rank 6's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(5, {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0});  // step 17: piece 0 of chunk 7 to rank 7's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(5, {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1});  // step 18: piece 1 of chunk 7 to rank 7's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(5, {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2});  // step 19: piece 2 of chunk 7 to rank 7's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(5, {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3});  // step 20: piece 3 of chunk 7 to rank 7's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(6, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 21: piece 0 of chunk 0 to rank 0's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(6, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 22: piece 1 of chunk 0 to rank 0's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(6, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 23: piece 2 of chunk 0 to rank 0's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(6, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 24: piece 3 of chunk 0 to rank 0's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(7, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 25: piece 0 of chunk 1 to rank 1's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(7, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 26: piece 1 of chunk 1 to rank 1's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(7, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 27: piece 2 of chunk 1 to rank 1's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(7, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 28: piece 3 of chunk 1 to rank 1's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 3:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(1, {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0});  // step 1: piece 0 of chunk 4 to rank 4's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(1, {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1});  // step 2: piece 1 of chunk 4 to rank 4's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(1, {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2});  // step 3: piece 2 of chunk 4 to rank 4's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(1, {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3});  // step 4: piece 3 of chunk 4 to rank 4's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(2, {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0});  // step 5: piece 0 of chunk 5 to rank 5's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(2, {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1});  // step 6: piece 1 of chunk 5 to rank 5's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(2, {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2});  // step 7: piece 2 of chunk 5 to rank 5's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(2, {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3});  // step 8: piece 3 of chunk 5 to rank 5's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(3, {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0});  // step 9: piece 0 of chunk 6 to rank 6's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(3, {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1});  // step 10: piece 1 of chunk 6 to rank 6's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(3, {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2});  // step 11: piece 2 of chunk 6 to rank 6's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(3, {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3});  // step 12: piece 3 of chunk 6 to rank 6's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(4, {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0});  // step 13: piece 0 of chunk 7 to rank 7's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(4, {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1});  // step 14: piece 1 of chunk 7 to rank 7's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(4, {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2});  // step 15: piece 2 of chunk 7 to rank 7's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(4, {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3});  // step 16: piece 3 of chunk 7 to rank 7's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(5, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 17: piece 0 of chunk 0 to rank 0's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(5, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 18: piece 1 of chunk 0 to rank 0's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(5, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 19: piece 2 of chunk 0 to rank 0's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(5, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 20: piece 3 of chunk 0 to rank 0's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(6, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 21: piece 0 of chunk 1 to rank 1's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(6, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 22: piece 1 of chunk 1 to rank 1's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(6, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 23: piece 2 of chunk 1 to rank 1's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(6, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 24: piece 3 of chunk 1 to rank 1's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(7, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 25: piece 0 of chunk 2 to rank 2's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(7, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 26: piece 1 of chunk 2 to rank 2's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(7, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 27: piece 2 of chunk 2 to rank 2's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(7, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 28: piece 3 of chunk 2 to rank 2's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 4:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(1, {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0});  // step 1: piece 0 of chunk 5 to rank 5's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(1, {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1});  // step 2: piece 1 of chunk 5 to rank 5's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(1, {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2});  // step 3: piece 2 of chunk 5 to rank 5's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(1, {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3});  // step 4: piece 3 of chunk 5 to rank 5's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(2, {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0});  // step 5: piece 0 of chunk 6 to rank 6's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(2, {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1});  // step 6: piece 1 of chunk 6 to rank 6's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(2, {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2});  // step 7: piece 2 of chunk 6 to rank 6's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(2, {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3});  // step 8: piece 3 of chunk 6 to rank 6's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(3, {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0});  // step 9: piece 0 of chunk 7 to rank 7's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(3, {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1});  // step 10: piece 1 of chunk 7 to rank 7's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(3, {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2});  // step 11: piece 2 of chunk 7 to rank 7's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(3, {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3});  // step 12: piece 3 of chunk 7 to rank 7's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(4, {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0});  // step 13: piece 0 of chunk 0 to rank 0's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(4, {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1});  // step 14: piece 1 of chunk 0 to rank 0's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(4, {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2});  // step 15: piece 2 of chunk 0 to rank 0's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(4, {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3});  // step 16: piece 3 of chunk 0 to rank 0's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(5, {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0});  // step 17: piece 0 of chunk 1 to rank 1's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(5, {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1});  // step 18: piece 1 of chunk 1 to rank 1's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(5, {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2});  // step 19: piece 2 of chunk 1 to rank 1's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(5, {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3});  // step 20: piece 3 of chunk 1 to rank 1's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(6, {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0});  // step 21: piece 0 of chunk 2 to rank 2's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(6, {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1});  // step 22: piece 1 of chunk 2 to rank 2's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(6, {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2});  // step 23: piece 2 of chunk 2 to rank 2's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(6, {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3});  // step 24: piece 3 of chunk 2 to rank 2's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(7, {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0});  // step 25: piece 0 of chunk 3 to rank 3's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(7, {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1});  // step 26: piece 1 of chunk 3 to rank 3's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(7, {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2});  // step 27: piece 2 of chunk 3 to rank 3's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(7, {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3});  // step 28: piece 3 of chunk 3 to rank 3's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 5:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(1, {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0});  // step 1: piece 0 of chunk 6 to rank 6's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(1, {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1});  // step 2: piece 1 of chunk 6 to rank 6's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(1, {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2});  // step 3: piece 2 of chunk 6 to rank 6's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(1, {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3});  // step 4: piece 3 of chunk 6 to rank 6's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(2, {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0});  // step 5: piece 0 of chunk 7 to rank 7's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(2, {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1});  // step 6: piece 1 of chunk 7 to rank 7's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(2, {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2});  // step 7: piece 2 of chunk 7 to rank 7's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(2, {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3});  // step 8: piece 3 of chunk 7 to rank 7's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(3, {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(4, {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0});  // step 13: piece 0 of chunk 1 to rank 1's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(4, {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1});  // step 14: piece 1 of chunk 1 to rank 1's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(4, {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2});  // step 15: piece 2 of chunk 1 to rank 1's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(4, {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3});  // step 16: piece 3 of chunk 1 to rank 1's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(5, {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0});  // step 17: piece 0 of chunk 2 to rank 2's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(5, {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1});  // step 18: piece 1 of chunk 2 to rank 2's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(5, {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2});  // step 19: piece 2 of chunk 2 to rank 2's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(5, {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3});  // step 20: piece 3 of chunk 2 to rank 2's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(6, {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0});  // step 21: piece 0 of chunk 3 to rank 3's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(6, {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1});  // step 22: piece 1 of chunk 3 to rank 3's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(6, {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2});  // step 23: piece 2 of chunk 3 to rank 3's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(6, {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3});  // step 24: piece 3 of chunk 3 to rank 3's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(7, {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0});  // step 25: piece 0 of chunk 4 to rank 4's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(7, {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1});  // step 26: piece 1 of chunk 4 to rank 4's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(7, {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2});  // step 27: piece 2 of chunk 4 to rank 4's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(7, {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3});  // step 28: piece 3 of chunk 4 to rank 4's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 6:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 7 to rank 7's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
+      copy(1, {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0});  // step 1: piece 0 of chunk 7 to rank 7's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
+      copy(1, {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1});  // step 2: piece 1 of chunk 7 to rank 7's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
+      copy(1, {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2});  // step 3: piece 2 of chunk 7 to rank 7's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
+      copy(1, {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3});  // step 4: piece 3 of chunk 7 to rank 7's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(2, {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(3, {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(4, {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0});  // step 13: piece 0 of chunk 2 to rank 2's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(4, {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1});  // step 14: piece 1 of chunk 2 to rank 2's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(4, {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2});  // step 15: piece 2 of chunk 2 to rank 2's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(4, {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3});  // step 16: piece 3 of chunk 2 to rank 2's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(5, {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0});  // step 17: piece 0 of chunk 3 to rank 3's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(5, {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1});  // step 18: piece 1 of chunk 3 to rank 3's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(5, {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2});  // step 19: piece 2 of chunk 3 to rank 3's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(5, {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3});  // step 20: piece 3 of chunk 3 to rank 3's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(6, {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0});  // step 21: piece 0 of chunk 4 to rank 4's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(6, {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1});  // step 22: piece 1 of chunk 4 to rank 4's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(6, {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2});  // step 23: piece 2 of chunk 4 to rank 4's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(6, {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3});  // step 24: piece 3 of chunk 4 to rank 4's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(7, {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0});  // step 25: piece 0 of chunk 5 to rank 5's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(7, {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1});  // step 26: piece 1 of chunk 5 to rank 5's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(7, {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2});  // step 27: piece 2 of chunk 5 to rank 5's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(7, {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3});  // step 28: piece 3 of chunk 5 to rank 5's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
     case 7:
-      // stream 0: signals of step 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[0]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 0, -1);
-        err = cudaGetLastError();
-      }
-      // stream 1: waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 1);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 1: piece 0 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 1, 2);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 2: piece 1 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 2, 3);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 3: piece 2 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 3, 4);
-        err = cudaGetLastError();
-      }
-      // stream 1: step 4: piece 3 of chunk 0 to rank 0's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[1], {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3}, bufs, peers_host, rank, count);
-      // stream 1: signals of step 4
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[1]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 4, -1);
-        err = cudaGetLastError();
-      }
-      // stream 2: waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 5);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 5: piece 0 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 5, 6);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 6: piece 1 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 6, 7);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 7: piece 2 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 7, 8);
-        err = cudaGetLastError();
-      }
-      // stream 2: step 8: piece 3 of chunk 1 to rank 1's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[2], {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3}, bufs, peers_host, rank, count);
-      // stream 2: signals of step 8
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[2]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 8, -1);
-        err = cudaGetLastError();
-      }
-      // stream 3: waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 9);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 9: piece 0 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 9, 10);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 10: piece 1 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 10, 11);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 11: piece 2 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 11, 12);
-        err = cudaGetLastError();
-      }
-      // stream 3: step 12: piece 3 of chunk 2 to rank 2's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[3], {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3}, bufs, peers_host, rank, count);
-      // stream 3: signals of step 12
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[3]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 12, -1);
-        err = cudaGetLastError();
-      }
-      // stream 4: waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 13);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 13: piece 0 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 13, 14);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 14: piece 1 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 14, 15);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 15: piece 2 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 15, 16);
-        err = cudaGetLastError();
-      }
-      // stream 4: step 16: piece 3 of chunk 3 to rank 3's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[4], {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3}, bufs, peers_host, rank, count);
-      // stream 4: signals of step 16
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[4]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 16, -1);
-        err = cudaGetLastError();
-      }
-      // stream 5: waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 17);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 17: piece 0 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 17, 18);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 18: piece 1 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 18, 19);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 19: piece 2 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 19, 20);
-        err = cudaGetLastError();
-      }
-      // stream 5: step 20: piece 3 of chunk 4 to rank 4's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[5], {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3}, bufs, peers_host, rank, count);
-      // stream 5: signals of step 20
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[5]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 20, -1);
-        err = cudaGetLastError();
-      }
-      // stream 6: waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 21);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 21: piece 0 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 21, 22);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 22: piece 1 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 22, 23);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 23: piece 2 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 23, 24);
-        err = cudaGetLastError();
-      }
-      // stream 6: step 24: piece 3 of chunk 5 to rank 5's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[6], {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3}, bufs, peers_host, rank, count);
-      // stream 6: signals of step 24
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[6]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 24, -1);
-        err = cudaGetLastError();
-      }
-      // stream 7: waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 25);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 25: piece 0 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 25, 26);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 26: piece 1 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 26, 27);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 27: piece 2 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 27, 28);
-        err = cudaGetLastError();
-      }
-      // stream 7: step 28: piece 3 of chunk 6 to rank 6's inbox
-      if (err == cudaSuccess)
-        err = tsgen_ce_copy<reduce_scatter_ce::T>(s[7], {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3}, bufs, peers_host, rank, count);
-      // stream 7: signals of step 28
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[7]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 28, -1);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 29 (reduce piece 0)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 29: reduce piece 0
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 29);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 30 (reduce piece 1)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 30: reduce piece 1
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 30);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 31 (reduce piece 2)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 31: reduce piece 2
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 31);
-        err = cudaGetLastError();
-      }
-      // stream 8: waits of step 32 (reduce piece 3)
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_sync<<<1, 32, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, -1, 32);
-        err = cudaGetLastError();
-      }
-      // stream 8: step 32: reduce piece 3
-      if (err == cudaSuccess) {
-        reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[8]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, 32);
-        err = cudaGetLastError();
-      }
+      sync(0, 0, -1);  // signals of step 0
+      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+      copy(1, {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+      sync(1, 4, -1);  // signals of step 4
+      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+      copy(2, {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+      sync(2, 8, -1);  // signals of step 8
+      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+      copy(3, {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+      sync(3, 12, -1);  // signals of step 12
+      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
+      copy(4, {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0});  // step 13: piece 0 of chunk 3 to rank 3's inbox
+      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
+      copy(4, {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1});  // step 14: piece 1 of chunk 3 to rank 3's inbox
+      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
+      copy(4, {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2});  // step 15: piece 2 of chunk 3 to rank 3's inbox
+      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
+      copy(4, {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3});  // step 16: piece 3 of chunk 3 to rank 3's inbox
+      sync(4, 16, -1);  // signals of step 16
+      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
+      copy(5, {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0});  // step 17: piece 0 of chunk 4 to rank 4's inbox
+      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
+      copy(5, {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1});  // step 18: piece 1 of chunk 4 to rank 4's inbox
+      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
+      copy(5, {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2});  // step 19: piece 2 of chunk 4 to rank 4's inbox
+      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
+      copy(5, {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3});  // step 20: piece 3 of chunk 4 to rank 4's inbox
+      sync(5, 20, -1);  // signals of step 20
+      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
+      copy(6, {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0});  // step 21: piece 0 of chunk 5 to rank 5's inbox
+      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
+      copy(6, {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1});  // step 22: piece 1 of chunk 5 to rank 5's inbox
+      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
+      copy(6, {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2});  // step 23: piece 2 of chunk 5 to rank 5's inbox
+      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
+      copy(6, {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3});  // step 24: piece 3 of chunk 5 to rank 5's inbox
+      sync(6, 24, -1);  // signals of step 24
+      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
+      copy(7, {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0});  // step 25: piece 0 of chunk 6 to rank 6's inbox
+      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
+      copy(7, {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1});  // step 26: piece 1 of chunk 6 to rank 6's inbox
+      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
+      copy(7, {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2});  // step 27: piece 2 of chunk 6 to rank 6's inbox
+      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
+      copy(7, {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3});  // step 28: piece 3 of chunk 6 to rank 6's inbox
+      sync(7, 28, -1);  // signals of step 28
+      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+      reduce(8, 29);  // step 29: reduce piece 0
+      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+      reduce(8, 30);  // step 30: reduce piece 1
+      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+      reduce(8, 31);  // step 31: reduce piece 2
+      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+      reduce(8, 32);  // step 32: reduce piece 3
       break;
   }
   const cudaError_t joined = tsgen_ce_join(stream, lanes, 9);
