@@ -147,6 +147,24 @@ class Buffers:
         with world.cp.cuda.Device(world.devices[rank]):
             self.array(name, rank)[...] = array.reshape(-1)
 
+    def arg_values(self, args: list[dict], rank: int) -> list[int]:
+        """The value of each manifest argument for `rank`, by role: an address (peer
+        tables, the call counter, buffers), the rank, or the count."""
+        out = []
+        for a in args:
+            role = a["role"]
+            if role == "peers":
+                out.append(self.peer_tables[rank].data.ptr)
+            elif role == "peers_host":  # the same table in host memory, for cudaMemcpyAsync
+                out.append(self.host_peer_tables[rank].ctypes.data)
+            elif role == "rank":
+                out.append(rank)
+            elif role == "count":
+                out.append(self.count)
+            else:  # "calls" or a buffer: its place in this rank's heap
+                out.append(self.bases[rank] + self.by_name["calls" if role == "calls" else a["name"]].offset)
+        return out
+
     def free(self) -> None:
         if self.bases:
             self.module.world.backend.free_heap(self.bases)
@@ -217,19 +235,8 @@ class Module:
         block = tuple(self.kernel["block"])
         smem = self.kernel["shared_bytes"]
         for rank in ranks:
-            args: list[Any] = []
-            for a in self.kernel["args"]:
-                role = a["role"]
-                if role == "peers":
-                    args.append(buffers.peer_tables[rank])
-                elif role == "rank":
-                    args.append(np.int32(rank))
-                elif role == "calls":
-                    args.append(np.uint64(buffers.bases[rank] + buffers.by_name["calls"].offset))
-                elif role == "count":
-                    args.append(np.uint64(buffers.count))
-                else:
-                    args.append(np.uint64(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
+            args = [np.int32(v) if a["role"] == "rank" else np.uint64(v)
+                    for a, v in zip(self.kernel["args"], buffers.arg_values(self.kernel["args"], rank))]
             with cp.cuda.Device(world.devices[rank]):
                 stream = streams[rank] if streams is not None else cp.cuda.Stream.null
                 self.functions[rank](grid, block, tuple(args), shared_mem=smem, stream=stream)
@@ -274,21 +281,9 @@ class Module:
     def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
         import ctypes
 
-        args: list[Any] = []
-        for a in self.kernel["launcher_args"]:
-            role = a["role"]
-            if role == "peers":
-                args.append(ctypes.c_void_p(buffers.peer_tables[rank].data.ptr))
-            elif role == "peers_host":  # the same table in host memory, for cudaMemcpyAsync
-                args.append(ctypes.c_void_p(buffers.host_peer_tables[rank].ctypes.data))
-            elif role == "rank":
-                args.append(ctypes.c_int(rank))
-            elif role == "calls":
-                args.append(ctypes.c_void_p(buffers.bases[rank] + buffers.by_name["calls"].offset))
-            elif role == "count":
-                args.append(ctypes.c_uint64(buffers.count))
-            else:
-                args.append(ctypes.c_void_p(buffers.bases[rank] + buffers.by_name[a["name"]].offset))
+        specs = self.kernel["launcher_args"]
+        wrap = {"rank": ctypes.c_int, "count": ctypes.c_uint64}
+        args = [wrap.get(a["role"], ctypes.c_void_p)(v) for a, v in zip(specs, buffers.arg_values(specs, rank))]
         args.append(ctypes.c_void_p(stream.ptr))
         err = self.launcher(*args)
         if err != 0:
