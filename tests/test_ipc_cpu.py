@@ -81,8 +81,9 @@ def test_world_size_per_backend():
         world_size("ipc", 3, env)
     with pytest.raises(RuntimeSetupError, match="give --gpus N"):
         world_size("single", None, env)
-    with pytest.raises(RuntimeSetupError, match="backend 'nvshmem': choose one of single, ipc"):
-        world_size("nvshmem", 2, env)
+    assert world_size("nvshmem", None, env) == 2  # one process per GPU too
+    with pytest.raises(RuntimeSetupError, match="backend 'shmem': choose one of single, ipc, nvshmem"):
+        world_size("shmem", 2, env)
 
 
 def test_pick_device():
@@ -107,8 +108,11 @@ def test_join_problem():
         "CUDA IPC needs every rank on one host, but the ranks run on 2 hosts (a: ranks 0; b: ranks 1, 2); "
         "use one host, or the NVSHMEM backend across hosts")
     assert join_problem([_member(0), _member(1), _member(2, bus="0000:00:00.0")], 3) == (
-        "ranks 0 and 2 both run on GPU 0000:00:00.0: give each rank its own GPU (LOCAL_RANK, or "
+        "ranks 0 and 2 both run on GPU 0000:00:00.0 of a: give each rank its own GPU (LOCAL_RANK, or "
         "CUDA_VISIBLE_DEVICES per rank)")
+    # NVSHMEM spans hosts: the same bus id on two hosts is two GPUs
+    assert join_problem([_member(0, size=2), _member(1, size=2, host="b", bus="0000:00:00.0")], 2,
+                        one_host=False) is None
 
 
 # ---------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_runtime_refuses_without_nvshmem_backend():
 
     manifest = json.loads((ROOT / "generated" / "allgather_nvshmem.json").read_text())
     msg = device_lib_refusal(manifest, object())
-    assert msg and "NVSHMEM backend" in msg and "allgather_nvshmem" in msg
+    assert msg and "the nvshmem backend" in msg and "allgather_nvshmem" in msg and "--backend nvshmem" in msg
 
     class Nvshmem:
         nvshmem = True

@@ -11,32 +11,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
 LOG=$OUT/ipc
-mkdir -p "$LOG"
-BUDGET=${BUDGET:-285}
+source tools/steps.sh
 TSGEN="python3 -m tsgen"
 PRIMS="put_block signal_wait_eq_peer barrier_all simple_shift"
 COLLS="allgather reduce_scatter all_to_all all_reduce_one_shot all_reduce_two_shot_pull"
 export TSGEN_STORE=${TSGEN_STORE:-tsgen} TSGEN_STORE_TIMEOUT=${TSGEN_STORE_TIMEOUT:-60}
-RESULTS=()
-FAILS=0
-
-# step NAME TIMEOUT CMD...: run CMD with its output in $LOG/NAME.log; PASS when it exits 0
-step() {
-  local name=$1 limit=$2; shift 2
-  local log="$LOG/${name// /_}.log" left=$((BUDGET - SECONDS)) t0=$SECONDS rc
-  if [ "$left" -lt 10 ]; then RESULTS+=("$(printf '%-44s SKIP (out of time)' "$name")"); FAILS=$((FAILS + 1)); return 1; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  timeout -k 5 "$limit" "$@" > "$log" 2>&1
-  rc=$?
-  if [ $rc -eq 0 ]; then
-    RESULTS+=("$(printf '%-44s PASS  %3d s' "$name" $((SECONDS - t0)))")
-  else
-    RESULTS+=("$(printf '%-44s FAIL  %3d s  rc=%d  %s' "$name" $((SECONDS - t0)) $rc "$log")")
-    FAILS=$((FAILS + 1))
-    echo "--- $name (rc=$rc), last lines of $log:"; tail -8 "$log"
-  fi
-  return $rc
-}
 
 step "compile" 150 python3 tools/ipc_checks.py warm $PRIMS $COLLS
 
@@ -69,7 +48,4 @@ step "allgather 256M ipc within 5% of single" 20 \
   python3 tools/ipc_checks.py compare "$LOG/allgather_256M_single.json" "$LOG/allgather_256M_ipc.json"
 cat "$LOG/allgather_256M_ipc_within_5%_of_single.log" 2>/dev/null
 
-echo
-echo "== tsgen ipc backend on GPUs ($(date -u +%F), ${SECONDS} s): $FAILS failed"
-printf '%s\n' "${RESULTS[@]}" | tee "$OUT/ipc_summary.txt"
-[ $FAILS -eq 0 ]
+summary "tsgen ipc backend on GPUs" ipc_summary.txt

@@ -1,13 +1,14 @@
-"""GPU checks of the one-process-per-GPU (ipc) backend that need more than `tsgen test`
-(tools/gpu_ipc.sh runs them all; each prints PASS or FAIL and exits 0 or 1).
+"""GPU checks of the one-process-per-GPU backends (ipc, nvshmem) that need more than
+`tsgen test` (tools/gpu_ipc.sh and tools/gpu_nvshmem.sh run them; each prints PASS or
+FAIL and exits 0 or 1).
 
   warm SPEC...              render + compile the specs in parallel (every rank then hits the cache)
-  dying-rank SPEC [--nproc 4] [--rank 1] [--call 2]
+  dying-rank SPEC [--nproc 4] [--rank 1] [--call 2] [--backend ipc|nvshmem]
                             `tsgen launch` of `die` below; PASS when launch returns rank R's
                             137 and every other rank printed the kernel's timeout diagnostic
                             and exited non-zero on its own (1 or 2, not stopped by the launcher)
-  die SPEC --rank R --call K
-                            (one rank of the above) `tsgen test --backend ipc`, but rank R
+  die SPEC --rank R --call K --backend B
+                            (one rank of the above) `tsgen test --backend B`, but rank R
                             kills itself (SIGKILL) just before launching call K
   cycles SPEC --backend B [--gpus N] [--cycles 100]
                             create / use / destroy a World that many times; device memory
@@ -15,6 +16,8 @@
   compare SINGLE.json IPC.json [--bar 0.05]
                             `tsgen bench --json` rows of the same spec and size: the ipc time
                             within `bar` of the single-process time
+  busbw JSON...             one table of `tsgen bench --json` files' tsgen rows (spec, backend,
+                            size, time, busbw), for results files
 """
 
 from __future__ import annotations
@@ -47,15 +50,16 @@ def warm(specs: list[str]) -> int:
         manifest = materialize(load_spec(s))
         data = json.loads(manifest.read_text())
         source = manifest.with_name(data["source"])
-        jobs += [(source, "cubin")] + ([(source, "shared")] if data.get("host_launch") else [])
+        libs = tuple(data.get("device_libs", []))
+        jobs += [(source, "cubin", libs)] + ([(source, "shared", ())] if data.get("host_launch") else [])
     with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:  # nvcc runs as a subprocess
-        results = list(pool.map(lambda job: compile_source(job[0], mode=job[1]), jobs))
-    for (source, mode), r in zip(jobs, results):
+        results = list(pool.map(lambda job: compile_source(job[0], mode=job[1], link=job[2]), jobs))
+    for (source, mode, _), r in zip(jobs, results):
         print(f"{source.name} ({mode}): {'cached' if r.cached else 'compiled'} {r.output.name}")
     return 0
 
 
-def die(spec: str, rank: int, call: int) -> int:
+def die(spec: str, rank: int, call: int, backend: str) -> int:
     from tsgen.runtime.ipc import process_env
 
     me = process_env(os.environ).rank
@@ -67,7 +71,7 @@ def die(spec: str, rank: int, call: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     try:
-        ok = run_test(spec, None, iters=call + 3, backend="ipc", before_launch=maybe_die)
+        ok = run_test(spec, None, iters=call + 3, backend=backend, before_launch=maybe_die)
     except TsgenError as e:
         print(f"tsgen: {e}", file=sys.stderr)
         leave_now(e.exit_code)
@@ -93,11 +97,11 @@ def dying_rank_verdict(rc: int, out: str, nproc: int, rank: int) -> list[str]:
     return problems
 
 
-def dying_rank(spec: str, nproc: int, rank: int, call: int, limit: float = 80) -> int:
+def dying_rank(spec: str, nproc: int, rank: int, call: int, backend: str, limit: float = 80) -> int:
     import subprocess
 
     cmd = [sys.executable, "-m", "tsgen", "launch", "--nproc", str(nproc), "--grace", "45", "--",
-           sys.executable, __file__, "die", spec, "--rank", str(rank), "--call", str(call)]
+           sys.executable, __file__, "die", spec, "--rank", str(rank), "--call", str(call), "--backend", backend]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
@@ -106,7 +110,7 @@ def dying_rank(spec: str, nproc: int, rank: int, call: int, limit: float = 80) -
         rc, out = 124, f"{e.stdout or ''}{e.stderr or ''}\n(hung: still running after {limit:g} s)"
     print(out.rstrip())
     problems = dying_rank_verdict(rc, out, nproc, rank)
-    print(f"dying rank {rank} at call {call}, {nproc} ranks, {time.perf_counter() - t0:.1f} s: "
+    print(f"dying rank {rank} at call {call}, {nproc} ranks ({backend}), {time.perf_counter() - t0:.1f} s: "
           + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 1 if problems else 0
 
@@ -180,6 +184,19 @@ def compare(single_json: str, ipc_json: str, bar: float) -> int:
     return 0 if ok else 1
 
 
+def busbw(paths: list[str]) -> int:
+    """A Markdown table of the tsgen rows of `tsgen bench --json` files."""
+    print("| spec | backend | size | time (us) | busbw (GB/s) | #wrong |\n|---|---|---|---|---|---|")
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for r in data["rows"]:
+            if r.get("backend") == "tsgen" and r.get("time_us"):
+                wrong = "-" if r.get("wrong") is None else r["wrong"]
+                print(f"| {r['spec']} | {data['meta'].get('backend', 'single')} | {r['bytes'] / MiB:g} MiB "
+                      f"| {r['time_us']:.1f} | {r['busbw_GBps']:.1f} | {wrong} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -190,26 +207,32 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--call", type=int, default=2)
+    p.add_argument("--backend", choices=["ipc", "nvshmem"], default="ipc")
     p = sub.add_parser("die")
     p.add_argument("spec")
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--call", type=int, default=2)
+    p.add_argument("--backend", choices=["ipc", "nvshmem"], default="ipc")
     p = sub.add_parser("cycles")
     p.add_argument("spec")
-    p.add_argument("--backend", choices=["single", "ipc"], required=True)
+    p.add_argument("--backend", choices=["single", "ipc", "nvshmem"], required=True)
     p.add_argument("--gpus", type=int, default=None)
     p.add_argument("--cycles", type=int, default=100)
     p = sub.add_parser("compare")
     p.add_argument("single_json")
     p.add_argument("ipc_json")
     p.add_argument("--bar", type=float, default=0.05)
+    p = sub.add_parser("busbw")
+    p.add_argument("jsons", nargs="+")
     a = ap.parse_args(argv)
     if a.cmd == "warm":
         return warm([s if s.endswith(".yaml") else f"specs/{s}.yaml" for s in a.specs])
     if a.cmd == "dying-rank":
-        return dying_rank(a.spec, a.nproc, a.rank, a.call)
+        return dying_rank(a.spec, a.nproc, a.rank, a.call, a.backend)
     if a.cmd == "die":
-        return die(a.spec, a.rank, a.call)
+        return die(a.spec, a.rank, a.call, a.backend)
+    if a.cmd == "busbw":
+        return busbw(a.jsons)
     if a.cmd == "cycles":
         return cycles(a.spec, a.backend, a.gpus, a.cycles)
     return compare(a.single_json, a.ipc_json, a.bar)

@@ -84,7 +84,7 @@ def run_test(
     edits the generated source before compiling: negative controls use it to
     remove a barrier or a wait and show that the test then fails.
 
-    `backend` "single" drives `gpus` GPUs from this process; "ipc" drives this
+    `backend` "single" drives `gpus` GPUs from this process; "ipc" or "nvshmem" drives this
     process's rank of a world started by a launcher (`gpus`, if given, must match
     it): every rank makes the same seeded inputs for all ranks, loads and checks
     its own, and the results meet in the store, so every rank returns the same

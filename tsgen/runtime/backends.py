@@ -9,8 +9,8 @@ through which its processes meet (None for one process). It allocates one
 heap per local rank with the same size, and says where each peer's heap
 appears from each local rank. One process driving every GPU with peer
 access is here; one process per GPU with CUDA IPC handles is in ipc.py;
-NVSHMEM (nvshmem_malloc'd heap, nvshmem_ptr for peers) fits the same four
-methods.
+one process per GPU with NVSHMEM (nvshmem_malloc'd heap, nvshmem_ptr for
+peers, device-linked modules registered) is in nvshmem.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-BACKENDS = ("single", "ipc")
+BACKENDS = ("single", "ipc", "nvshmem")
+PER_PROCESS = ("ipc", "nvshmem")  # one process per GPU, started by a launcher
 
 
 def world_size(backend: str, size: int | None, env=os.environ) -> int:
@@ -69,7 +70,7 @@ def world_size(backend: str, size: int | None, env=os.environ) -> int:
         if size is None:
             raise RuntimeSetupError("the single-process backend needs the world size: give --gpus N")
         return size
-    if backend == "ipc":
+    if backend in PER_PROCESS:
         from .ipc import launcher_world
 
         return launcher_world(env, size).size
@@ -82,6 +83,10 @@ def make_backend(name: str, size: int | None, cp) -> Backend:
         from .ipc import IpcBackend
 
         return IpcBackend(cp, size)
+    if name == "nvshmem":
+        from .nvshmem import NvshmemBackend
+
+        return NvshmemBackend(cp, size)
     return SingleProcessBackend(size, cp)
 
 

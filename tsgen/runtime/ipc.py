@@ -107,23 +107,25 @@ def pick_device(local_rank: int, visible: int, env: Mapping[str, str] | None = N
     )
 
 
-def join_problem(members: list[dict], size: int) -> str | None:
-    """What is wrong with the ranks that met (each: rank, size, host, bus id), or None. Pure."""
+def join_problem(members: list[dict], size: int, one_host: bool = True) -> str | None:
+    """What is wrong with the ranks that met (each: rank, size, host, bus id), or None.
+    `one_host`: CUDA IPC needs every rank on one host (NVSHMEM does not). Pure."""
     for m in members:
         if m["size"] != size:
             return (f"rank {m['rank']} was started in a world of {m['size']} ranks, rank 0 in one of "
                     f"{members[0]['size']}: the launcher's world sizes disagree")
     hosts = sorted({m["host"] for m in members})
-    if len(hosts) > 1:
+    if one_host and len(hosts) > 1:
         where = "; ".join(f"{h}: ranks {', '.join(str(m['rank']) for m in members if m['host'] == h)}" for h in hosts)
         return (f"CUDA IPC needs every rank on one host, but the ranks run on {len(hosts)} hosts ({where}); "
                 "use one host, or the NVSHMEM backend across hosts")
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, str], int] = {}
     for m in members:
-        if m["bus"] in seen:
-            return (f"ranks {seen[m['bus']]} and {m['rank']} both run on GPU {m['bus']}: give each rank its own "
-                    "GPU (LOCAL_RANK, or CUDA_VISIBLE_DEVICES per rank)")
-        seen[m["bus"]] = m["rank"]
+        gpu = (m["host"], m["bus"])
+        if gpu in seen:
+            return (f"ranks {seen[gpu]} and {m['rank']} both run on GPU {m['bus']} of {m['host']}: give each rank "
+                    "its own GPU (LOCAL_RANK, or CUDA_VISIBLE_DEVICES per rank)")
+        seen[gpu] = m["rank"]
     return None
 
 

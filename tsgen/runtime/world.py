@@ -103,8 +103,8 @@ def device_lib_refusal(manifest: dict, backend: Any) -> str | None:
     libs = manifest.get("device_libs", [])
     if "nvshmem" in libs and not getattr(backend, "nvshmem", False):
         return (f"{manifest.get('name', '?')}: built for the NVSHMEM transport (params.transport: nvshmem), which "
-                "runs only under an NVSHMEM backend (symmetric heap from nvshmem_malloc, "
-                "nvshmemx_cumodule_init on the module); this runtime has none yet: use the p2p variant of the spec")
+                "runs only under the nvshmem backend (one process per GPU: `tsgen launch --nproc N -- tsgen test "
+                "SPEC --backend nvshmem`), or use the p2p variant of the spec")
     return None
 
 
@@ -192,7 +192,9 @@ class Module:
         refusal = device_lib_refusal(self.manifest, world.backend)
         if refusal:
             raise RuntimeSetupError(refusal)
-        world.check_mesh()  # p2p kernels store into every peer: a partial NVLink mesh is refused
+        self.device_libs = list(self.manifest.get("device_libs", []))
+        if "nvshmem" not in self.device_libs:
+            world.check_mesh()  # p2p kernels store into every peer: a partial NVLink mesh is refused
         self.kernel = next(k for k in self.manifest["kernels"] if k["world_size"] == world.size)
         source = self.manifest_path.with_name(self.manifest["source"])
         cp = world.cp
@@ -200,17 +202,23 @@ class Module:
         self.launcher = None
         self._pool = None  # threads that call host launchers, one per local rank
         self._streams: dict[int, Any] = {}
+        self._registered: list[int] = []  # CUmodule handles the backend registered (NVSHMEM)
         if self.manifest.get("host_launch", False):
             # The call is more than one kernel launch: the module's own host launcher
             # (compiled into a shared library) enqueues it on the stream we pass.
             self.binary = compile_source(source, arch=arch, mode="shared").output
             self.launcher = _host_launcher(self.binary, self.kernel)
             return
-        self.binary = compile_source(source, arch=arch).output
+        self.binary = compile_source(source, arch=arch, link=self.device_libs).output
+        self._raw = {}  # the loaded modules, kept alive while registered
         for rank, dev in world.devices.items():
             with cp.cuda.Device(dev):
                 mod = cp.RawModule(path=str(self.binary))
-                self.functions[rank] = mod.get_function(self.kernel["name"])
+                self.functions[rank] = mod.get_function(self.kernel["name"])  # loads it
+                self._raw[rank] = mod
+                if self.device_libs:  # device-linked NVSHMEM: nvshmemx_cumodule_init before any launch
+                    world.backend.register_module(mod.module.ptr)
+                    self._registered.append(mod.module.ptr)
         if self.manifest.get("blocks_wait", False):
             world.check_resident(self.kernel, self.functions[world.ranks[0]])
 
@@ -268,6 +276,9 @@ class Module:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._streams.clear()
+        for handle in self._registered:  # before the backend finalizes NVSHMEM
+            self.world.backend.unregister_module(handle)
+        self._registered.clear()
 
     def _stream(self, rank: int):
         """The stream host launchers use when the caller gives none: a non-blocking one per
@@ -305,7 +316,7 @@ def _host_launcher(library: Path, kernel: dict):
 
 class World:
     """`size` GPUs driven by one backend; this process drives `ranks` of them (all of
-    them with the single-process backend, its own with "ipc"). Per-rank things are
+    them with the single-process backend, its own with "ipc" or "nvshmem"). Per-rank things are
     keyed by global rank. The context manager frees what it made; leaving it with an
     exception also tells the other processes (if any) to stop waiting."""
 
@@ -338,8 +349,13 @@ class World:
         return [json.loads(v) for v in self.backend.store.all_gather(label, json.dumps(value).encode())]
 
     def check_mesh(self) -> None:
+        """Refuse kernels that load and store peer memory where some peer is not reachable
+        by NVLink (a partial mesh, or ranks on several hosts)."""
         from .topology import check_full_mesh
 
+        problem = getattr(self.backend, "mesh_problem", None)
+        if problem:
+            raise RuntimeSetupError(problem)
         check_full_mesh(self.backend.bus_ids)
 
     def load(self, manifest: str | Path, arch: str = "sm_90a") -> Module:

@@ -1,0 +1,33 @@
+# Sourced by the device-run scripts after tools/device_env.sh: timed steps with logs.
+#   step NAME TIMEOUT CMD...   run CMD with its output in $LOG/NAME.log (spaces -> _); PASS when it
+#                              exits 0; no step starts once the script has used BUDGET seconds
+#   summary TITLE FILE         print the PASS/FAIL table (also to $OUT/FILE); returns non-zero on a failure
+# The caller sets LOG (a folder) and may set BUDGET (seconds, default 285).
+BUDGET=${BUDGET:-285}
+RESULTS=()
+FAILS=0
+mkdir -p "$LOG"
+
+step() {
+  local name=$1 limit=$2; shift 2
+  local log="$LOG/${name// /_}.log" left=$((BUDGET - SECONDS)) t0=$SECONDS rc
+  if [ "$left" -lt 10 ]; then RESULTS+=("$(printf '%-48s SKIP (out of time)' "$name")"); FAILS=$((FAILS + 1)); return 1; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout -k 5 "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    RESULTS+=("$(printf '%-48s PASS  %3d s' "$name" $((SECONDS - t0)))")
+  else
+    RESULTS+=("$(printf '%-48s FAIL  %3d s  rc=%d  %s' "$name" $((SECONDS - t0)) $rc "$log")")
+    FAILS=$((FAILS + 1))
+    echo "--- $name (rc=$rc), last lines of $log:"; tail -8 "$log"
+  fi
+  return $rc
+}
+
+summary() {
+  echo
+  echo "== $1 ($(date -u +%F), ${SECONDS} s): $FAILS failed"
+  printf '%s\n' "${RESULTS[@]}" | tee "$OUT/$2"
+  [ $FAILS -eq 0 ]
+}

@@ -1,0 +1,256 @@
+"""One process per GPU with NVSHMEM symmetric memory (nvshmem4py).
+
+Each process is one NVSHMEM PE and drives one rank (PE = rank). Who it is
+comes from the launcher's environment, as for the ipc backend; the ranks
+meet through the same store, which also carries NVSHMEM's unique id from
+rank 0 to the others (`nvshmem.core.init(..., initializer_method="uid")`).
+
+A heap is one `nvshmem.core.array` of bytes: nvshmem_malloc, the same offset
+on every PE, so a kernel's buffer pointers are symmetric addresses that
+NVSHMEM device calls translate for any target PE (`transport: nvshmem`).
+The peer table holds `get_peer_array` (nvshmem_ptr) of every peer's heap:
+the load/store addresses p2p kernels use, which exist only for PEs NVLink or
+PCIe can reach (one host); across hosts the table is refused and only
+nvshmem-transport kernels run. Modules linked against libnvshmem_device are
+registered with nvshmemx_cumodule_init when loaded and finalized before NVSHMEM.
+
+Teardown is collective (nvshmem_free and nvshmem_finalize are barriers): when
+every rank is healthy, World.close frees and finalizes in step. After a peer
+died (the store says aborted) the collectives could wait forever, so they run
+on a helper thread that is given TSGEN_NVSHMEM_TEARDOWN_S seconds (default
+10) and otherwise left to the process's exit; after a kernel trap the CUDA
+context is lost and nothing is touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import sys
+import threading
+from typing import Any, Callable, Mapping, NamedTuple
+
+from ..errors import RuntimeSetupError
+from . import store as store_mod
+from .ipc import join_problem, launcher_world, pick_device
+
+# NVSHMEM reserves its symmetric heap at init; tsgen's heaps hold a module's
+# buffers for one count (a 1 GiB allgather at 4 ranks needs 1.25 GiB). Users
+# who run larger set it themselves.
+DEFAULT_SYMMETRIC_SIZE = "8G"
+
+
+class NvshmemLib(NamedTuple):
+    core: Any  # nvshmem.core
+    bindings: Any  # nvshmem.bindings
+    Device: Any  # cuda.core.Device
+
+
+def import_nvshmem() -> NvshmemLib:
+    """nvshmem4py's modules, or a message that says what to install."""
+    try:
+        import nvshmem.bindings as bindings
+        import nvshmem.core as core
+        from cuda.core import Device
+    except ImportError as e:
+        raise RuntimeSetupError(
+            "the nvshmem backend needs nvshmem4py and the NVSHMEM library: `pip install tsgen[cuda13]` "
+            f"(nvshmem4py-cu13, nvidia-nvshmem-cu13; [cuda12] for CUDA 12) ({e})"
+        ) from None
+    return NvshmemLib(core, bindings, Device)
+
+
+class NvshmemBackend:
+    """This process's PE of a world of one process per GPU (see the module doc)."""
+
+    nvshmem = True  # runs modules built for the nvshmem transport (see world.device_lib_refusal)
+
+    def __init__(self, cp, size: int | None = None, env: Mapping[str, str] | None = None,
+                 rendezvous: store_mod.Rendezvous | None = None, lib: NvshmemLib | None = None):
+        env = os.environ if env is None else env
+        info = launcher_world(env, size)
+        self.cp, self.rank, self.size = cp, info.rank, info.size
+        self.lib = lib or import_nvshmem()
+        self.core, self.bindings = self.lib.core, self.lib.bindings
+        rt = cp.cuda.runtime
+        self.device = pick_device(info.local_rank, rt.getDeviceCount(), env)
+        self.devices = {self.rank: self.device}
+        self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
+        self._heaps: dict[int, Any] = {}  # own base -> the nvshmem array holding it
+        self._modules: list[int] = []  # CUmodule handles registered with nvshmemx_cumodule_init
+        self._initialized = False
+        try:
+            me = {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
+                  "bus": rt.deviceGetPCIBusId(self.device)}
+            members = [json.loads(m) for m in self.store.all_gather("join: host and GPU of every rank",
+                                                                    json.dumps(me).encode())]
+            problem = join_problem(members, self.size, one_host=False)
+            if problem:
+                raise RuntimeSetupError(problem)
+            hosts = sorted({m["host"] for m in members})
+            # p2p kernels (peer loads and stores) need every rank on this host; nvshmem ones do not
+            self.mesh_problem = None if len(hosts) == 1 else (
+                f"the ranks run on {len(hosts)} hosts ({', '.join(hosts)}): kernels that load and store peer "
+                "memory need one host; build the spec with params.transport: nvshmem to run across hosts")
+            self.bus_ids = [m["bus"] for m in members]
+            self._init(env)
+        except Exception as e:
+            self.store.abort(f"joining the world: {e}")
+            self.close()  # finalize if init got that far (with a deadline: the store is aborted)
+            raise
+
+    def _where(self) -> str:
+        return f"rank {self.rank} (GPU {self.device})"
+
+    def _init(self, env: Mapping[str, str]) -> None:
+        """Unique id from rank 0 over the store; nvshmem init with PE = rank."""
+        core, bindings = self.core, self.bindings
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", env.get("NVSHMEM_SYMMETRIC_SIZE", DEFAULT_SYMMETRIC_SIZE))
+        uid = core.get_unique_id(empty=self.rank != 0)
+        nbytes = uid._data.itemsize
+        mine = ctypes.string_at(uid.ptr, nbytes) if self.rank == 0 else b""
+        got = self.store.all_gather("NVSHMEM unique id from rank 0", mine)[0]
+        if len(got) != nbytes:
+            raise RuntimeSetupError(f"{self._where()}: NVSHMEM unique id from rank 0 has {len(got)} bytes, this "
+                                    f"NVSHMEM expects {nbytes}: the ranks load different NVSHMEM versions")
+        ctypes.memmove(uid.ptr, got, nbytes)
+        device = self.lib.Device(self.device)
+        device.set_current()
+        try:
+            core.init(device=device, uid=uid, rank=self.rank, nranks=self.size, initializer_method="uid")
+        except Exception as e:
+            raise RuntimeSetupError(f"{self._where()}: NVSHMEM init (unique id over the store) failed: {e}") from None
+        self._initialized = True
+        pe, npes = bindings.my_pe(), bindings.n_pes()
+        if (pe, npes) != (self.rank, self.size):
+            raise RuntimeSetupError(f"{self._where()}: NVSHMEM made this process PE {pe} of {npes}, not "
+                                    f"{self.rank} of {self.size}")
+
+    # -- heaps ---------------------------------------------------------------
+
+    def alloc_heap(self, nbytes: int) -> dict[int, int]:
+        """nvshmem_malloc on every PE (collective): the same offset everywhere."""
+        with self.cp.cuda.Device(self.device):
+            try:
+                heap = self.core.array((nbytes,), dtype="uint8")
+            except Exception as e:
+                raise RuntimeSetupError(
+                    f"{self._where()}: nvshmem_malloc of a {nbytes}-byte symmetric heap failed ({e}); the "
+                    f"symmetric heap is NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE')}") from None
+        base = int(heap.data.ptr)
+        self._heaps[base] = heap
+        return {self.rank: base}
+
+    def peer_tables(self, bases: dict[int, int]) -> dict[int, Any]:
+        """Every PE's heap as this PE can load and store it (nvshmem_ptr); 0 where it cannot."""
+        cp = self.cp
+        base = bases[self.rank]
+        heap = self._heaps[base]
+        with cp.cuda.Device(self.device):
+            ptrs = []
+            for r in range(self.size):
+                if r == self.rank:
+                    ptrs.append(base)
+                    continue
+                try:
+                    ptrs.append(int(self.core.get_peer_array(heap, r).data.ptr))
+                except Exception:  # not reachable by loads and stores (another host)
+                    ptrs.append(0)
+            return {self.rank: cp.asarray(ptrs, dtype=cp.uint64)}
+
+    def free_heap(self, bases: dict[int, int]) -> None:
+        """nvshmem_free (collective) after this GPU's work is done."""
+        heap = self._heaps.pop(bases[self.rank], None)
+        if heap is None:
+            return
+        if self._context_lost():
+            return
+        self._collective(lambda: self.core.free_array(heap), f"freeing a heap of {heap.nbytes} bytes")
+
+    # -- modules -------------------------------------------------------------
+
+    def register_module(self, handle: int) -> None:
+        """nvshmemx_cumodule_init on a loaded module linked against libnvshmem_device."""
+        with self.cp.cuda.Device(self.device):
+            status = self.bindings.cumodule_init(int(handle))
+        if status not in (None, 0):
+            raise RuntimeSetupError(f"{self._where()}: nvshmemx_cumodule_init failed ({status})")
+        self._modules.append(int(handle))
+
+    def unregister_module(self, handle: int) -> None:
+        if int(handle) in self._modules:
+            self._modules.remove(int(handle))
+            if not self._context_lost():
+                with self.cp.cuda.Device(self.device):
+                    self.bindings.cumodule_finalize(int(handle))
+
+    # -- teardown ------------------------------------------------------------
+
+    def _context_lost(self) -> bool:
+        rt = self.cp.cuda.runtime
+        with self.cp.cuda.Device(self.device):
+            try:
+                rt.deviceSynchronize()
+                return False
+            except rt.CUDARuntimeError as e:
+                print(f"tsgen: {self._where()}: CUDA context lost ({e}); leaving NVSHMEM to the process's exit",
+                      file=sys.stderr)
+                self._initialized = False  # nothing collective may run any more
+                return True
+
+    def _collective(self, fn: Callable[[], None], what: str) -> None:
+        """Run an NVSHMEM collective; once a rank has aborted, on a thread with a deadline."""
+        def run() -> None:
+            with self.cp.cuda.Device(self.device):
+                fn()
+
+        aborted = self.store.aborted()
+        if aborted is None:
+            try:
+                run()
+            except Exception as e:
+                raise RuntimeSetupError(f"{self._where()}: {what}: {e}") from None
+            return
+        limit = float(os.environ.get("TSGEN_NVSHMEM_TEARDOWN_S", "10"))
+        errors: list[BaseException] = []
+        worker = threading.Thread(target=lambda: _catching(run, errors), daemon=True, name="tsgen-nvshmem-teardown")
+        worker.start()
+        worker.join(limit)
+        if worker.is_alive():
+            print(f"tsgen: {self._where()}: {what} did not finish in {limit:g} s after {aborted}; leaving NVSHMEM "
+                  "to the process's exit", file=sys.stderr)
+            self._initialized = False
+        elif errors:
+            print(f"tsgen: {self._where()}: {what}: {errors[0]}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Free what is left, then nvshmem_finalize, on every path where the context lives;
+        raise afterwards if something could not be freed."""
+        problems = []
+        for base in list(self._heaps):
+            if not self._initialized:
+                break
+            try:
+                self.free_heap({self.rank: base})
+            except RuntimeSetupError as e:
+                problems.append(str(e))
+        self._heaps.clear()
+        for handle in list(self._modules):
+            self.unregister_module(handle)
+        if self._initialized and not self._context_lost():
+            self._initialized = False
+            try:
+                self._collective(self.core.finalize, "nvshmem_finalize")
+            except RuntimeSetupError as e:
+                problems.append(str(e))
+        if problems:
+            raise RuntimeSetupError("; ".join(problems))
+
+
+def _catching(fn: Callable[[], None], errors: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as e:  # reported by the caller
+        errors.append(e)
