@@ -106,3 +106,34 @@ def test_cli_launch_returns_the_rank_exit_code():
                            "import os, sys; sys.exit(5 if os.environ['RANK'] == '1' else 0)"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 5, proc.stderr
+
+
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path):
+    """timeout(1) or a scheduler sends SIGTERM to the launcher: the ranks (in sessions of their
+    own) must end with it, not outlive it holding GPUs."""
+    import os
+    import signal
+    import subprocess
+
+    pids = tmp_path / "pids"
+    code = (f"import os, time; open({str(pids)!r} + os.environ['RANK'], 'w').write(str(os.getpid())); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([PY, "-m", "tsgen.launch", "--nproc", "2", "--", PY, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"pids{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = [int((tmp_path / f"pids{r}").read_text()) for r in range(2)]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "tsgen launch: got signal 15; stopping the ranks" in err
+    for pid in ranks:
+        for _ in range(100):  # reaped by the launcher: gone, or a zombie for an instant
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"rank process {pid} outlived the launcher")

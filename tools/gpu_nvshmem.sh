@@ -27,6 +27,8 @@ export TSGEN_STORE=${TSGEN_STORE:-tsgen} TSGEN_STORE_TIMEOUT=${TSGEN_STORE_TIMEO
 export NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME:-lo}
 export NVSHMEM_REMOTE_TRANSPORT=${NVSHMEM_REMOTE_TRANSPORT:-none}
 export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
+# a rank still running after 40 s prints every thread's Python stack (steps time out at 50-60 s)
+export TSGEN_STACKS_AFTER=${TSGEN_STACKS_AFTER:-40} NVSHMEM_DEBUG=${NVSHMEM_DEBUG:-WARN}
 
 if ! python3 -c "import nvshmem.core" > "$LOG/import.log" 2>&1; then
   echo "nvshmem4py does not import with the image's cuda-core; adding .whl/fallback:"; tail -3 "$LOG/import.log"
@@ -46,9 +48,9 @@ PY
 if [ "$PART" = tests ]; then
   step "compile" 240 python3 tools/ipc_checks.py warm $PRIMS $COLLS $NVSH
   step "smoke nvshmem w2 allgather" 90 $TSGEN launch --nproc 2 -- $TSGEN test specs/allgather.yaml --backend nvshmem --iters 3
-  for n in 2 4; do
-    for s in $PRIMS $COLLS $NVSH; do
-      step "test nvshmem w$n $s" 60 $TSGEN launch --nproc $n -- $TSGEN test specs/$s.yaml --backend nvshmem --iters 20
+  for n in 4 2; do
+    for s in $NVSH $COLLS $PRIMS; do
+      step "test nvshmem w$n $s" 50 $TSGEN launch --nproc $n -- $TSGEN test specs/$s.yaml --backend nvshmem --iters 20
     done
   done
   step "test nvshmem w3 allgather_nvshmem" 60 \

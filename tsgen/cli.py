@@ -40,7 +40,15 @@ def _reports_errors(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tsgen")
 def main() -> None:
-    """Generate readable, self-contained CUDA sources for multi-GPU communication kernels."""
+    """Generate readable, self-contained CUDA sources for multi-GPU communication kernels.
+
+    TSGEN_STACKS_AFTER=S: if a command still runs after S seconds, print every
+    thread's Python stack to stderr (where a hung rank waits)."""
+    after = os.environ.get("TSGEN_STACKS_AFTER")
+    if after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(after), exit=False)
 
 
 @main.command()

@@ -75,6 +75,25 @@ def _code(c: int) -> int:
     return 128 - c if c < 0 else c  # killed by signal -c
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_on_signals():
+    """Turn SIGTERM, SIGINT and SIGHUP into _Stopped (so `finally` stops the ranks); returns
+    what puts the old handlers back. Only the main thread may set handlers: elsewhere nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise _Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
 def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
            timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None,
            kill_after: float = 5.0) -> int:
@@ -88,6 +107,9 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
         raise ValueError("nothing to launch: give the command after --")
     out, err = out or sys.stdout, err or sys.stderr
     port = port or free_port()
+    # A signal to the launcher (timeout(1), Ctrl-C, a job scheduler) must reach the ranks too:
+    # they run in sessions of their own, so without this they would outlive it.
+    stopped = _raise_on_signals()
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -127,10 +149,15 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
                     err.write(f"tsgen launch: ranks still running after {timeout:g} s; stopping them\n")
                 break
             time.sleep(0.05)
+    except _Stopped as e:
+        code = 128 + e.signum
+        with lock:
+            err.write(f"tsgen launch: got signal {e.signum}; stopping the ranks\n")
     finally:
         _stop(procs, kill_after)
         for t in pumps:
             t.join(timeout=2)
+        stopped()
     if code:
         summary = ", ".join(f"rank {r}: {_code(p.returncode)}" for r, p in enumerate(procs))
         err.write(f"tsgen launch: exit codes: {summary}\n")
