@@ -150,8 +150,10 @@ def cycles(spec: str, backend: str, gpus: int | None, n: int, tolerance: int = 2
 
     before = device_memory_used(cp, devices)
     t0 = time.perf_counter()
-    for _ in range(n):
+    for i in range(n):
         one_cycle()
+        if (i + 1) % 10 == 0:
+            print(f"{backend}: {i + 1} cycles, {time.perf_counter() - t0:.1f} s", flush=True)
     elapsed = time.perf_counter() - t0
     after = device_memory_used(cp, devices)
     ok = True

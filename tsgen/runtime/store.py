@@ -2,9 +2,10 @@
 the two collective steps the IPC backend needs (all-gather, barrier).
 
 The store is torch.distributed's TCPStore when torch imports (the default
-process group's store if one is initialized), otherwise tsgen's own: rank 0
-serves a dict over TCP, one thread per connection, and every rank, rank 0
-included, is a client. Both answer three requests -- set, get, check -- and
+process group's store if one is initialized), otherwise tsgen's own: a child
+process of rank 0 serves a dict over TCP (store_server.py; a process, so that
+rank 0 blocked in a C call holding the GIL cannot starve the others), and
+every rank, rank 0 included, is a client. Both answer three requests -- set, get, check -- and
 `Rendezvous` builds the collectives on them by polling `check`, so both
 behave the same: every wait has a timeout that names the label of the step,
 the ranks that never arrived and their keys; a rank that fails can `abort`
@@ -21,13 +22,15 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-import socketserver
-import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from ..errors import RuntimeSetupError
+from .store_server import _recv, _send
 
 DEFAULT_TIMEOUT = 300.0  # seconds; TSGEN_STORE_TIMEOUT overrides (torch's default is the same)
 ABORT_KEY = "tsgen/abort"
@@ -65,110 +68,28 @@ class KeyValue(Protocol):
 
 
 # ---------------------------------------------------------------------------
-# tsgen's own store: a dict behind a socket
+# tsgen's own store: a dict behind a socket, served by a child process of rank 0
 # ---------------------------------------------------------------------------
-# A message is a tag byte, a count, and that many length-prefixed byte strings.
-# Requests: b"S" (key, value), b"G" (key), b"C" (keys...); replies: b"+" (values...)
-# or b"-" (a key is missing).
-
-_COUNT = struct.Struct("!I")
-
-
-def _send(sock: socket.socket, tag: bytes, *parts: bytes) -> None:
-    sock.sendall(tag + _COUNT.pack(len(parts)) + b"".join(_COUNT.pack(len(p)) + p for p in parts))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(left)
-        if not chunk:
-            raise ConnectionError("connection closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> tuple[bytes, list[bytes]]:
-    head = _recv_exact(sock, 1 + _COUNT.size)
-    tag, (count,) = head[:1], _COUNT.unpack(head[1:])
-    parts = []
-    for _ in range(count):
-        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
-        parts.append(_recv_exact(sock, n))
-    return tag, parts
-
-
-class _Handler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        data, lock = self.server.data, self.server.lock
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with lock:
-            self.server.clients.add(self.request)
-        try:
-            self._serve(data, lock)
-        finally:
-            with lock:
-                self.server.clients.discard(self.request)
-
-    def _serve(self, data: dict[str, bytes], lock: threading.Lock) -> None:
-        while True:
-            try:
-                tag, parts = _recv(self.request)
-            except (ConnectionError, OSError):
-                return
-            with lock:
-                if tag == b"S":
-                    data[parts[0].decode()] = parts[1]
-                    reply = (b"+",)
-                elif tag == b"G":
-                    value = data.get(parts[0].decode())
-                    reply = (b"-",) if value is None else (b"+", value)
-                elif tag == b"C":
-                    reply = (b"+",) if all(p.decode() in data for p in parts) else (b"-",)
-                else:
-                    return  # not our protocol: drop the connection
-            _send(self.request, *reply)
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-    daemon_threads = True
-
-    def __init__(self, address):
-        super().__init__(address, _Handler)
-        self.data: dict[str, bytes] = {}
-        self.lock = threading.Lock()
-        self.clients: set[socket.socket] = set()
-
-    def stop(self) -> None:
-        """Stop serving and drop every client, as if the serving process had exited."""
-        self.shutdown()
-        self.server_close()
-        with self.lock:
-            for sock in self.clients:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
 
 class TcpStore:
-    """tsgen's own store. `serve=True` (rank 0) also runs the server in a thread."""
+    """tsgen's own store. `serve=True` (rank 0) also starts the server (store_server.py)
+    as a child process, which ends when this store is closed or this process exits."""
 
     def __init__(self, host: str, port: int, serve: bool, timeout: float):
         self.where = f"tsgen store at {host}:{port}"
         self._server = None
         self._lock = threading.Lock()
         if serve:
-            try:
-                self._server = _Server((host, port))
-            except OSError as e:
+            self._server = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("store_server.py")), host, str(port)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            said = self._server.stdout.readline().strip()
+            if said != "ready":
+                self.close()
                 raise StoreError(
-                    f"rank 0 cannot serve the {self.where}: {e.strerror or e}; set MASTER_PORT to a free port "
-                    "(tsgen launch picks one)"
+                    f"rank 0 cannot serve the {self.where}: {said.removeprefix('error: ') or 'the server exited'}; "
+                    "set MASTER_PORT to a free port (tsgen launch picks one)"
                 ) from None
-            threading.Thread(target=self._server.serve_forever, name="tsgen-store", daemon=True).start()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -211,8 +132,14 @@ class TcpStore:
             sock.close()
             self._sock = None
         if self._server is not None:
-            self._server.stop()
-            self._server = None
+            server, self._server = self._server, None
+            try:
+                server.stdin.close()  # the server's cue to stop
+                server.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                server.kill()
+                server.wait()
+            server.stdout.close()
 
 
 class TorchStore:
