@@ -8,6 +8,7 @@
 #                    collectives and the nvshmem-transport allgather / all_to_all; a rank that
 #                    dies mid-run
 #   all              tests, then perf
+#   cycles           only the 100 cycles
 #   perf             100 create/use/destroy cycles (device memory before/after); busbw of the
 #                    nvshmem-transport allgather / all_to_all next to their p2p variants, all
 #                    under the nvshmem backend, and the p2p variants under ipc
@@ -60,9 +61,11 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
 fi
 
 # perf
+[ "$PART" = cycles ] && step "compile" 120 python3 tools/ipc_checks.py warm allgather
 step "cycles nvshmem w4 x100" 150 \
   $TSGEN launch --nproc 4 -- python3 tools/ipc_checks.py cycles specs/allgather.yaml --backend nvshmem
 grep -h "cycles in" "$LOG"/cycles_*.log
+if [ "$PART" = cycles ]; then summary "tsgen nvshmem backend on GPUs: cycles" nvshmem_cycles_summary.txt; exit $?; fi
 SIZES=${SIZES:-16M,256M,1G}
 for s in allgather_nvshmem allgather all_to_all_nvshmem all_to_all; do
   step "bench nvshmem w4 $s" 120 $TSGEN launch --nproc 4 -- \

@@ -14,16 +14,24 @@ PCIe can reach (one host); across hosts the table is refused and only
 nvshmem-transport kernels run. Modules linked against libnvshmem_device are
 registered with nvshmemx_cumodule_init when loaded and finalized before NVSHMEM.
 
+NVSHMEM is initialized once per process, by the first World, and finalized
+when the process exits (or at once when a World could not be made):
+finalizing and initializing again for every World left 1.1 MiB of device
+memory behind per cycle (measured: +110 MiB over 100 cycles on 4 H200s), and
+NVSHMEM keeps its bootstrap across a re-init anyway. A World frees its heaps
+and its modules' registrations when it closes.
+
 Teardown is collective (nvshmem_free and nvshmem_finalize are barriers): when
-every rank is healthy, World.close frees and finalizes in step. After a peer
-died (the store says aborted) the collectives could wait forever, so they run
-on a helper thread that is given TSGEN_NVSHMEM_TEARDOWN_S seconds (default
-10) and otherwise left to the process's exit; after a kernel trap the CUDA
-context is lost and nothing is touched.
+every rank is healthy the ranks free in step. After a peer died (the store
+says aborted), and always at exit, the collectives run on a helper thread
+that is given TSGEN_NVSHMEM_TEARDOWN_S seconds (default 10) and otherwise
+left to the process's exit; after a kernel trap the CUDA context is lost and
+nothing is touched.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import os
@@ -62,6 +70,69 @@ def import_nvshmem() -> NvshmemLib:
     return NvshmemLib(core, bindings, Device)
 
 
+class _Session:
+    """NVSHMEM in this process: who it was initialized as, and whether it still is."""
+
+    def __init__(self, lib: NvshmemLib, cp, rank: int, size: int, device: int):
+        self.lib, self.cp, self.rank, self.size, self.device = lib, cp, rank, size, device
+        self.live = True
+
+    def finalize(self, limit: float | None = None) -> None:
+        """nvshmem_finalize (collective) on a thread with a deadline; once."""
+        if not self.live:
+            return
+        self.live = False
+        where = f"rank {self.rank} (GPU {self.device})"
+        if _context_lost(self.cp, self.device, where):
+            return
+        _with_deadline(self.cp, self.device, self.lib.core.finalize, f"{where}: nvshmem_finalize", limit)
+
+
+_SESSIONS: dict[int, _Session] = {}  # by id(nvshmem.core): one in a real process
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    for session in list(_SESSIONS.values()):
+        session.finalize()
+    _SESSIONS.clear()
+
+
+def _context_lost(cp, device: int, where: str) -> bool:
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(device):
+        try:
+            rt.deviceSynchronize()
+            return False
+        except rt.CUDARuntimeError as e:
+            print(f"tsgen: {where}: CUDA context lost ({e}); leaving NVSHMEM to the process's exit", file=sys.stderr)
+            return True
+
+
+def _with_deadline(cp, device: int, fn: Callable[[], None], what: str, limit: float | None = None) -> bool:
+    """Run `fn` on a helper thread; give it `limit` s (TSGEN_NVSHMEM_TEARDOWN_S, default 10).
+    False (with a message) when it did not finish: a peer is gone, leave it to exit."""
+    limit = float(os.environ.get("TSGEN_NVSHMEM_TEARDOWN_S", "10")) if limit is None else limit
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with cp.cuda.Device(device):
+                fn()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=run, daemon=True, name="tsgen-nvshmem-teardown")
+    worker.start()
+    worker.join(limit)
+    if worker.is_alive():
+        print(f"tsgen: {what} did not finish in {limit:g} s; leaving NVSHMEM to the process's exit", file=sys.stderr)
+        return False
+    if errors:
+        print(f"tsgen: {what}: {errors[0]}", file=sys.stderr)
+    return True
+
+
 class NvshmemBackend:
     """This process's PE of a world of one process per GPU (see the module doc)."""
 
@@ -80,7 +151,7 @@ class NvshmemBackend:
         self.store = rendezvous or store_mod.shared(info.master_addr, info.master_port, info.rank, info.size)
         self._heaps: dict[int, Any] = {}  # own base -> the nvshmem array holding it
         self._modules: list[int] = []  # CUmodule handles registered with nvshmemx_cumodule_init
-        self._initialized = False
+        self._session: _Session | None = None
         try:
             me = {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
                   "bus": rt.deviceGetPCIBusId(self.device)}
@@ -98,15 +169,27 @@ class NvshmemBackend:
             self._init(env)
         except Exception as e:
             self.store.abort(f"joining the world: {e}")
-            self.close()  # finalize if init got that far (with a deadline: the store is aborted)
+            if self._session is not None and self._session is _SESSIONS.get(id(self.core)):
+                _SESSIONS.pop(id(self.core))  # init got that far: undo it now
+                self._session.finalize()
+            self._session = None
             raise
 
     def _where(self) -> str:
         return f"rank {self.rank} (GPU {self.device})"
 
     def _init(self, env: Mapping[str, str]) -> None:
-        """Unique id from rank 0 over the store; nvshmem init with PE = rank."""
+        """This process's NVSHMEM session: made by the first World (unique id from rank 0
+        over the store, nvshmem init with PE = rank), reused by the later ones."""
         core, bindings = self.core, self.bindings
+        session = _SESSIONS.get(id(core))
+        if session is not None and session.live:
+            if (session.rank, session.size, session.device) != (self.rank, self.size, self.device):
+                raise RuntimeSetupError(
+                    f"{self._where()}: NVSHMEM is already initialized in this process as PE {session.rank} of "
+                    f"{session.size} on GPU {session.device}; one process is one PE for its lifetime")
+            self._session = session
+            return
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", env.get("NVSHMEM_SYMMETRIC_SIZE", DEFAULT_SYMMETRIC_SIZE))
         uid = core.get_unique_id(empty=self.rank != 0)
         nbytes = uid._data.itemsize
@@ -122,7 +205,7 @@ class NvshmemBackend:
             core.init(device=device, uid=uid, rank=self.rank, nranks=self.size, initializer_method="uid")
         except Exception as e:
             raise RuntimeSetupError(f"{self._where()}: NVSHMEM init (unique id over the store) failed: {e}") from None
-        self._initialized = True
+        self._session = _SESSIONS[id(core)] = _Session(self.lib, self.cp, self.rank, self.size, self.device)
         pe, npes = bindings.my_pe(), bindings.n_pes()
         if (pe, npes) != (self.rank, self.size):
             raise RuntimeSetupError(f"{self._where()}: NVSHMEM made this process PE {pe} of {npes}, not "
@@ -163,9 +246,7 @@ class NvshmemBackend:
     def free_heap(self, bases: dict[int, int]) -> None:
         """nvshmem_free (collective) after this GPU's work is done."""
         heap = self._heaps.pop(bases[self.rank], None)
-        if heap is None:
-            return
-        if self._context_lost():
+        if heap is None or not self._live():
             return
         self._collective(lambda: self.core.free_array(heap), f"freeing a heap of {heap.nbytes} bytes")
 
@@ -182,56 +263,39 @@ class NvshmemBackend:
     def unregister_module(self, handle: int) -> None:
         if int(handle) in self._modules:
             self._modules.remove(int(handle))
-            if not self._context_lost():
+            if self._live():
                 with self.cp.cuda.Device(self.device):
                     self.bindings.cumodule_finalize(int(handle))
 
     # -- teardown ------------------------------------------------------------
 
-    def _context_lost(self) -> bool:
-        rt = self.cp.cuda.runtime
-        with self.cp.cuda.Device(self.device):
-            try:
-                rt.deviceSynchronize()
-                return False
-            except rt.CUDARuntimeError as e:
-                print(f"tsgen: {self._where()}: CUDA context lost ({e}); leaving NVSHMEM to the process's exit",
-                      file=sys.stderr)
-                self._initialized = False  # nothing collective may run any more
-                return True
+    def _live(self) -> bool:
+        """NVSHMEM is up and this GPU's context works (else nothing may touch either)."""
+        if self._session is None or not self._session.live:
+            return False
+        if _context_lost(self.cp, self.device, self._where()):
+            self._session.live = False  # never finalized: the process's exit cleans up
+            return False
+        return True
 
     def _collective(self, fn: Callable[[], None], what: str) -> None:
-        """Run an NVSHMEM collective; once a rank has aborted, on a thread with a deadline."""
-        def run() -> None:
-            with self.cp.cuda.Device(self.device):
-                fn()
-
+        """Run an NVSHMEM collective; once a rank has aborted, with a deadline."""
         aborted = self.store.aborted()
         if aborted is None:
             try:
-                run()
+                with self.cp.cuda.Device(self.device):
+                    fn()
             except Exception as e:
                 raise RuntimeSetupError(f"{self._where()}: {what}: {e}") from None
             return
-        limit = float(os.environ.get("TSGEN_NVSHMEM_TEARDOWN_S", "10"))
-        errors: list[BaseException] = []
-        worker = threading.Thread(target=lambda: _catching(run, errors), daemon=True, name="tsgen-nvshmem-teardown")
-        worker.start()
-        worker.join(limit)
-        if worker.is_alive():
-            print(f"tsgen: {self._where()}: {what} did not finish in {limit:g} s after {aborted}; leaving NVSHMEM "
-                  "to the process's exit", file=sys.stderr)
-            self._initialized = False
-        elif errors:
-            print(f"tsgen: {self._where()}: {what}: {errors[0]}", file=sys.stderr)
+        if not _with_deadline(self.cp, self.device, fn, f"{self._where()}: {what} after {aborted}"):
+            self._session.live = False  # a peer is gone: no later collective can complete
 
     def close(self) -> None:
-        """Free what is left, then nvshmem_finalize, on every path where the context lives;
-        raise afterwards if something could not be freed."""
+        """Free this World's heaps and module registrations (NVSHMEM stays up for the next
+        World and is finalized at exit); raise afterwards if a heap could not be freed."""
         problems = []
         for base in list(self._heaps):
-            if not self._initialized:
-                break
             try:
                 self.free_heap({self.rank: base})
             except RuntimeSetupError as e:
@@ -239,18 +303,13 @@ class NvshmemBackend:
         self._heaps.clear()
         for handle in list(self._modules):
             self.unregister_module(handle)
-        if self._initialized and not self._context_lost():
-            self._initialized = False
-            try:
-                self._collective(self.core.finalize, "nvshmem_finalize")
-            except RuntimeSetupError as e:
-                problems.append(str(e))
         if problems:
             raise RuntimeSetupError("; ".join(problems))
 
-
-def _catching(fn: Callable[[], None], errors: list[BaseException]) -> None:
-    try:
-        fn()
-    except BaseException as e:  # reported by the caller
-        errors.append(e)
+    def finalize(self) -> None:
+        """Finalize this process's NVSHMEM now rather than at exit (collective: every rank
+        calls it); no World can be made on this backend's PE afterwards."""
+        self.close()
+        if self._session is not None:
+            _SESSIONS.pop(id(self.core), None)
+            self._session.finalize()
