@@ -1169,6 +1169,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
 // layout, so the kernel's buffer arguments are this PE's symmetric addresses
 // and NVSHMEM translates them for the target PE. `peers` is not used. The
 // rank argument must equal nvshmem_my_pe() (checked once per block).
+//
+// The primitives with `transport: nvshmem` (put/get at warp and block level,
+// simple_shift, barrier_all) use the first part only: the PE check, the
+// bounded signal wait and the all-PE barrier; the plan executor below needs
+// tsgen_plan.cuh and is compiled only after it.
 #ifndef TSGEN_NVSHMEM_CUH
 #define TSGEN_NVSHMEM_CUH
 
@@ -1208,6 +1213,25 @@ static __device__ __forceinline__ void tsgen_nvshmem_wait_ge(uint64_t* sig, uint
   wait_ge_acquire_sys(sig, expected, site);
   nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, expected);
 }
+
+// Every block of every PE meets here: the blocks of this grid first
+// (tsgen_barrier_blocks, generation 2g - 1), then block 0 meets the other PEs
+// with nvshmemx_barrier_all_block (which also completes this PE's puts), then
+// the grid again (2g). One block calls the NVSHMEM barrier: collectives on a
+// team must not run concurrently.
+static __device__ __forceinline__ void tsgen_nvshmem_barrier_all(uint64_t* counter, int rank,
+                                                                 uint64_t generation) {
+  tsgen_barrier_blocks(counter, 2 * generation - 1, rank);
+  if (blockIdx.x == 0) {
+    // block 0 has acquired every block's arrival: its fence makes their stores
+    // visible system-wide before the barrier tells the other PEs to go on
+    __threadfence_system();
+    nvshmemx_barrier_all_block();
+  }
+  tsgen_barrier_blocks(counter, 2 * generation, rank);
+}
+
+#ifdef TSGEN_PLAN_CUH  // the plan executor
 
 // Raise the step's signals [from, nsignal) by one, one thread per counter. The
 // caller has synchronized the block after the share's data movement:
@@ -1320,6 +1344,8 @@ static __device__ __forceinline__ void tsgen_nvshmem_run_plan(const tsgen_step* 
   // input, so complete every put of this block before the call is over.
   nvshmem_quiet();
 }
+
+#endif  // TSGEN_PLAN_CUH
 
 #endif  // TSGEN_NVSHMEM_CUH
 

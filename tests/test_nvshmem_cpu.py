@@ -20,7 +20,21 @@ from tsgen.errors import SpecError, ToolchainError
 from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, find_cuobjdump, find_device_lib, find_nvcc
 
-NVSHMEM_SPECS = ["allgather_nvshmem", "all_to_all_nvshmem"]
+NVSHMEM_COLLECTIVES = ["allgather_nvshmem", "all_to_all_nvshmem"]
+# primitive -> the NVSHMEM device calls its kernel body must make (and no peer pointer)
+NVSHMEM_PRIMITIVES = {
+    "put_warp_nvshmem": ("nvshmemx_putmem_nbi_warp(", "nvshmem_quiet()", "tsgen_nvshmem_check_pe("),
+    "get_block_nvshmem": ("nvshmemx_getmem_nbi_block(", "nvshmem_quiet()", "tsgen_nvshmem_check_pe("),
+    "simple_shift_nvshmem": ("nvshmemx_putmem_signal_nbi_block(", "tsgen_nvshmem_wait_ge(", "nvshmemx_signal_op(",
+                             "NVSHMEM_SIGNAL_ADD", "nvshmem_quiet()"),
+    "barrier_all_nvshmem": ("tsgen_nvshmem_barrier_all(", "nvshmemx_getmem_block("),
+}
+NVSHMEM_SPECS = NVSHMEM_COLLECTIVES + list(NVSHMEM_PRIMITIVES)
+# the library's transport path of each kernel's main call, seen in the linked cubin
+LINKED_PATH = {name: b"nvshmemi_transfer_put_signal_dispatch" for name in NVSHMEM_COLLECTIVES} | {
+    "put_warp_nvshmem": b"nvshmemi_transfer_rma_nbi", "get_block_nvshmem": b"nvshmemi_transfer_rma_nbi",
+    "simple_shift_nvshmem": b"nvshmemi_transfer_put_signal_dispatch",
+    "barrier_all_nvshmem": b"nvshmemi_barrier_threadgroup"}
 
 
 def _missing(find) -> str | None:
@@ -58,7 +72,7 @@ def _write(tmp_path, text: str):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NVSHMEM_SPECS)
+@pytest.mark.parametrize("name", NVSHMEM_COLLECTIVES)
 def test_nvshmem_specs_render_put_with_signal(name):
     spec = load_spec(ROOT / "specs" / f"{name}.yaml").model
     assert spec.params.transport == "nvshmem"
@@ -75,9 +89,25 @@ def test_nvshmem_specs_render_put_with_signal(name):
         assert call in header, call
 
 
+@pytest.mark.parametrize("name", list(NVSHMEM_PRIMITIVES))
+def test_nvshmem_primitives_render_nvshmem_calls(name):
+    """Primitives with transport: nvshmem call NVSHMEM (at the op's warp or block level) where
+    the p2p form touches peer memory, and run as PE = rank."""
+    manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
+    assert manifest["device_libs"] == ["nvshmem"]
+    text = (ROOT / "generated" / f"{name}.cu").read_text()
+    assert "#include <nvshmem.h>" in text and "Inlined from templates/include/tsgen_nvshmem.cuh" in text
+    body = text.split("namespace " + name + " {", 1)[1]
+    for call in NVSHMEM_PRIMITIVES[name]:
+        assert call in body, (name, call)
+    assert "tsgen_peer_ptr(" not in body and "tsgen_barrier_all<" not in body
+    # the plan executor stays out of sources without a plan
+    assert "#ifdef TSGEN_PLAN_CUH" in text and "Inlined from templates/include/tsgen_plan.cuh" not in text
+
+
 def test_p2p_specs_do_not_change():
     """Only nvshmem specs carry device_libs; the p2p sources inline no NVSHMEM header."""
-    for name in ("allgather", "all_to_all"):
+    for name in ("allgather", "all_to_all", "put_warp", "get_block", "simple_shift", "barrier_all"):
         manifest = json.loads((ROOT / "generated" / f"{name}.json").read_text())
         assert "device_libs" not in manifest
         assert "nvshmem" not in (ROOT / "generated" / f"{name}.cu").read_text()
@@ -166,8 +196,9 @@ def test_nvshmem_source_device_links(cache, name):
     for fn, entry in res.own_report.items():  # our helpers; NVSHMEM's own templates are theirs
         assert entry.get("spill_stores", 0) == 0 and entry.get("spill_loads", 0) == 0, (fn, entry)
     # The device link pulled in libnvshmem_device: the state nvshmemx_cumodule_init fills
-    # in, and the transport's put-with-signal path (used when the target is not NVLink-reachable).
-    for symbol in (b"nvshmemi_device_state_d", b"nvshmemi_transfer_put_signal_dispatch", *(k.encode() for k in kernels)):
+    # in, and the transport path of the kernel's main call (used when the target is not
+    # NVLink-reachable).
+    for symbol in (b"nvshmemi_device_state_d", LINKED_PATH[name], *(k.encode() for k in kernels)):
         assert symbol in data, symbol
     if _missing(find_cuobjdump) is None:
         elf = subprocess.run([str(find_cuobjdump()), "-elf", str(res.output)], capture_output=True, text=True,

@@ -22,7 +22,7 @@ PART=${PART:-tests}
 TSGEN="python3 -m tsgen"
 PRIMS="put_block signal_wait_eq_peer barrier_all simple_shift"
 COLLS="allgather reduce_scatter all_to_all all_reduce_one_shot all_reduce_two_shot_pull"
-NVSH="allgather_nvshmem all_to_all_nvshmem"
+NVSH="allgather_nvshmem all_to_all_nvshmem put_warp_nvshmem get_block_nvshmem simple_shift_nvshmem barrier_all_nvshmem"
 export TSGEN_STORE=${TSGEN_STORE:-tsgen} TSGEN_STORE_TIMEOUT=${TSGEN_STORE_TIMEOUT:-60}
 # One host: NVSHMEM's bootstrap over loopback, no network transport (a multi-node run sets
 # these to its NIC and transport instead: README "Deployments").

@@ -23,6 +23,29 @@ class ShiftParams(StrictModel):
     shift: int = Field(1, ge=1, le=7, description="peer of rank r is (r + shift) % world")
 
 
+class TransportParams(StrictModel):
+    transport: Literal["p2p", "nvshmem"] = Field(
+        "p2p", description="p2p: loads and stores to peer memory (one host); nvshmem: NVSHMEM device calls "
+        "(non-blocking put/get at the op's warp or block level, put with signal, signal wait, quiet, "
+        "barrier_all) on the symmetric heap, device-linked against libnvshmem_device: runs under the "
+        "nvshmem backend, also across hosts")
+
+
+class CopyParams(ShiftParams, TransportParams):
+    pass
+
+
+class NvshmemTransport:
+    """Families whose spec has `params.transport`: the nvshmem choice links libnvshmem_device
+    and inlines tsgen_nvshmem.cuh (templates branch on `nvshmem`)."""
+
+    def device_libs(self, spec: Any) -> tuple[str, ...]:
+        return ("nvshmem",) if spec.params.transport == "nvshmem" else ()
+
+    def template_vars(self, spec: Any) -> dict[str, Any]:
+        return {"nvshmem": spec.params.transport == "nvshmem"}
+
+
 def _check_shift(spec: Any) -> list[tuple[tuple, str]]:
     bad = [w for w in spec.world_sizes if spec.params.shift % w == 0]
     if bad:
@@ -52,14 +75,14 @@ def _copy_spec(kind: str) -> type[SpecBase]:
         f"{kind.title().replace('_', '')}Spec",
         (SpecBase,),
         {
-            "__annotations__": {"op": Literal[kind], "params": ShiftParams},
-            "params": ShiftParams(),
+            "__annotations__": {"op": Literal[kind], "params": CopyParams},
+            "params": CopyParams(),
             "__doc__": f"Spec of op `{kind}`.",
         },
     )
 
 
-class CopyFamily(OpFamily):
+class CopyFamily(NvshmemTransport, OpFamily):
     """Copy `count` bytes between ranks, split into per-warp or per-block chunks."""
 
     template = "copy.cu.j2"
@@ -270,7 +293,7 @@ class BarrierBlocksSpec(SpecBase):
     params: StaggerParams = StaggerParams()
 
 
-class BarrierAllParams(ShiftParams, StaggerParams):
+class BarrierAllParams(ShiftParams, StaggerParams, TransportParams):
     pass
 
 
@@ -306,7 +329,7 @@ class BarrierAllSpec(SpecBase):
     params: BarrierAllParams = BarrierAllParams()
 
 
-class BarrierAllFamily(OpFamily):
+class BarrierAllFamily(NvshmemTransport, OpFamily):
     kind = "barrier_all"
     Spec = BarrierAllSpec
     template = "barrier_all.cu.j2"
@@ -335,15 +358,19 @@ class BarrierAllFamily(OpFamily):
         return {"dst": _ring(inputs["src"], -spec.params.shift)}
 
 
+class SimpleShiftParams(ShiftParams, TransportParams):
+    pass
+
+
 class SimpleShiftSpec(SpecBase):
     """Spec of op `simple_shift`: ring shift by put + signal."""
 
     op: Literal["simple_shift"]
     dtype: Literal["uint8", "int32", "uint32", "float32", "float16", "bfloat16"] = "float32"
-    params: ShiftParams = ShiftParams()
+    params: SimpleShiftParams = SimpleShiftParams()
 
 
-class SimpleShiftFamily(OpFamily):
+class SimpleShiftFamily(NvshmemTransport, OpFamily):
     kind = "simple_shift"
     Spec = SimpleShiftSpec
     template = "simple_shift.cu.j2"
