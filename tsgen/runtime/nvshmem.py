@@ -21,12 +21,14 @@ memory behind per cycle (measured: +110 MiB over 100 cycles on 4 H200s), and
 NVSHMEM keeps its bootstrap across a re-init anyway. A World frees its heaps
 and its modules' registrations when it closes.
 
-Teardown is collective (nvshmem_free and nvshmem_finalize are barriers): when
-every rank is healthy the ranks free in step. After a peer died (the store
-says aborted), and always at exit, the collectives run on a helper thread
-that is given TSGEN_NVSHMEM_TEARDOWN_S seconds (default 10) and otherwise
-left to the process's exit; after a kernel trap the CUDA context is lost and
-nothing is touched.
+Teardown is collective (nvshmem_free and nvshmem_finalize are barriers over
+every PE) and nvshmem4py holds the GIL inside them, so no Python-level
+deadline can end a wait for a PE that never comes. Every rank therefore
+meets the others in the store first (its server is another process, so it
+answers whatever the ranks are blocked in) and enters the NVSHMEM call only
+when all have arrived; when the store says a rank aborted, or the meeting
+times out, the call is skipped and the memory left to the process's exit.
+After a kernel trap the CUDA context is lost and nothing is touched.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import json
 import os
 import socket
 import sys
-import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
 from ..errors import RuntimeSetupError
@@ -73,29 +74,56 @@ def import_nvshmem() -> NvshmemLib:
 class _Session:
     """NVSHMEM in this process: who it was initialized as, and whether it still is."""
 
-    def __init__(self, lib: NvshmemLib, cp, rank: int, size: int, device: int):
-        self.lib, self.cp, self.rank, self.size, self.device = lib, cp, rank, size, device
+    def __init__(self, lib: NvshmemLib, cp, store, rank: int, size: int, device: int):
+        self.lib, self.cp, self.store = lib, cp, store
+        self.rank, self.size, self.device = rank, size, device
         self.live = True
 
-    def finalize(self, limit: float | None = None) -> None:
-        """nvshmem_finalize (collective) on a thread with a deadline; once."""
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} (GPU {self.device})"
+
+    def collective(self, fn: Callable[[], None], what: str) -> bool:
+        """Meet every rank in the store, then run the NVSHMEM collective `fn`; False (with a
+        message, and NVSHMEM given up for this process) when a rank aborted or never came."""
         if not self.live:
-            return
+            return False
+        if _context_lost(self.cp, self.device, self.where):
+            self.live = False
+            return False
+        try:
+            # A rank that has seen an abort does not announce itself; one that has announced
+            # enters as soon as every rank has (the store's wait checks arrivals before aborts).
+            # So either every rank enters, or the ones that announced give up on the abort.
+            aborted = self.store.aborted()
+            if aborted is not None:
+                raise store_mod.StoreError(aborted)
+            self.store.barrier(f"NVSHMEM: {what}")
+        except store_mod.StoreError as e:
+            print(f"tsgen: {self.where}: {what} skipped ({e}); NVSHMEM is left to the process's exit",
+                  file=sys.stderr)
+            self.live = False
+            return False
+        try:
+            with self.cp.cuda.Device(self.device):
+                fn()
+        except Exception as e:
+            raise RuntimeSetupError(f"{self.where}: {what}: {e}") from None
+        return True
+
+    def finalize(self) -> None:
+        """nvshmem_finalize (collective), once; registered to run at exit."""
+        if self.live:
+            try:
+                self.collective(self.lib.core.finalize, "nvshmem_finalize")
+            except RuntimeSetupError as e:
+                print(f"tsgen: {e}", file=sys.stderr)
         self.live = False
-        where = f"rank {self.rank} (GPU {self.device})"
-        if _context_lost(self.cp, self.device, where):
-            return
-        _with_deadline(self.cp, self.device, self.lib.core.finalize, f"{where}: nvshmem_finalize", limit)
+        if _SESSIONS.get(id(self.lib.core)) is self:
+            del _SESSIONS[id(self.lib.core)]
 
 
 _SESSIONS: dict[int, _Session] = {}  # by id(nvshmem.core): one in a real process
-
-
-@atexit.register
-def _finalize_at_exit() -> None:
-    for session in list(_SESSIONS.values()):
-        session.finalize()
-    _SESSIONS.clear()
 
 
 def _context_lost(cp, device: int, where: str) -> bool:
@@ -107,30 +135,6 @@ def _context_lost(cp, device: int, where: str) -> bool:
         except rt.CUDARuntimeError as e:
             print(f"tsgen: {where}: CUDA context lost ({e}); leaving NVSHMEM to the process's exit", file=sys.stderr)
             return True
-
-
-def _with_deadline(cp, device: int, fn: Callable[[], None], what: str, limit: float | None = None) -> bool:
-    """Run `fn` on a helper thread; give it `limit` s (TSGEN_NVSHMEM_TEARDOWN_S, default 10).
-    False (with a message) when it did not finish: a peer is gone, leave it to exit."""
-    limit = float(os.environ.get("TSGEN_NVSHMEM_TEARDOWN_S", "10")) if limit is None else limit
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with cp.cuda.Device(device):
-                fn()
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    worker = threading.Thread(target=run, daemon=True, name="tsgen-nvshmem-teardown")
-    worker.start()
-    worker.join(limit)
-    if worker.is_alive():
-        print(f"tsgen: {what} did not finish in {limit:g} s; leaving NVSHMEM to the process's exit", file=sys.stderr)
-        return False
-    if errors:
-        print(f"tsgen: {what}: {errors[0]}", file=sys.stderr)
-    return True
 
 
 class NvshmemBackend:
@@ -170,8 +174,7 @@ class NvshmemBackend:
         except Exception as e:
             self.store.abort(f"joining the world: {e}")
             if self._session is not None and self._session is _SESSIONS.get(id(self.core)):
-                _SESSIONS.pop(id(self.core))  # init got that far: undo it now
-                self._session.finalize()
+                self._session.finalize()  # init got that far: undo it now (the store is aborted: skipped)
             self._session = None
             raise
 
@@ -205,7 +208,10 @@ class NvshmemBackend:
             core.init(device=device, uid=uid, rank=self.rank, nranks=self.size, initializer_method="uid")
         except Exception as e:
             raise RuntimeSetupError(f"{self._where()}: NVSHMEM init (unique id over the store) failed: {e}") from None
-        self._session = _SESSIONS[id(core)] = _Session(self.lib, self.cp, self.rank, self.size, self.device)
+        self._session = _SESSIONS[id(core)] = _Session(self.lib, self.cp, self.store, self.rank, self.size,
+                                                       self.device)
+        # at exit, before the store goes (atexit runs the last registered first)
+        atexit.register(self._session.finalize)
         pe, npes = bindings.my_pe(), bindings.n_pes()
         if (pe, npes) != (self.rank, self.size):
             raise RuntimeSetupError(f"{self._where()}: NVSHMEM made this process PE {pe} of {npes}, not "
@@ -246,9 +252,9 @@ class NvshmemBackend:
     def free_heap(self, bases: dict[int, int]) -> None:
         """nvshmem_free (collective) after this GPU's work is done."""
         heap = self._heaps.pop(bases[self.rank], None)
-        if heap is None or not self._live():
+        if heap is None or self._session is None:
             return
-        self._collective(lambda: self.core.free_array(heap), f"freeing a heap of {heap.nbytes} bytes")
+        self._session.collective(lambda: self.core.free_array(heap), f"freeing a heap of {heap.nbytes} bytes")
 
     # -- modules -------------------------------------------------------------
 
@@ -278,19 +284,6 @@ class NvshmemBackend:
             return False
         return True
 
-    def _collective(self, fn: Callable[[], None], what: str) -> None:
-        """Run an NVSHMEM collective; once a rank has aborted, with a deadline."""
-        aborted = self.store.aborted()
-        if aborted is None:
-            try:
-                with self.cp.cuda.Device(self.device):
-                    fn()
-            except Exception as e:
-                raise RuntimeSetupError(f"{self._where()}: {what}: {e}") from None
-            return
-        if not _with_deadline(self.cp, self.device, fn, f"{self._where()}: {what} after {aborted}"):
-            self._session.live = False  # a peer is gone: no later collective can complete
-
     def close(self) -> None:
         """Free this World's heaps and module registrations (NVSHMEM stays up for the next
         World and is finalized at exit); raise afterwards if a heap could not be freed."""
@@ -311,5 +304,4 @@ class NvshmemBackend:
         calls it); no World can be made on this backend's PE afterwards."""
         self.close()
         if self._session is not None:
-            _SESSIONS.pop(id(self.core), None)
             self._session.finalize()

@@ -108,6 +108,8 @@ class TcpStore:
 
     def _request(self, tag: bytes, *parts: bytes) -> tuple[bytes, list[bytes]]:
         with self._lock:
+            if self._sock is None:
+                raise StoreError(f"the {self.where} was closed by this process")
             try:
                 _send(self._sock, tag, *parts)
                 return _recv(self._sock)
