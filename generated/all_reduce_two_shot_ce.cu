@@ -1378,34 +1378,26 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..13 ({step, share, of})
+    {13, 0, 1},
+    // rank 1 block 0: shares 14..14 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 15..18 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 19..22 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 23..26 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 27..27 ({step, share, of})
+    {13, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][6] = {
@@ -1553,72 +1545,48 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 0 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 0 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 0 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 0 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 0 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 0 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 0 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 0 block 6: step 21 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 1 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 1 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 1 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 1 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 1 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 1 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 1 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 1 block 6: step 21 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 2 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 2 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 2 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 2 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 2 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 2 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 2 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 2 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 2 block 6: step 21 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 0 block 5: shares 17..20 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 0 block 6: shares 21..21 ({step, share, of})
+    {21, 0, 1},
+    // rank 1 block 0: shares 22..22 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 23..26 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 27..30 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 31..34 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 35..38 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 1 block 5: shares 39..42 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 1 block 6: shares 43..43 ({step, share, of})
+    {21, 0, 1},
+    // rank 2 block 0: shares 44..44 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 45..48 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 49..52 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 53..56 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 4: shares 57..60 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 2 block 5: shares 61..64 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 2 block 6: shares 65..65 ({step, share, of})
+    {21, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][8] = {
@@ -1883,130 +1851,86 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 0 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 0 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 0 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 0 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 0 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 0 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 0 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 0 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 0 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 0 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 0 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 0 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 0 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 0 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 0 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 0 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 0 block 9: step 30 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 1 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 1 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 1 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 1 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 1 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 1 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 1 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 1 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 1 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 1 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 1 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 1 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 1 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 1 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 1 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 1 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 1 block 9: step 30 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 2 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 2 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 2 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 2 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 2 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 2 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 2 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 2 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 2 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 2 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 2 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 2 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 2 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 2 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 2 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 2 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 2 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 2 block 9: step 30 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 3 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 3 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 3 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 3 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 3 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 3 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 3 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 3 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 3 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 3 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 3 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 3 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 3 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 3 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 3 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 3 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 3 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 3 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 3 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 3 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 3 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 3 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 3 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 3 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 3 block 9: step 30 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 0 block 5: shares 17..20 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 0 block 6: shares 21..24 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 0 block 7: shares 25..28 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 0 block 8: shares 29..29 ({step, share, of})
+    {29, 0, 1},
+    // rank 0 block 9: shares 30..30 ({step, share, of})
+    {30, 0, 1},
+    // rank 1 block 0: shares 31..31 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 32..35 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 36..39 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 40..43 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 44..47 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 1 block 5: shares 48..51 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 1 block 6: shares 52..55 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 1 block 7: shares 56..59 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 1 block 8: shares 60..60 ({step, share, of})
+    {29, 0, 1},
+    // rank 1 block 9: shares 61..61 ({step, share, of})
+    {30, 0, 1},
+    // rank 2 block 0: shares 62..62 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 63..66 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 67..70 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 71..74 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 4: shares 75..78 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 2 block 5: shares 79..82 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 2 block 6: shares 83..86 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 2 block 7: shares 87..90 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 2 block 8: shares 91..91 ({step, share, of})
+    {29, 0, 1},
+    // rank 2 block 9: shares 92..92 ({step, share, of})
+    {30, 0, 1},
+    // rank 3 block 0: shares 93..93 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 94..97 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 3 block 2: shares 98..101 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 3 block 3: shares 102..105 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 3 block 4: shares 106..109 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 3 block 5: shares 110..113 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 3 block 6: shares 114..117 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 3 block 7: shares 118..121 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 3 block 8: shares 122..122 ({step, share, of})
+    {29, 0, 1},
+    // rank 3 block 9: shares 123..123 ({step, share, of})
+    {30, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][11] = {
@@ -3064,526 +2988,326 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 0 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 0 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 0 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 0 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 0 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 0 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 0 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 0 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 0 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 0 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 0 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 0 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 0 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 0 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 0 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 0 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 0 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 0 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 0 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 0 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 0 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 0 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 0 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 0 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 0 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 0 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 0 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 0 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 0 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 0 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 0 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 0 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 0 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 0 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 0 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 0 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 0 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 0 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 0 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 0 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 0 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 0 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 0 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 0 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 0 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 0 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 0 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 0 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 0 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 0 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 0 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 1 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 1 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 1 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 1 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 1 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 1 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 1 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 1 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 1 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 1 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 1 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 1 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 1 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 1 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 1 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 1 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 1 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 1 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 1 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 1 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 1 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 1 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 1 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 1 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 1 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 1 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 1 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 1 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 1 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 1 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 1 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 1 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 1 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 1 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 1 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 1 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 1 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 1 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 1 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 1 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 1 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 1 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 1 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 1 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 1 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 1 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 1 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 1 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 1 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 1 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 1 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 2 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 2 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 2 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 2 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 2 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 2 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 2 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 2 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 2 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 2 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 2 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 2 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 2 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 2 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 2 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 2 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 2 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 2 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 2 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 2 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 2 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 2 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 2 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 2 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 2 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 2 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 2 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 2 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 2 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 2 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 2 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 2 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 2 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 2 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 2 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 2 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 2 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 2 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 2 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 2 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 2 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 2 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 2 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 2 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 2 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 2 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 2 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 2 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 2 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 2 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 2 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 2 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 3 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 3 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 3 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 3 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 3 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 3 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 3 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 3 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 3 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 3 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 3 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 3 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 3 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 3 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 3 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 3 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 3 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 3 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 3 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 3 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 3 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 3 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 3 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 3 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 3 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 3 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 3 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 3 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 3 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 3 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 3 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 3 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 3 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 3 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 3 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 3 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 3 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 3 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 3 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 3 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 3 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 3 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 3 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 3 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 3 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 3 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 3 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 3 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 3 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 3 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 3 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 3 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 3 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 3 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 3 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 3 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 3 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 3 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 3 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 4 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 4 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 4 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 4 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 4 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 4 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 4 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 4 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 4 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 4 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 4 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 4 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 4 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 4 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 4 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 4 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 4 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 4 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 4 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 4 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 4 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 4 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 4 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 4 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 4 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 4 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 4 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 4 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 4 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 4 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 4 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 4 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 4 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 4 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 4 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 4 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 4 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 4 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 4 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 4 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 4 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 4 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 4 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 4 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 4 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 4 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 4 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 4 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 4 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 4 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 4 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 4 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 4 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 4 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 4 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 4 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 4 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 4 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 4 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 4 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 4 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 4 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 4 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 4 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 5 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 5 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 5 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 5 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 5 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 5 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 5 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 5 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 5 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 5 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 5 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 5 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 5 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 5 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 5 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 5 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 5 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 5 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 5 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 5 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 5 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 5 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 5 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 5 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 5 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 5 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 5 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 5 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 5 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 5 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 5 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 5 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 5 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 5 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 5 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 5 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 5 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 5 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 5 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 5 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 5 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 5 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 5 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 5 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 5 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 5 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 5 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 5 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 5 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 5 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 5 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 5 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 5 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 5 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 5 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 5 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 5 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 5 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 5 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 5 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 5 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 5 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 5 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 5 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 6 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 6 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 6 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 6 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 6 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 6 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 6 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 6 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 6 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 6 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 6 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 6 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 6 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 6 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 6 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 6 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 6 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 6 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 6 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 6 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 6 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 6 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 6 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 6 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 6 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 6 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 6 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 6 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 6 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 6 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 6 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 6 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 6 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 6 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 6 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 6 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 6 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 6 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 6 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 6 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 6 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 6 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 6 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 6 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 6 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 6 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 6 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 6 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 6 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 6 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 6 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 6 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 6 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 6 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 6 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 6 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 6 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 6 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 6 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 6 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 6 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 6 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 6 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 6 block 19: step 64 share 0/1
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 7 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 7 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 7 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 7 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 7 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 7 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 7 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 7 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 7 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 7 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 7 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 7 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 7 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 7 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 7 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 7 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 7 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 7 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 7 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 7 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 7 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 7 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 7 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 7 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 7 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 7 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 7 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 7 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 7 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 7 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 7 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 7 block 8: step 32 share 0/1
-    {33, 0, 1},  // rank 7 block 9: step 33 share 0/1
-    {34, 0, 1},  // rank 7 block 9: step 34 share 0/1
-    {35, 0, 1},  // rank 7 block 9: step 35 share 0/1
-    {36, 0, 1},  // rank 7 block 9: step 36 share 0/1
-    {37, 0, 1},  // rank 7 block 10: step 37 share 0/1
-    {38, 0, 1},  // rank 7 block 10: step 38 share 0/1
-    {39, 0, 1},  // rank 7 block 10: step 39 share 0/1
-    {40, 0, 1},  // rank 7 block 10: step 40 share 0/1
-    {41, 0, 1},  // rank 7 block 11: step 41 share 0/1
-    {42, 0, 1},  // rank 7 block 11: step 42 share 0/1
-    {43, 0, 1},  // rank 7 block 11: step 43 share 0/1
-    {44, 0, 1},  // rank 7 block 11: step 44 share 0/1
-    {45, 0, 1},  // rank 7 block 12: step 45 share 0/1
-    {46, 0, 1},  // rank 7 block 12: step 46 share 0/1
-    {47, 0, 1},  // rank 7 block 12: step 47 share 0/1
-    {48, 0, 1},  // rank 7 block 12: step 48 share 0/1
-    {49, 0, 1},  // rank 7 block 13: step 49 share 0/1
-    {50, 0, 1},  // rank 7 block 13: step 50 share 0/1
-    {51, 0, 1},  // rank 7 block 13: step 51 share 0/1
-    {52, 0, 1},  // rank 7 block 13: step 52 share 0/1
-    {53, 0, 1},  // rank 7 block 14: step 53 share 0/1
-    {54, 0, 1},  // rank 7 block 14: step 54 share 0/1
-    {55, 0, 1},  // rank 7 block 14: step 55 share 0/1
-    {56, 0, 1},  // rank 7 block 14: step 56 share 0/1
-    {57, 0, 1},  // rank 7 block 15: step 57 share 0/1
-    {58, 0, 1},  // rank 7 block 15: step 58 share 0/1
-    {59, 0, 1},  // rank 7 block 15: step 59 share 0/1
-    {60, 0, 1},  // rank 7 block 15: step 60 share 0/1
-    {61, 0, 1},  // rank 7 block 16: step 61 share 0/1
-    {62, 0, 1},  // rank 7 block 17: step 62 share 0/1
-    {63, 0, 1},  // rank 7 block 18: step 63 share 0/1
-    {64, 0, 1},  // rank 7 block 19: step 64 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 0 block 5: shares 17..20 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 0 block 6: shares 21..24 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 0 block 7: shares 25..28 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 0 block 8: shares 29..32 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 0 block 9: shares 33..36 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 0 block 10: shares 37..40 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 0 block 11: shares 41..44 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 0 block 12: shares 45..48 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 0 block 13: shares 49..52 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 0 block 14: shares 53..56 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 0 block 15: shares 57..60 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 0 block 16: shares 61..61 ({step, share, of})
+    {61, 0, 1},
+    // rank 0 block 17: shares 62..62 ({step, share, of})
+    {62, 0, 1},
+    // rank 0 block 18: shares 63..63 ({step, share, of})
+    {63, 0, 1},
+    // rank 0 block 19: shares 64..64 ({step, share, of})
+    {64, 0, 1},
+    // rank 1 block 0: shares 65..65 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 66..69 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 70..73 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 74..77 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 78..81 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 1 block 5: shares 82..85 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 1 block 6: shares 86..89 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 1 block 7: shares 90..93 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 1 block 8: shares 94..97 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 1 block 9: shares 98..101 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 1 block 10: shares 102..105 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 1 block 11: shares 106..109 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 1 block 12: shares 110..113 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 1 block 13: shares 114..117 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 1 block 14: shares 118..121 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 1 block 15: shares 122..125 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 1 block 16: shares 126..126 ({step, share, of})
+    {61, 0, 1},
+    // rank 1 block 17: shares 127..127 ({step, share, of})
+    {62, 0, 1},
+    // rank 1 block 18: shares 128..128 ({step, share, of})
+    {63, 0, 1},
+    // rank 1 block 19: shares 129..129 ({step, share, of})
+    {64, 0, 1},
+    // rank 2 block 0: shares 130..130 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 131..134 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 135..138 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 139..142 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 4: shares 143..146 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 2 block 5: shares 147..150 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 2 block 6: shares 151..154 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 2 block 7: shares 155..158 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 2 block 8: shares 159..162 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 2 block 9: shares 163..166 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 2 block 10: shares 167..170 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 2 block 11: shares 171..174 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 2 block 12: shares 175..178 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 2 block 13: shares 179..182 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 2 block 14: shares 183..186 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 2 block 15: shares 187..190 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 2 block 16: shares 191..191 ({step, share, of})
+    {61, 0, 1},
+    // rank 2 block 17: shares 192..192 ({step, share, of})
+    {62, 0, 1},
+    // rank 2 block 18: shares 193..193 ({step, share, of})
+    {63, 0, 1},
+    // rank 2 block 19: shares 194..194 ({step, share, of})
+    {64, 0, 1},
+    // rank 3 block 0: shares 195..195 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 196..199 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 3 block 2: shares 200..203 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 3 block 3: shares 204..207 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 3 block 4: shares 208..211 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 3 block 5: shares 212..215 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 3 block 6: shares 216..219 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 3 block 7: shares 220..223 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 3 block 8: shares 224..227 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 3 block 9: shares 228..231 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 3 block 10: shares 232..235 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 3 block 11: shares 236..239 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 3 block 12: shares 240..243 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 3 block 13: shares 244..247 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 3 block 14: shares 248..251 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 3 block 15: shares 252..255 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 3 block 16: shares 256..256 ({step, share, of})
+    {61, 0, 1},
+    // rank 3 block 17: shares 257..257 ({step, share, of})
+    {62, 0, 1},
+    // rank 3 block 18: shares 258..258 ({step, share, of})
+    {63, 0, 1},
+    // rank 3 block 19: shares 259..259 ({step, share, of})
+    {64, 0, 1},
+    // rank 4 block 0: shares 260..260 ({step, share, of})
+    {0, 0, 1},
+    // rank 4 block 1: shares 261..264 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 4 block 2: shares 265..268 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 4 block 3: shares 269..272 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 4 block 4: shares 273..276 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 4 block 5: shares 277..280 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 4 block 6: shares 281..284 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 4 block 7: shares 285..288 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 4 block 8: shares 289..292 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 4 block 9: shares 293..296 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 4 block 10: shares 297..300 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 4 block 11: shares 301..304 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 4 block 12: shares 305..308 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 4 block 13: shares 309..312 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 4 block 14: shares 313..316 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 4 block 15: shares 317..320 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 4 block 16: shares 321..321 ({step, share, of})
+    {61, 0, 1},
+    // rank 4 block 17: shares 322..322 ({step, share, of})
+    {62, 0, 1},
+    // rank 4 block 18: shares 323..323 ({step, share, of})
+    {63, 0, 1},
+    // rank 4 block 19: shares 324..324 ({step, share, of})
+    {64, 0, 1},
+    // rank 5 block 0: shares 325..325 ({step, share, of})
+    {0, 0, 1},
+    // rank 5 block 1: shares 326..329 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 5 block 2: shares 330..333 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 5 block 3: shares 334..337 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 5 block 4: shares 338..341 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 5 block 5: shares 342..345 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 5 block 6: shares 346..349 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 5 block 7: shares 350..353 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 5 block 8: shares 354..357 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 5 block 9: shares 358..361 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 5 block 10: shares 362..365 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 5 block 11: shares 366..369 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 5 block 12: shares 370..373 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 5 block 13: shares 374..377 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 5 block 14: shares 378..381 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 5 block 15: shares 382..385 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 5 block 16: shares 386..386 ({step, share, of})
+    {61, 0, 1},
+    // rank 5 block 17: shares 387..387 ({step, share, of})
+    {62, 0, 1},
+    // rank 5 block 18: shares 388..388 ({step, share, of})
+    {63, 0, 1},
+    // rank 5 block 19: shares 389..389 ({step, share, of})
+    {64, 0, 1},
+    // rank 6 block 0: shares 390..390 ({step, share, of})
+    {0, 0, 1},
+    // rank 6 block 1: shares 391..394 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 6 block 2: shares 395..398 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 6 block 3: shares 399..402 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 6 block 4: shares 403..406 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 6 block 5: shares 407..410 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 6 block 6: shares 411..414 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 6 block 7: shares 415..418 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 6 block 8: shares 419..422 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 6 block 9: shares 423..426 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 6 block 10: shares 427..430 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 6 block 11: shares 431..434 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 6 block 12: shares 435..438 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 6 block 13: shares 439..442 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 6 block 14: shares 443..446 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 6 block 15: shares 447..450 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 6 block 16: shares 451..451 ({step, share, of})
+    {61, 0, 1},
+    // rank 6 block 17: shares 452..452 ({step, share, of})
+    {62, 0, 1},
+    // rank 6 block 18: shares 453..453 ({step, share, of})
+    {63, 0, 1},
+    // rank 6 block 19: shares 454..454 ({step, share, of})
+    {64, 0, 1},
+    // rank 7 block 0: shares 455..455 ({step, share, of})
+    {0, 0, 1},
+    // rank 7 block 1: shares 456..459 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 7 block 2: shares 460..463 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 7 block 3: shares 464..467 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 7 block 4: shares 468..471 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 7 block 5: shares 472..475 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 7 block 6: shares 476..479 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 7 block 7: shares 480..483 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 7 block 8: shares 484..487 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 7 block 9: shares 488..491 ({step, share, of})
+    {33, 0, 1}, {34, 0, 1}, {35, 0, 1}, {36, 0, 1},
+    // rank 7 block 10: shares 492..495 ({step, share, of})
+    {37, 0, 1}, {38, 0, 1}, {39, 0, 1}, {40, 0, 1},
+    // rank 7 block 11: shares 496..499 ({step, share, of})
+    {41, 0, 1}, {42, 0, 1}, {43, 0, 1}, {44, 0, 1},
+    // rank 7 block 12: shares 500..503 ({step, share, of})
+    {45, 0, 1}, {46, 0, 1}, {47, 0, 1}, {48, 0, 1},
+    // rank 7 block 13: shares 504..507 ({step, share, of})
+    {49, 0, 1}, {50, 0, 1}, {51, 0, 1}, {52, 0, 1},
+    // rank 7 block 14: shares 508..511 ({step, share, of})
+    {53, 0, 1}, {54, 0, 1}, {55, 0, 1}, {56, 0, 1},
+    // rank 7 block 15: shares 512..515 ({step, share, of})
+    {57, 0, 1}, {58, 0, 1}, {59, 0, 1}, {60, 0, 1},
+    // rank 7 block 16: shares 516..516 ({step, share, of})
+    {61, 0, 1},
+    // rank 7 block 17: shares 517..517 ({step, share, of})
+    {62, 0, 1},
+    // rank 7 block 18: shares 518..518 ({step, share, of})
+    {63, 0, 1},
+    // rank 7 block 19: shares 519..519 ({step, share, of})
+    {64, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][21] = {

@@ -1192,202 +1192,206 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {7, 0, 1},  // rank 0 block 49: step 7 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {7, 0, 1},  // rank 1 block 49: step 7 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 0 block 2: shares 3..4 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 0 block 3: shares 5..6 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 0 block 4: shares 7..8 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 0 block 5: shares 9..10 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 0 block 6: shares 11..12 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 0 block 7: shares 13..14 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 0 block 8: shares 15..16 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 0 block 9: shares 17..18 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 0 block 10: shares 19..20 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 0 block 11: shares 21..22 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 0 block 12: shares 23..24 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 0 block 13: shares 25..26 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 0 block 14: shares 27..28 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 0 block 15: shares 29..30 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 0 block 16: shares 31..32 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 0 block 17: shares 33..34 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 0 block 18: shares 35..36 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 0 block 19: shares 37..38 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 0 block 20: shares 39..40 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 0 block 21: shares 41..42 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 0 block 22: shares 43..44 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 0 block 23: shares 45..46 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 0 block 24: shares 47..48 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 0 block 25: shares 49..50 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 0 block 26: shares 51..52 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 0 block 27: shares 53..54 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 0 block 28: shares 55..56 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 0 block 29: shares 57..58 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 0 block 30: shares 59..60 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 0 block 31: shares 61..62 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 0 block 32: shares 63..64 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 0 block 33: shares 65..66 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 0 block 34: shares 67..68 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 0 block 35: shares 69..70 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 0 block 36: shares 71..72 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 0 block 37: shares 73..74 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 0 block 38: shares 75..76 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 0 block 39: shares 77..78 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 0 block 40: shares 79..80 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 0 block 41: shares 81..82 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 0 block 42: shares 83..84 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 0 block 43: shares 85..86 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 0 block 44: shares 87..88 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 0 block 45: shares 89..90 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 0 block 46: shares 91..92 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 0 block 47: shares 93..94 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 0 block 48: shares 95..96 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 0 block 49: shares 97..97 ({step, share, of})
+    {7, 0, 1},
+    // rank 1 block 0: shares 98..98 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 99..100 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 1 block 2: shares 101..102 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 1 block 3: shares 103..104 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 1 block 4: shares 105..106 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 1 block 5: shares 107..108 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 1 block 6: shares 109..110 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 1 block 7: shares 111..112 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 1 block 8: shares 113..114 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 1 block 9: shares 115..116 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 1 block 10: shares 117..118 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 1 block 11: shares 119..120 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 1 block 12: shares 121..122 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 1 block 13: shares 123..124 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 1 block 14: shares 125..126 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 1 block 15: shares 127..128 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 1 block 16: shares 129..130 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 1 block 17: shares 131..132 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 1 block 18: shares 133..134 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 1 block 19: shares 135..136 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 1 block 20: shares 137..138 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 1 block 21: shares 139..140 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 1 block 22: shares 141..142 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 1 block 23: shares 143..144 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 1 block 24: shares 145..146 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 1 block 25: shares 147..148 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 1 block 26: shares 149..150 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 1 block 27: shares 151..152 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 1 block 28: shares 153..154 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 1 block 29: shares 155..156 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 1 block 30: shares 157..158 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 1 block 31: shares 159..160 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 1 block 32: shares 161..162 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 1 block 33: shares 163..164 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 1 block 34: shares 165..166 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 1 block 35: shares 167..168 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 1 block 36: shares 169..170 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 1 block 37: shares 171..172 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 1 block 38: shares 173..174 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 1 block 39: shares 175..176 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 1 block 40: shares 177..178 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 1 block 41: shares 179..180 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 1 block 42: shares 181..182 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 1 block 43: shares 183..184 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 1 block 44: shares 185..186 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 1 block 45: shares 187..188 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 1 block 46: shares 189..190 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 1 block 47: shares 191..192 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 1 block 48: shares 193..194 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 1 block 49: shares 195..195 ({step, share, of})
+    {7, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
@@ -1475,492 +1479,390 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {11, 0, 1},  // rank 0 block 17: step 11 share 0/1
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {11, 0, 1},  // rank 1 block 17: step 11 share 0/1
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {11, 0, 1},  // rank 2 block 17: step 11 share 0/1
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
+    // rank 0 block 0: shares 0..2 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 3..6 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 0 block 2: shares 7..10 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 0 block 3: shares 11..14 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 0 block 4: shares 15..18 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 0 block 5: shares 19..22 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 0 block 6: shares 23..26 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 0 block 7: shares 27..30 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 0 block 8: shares 31..34 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 0 block 9: shares 35..38 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 0 block 10: shares 39..42 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 0 block 11: shares 43..46 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 0 block 12: shares 47..50 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 0 block 13: shares 51..54 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 0 block 14: shares 55..58 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 0 block 15: shares 59..62 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 0 block 16: shares 63..66 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 0 block 17: shares 67..69 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
+    // rank 0 block 18: shares 70..71 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 0 block 19: shares 72..73 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 0 block 20: shares 74..75 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 0 block 21: shares 76..77 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 0 block 22: shares 78..79 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 0 block 23: shares 80..81 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 0 block 24: shares 82..83 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 0 block 25: shares 84..85 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 0 block 26: shares 86..87 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 0 block 27: shares 88..89 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 0 block 28: shares 90..91 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 0 block 29: shares 92..93 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 0 block 30: shares 94..95 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 0 block 31: shares 96..97 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 0 block 32: shares 98..99 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 0 block 33: shares 100..101 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 0 block 34: shares 102..103 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 0 block 35: shares 104..105 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 0 block 36: shares 106..107 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 0 block 37: shares 108..109 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 0 block 38: shares 110..111 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 0 block 39: shares 112..113 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 0 block 40: shares 114..115 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 0 block 41: shares 116..117 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 0 block 42: shares 118..119 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 0 block 43: shares 120..121 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 0 block 44: shares 122..123 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 0 block 45: shares 124..125 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 0 block 46: shares 126..127 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 0 block 47: shares 128..129 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 0 block 48: shares 130..131 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 0 block 49: shares 132..133 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 0 block 50: shares 134..135 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 0 block 51: shares 136..137 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 0 block 52: shares 138..139 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 0 block 53: shares 140..141 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 0 block 54: shares 142..143 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 0 block 55: shares 144..145 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 0 block 56: shares 146..147 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 0 block 57: shares 148..149 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 0 block 58: shares 150..151 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 0 block 59: shares 152..153 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 0 block 60: shares 154..155 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 0 block 61: shares 156..157 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 0 block 62: shares 158..159 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 0 block 63: shares 160..161 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 1 block 0: shares 162..164 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 165..168 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 1 block 2: shares 169..172 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 1 block 3: shares 173..176 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 1 block 4: shares 177..180 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 1 block 5: shares 181..184 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 1 block 6: shares 185..188 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 1 block 7: shares 189..192 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 1 block 8: shares 193..196 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 1 block 9: shares 197..200 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 1 block 10: shares 201..204 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 1 block 11: shares 205..208 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 1 block 12: shares 209..212 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 1 block 13: shares 213..216 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 1 block 14: shares 217..220 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 1 block 15: shares 221..224 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 1 block 16: shares 225..228 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 1 block 17: shares 229..231 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
+    // rank 1 block 18: shares 232..233 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 1 block 19: shares 234..235 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 1 block 20: shares 236..237 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 1 block 21: shares 238..239 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 1 block 22: shares 240..241 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 1 block 23: shares 242..243 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 1 block 24: shares 244..245 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 1 block 25: shares 246..247 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 1 block 26: shares 248..249 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 1 block 27: shares 250..251 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 1 block 28: shares 252..253 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 1 block 29: shares 254..255 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 1 block 30: shares 256..257 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 1 block 31: shares 258..259 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 1 block 32: shares 260..261 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 1 block 33: shares 262..263 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 1 block 34: shares 264..265 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 1 block 35: shares 266..267 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 1 block 36: shares 268..269 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 1 block 37: shares 270..271 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 1 block 38: shares 272..273 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 1 block 39: shares 274..275 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 1 block 40: shares 276..277 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 1 block 41: shares 278..279 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 1 block 42: shares 280..281 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 1 block 43: shares 282..283 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 1 block 44: shares 284..285 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 1 block 45: shares 286..287 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 1 block 46: shares 288..289 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 1 block 47: shares 290..291 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 1 block 48: shares 292..293 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 1 block 49: shares 294..295 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 1 block 50: shares 296..297 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 1 block 51: shares 298..299 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 1 block 52: shares 300..301 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 1 block 53: shares 302..303 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 1 block 54: shares 304..305 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 1 block 55: shares 306..307 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 1 block 56: shares 308..309 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 1 block 57: shares 310..311 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 1 block 58: shares 312..313 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 1 block 59: shares 314..315 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 1 block 60: shares 316..317 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 1 block 61: shares 318..319 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 1 block 62: shares 320..321 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 1 block 63: shares 322..323 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 2 block 0: shares 324..326 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 327..330 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 2 block 2: shares 331..334 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 2 block 3: shares 335..338 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 2 block 4: shares 339..342 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 2 block 5: shares 343..346 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 2 block 6: shares 347..350 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 2 block 7: shares 351..354 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 2 block 8: shares 355..358 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 2 block 9: shares 359..362 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 2 block 10: shares 363..366 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 2 block 11: shares 367..370 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 2 block 12: shares 371..374 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 2 block 13: shares 375..378 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 2 block 14: shares 379..382 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 2 block 15: shares 383..386 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 2 block 16: shares 387..390 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 2 block 17: shares 391..393 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
+    // rank 2 block 18: shares 394..395 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 2 block 19: shares 396..397 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 2 block 20: shares 398..399 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 2 block 21: shares 400..401 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 2 block 22: shares 402..403 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 2 block 23: shares 404..405 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 2 block 24: shares 406..407 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 2 block 25: shares 408..409 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 2 block 26: shares 410..411 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 2 block 27: shares 412..413 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 2 block 28: shares 414..415 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 2 block 29: shares 416..417 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 2 block 30: shares 418..419 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 2 block 31: shares 420..421 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 2 block 32: shares 422..423 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 2 block 33: shares 424..425 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 2 block 34: shares 426..427 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 2 block 35: shares 428..429 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 2 block 36: shares 430..431 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 2 block 37: shares 432..433 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 2 block 38: shares 434..435 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 2 block 39: shares 436..437 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 2 block 40: shares 438..439 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 2 block 41: shares 440..441 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 2 block 42: shares 442..443 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 2 block 43: shares 444..445 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 2 block 44: shares 446..447 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 2 block 45: shares 448..449 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 2 block 46: shares 450..451 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 2 block 47: shares 452..453 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 2 block 48: shares 454..455 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 2 block 49: shares 456..457 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 2 block 50: shares 458..459 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 2 block 51: shares 460..461 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 2 block 52: shares 462..463 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 2 block 53: shares 464..465 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 2 block 54: shares 466..467 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 2 block 55: shares 468..469 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 2 block 56: shares 470..471 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 2 block 57: shares 472..473 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 2 block 58: shares 474..475 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 2 block 59: shares 476..477 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 2 block 60: shares 478..479 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 2 block 61: shares 480..481 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 2 block 62: shares 482..483 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 2 block 63: shares 484..485 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
@@ -2105,910 +2007,518 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {15, 0, 1},  // rank 0 block 49: step 15 share 0/1
-    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {15, 0, 1},  // rank 1 block 49: step 15 share 0/1
-    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {15, 0, 1},  // rank 2 block 49: step 15 share 0/1
-    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
-    {15, 0, 1},  // rank 3 block 49: step 15 share 0/1
-    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
+    // rank 0 block 0: shares 0..2 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 3..6 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 0 block 2: shares 7..10 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 0 block 3: shares 11..14 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 0 block 4: shares 15..18 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 0 block 5: shares 19..22 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 0 block 6: shares 23..26 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 0 block 7: shares 27..30 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 0 block 8: shares 31..34 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 0 block 9: shares 35..38 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 0 block 10: shares 39..42 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 0 block 11: shares 43..46 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 0 block 12: shares 47..50 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 0 block 13: shares 51..54 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 0 block 14: shares 55..58 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 0 block 15: shares 59..62 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 0 block 16: shares 63..66 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 0 block 17: shares 67..70 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 0 block 18: shares 71..74 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 0 block 19: shares 75..78 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 0 block 20: shares 79..82 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 0 block 21: shares 83..86 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 0 block 22: shares 87..90 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 0 block 23: shares 91..94 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 0 block 24: shares 95..98 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 0 block 25: shares 99..102 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 0 block 26: shares 103..106 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 0 block 27: shares 107..110 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 0 block 28: shares 111..114 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 0 block 29: shares 115..118 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 0 block 30: shares 119..122 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 0 block 31: shares 123..126 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 0 block 32: shares 127..130 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 0 block 33: shares 131..134 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 0 block 34: shares 135..138 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 0 block 35: shares 139..142 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 0 block 36: shares 143..146 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 0 block 37: shares 147..150 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 0 block 38: shares 151..154 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 0 block 39: shares 155..158 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 0 block 40: shares 159..162 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 0 block 41: shares 163..166 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 0 block 42: shares 167..170 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 0 block 43: shares 171..174 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 0 block 44: shares 175..178 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 0 block 45: shares 179..182 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 0 block 46: shares 183..186 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 0 block 47: shares 187..190 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 0 block 48: shares 191..194 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 0 block 49: shares 195..197 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
+    // rank 0 block 50: shares 198..199 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 0 block 51: shares 200..201 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 0 block 52: shares 202..203 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 0 block 53: shares 204..205 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 0 block 54: shares 206..207 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 0 block 55: shares 208..209 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 0 block 56: shares 210..211 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 0 block 57: shares 212..213 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 0 block 58: shares 214..215 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 0 block 59: shares 216..217 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 0 block 60: shares 218..219 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 0 block 61: shares 220..221 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 0 block 62: shares 222..223 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 0 block 63: shares 224..225 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 1 block 0: shares 226..228 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 229..232 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 1 block 2: shares 233..236 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 1 block 3: shares 237..240 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 1 block 4: shares 241..244 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 1 block 5: shares 245..248 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 1 block 6: shares 249..252 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 1 block 7: shares 253..256 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 1 block 8: shares 257..260 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 1 block 9: shares 261..264 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 1 block 10: shares 265..268 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 1 block 11: shares 269..272 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 1 block 12: shares 273..276 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 1 block 13: shares 277..280 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 1 block 14: shares 281..284 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 1 block 15: shares 285..288 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 1 block 16: shares 289..292 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 1 block 17: shares 293..296 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 1 block 18: shares 297..300 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 1 block 19: shares 301..304 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 1 block 20: shares 305..308 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 1 block 21: shares 309..312 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 1 block 22: shares 313..316 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 1 block 23: shares 317..320 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 1 block 24: shares 321..324 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 1 block 25: shares 325..328 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 1 block 26: shares 329..332 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 1 block 27: shares 333..336 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 1 block 28: shares 337..340 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 1 block 29: shares 341..344 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 1 block 30: shares 345..348 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 1 block 31: shares 349..352 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 1 block 32: shares 353..356 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 1 block 33: shares 357..360 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 1 block 34: shares 361..364 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 1 block 35: shares 365..368 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 1 block 36: shares 369..372 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 1 block 37: shares 373..376 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 1 block 38: shares 377..380 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 1 block 39: shares 381..384 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 1 block 40: shares 385..388 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 1 block 41: shares 389..392 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 1 block 42: shares 393..396 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 1 block 43: shares 397..400 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 1 block 44: shares 401..404 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 1 block 45: shares 405..408 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 1 block 46: shares 409..412 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 1 block 47: shares 413..416 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 1 block 48: shares 417..420 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 1 block 49: shares 421..423 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
+    // rank 1 block 50: shares 424..425 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 1 block 51: shares 426..427 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 1 block 52: shares 428..429 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 1 block 53: shares 430..431 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 1 block 54: shares 432..433 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 1 block 55: shares 434..435 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 1 block 56: shares 436..437 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 1 block 57: shares 438..439 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 1 block 58: shares 440..441 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 1 block 59: shares 442..443 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 1 block 60: shares 444..445 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 1 block 61: shares 446..447 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 1 block 62: shares 448..449 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 1 block 63: shares 450..451 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 2 block 0: shares 452..454 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 455..458 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 2 block 2: shares 459..462 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 2 block 3: shares 463..466 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 2 block 4: shares 467..470 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 2 block 5: shares 471..474 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 2 block 6: shares 475..478 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 2 block 7: shares 479..482 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 2 block 8: shares 483..486 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 2 block 9: shares 487..490 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 2 block 10: shares 491..494 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 2 block 11: shares 495..498 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 2 block 12: shares 499..502 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 2 block 13: shares 503..506 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 2 block 14: shares 507..510 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 2 block 15: shares 511..514 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 2 block 16: shares 515..518 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 2 block 17: shares 519..522 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 2 block 18: shares 523..526 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 2 block 19: shares 527..530 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 2 block 20: shares 531..534 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 2 block 21: shares 535..538 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 2 block 22: shares 539..542 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 2 block 23: shares 543..546 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 2 block 24: shares 547..550 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 2 block 25: shares 551..554 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 2 block 26: shares 555..558 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 2 block 27: shares 559..562 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 2 block 28: shares 563..566 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 2 block 29: shares 567..570 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 2 block 30: shares 571..574 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 2 block 31: shares 575..578 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 2 block 32: shares 579..582 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 2 block 33: shares 583..586 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 2 block 34: shares 587..590 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 2 block 35: shares 591..594 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 2 block 36: shares 595..598 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 2 block 37: shares 599..602 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 2 block 38: shares 603..606 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 2 block 39: shares 607..610 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 2 block 40: shares 611..614 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 2 block 41: shares 615..618 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 2 block 42: shares 619..622 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 2 block 43: shares 623..626 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 2 block 44: shares 627..630 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 2 block 45: shares 631..634 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 2 block 46: shares 635..638 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 2 block 47: shares 639..642 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 2 block 48: shares 643..646 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 2 block 49: shares 647..649 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
+    // rank 2 block 50: shares 650..651 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 2 block 51: shares 652..653 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 2 block 52: shares 654..655 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 2 block 53: shares 656..657 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 2 block 54: shares 658..659 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 2 block 55: shares 660..661 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 2 block 56: shares 662..663 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 2 block 57: shares 664..665 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 2 block 58: shares 666..667 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 2 block 59: shares 668..669 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 2 block 60: shares 670..671 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 2 block 61: shares 672..673 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 2 block 62: shares 674..675 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 2 block 63: shares 676..677 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 3 block 0: shares 678..680 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 3 block 1: shares 681..684 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 3 block 2: shares 685..688 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 3 block 3: shares 689..692 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 3 block 4: shares 693..696 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 3 block 5: shares 697..700 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 3 block 6: shares 701..704 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 3 block 7: shares 705..708 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 3 block 8: shares 709..712 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 3 block 9: shares 713..716 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 3 block 10: shares 717..720 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 3 block 11: shares 721..724 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 3 block 12: shares 725..728 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 3 block 13: shares 729..732 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 3 block 14: shares 733..736 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 3 block 15: shares 737..740 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 3 block 16: shares 741..744 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 3 block 17: shares 745..748 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 3 block 18: shares 749..752 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 3 block 19: shares 753..756 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 3 block 20: shares 757..760 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 3 block 21: shares 761..764 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 3 block 22: shares 765..768 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 3 block 23: shares 769..772 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 3 block 24: shares 773..776 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 3 block 25: shares 777..780 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 3 block 26: shares 781..784 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 3 block 27: shares 785..788 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 3 block 28: shares 789..792 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 3 block 29: shares 793..796 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 3 block 30: shares 797..800 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 3 block 31: shares 801..804 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 3 block 32: shares 805..808 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 3 block 33: shares 809..812 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 3 block 34: shares 813..816 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 3 block 35: shares 817..820 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 3 block 36: shares 821..824 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 3 block 37: shares 825..828 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 3 block 38: shares 829..832 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 3 block 39: shares 833..836 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 3 block 40: shares 837..840 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 3 block 41: shares 841..844 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 3 block 42: shares 845..848 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 3 block 43: shares 849..852 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 3 block 44: shares 853..856 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 3 block 45: shares 857..860 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 3 block 46: shares 861..864 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 3 block 47: shares 865..868 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 3 block 48: shares 869..872 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 3 block 49: shares 873..875 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
+    // rank 3 block 50: shares 876..877 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 3 block 51: shares 878..879 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 3 block 52: shares 880..881 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 3 block 53: shares 882..883 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 3 block 54: shares 884..885 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 3 block 55: shares 886..887 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 3 block 56: shares 888..889 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 3 block 57: shares 890..891 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 3 block 58: shares 892..893 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 3 block 59: shares 894..895 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 3 block 60: shares 896..897 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 3 block 61: shares 898..899 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 3 block 62: shares 900..901 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 3 block 63: shares 902..903 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
@@ -3554,3870 +3064,1030 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 0 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 0 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 0 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 0 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 0 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 0 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 0 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 0 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 0 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 0 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 0 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 0 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 0 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 0 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 0 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 0 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 0 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 0 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 0 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 0 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 0 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 0 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 0 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 0 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 0 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 0 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 0 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 0 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 0 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 0 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 0 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 0 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 0 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 0 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 0 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 0 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 0 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 0 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 0 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 0 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 0 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 0 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 0 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 0 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 0 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 0 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 0 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 0 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 0 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 0 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 0 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 0 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 0 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 0 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 0 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 0 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 0 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 0 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 0 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 0 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 0 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 0 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 0 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 0 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 0 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 0 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 0 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 0 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 0 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 0 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 0 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 0 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 0 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 0 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 0 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 0 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 0 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 0 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 0 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 0 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 0 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 0 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 0 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 0 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 0 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 0 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 0 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 0 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 0 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 0 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 0 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 0 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 0 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 0 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 0 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 0 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 0 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 0 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 0 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 0 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 0 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 0 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 0 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 0 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 0 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 0 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 0 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 0 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 0 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 0 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 0 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 0 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 0 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 0 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 0 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 0 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 0 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 0 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 0 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 0 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 0 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 0 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 0 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 0 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 0 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 0 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 0 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 0 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 0 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 0 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 0 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 0 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 0 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 0 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 0 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 0 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 0 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 0 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 0 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 0 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 0 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 0 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 0 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 0 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 0 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 0 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 0 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 0 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 0 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 0 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 0 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 0 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 0 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 0 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 0 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 0 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 0 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 0 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 0 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 0 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 0 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 0 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 0 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 0 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 0 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 0 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 0 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 0 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 0 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 0 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 0 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 0 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 0 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 0 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 0 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 0 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 0 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 0 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 0 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 0 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 0 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 0 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 0 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 0 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 0 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 0 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 0 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 0 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 0 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 0 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 0 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 0 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 0 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 0 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 0 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 0 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 0 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 0 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 0 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 0 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 0 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 0 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 0 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 0 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 0 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 0 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 0 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 0 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 0 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 0 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 0 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 0 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 0 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 0 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 0 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 0 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 0 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 0 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 0 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 0 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 0 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 0 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 0 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 0 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 0 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 0 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 0 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 0 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 0 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 0 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 0 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 0 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 0 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 0 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 0 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 0 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 0 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 0 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 0 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 0 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 0 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 0 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 0 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 0 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 0 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 0 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 0 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 0 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 0 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 0 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 0 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 0 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 0 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 0 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 0 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 0 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 0 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 0 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 1 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 1 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 1 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 1 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 1 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 1 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 1 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 1 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 1 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 1 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 1 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 1 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 1 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 1 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 1 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 1 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 1 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 1 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 1 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 1 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 1 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 1 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 1 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 1 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 1 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 1 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 1 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 1 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 1 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 1 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 1 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 1 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 1 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 1 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 1 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 1 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 1 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 1 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 1 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 1 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 1 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 1 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 1 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 1 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 1 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 1 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 1 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 1 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 1 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 1 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 1 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 1 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 1 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 1 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 1 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 1 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 1 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 1 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 1 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 1 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 1 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 1 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 1 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 1 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 1 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 1 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 1 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 1 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 1 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 1 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 1 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 1 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 1 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 1 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 1 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 1 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 1 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 1 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 1 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 1 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 1 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 1 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 1 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 1 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 1 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 1 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 1 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 1 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 1 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 1 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 1 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 1 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 1 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 1 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 1 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 1 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 1 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 1 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 1 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 1 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 1 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 1 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 1 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 1 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 1 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 1 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 1 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 1 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 1 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 1 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 1 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 1 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 1 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 1 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 1 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 1 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 1 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 1 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 1 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 1 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 1 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 1 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 1 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 1 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 1 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 1 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 1 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 1 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 1 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 1 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 1 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 1 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 1 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 1 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 1 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 1 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 1 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 1 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 1 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 1 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 1 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 1 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 1 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 1 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 1 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 1 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 1 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 1 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 1 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 1 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 1 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 1 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 1 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 1 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 1 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 1 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 1 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 1 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 1 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 1 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 1 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 1 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 1 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 1 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 1 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 1 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 1 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 1 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 1 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 1 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 1 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 1 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 1 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 1 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 1 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 1 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 1 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 1 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 1 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 1 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 1 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 1 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 1 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 1 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 1 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 1 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 1 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 1 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 1 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 1 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 1 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 1 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 1 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 1 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 1 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 1 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 1 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 1 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 1 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 1 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 1 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 1 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 1 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 1 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 1 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 1 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 1 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 1 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 1 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 1 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 1 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 1 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 1 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 1 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 1 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 1 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 1 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 1 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 1 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 1 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 1 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 1 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 1 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 1 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 1 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 1 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 1 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 1 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 1 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 1 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 1 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 1 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 1 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 1 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 1 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 1 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 1 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 1 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 1 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 1 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 1 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 1 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 1 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 1 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 1 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 1 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 1 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 1 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 1 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 1 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 1 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 1 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 1 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 1 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 1 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 1 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 1 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 1 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 2 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 2 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 2 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 2 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 2 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 2 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 2 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 2 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 2 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 2 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 2 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 2 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 2 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 2 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 2 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 2 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 2 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 2 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 2 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 2 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 2 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 2 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 2 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 2 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 2 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 2 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 2 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 2 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 2 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 2 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 2 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 2 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 2 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 2 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 2 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 2 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 2 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 2 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 2 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 2 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 2 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 2 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 2 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 2 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 2 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 2 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 2 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 2 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 2 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 2 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 2 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 2 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 2 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 2 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 2 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 2 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 2 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 2 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 2 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 2 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 2 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 2 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 2 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 2 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 2 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 2 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 2 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 2 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 2 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 2 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 2 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 2 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 2 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 2 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 2 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 2 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 2 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 2 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 2 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 2 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 2 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 2 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 2 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 2 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 2 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 2 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 2 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 2 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 2 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 2 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 2 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 2 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 2 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 2 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 2 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 2 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 2 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 2 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 2 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 2 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 2 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 2 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 2 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 2 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 2 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 2 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 2 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 2 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 2 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 2 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 2 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 2 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 2 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 2 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 2 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 2 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 2 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 2 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 2 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 2 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 2 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 2 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 2 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 2 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 2 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 2 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 2 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 2 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 2 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 2 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 2 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 2 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 2 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 2 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 2 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 2 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 2 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 2 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 2 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 2 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 2 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 2 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 2 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 2 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 2 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 2 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 2 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 2 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 2 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 2 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 2 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 2 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 2 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 2 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 2 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 2 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 2 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 2 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 2 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 2 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 2 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 2 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 2 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 2 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 2 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 2 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 2 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 2 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 2 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 2 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 2 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 2 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 2 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 2 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 2 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 2 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 2 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 2 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 2 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 2 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 2 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 2 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 2 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 2 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 2 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 2 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 2 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 2 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 2 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 2 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 2 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 2 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 2 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 2 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 2 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 2 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 2 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 2 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 2 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 2 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 2 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 2 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 2 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 2 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 2 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 2 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 2 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 2 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 2 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 2 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 2 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 2 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 2 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 2 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 2 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 2 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 2 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 2 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 2 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 2 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 2 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 2 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 2 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 2 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 2 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 2 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 2 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 2 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 2 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 2 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 2 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 2 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 2 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 2 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 2 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 2 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 2 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 2 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 2 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 2 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 2 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 2 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 2 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 2 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 2 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 2 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 2 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 2 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 2 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 2 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 2 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 2 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 2 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 2 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 2 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 2 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 2 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 2 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 3 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 3 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 3 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 3 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 3 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 3 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 3 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 3 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 3 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 3 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 3 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 3 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 3 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 3 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 3 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 3 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 3 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 3 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 3 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 3 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 3 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 3 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 3 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 3 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 3 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 3 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 3 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 3 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 3 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 3 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 3 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 3 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 3 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 3 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 3 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 3 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 3 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 3 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 3 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 3 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 3 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 3 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 3 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 3 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 3 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 3 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 3 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 3 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 3 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 3 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 3 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 3 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 3 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 3 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 3 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 3 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 3 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 3 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 3 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 3 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 3 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 3 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 3 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 3 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 3 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 3 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 3 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 3 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 3 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 3 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 3 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 3 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 3 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 3 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 3 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 3 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 3 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 3 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 3 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 3 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 3 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 3 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 3 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 3 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 3 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 3 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 3 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 3 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 3 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 3 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 3 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 3 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 3 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 3 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 3 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 3 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 3 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 3 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 3 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 3 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 3 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 3 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 3 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 3 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 3 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 3 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 3 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 3 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 3 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 3 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 3 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 3 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 3 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 3 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 3 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 3 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 3 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 3 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 3 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 3 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 3 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 3 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 3 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 3 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 3 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 3 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 3 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 3 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 3 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 3 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 3 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 3 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 3 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 3 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 3 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 3 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 3 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 3 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 3 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 3 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 3 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 3 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 3 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 3 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 3 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 3 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 3 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 3 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 3 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 3 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 3 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 3 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 3 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 3 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 3 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 3 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 3 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 3 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 3 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 3 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 3 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 3 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 3 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 3 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 3 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 3 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 3 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 3 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 3 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 3 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 3 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 3 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 3 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 3 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 3 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 3 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 3 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 3 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 3 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 3 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 3 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 3 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 3 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 3 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 3 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 3 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 3 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 3 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 3 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 3 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 3 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 3 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 3 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 3 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 3 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 3 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 3 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 3 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 3 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 3 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 3 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 3 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 3 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 3 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 3 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 3 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 3 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 3 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 3 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 3 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 3 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 3 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 3 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 3 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 3 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 3 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 3 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 3 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 3 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 3 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 3 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 3 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 3 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 3 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 3 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 3 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 3 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 3 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 3 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 3 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 3 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 3 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 3 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 3 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 3 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 3 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 3 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 3 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 3 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 3 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 3 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 3 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 3 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 3 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 3 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 3 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 3 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 3 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 3 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 3 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 3 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 3 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 3 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 3 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 3 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 3 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 3 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 3 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 4 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 4 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 4 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 4 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 4 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 4 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 4 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 4 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 4 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 4 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 4 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 4 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 4 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 4 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 4 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 4 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 4 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 4 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 4 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 4 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 4 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 4 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 4 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 4 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 4 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 4 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 4 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 4 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 4 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 4 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 4 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 4 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 4 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 4 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 4 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 4 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 4 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 4 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 4 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 4 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 4 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 4 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 4 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 4 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 4 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 4 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 4 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 4 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 4 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 4 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 4 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 4 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 4 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 4 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 4 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 4 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 4 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 4 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 4 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 4 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 4 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 4 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 4 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 4 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 4 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 4 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 4 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 4 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 4 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 4 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 4 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 4 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 4 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 4 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 4 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 4 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 4 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 4 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 4 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 4 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 4 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 4 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 4 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 4 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 4 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 4 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 4 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 4 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 4 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 4 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 4 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 4 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 4 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 4 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 4 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 4 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 4 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 4 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 4 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 4 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 4 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 4 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 4 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 4 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 4 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 4 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 4 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 4 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 4 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 4 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 4 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 4 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 4 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 4 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 4 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 4 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 4 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 4 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 4 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 4 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 4 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 4 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 4 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 4 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 4 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 4 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 4 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 4 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 4 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 4 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 4 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 4 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 4 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 4 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 4 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 4 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 4 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 4 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 4 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 4 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 4 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 4 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 4 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 4 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 4 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 4 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 4 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 4 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 4 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 4 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 4 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 4 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 4 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 4 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 4 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 4 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 4 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 4 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 4 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 4 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 4 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 4 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 4 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 4 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 4 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 4 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 4 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 4 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 4 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 4 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 4 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 4 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 4 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 4 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 4 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 4 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 4 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 4 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 4 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 4 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 4 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 4 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 4 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 4 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 4 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 4 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 4 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 4 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 4 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 4 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 4 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 4 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 4 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 4 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 4 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 4 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 4 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 4 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 4 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 4 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 4 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 4 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 4 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 4 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 4 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 4 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 4 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 4 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 4 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 4 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 4 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 4 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 4 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 4 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 4 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 4 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 4 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 4 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 4 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 4 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 4 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 4 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 4 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 4 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 4 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 4 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 4 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 4 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 4 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 4 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 4 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 4 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 4 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 4 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 4 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 4 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 4 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 4 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 4 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 4 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 4 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 4 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 4 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 4 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 4 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 4 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 4 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 4 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 4 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 4 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 4 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 4 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 4 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 4 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 4 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 4 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 4 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 4 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 4 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 4 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 4 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 4 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 4 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 4 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 4 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 4 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 4 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 4 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 4 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 4 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 4 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 4 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 4 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 4 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 4 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 4 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 4 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 4 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 4 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 4 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 4 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 4 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 4 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 4 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 4 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 4 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 4 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 4 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 4 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 4 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 4 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 4 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 4 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 4 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 4 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 4 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 4 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 4 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 4 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 4 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 4 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 4 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 4 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 4 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 4 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 4 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 4 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 4 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 4 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 4 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 4 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 4 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 4 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 4 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 4 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 4 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 4 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 4 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 4 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 4 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 4 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 4 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 4 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 4 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 4 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 4 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 4 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 4 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 4 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 4 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 4 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 4 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 4 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 4 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 4 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 4 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 4 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 4 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 4 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 4 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 4 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 4 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 4 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 4 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 4 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 4 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 4 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 4 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 4 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 4 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 4 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 4 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 4 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 4 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 4 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 4 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 4 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 4 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 4 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 4 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 4 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 4 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 4 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 4 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 4 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 4 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 4 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 4 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 4 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 4 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 4 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 4 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 4 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 4 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 4 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 4 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 4 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 4 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 4 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 4 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 4 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 4 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 4 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 4 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 4 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 4 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 4 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 4 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 4 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 4 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 4 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 4 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 4 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 4 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 4 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 4 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 4 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 4 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 4 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 4 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 4 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 4 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 4 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 4 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 4 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 4 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 4 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 4 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 4 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 4 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 4 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 4 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 4 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 4 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 4 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 4 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 4 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 4 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 4 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 4 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 4 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 4 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 4 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 4 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 4 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 4 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 4 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 4 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 4 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 4 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 4 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 4 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 4 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 4 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 4 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 4 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 4 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 4 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 4 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 4 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 4 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 4 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 4 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 4 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 4 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 4 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 4 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 4 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 4 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 4 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 4 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 4 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 4 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 4 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 4 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 4 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 4 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 4 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 4 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 4 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 4 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 4 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 4 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 4 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 4 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 4 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 4 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 4 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 4 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 4 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 4 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 4 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 4 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 4 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 4 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 4 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 4 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 4 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 4 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 4 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 4 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 4 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 5 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 5 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 5 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 5 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 5 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 5 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 5 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 5 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 5 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 5 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 5 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 5 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 5 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 5 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 5 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 5 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 5 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 5 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 5 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 5 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 5 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 5 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 5 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 5 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 5 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 5 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 5 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 5 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 5 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 5 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 5 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 5 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 5 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 5 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 5 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 5 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 5 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 5 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 5 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 5 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 5 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 5 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 5 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 5 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 5 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 5 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 5 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 5 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 5 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 5 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 5 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 5 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 5 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 5 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 5 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 5 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 5 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 5 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 5 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 5 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 5 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 5 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 5 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 5 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 5 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 5 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 5 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 5 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 5 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 5 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 5 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 5 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 5 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 5 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 5 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 5 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 5 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 5 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 5 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 5 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 5 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 5 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 5 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 5 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 5 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 5 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 5 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 5 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 5 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 5 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 5 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 5 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 5 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 5 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 5 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 5 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 5 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 5 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 5 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 5 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 5 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 5 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 5 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 5 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 5 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 5 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 5 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 5 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 5 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 5 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 5 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 5 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 5 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 5 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 5 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 5 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 5 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 5 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 5 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 5 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 5 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 5 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 5 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 5 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 5 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 5 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 5 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 5 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 5 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 5 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 5 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 5 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 5 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 5 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 5 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 5 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 5 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 5 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 5 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 5 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 5 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 5 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 5 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 5 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 5 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 5 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 5 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 5 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 5 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 5 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 5 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 5 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 5 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 5 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 5 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 5 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 5 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 5 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 5 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 5 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 5 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 5 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 5 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 5 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 5 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 5 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 5 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 5 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 5 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 5 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 5 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 5 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 5 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 5 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 5 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 5 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 5 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 5 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 5 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 5 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 5 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 5 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 5 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 5 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 5 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 5 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 5 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 5 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 5 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 5 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 5 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 5 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 5 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 5 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 5 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 5 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 5 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 5 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 5 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 5 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 5 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 5 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 5 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 5 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 5 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 5 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 5 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 5 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 5 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 5 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 5 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 5 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 5 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 5 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 5 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 5 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 5 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 5 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 5 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 5 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 5 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 5 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 5 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 5 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 5 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 5 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 5 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 5 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 5 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 5 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 5 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 5 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 5 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 5 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 5 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 5 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 5 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 5 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 5 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 5 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 5 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 5 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 5 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 5 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 5 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 5 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 5 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 5 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 5 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 5 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 5 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 5 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 5 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 5 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 5 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 5 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 5 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 5 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 5 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 5 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 5 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 5 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 5 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 5 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 5 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 5 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 5 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 5 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 5 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 5 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 5 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 5 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 5 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 5 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 5 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 5 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 5 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 5 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 5 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 5 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 5 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 5 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 5 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 5 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 5 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 5 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 5 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 5 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 5 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 5 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 5 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 5 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 5 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 5 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 5 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 5 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 5 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 5 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 5 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 5 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 5 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 5 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 5 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 5 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 5 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 5 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 5 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 5 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 5 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 5 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 5 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 5 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 5 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 5 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 5 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 5 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 5 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 5 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 5 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 5 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 5 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 5 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 5 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 5 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 5 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 5 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 5 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 5 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 5 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 5 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 5 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 5 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 5 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 5 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 5 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 5 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 5 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 5 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 5 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 5 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 5 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 5 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 5 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 5 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 5 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 5 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 5 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 5 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 5 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 5 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 5 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 5 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 5 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 5 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 5 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 5 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 5 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 5 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 5 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 5 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 5 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 5 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 5 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 5 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 5 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 5 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 5 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 5 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 5 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 5 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 5 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 5 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 5 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 5 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 5 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 5 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 5 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 5 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 5 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 5 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 5 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 5 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 5 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 5 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 5 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 5 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 5 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 5 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 5 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 5 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 5 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 5 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 5 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 5 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 5 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 5 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 5 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 5 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 5 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 5 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 5 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 5 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 5 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 5 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 5 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 5 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 5 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 5 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 5 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 5 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 5 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 5 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 5 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 5 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 5 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 5 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 5 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 5 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 5 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 5 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 5 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 5 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 5 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 5 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 5 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 5 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 5 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 5 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 5 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 5 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 5 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 5 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 5 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 5 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 5 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 5 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 5 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 5 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 5 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 5 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 5 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 5 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 5 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 5 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 5 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 5 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 5 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 5 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 5 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 5 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 5 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 5 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 5 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 5 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 5 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 5 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 5 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 5 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 5 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 5 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 5 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 5 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 5 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 5 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 5 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 5 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 5 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 5 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 5 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 5 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 5 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 5 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 5 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 5 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 5 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 5 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 5 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 5 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 5 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 5 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 5 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 5 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 6 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 6 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 6 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 6 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 6 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 6 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 6 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 6 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 6 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 6 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 6 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 6 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 6 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 6 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 6 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 6 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 6 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 6 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 6 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 6 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 6 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 6 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 6 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 6 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 6 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 6 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 6 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 6 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 6 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 6 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 6 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 6 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 6 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 6 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 6 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 6 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 6 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 6 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 6 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 6 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 6 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 6 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 6 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 6 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 6 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 6 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 6 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 6 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 6 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 6 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 6 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 6 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 6 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 6 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 6 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 6 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 6 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 6 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 6 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 6 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 6 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 6 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 6 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 6 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 6 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 6 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 6 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 6 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 6 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 6 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 6 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 6 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 6 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 6 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 6 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 6 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 6 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 6 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 6 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 6 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 6 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 6 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 6 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 6 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 6 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 6 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 6 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 6 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 6 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 6 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 6 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 6 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 6 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 6 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 6 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 6 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 6 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 6 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 6 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 6 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 6 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 6 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 6 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 6 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 6 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 6 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 6 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 6 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 6 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 6 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 6 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 6 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 6 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 6 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 6 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 6 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 6 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 6 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 6 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 6 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 6 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 6 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 6 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 6 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 6 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 6 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 6 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 6 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 6 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 6 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 6 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 6 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 6 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 6 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 6 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 6 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 6 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 6 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 6 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 6 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 6 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 6 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 6 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 6 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 6 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 6 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 6 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 6 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 6 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 6 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 6 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 6 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 6 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 6 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 6 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 6 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 6 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 6 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 6 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 6 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 6 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 6 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 6 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 6 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 6 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 6 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 6 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 6 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 6 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 6 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 6 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 6 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 6 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 6 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 6 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 6 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 6 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 6 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 6 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 6 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 6 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 6 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 6 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 6 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 6 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 6 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 6 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 6 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 6 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 6 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 6 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 6 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 6 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 6 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 6 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 6 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 6 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 6 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 6 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 6 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 6 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 6 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 6 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 6 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 6 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 6 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 6 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 6 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 6 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 6 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 6 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 6 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 6 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 6 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 6 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 6 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 6 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 6 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 6 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 6 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 6 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 6 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 6 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 6 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 6 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 6 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 6 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 6 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 6 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 6 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 6 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 6 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 6 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 6 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 6 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 6 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 6 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 6 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 6 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 6 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 6 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 6 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 6 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 6 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 6 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 6 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 6 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 6 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 6 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 6 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 6 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 6 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 6 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 6 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 6 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 6 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 6 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 6 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 6 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 6 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 6 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 6 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 6 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 6 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 6 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 6 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 6 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 6 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 6 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 6 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 6 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 6 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 6 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 6 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 6 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 6 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 6 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 6 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 6 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 6 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 6 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 6 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 6 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 6 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 6 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 6 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 6 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 6 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 6 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 6 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 6 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 6 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 6 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 6 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 6 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 6 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 6 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 6 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 6 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 6 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 6 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 6 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 6 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 6 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 6 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 6 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 6 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 6 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 6 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 6 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 6 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 6 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 6 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 6 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 6 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 6 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 6 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 6 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 6 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 6 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 6 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 6 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 6 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 6 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 6 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 6 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 6 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 6 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 6 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 6 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 6 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 6 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 6 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 6 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 6 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 6 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 6 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 6 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 6 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 6 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 6 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 6 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 6 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 6 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 6 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 6 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 6 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 6 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 6 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 6 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 6 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 6 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 6 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 6 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 6 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 6 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 6 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 6 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 6 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 6 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 6 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 6 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 6 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 6 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 6 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 6 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 6 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 6 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 6 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 6 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 6 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 6 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 6 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 6 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 6 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 6 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 6 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 6 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 6 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 6 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 6 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 6 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 6 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 6 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 6 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 6 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 6 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 6 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 6 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 6 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 6 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 6 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 6 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 6 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 6 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 6 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 6 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 6 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 6 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 6 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 6 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 6 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 6 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 6 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 6 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 6 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 6 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 6 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 6 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 6 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 6 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 6 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 6 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 6 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 6 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 6 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 6 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 6 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 6 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 6 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 6 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 6 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 6 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 6 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 6 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 6 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 6 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 6 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 6 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 6 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 6 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 6 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 6 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 6 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 6 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 6 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 6 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 6 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 6 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 6 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 6 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 6 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 6 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 6 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 6 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 6 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 6 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 6 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 6 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 6 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 6 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 6 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 6 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 6 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 6 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 6 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 6 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 6 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 6 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 6 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 6 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 6 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 6 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 6 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 6 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 6 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 6 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 6 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 6 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 6 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 6 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 6 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 6 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 6 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 6 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 6 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 6 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 6 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 6 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 6 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 6 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 6 block 63: step 24 share 14/16
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 7 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 7 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 7 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 7 block 0: step 16 share 15/16
-    {23, 15, 16},  // rank 7 block 0: step 23 share 15/16
-    {24, 15, 16},  // rank 7 block 0: step 24 share 15/16
-    {1, 0, 16},  // rank 7 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 7 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 7 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 7 block 1: step 10 share 0/16
-    {17, 0, 16},  // rank 7 block 1: step 17 share 0/16
-    {18, 0, 16},  // rank 7 block 1: step 18 share 0/16
-    {25, 0, 16},  // rank 7 block 1: step 25 share 0/16
-    {26, 0, 16},  // rank 7 block 1: step 26 share 0/16
-    {1, 1, 16},  // rank 7 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 7 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 7 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 7 block 2: step 10 share 1/16
-    {17, 1, 16},  // rank 7 block 2: step 17 share 1/16
-    {18, 1, 16},  // rank 7 block 2: step 18 share 1/16
-    {25, 1, 16},  // rank 7 block 2: step 25 share 1/16
-    {26, 1, 16},  // rank 7 block 2: step 26 share 1/16
-    {1, 2, 16},  // rank 7 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 7 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 7 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 7 block 3: step 10 share 2/16
-    {17, 2, 16},  // rank 7 block 3: step 17 share 2/16
-    {18, 2, 16},  // rank 7 block 3: step 18 share 2/16
-    {25, 2, 16},  // rank 7 block 3: step 25 share 2/16
-    {26, 2, 16},  // rank 7 block 3: step 26 share 2/16
-    {1, 3, 16},  // rank 7 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 7 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 7 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 7 block 4: step 10 share 3/16
-    {17, 3, 16},  // rank 7 block 4: step 17 share 3/16
-    {18, 3, 16},  // rank 7 block 4: step 18 share 3/16
-    {25, 3, 16},  // rank 7 block 4: step 25 share 3/16
-    {26, 3, 16},  // rank 7 block 4: step 26 share 3/16
-    {1, 4, 16},  // rank 7 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 7 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 7 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 7 block 5: step 10 share 4/16
-    {17, 4, 16},  // rank 7 block 5: step 17 share 4/16
-    {18, 4, 16},  // rank 7 block 5: step 18 share 4/16
-    {25, 4, 16},  // rank 7 block 5: step 25 share 4/16
-    {26, 4, 16},  // rank 7 block 5: step 26 share 4/16
-    {1, 5, 16},  // rank 7 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 7 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 7 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 7 block 6: step 10 share 5/16
-    {17, 5, 16},  // rank 7 block 6: step 17 share 5/16
-    {18, 5, 16},  // rank 7 block 6: step 18 share 5/16
-    {25, 5, 16},  // rank 7 block 6: step 25 share 5/16
-    {26, 5, 16},  // rank 7 block 6: step 26 share 5/16
-    {1, 6, 16},  // rank 7 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 7 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 7 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 7 block 7: step 10 share 6/16
-    {17, 6, 16},  // rank 7 block 7: step 17 share 6/16
-    {18, 6, 16},  // rank 7 block 7: step 18 share 6/16
-    {25, 6, 16},  // rank 7 block 7: step 25 share 6/16
-    {26, 6, 16},  // rank 7 block 7: step 26 share 6/16
-    {1, 7, 16},  // rank 7 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 7 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 7 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 7 block 8: step 10 share 7/16
-    {17, 7, 16},  // rank 7 block 8: step 17 share 7/16
-    {18, 7, 16},  // rank 7 block 8: step 18 share 7/16
-    {25, 7, 16},  // rank 7 block 8: step 25 share 7/16
-    {26, 7, 16},  // rank 7 block 8: step 26 share 7/16
-    {1, 8, 16},  // rank 7 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 7 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 7 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 7 block 9: step 10 share 8/16
-    {17, 8, 16},  // rank 7 block 9: step 17 share 8/16
-    {18, 8, 16},  // rank 7 block 9: step 18 share 8/16
-    {25, 8, 16},  // rank 7 block 9: step 25 share 8/16
-    {26, 8, 16},  // rank 7 block 9: step 26 share 8/16
-    {1, 9, 16},  // rank 7 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 7 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 7 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 7 block 10: step 10 share 9/16
-    {17, 9, 16},  // rank 7 block 10: step 17 share 9/16
-    {18, 9, 16},  // rank 7 block 10: step 18 share 9/16
-    {25, 9, 16},  // rank 7 block 10: step 25 share 9/16
-    {26, 9, 16},  // rank 7 block 10: step 26 share 9/16
-    {1, 10, 16},  // rank 7 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 7 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 7 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 7 block 11: step 10 share 10/16
-    {17, 10, 16},  // rank 7 block 11: step 17 share 10/16
-    {18, 10, 16},  // rank 7 block 11: step 18 share 10/16
-    {25, 10, 16},  // rank 7 block 11: step 25 share 10/16
-    {26, 10, 16},  // rank 7 block 11: step 26 share 10/16
-    {1, 11, 16},  // rank 7 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 7 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 7 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 7 block 12: step 10 share 11/16
-    {17, 11, 16},  // rank 7 block 12: step 17 share 11/16
-    {18, 11, 16},  // rank 7 block 12: step 18 share 11/16
-    {25, 11, 16},  // rank 7 block 12: step 25 share 11/16
-    {26, 11, 16},  // rank 7 block 12: step 26 share 11/16
-    {1, 12, 16},  // rank 7 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 7 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 7 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 7 block 13: step 10 share 12/16
-    {17, 12, 16},  // rank 7 block 13: step 17 share 12/16
-    {18, 12, 16},  // rank 7 block 13: step 18 share 12/16
-    {25, 12, 16},  // rank 7 block 13: step 25 share 12/16
-    {26, 12, 16},  // rank 7 block 13: step 26 share 12/16
-    {1, 13, 16},  // rank 7 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 7 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 7 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 7 block 14: step 10 share 13/16
-    {17, 13, 16},  // rank 7 block 14: step 17 share 13/16
-    {18, 13, 16},  // rank 7 block 14: step 18 share 13/16
-    {25, 13, 16},  // rank 7 block 14: step 25 share 13/16
-    {26, 13, 16},  // rank 7 block 14: step 26 share 13/16
-    {1, 14, 16},  // rank 7 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 7 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 7 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 7 block 15: step 10 share 14/16
-    {17, 14, 16},  // rank 7 block 15: step 17 share 14/16
-    {18, 14, 16},  // rank 7 block 15: step 18 share 14/16
-    {25, 14, 16},  // rank 7 block 15: step 25 share 14/16
-    {26, 14, 16},  // rank 7 block 15: step 26 share 14/16
-    {1, 15, 16},  // rank 7 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 7 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 7 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 7 block 16: step 10 share 15/16
-    {17, 15, 16},  // rank 7 block 16: step 17 share 15/16
-    {18, 15, 16},  // rank 7 block 16: step 18 share 15/16
-    {25, 15, 16},  // rank 7 block 16: step 25 share 15/16
-    {26, 15, 16},  // rank 7 block 16: step 26 share 15/16
-    {3, 0, 16},  // rank 7 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 7 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 7 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 7 block 17: step 12 share 0/16
-    {19, 0, 16},  // rank 7 block 17: step 19 share 0/16
-    {20, 0, 16},  // rank 7 block 17: step 20 share 0/16
-    {27, 0, 16},  // rank 7 block 17: step 27 share 0/16
-    {28, 0, 16},  // rank 7 block 17: step 28 share 0/16
-    {3, 1, 16},  // rank 7 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 7 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 7 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 7 block 18: step 12 share 1/16
-    {19, 1, 16},  // rank 7 block 18: step 19 share 1/16
-    {20, 1, 16},  // rank 7 block 18: step 20 share 1/16
-    {27, 1, 16},  // rank 7 block 18: step 27 share 1/16
-    {28, 1, 16},  // rank 7 block 18: step 28 share 1/16
-    {3, 2, 16},  // rank 7 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 7 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 7 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 7 block 19: step 12 share 2/16
-    {19, 2, 16},  // rank 7 block 19: step 19 share 2/16
-    {20, 2, 16},  // rank 7 block 19: step 20 share 2/16
-    {27, 2, 16},  // rank 7 block 19: step 27 share 2/16
-    {28, 2, 16},  // rank 7 block 19: step 28 share 2/16
-    {3, 3, 16},  // rank 7 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 7 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 7 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 7 block 20: step 12 share 3/16
-    {19, 3, 16},  // rank 7 block 20: step 19 share 3/16
-    {20, 3, 16},  // rank 7 block 20: step 20 share 3/16
-    {27, 3, 16},  // rank 7 block 20: step 27 share 3/16
-    {28, 3, 16},  // rank 7 block 20: step 28 share 3/16
-    {3, 4, 16},  // rank 7 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 7 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 7 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 7 block 21: step 12 share 4/16
-    {19, 4, 16},  // rank 7 block 21: step 19 share 4/16
-    {20, 4, 16},  // rank 7 block 21: step 20 share 4/16
-    {27, 4, 16},  // rank 7 block 21: step 27 share 4/16
-    {28, 4, 16},  // rank 7 block 21: step 28 share 4/16
-    {3, 5, 16},  // rank 7 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 7 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 7 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 7 block 22: step 12 share 5/16
-    {19, 5, 16},  // rank 7 block 22: step 19 share 5/16
-    {20, 5, 16},  // rank 7 block 22: step 20 share 5/16
-    {27, 5, 16},  // rank 7 block 22: step 27 share 5/16
-    {28, 5, 16},  // rank 7 block 22: step 28 share 5/16
-    {3, 6, 16},  // rank 7 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 7 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 7 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 7 block 23: step 12 share 6/16
-    {19, 6, 16},  // rank 7 block 23: step 19 share 6/16
-    {20, 6, 16},  // rank 7 block 23: step 20 share 6/16
-    {27, 6, 16},  // rank 7 block 23: step 27 share 6/16
-    {28, 6, 16},  // rank 7 block 23: step 28 share 6/16
-    {3, 7, 16},  // rank 7 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 7 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 7 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 7 block 24: step 12 share 7/16
-    {19, 7, 16},  // rank 7 block 24: step 19 share 7/16
-    {20, 7, 16},  // rank 7 block 24: step 20 share 7/16
-    {27, 7, 16},  // rank 7 block 24: step 27 share 7/16
-    {28, 7, 16},  // rank 7 block 24: step 28 share 7/16
-    {3, 8, 16},  // rank 7 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 7 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 7 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 7 block 25: step 12 share 8/16
-    {19, 8, 16},  // rank 7 block 25: step 19 share 8/16
-    {20, 8, 16},  // rank 7 block 25: step 20 share 8/16
-    {27, 8, 16},  // rank 7 block 25: step 27 share 8/16
-    {28, 8, 16},  // rank 7 block 25: step 28 share 8/16
-    {3, 9, 16},  // rank 7 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 7 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 7 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 7 block 26: step 12 share 9/16
-    {19, 9, 16},  // rank 7 block 26: step 19 share 9/16
-    {20, 9, 16},  // rank 7 block 26: step 20 share 9/16
-    {27, 9, 16},  // rank 7 block 26: step 27 share 9/16
-    {28, 9, 16},  // rank 7 block 26: step 28 share 9/16
-    {3, 10, 16},  // rank 7 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 7 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 7 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 7 block 27: step 12 share 10/16
-    {19, 10, 16},  // rank 7 block 27: step 19 share 10/16
-    {20, 10, 16},  // rank 7 block 27: step 20 share 10/16
-    {27, 10, 16},  // rank 7 block 27: step 27 share 10/16
-    {28, 10, 16},  // rank 7 block 27: step 28 share 10/16
-    {3, 11, 16},  // rank 7 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 7 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 7 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 7 block 28: step 12 share 11/16
-    {19, 11, 16},  // rank 7 block 28: step 19 share 11/16
-    {20, 11, 16},  // rank 7 block 28: step 20 share 11/16
-    {27, 11, 16},  // rank 7 block 28: step 27 share 11/16
-    {28, 11, 16},  // rank 7 block 28: step 28 share 11/16
-    {3, 12, 16},  // rank 7 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 7 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 7 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 7 block 29: step 12 share 12/16
-    {19, 12, 16},  // rank 7 block 29: step 19 share 12/16
-    {20, 12, 16},  // rank 7 block 29: step 20 share 12/16
-    {27, 12, 16},  // rank 7 block 29: step 27 share 12/16
-    {28, 12, 16},  // rank 7 block 29: step 28 share 12/16
-    {3, 13, 16},  // rank 7 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 7 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 7 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 7 block 30: step 12 share 13/16
-    {19, 13, 16},  // rank 7 block 30: step 19 share 13/16
-    {20, 13, 16},  // rank 7 block 30: step 20 share 13/16
-    {27, 13, 16},  // rank 7 block 30: step 27 share 13/16
-    {28, 13, 16},  // rank 7 block 30: step 28 share 13/16
-    {3, 14, 16},  // rank 7 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 7 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 7 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 7 block 31: step 12 share 14/16
-    {19, 14, 16},  // rank 7 block 31: step 19 share 14/16
-    {20, 14, 16},  // rank 7 block 31: step 20 share 14/16
-    {27, 14, 16},  // rank 7 block 31: step 27 share 14/16
-    {28, 14, 16},  // rank 7 block 31: step 28 share 14/16
-    {3, 15, 16},  // rank 7 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 7 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 7 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 7 block 32: step 12 share 15/16
-    {19, 15, 16},  // rank 7 block 32: step 19 share 15/16
-    {20, 15, 16},  // rank 7 block 32: step 20 share 15/16
-    {27, 15, 16},  // rank 7 block 32: step 27 share 15/16
-    {28, 15, 16},  // rank 7 block 32: step 28 share 15/16
-    {5, 0, 16},  // rank 7 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 7 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 7 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 7 block 33: step 14 share 0/16
-    {21, 0, 16},  // rank 7 block 33: step 21 share 0/16
-    {22, 0, 16},  // rank 7 block 33: step 22 share 0/16
-    {29, 0, 16},  // rank 7 block 33: step 29 share 0/16
-    {30, 0, 16},  // rank 7 block 33: step 30 share 0/16
-    {5, 1, 16},  // rank 7 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 7 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 7 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 7 block 34: step 14 share 1/16
-    {21, 1, 16},  // rank 7 block 34: step 21 share 1/16
-    {22, 1, 16},  // rank 7 block 34: step 22 share 1/16
-    {29, 1, 16},  // rank 7 block 34: step 29 share 1/16
-    {30, 1, 16},  // rank 7 block 34: step 30 share 1/16
-    {5, 2, 16},  // rank 7 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 7 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 7 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 7 block 35: step 14 share 2/16
-    {21, 2, 16},  // rank 7 block 35: step 21 share 2/16
-    {22, 2, 16},  // rank 7 block 35: step 22 share 2/16
-    {29, 2, 16},  // rank 7 block 35: step 29 share 2/16
-    {30, 2, 16},  // rank 7 block 35: step 30 share 2/16
-    {5, 3, 16},  // rank 7 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 7 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 7 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 7 block 36: step 14 share 3/16
-    {21, 3, 16},  // rank 7 block 36: step 21 share 3/16
-    {22, 3, 16},  // rank 7 block 36: step 22 share 3/16
-    {29, 3, 16},  // rank 7 block 36: step 29 share 3/16
-    {30, 3, 16},  // rank 7 block 36: step 30 share 3/16
-    {5, 4, 16},  // rank 7 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 7 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 7 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 7 block 37: step 14 share 4/16
-    {21, 4, 16},  // rank 7 block 37: step 21 share 4/16
-    {22, 4, 16},  // rank 7 block 37: step 22 share 4/16
-    {29, 4, 16},  // rank 7 block 37: step 29 share 4/16
-    {30, 4, 16},  // rank 7 block 37: step 30 share 4/16
-    {5, 5, 16},  // rank 7 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 7 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 7 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 7 block 38: step 14 share 5/16
-    {21, 5, 16},  // rank 7 block 38: step 21 share 5/16
-    {22, 5, 16},  // rank 7 block 38: step 22 share 5/16
-    {29, 5, 16},  // rank 7 block 38: step 29 share 5/16
-    {30, 5, 16},  // rank 7 block 38: step 30 share 5/16
-    {5, 6, 16},  // rank 7 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 7 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 7 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 7 block 39: step 14 share 6/16
-    {21, 6, 16},  // rank 7 block 39: step 21 share 6/16
-    {22, 6, 16},  // rank 7 block 39: step 22 share 6/16
-    {29, 6, 16},  // rank 7 block 39: step 29 share 6/16
-    {30, 6, 16},  // rank 7 block 39: step 30 share 6/16
-    {5, 7, 16},  // rank 7 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 7 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 7 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 7 block 40: step 14 share 7/16
-    {21, 7, 16},  // rank 7 block 40: step 21 share 7/16
-    {22, 7, 16},  // rank 7 block 40: step 22 share 7/16
-    {29, 7, 16},  // rank 7 block 40: step 29 share 7/16
-    {30, 7, 16},  // rank 7 block 40: step 30 share 7/16
-    {5, 8, 16},  // rank 7 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 7 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 7 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 7 block 41: step 14 share 8/16
-    {21, 8, 16},  // rank 7 block 41: step 21 share 8/16
-    {22, 8, 16},  // rank 7 block 41: step 22 share 8/16
-    {29, 8, 16},  // rank 7 block 41: step 29 share 8/16
-    {30, 8, 16},  // rank 7 block 41: step 30 share 8/16
-    {5, 9, 16},  // rank 7 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 7 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 7 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 7 block 42: step 14 share 9/16
-    {21, 9, 16},  // rank 7 block 42: step 21 share 9/16
-    {22, 9, 16},  // rank 7 block 42: step 22 share 9/16
-    {29, 9, 16},  // rank 7 block 42: step 29 share 9/16
-    {30, 9, 16},  // rank 7 block 42: step 30 share 9/16
-    {5, 10, 16},  // rank 7 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 7 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 7 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 7 block 43: step 14 share 10/16
-    {21, 10, 16},  // rank 7 block 43: step 21 share 10/16
-    {22, 10, 16},  // rank 7 block 43: step 22 share 10/16
-    {29, 10, 16},  // rank 7 block 43: step 29 share 10/16
-    {30, 10, 16},  // rank 7 block 43: step 30 share 10/16
-    {5, 11, 16},  // rank 7 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 7 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 7 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 7 block 44: step 14 share 11/16
-    {21, 11, 16},  // rank 7 block 44: step 21 share 11/16
-    {22, 11, 16},  // rank 7 block 44: step 22 share 11/16
-    {29, 11, 16},  // rank 7 block 44: step 29 share 11/16
-    {30, 11, 16},  // rank 7 block 44: step 30 share 11/16
-    {5, 12, 16},  // rank 7 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 7 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 7 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 7 block 45: step 14 share 12/16
-    {21, 12, 16},  // rank 7 block 45: step 21 share 12/16
-    {22, 12, 16},  // rank 7 block 45: step 22 share 12/16
-    {29, 12, 16},  // rank 7 block 45: step 29 share 12/16
-    {30, 12, 16},  // rank 7 block 45: step 30 share 12/16
-    {5, 13, 16},  // rank 7 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 7 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 7 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 7 block 46: step 14 share 13/16
-    {21, 13, 16},  // rank 7 block 46: step 21 share 13/16
-    {22, 13, 16},  // rank 7 block 46: step 22 share 13/16
-    {29, 13, 16},  // rank 7 block 46: step 29 share 13/16
-    {30, 13, 16},  // rank 7 block 46: step 30 share 13/16
-    {5, 14, 16},  // rank 7 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 7 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 7 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 7 block 47: step 14 share 14/16
-    {21, 14, 16},  // rank 7 block 47: step 21 share 14/16
-    {22, 14, 16},  // rank 7 block 47: step 22 share 14/16
-    {29, 14, 16},  // rank 7 block 47: step 29 share 14/16
-    {30, 14, 16},  // rank 7 block 47: step 30 share 14/16
-    {5, 15, 16},  // rank 7 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 7 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 7 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 7 block 48: step 14 share 15/16
-    {21, 15, 16},  // rank 7 block 48: step 21 share 15/16
-    {22, 15, 16},  // rank 7 block 48: step 22 share 15/16
-    {29, 15, 16},  // rank 7 block 48: step 29 share 15/16
-    {30, 15, 16},  // rank 7 block 48: step 30 share 15/16
-    {7, 0, 16},  // rank 7 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 7 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 7 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 7 block 49: step 16 share 0/16
-    {23, 0, 16},  // rank 7 block 49: step 23 share 0/16
-    {24, 0, 16},  // rank 7 block 49: step 24 share 0/16
-    {31, 0, 1},  // rank 7 block 49: step 31 share 0/1
-    {7, 1, 16},  // rank 7 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 7 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 7 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 7 block 50: step 16 share 1/16
-    {23, 1, 16},  // rank 7 block 50: step 23 share 1/16
-    {24, 1, 16},  // rank 7 block 50: step 24 share 1/16
-    {32, 0, 1},  // rank 7 block 50: step 32 share 0/1
-    {7, 2, 16},  // rank 7 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 7 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 7 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 7 block 51: step 16 share 2/16
-    {23, 2, 16},  // rank 7 block 51: step 23 share 2/16
-    {24, 2, 16},  // rank 7 block 51: step 24 share 2/16
-    {7, 3, 16},  // rank 7 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 7 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 7 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 7 block 52: step 16 share 3/16
-    {23, 3, 16},  // rank 7 block 52: step 23 share 3/16
-    {24, 3, 16},  // rank 7 block 52: step 24 share 3/16
-    {7, 4, 16},  // rank 7 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 7 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 7 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 7 block 53: step 16 share 4/16
-    {23, 4, 16},  // rank 7 block 53: step 23 share 4/16
-    {24, 4, 16},  // rank 7 block 53: step 24 share 4/16
-    {7, 5, 16},  // rank 7 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 7 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 7 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 7 block 54: step 16 share 5/16
-    {23, 5, 16},  // rank 7 block 54: step 23 share 5/16
-    {24, 5, 16},  // rank 7 block 54: step 24 share 5/16
-    {7, 6, 16},  // rank 7 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 7 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 7 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 7 block 55: step 16 share 6/16
-    {23, 6, 16},  // rank 7 block 55: step 23 share 6/16
-    {24, 6, 16},  // rank 7 block 55: step 24 share 6/16
-    {7, 7, 16},  // rank 7 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 7 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 7 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 7 block 56: step 16 share 7/16
-    {23, 7, 16},  // rank 7 block 56: step 23 share 7/16
-    {24, 7, 16},  // rank 7 block 56: step 24 share 7/16
-    {7, 8, 16},  // rank 7 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 7 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 7 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 7 block 57: step 16 share 8/16
-    {23, 8, 16},  // rank 7 block 57: step 23 share 8/16
-    {24, 8, 16},  // rank 7 block 57: step 24 share 8/16
-    {7, 9, 16},  // rank 7 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 7 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 7 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 7 block 58: step 16 share 9/16
-    {23, 9, 16},  // rank 7 block 58: step 23 share 9/16
-    {24, 9, 16},  // rank 7 block 58: step 24 share 9/16
-    {7, 10, 16},  // rank 7 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 7 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 7 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 7 block 59: step 16 share 10/16
-    {23, 10, 16},  // rank 7 block 59: step 23 share 10/16
-    {24, 10, 16},  // rank 7 block 59: step 24 share 10/16
-    {7, 11, 16},  // rank 7 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 7 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 7 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 7 block 60: step 16 share 11/16
-    {23, 11, 16},  // rank 7 block 60: step 23 share 11/16
-    {24, 11, 16},  // rank 7 block 60: step 24 share 11/16
-    {7, 12, 16},  // rank 7 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 7 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 7 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 7 block 61: step 16 share 12/16
-    {23, 12, 16},  // rank 7 block 61: step 23 share 12/16
-    {24, 12, 16},  // rank 7 block 61: step 24 share 12/16
-    {7, 13, 16},  // rank 7 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 7 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 7 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 7 block 62: step 16 share 13/16
-    {23, 13, 16},  // rank 7 block 62: step 23 share 13/16
-    {24, 13, 16},  // rank 7 block 62: step 24 share 13/16
-    {7, 14, 16},  // rank 7 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 7 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 7 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 7 block 63: step 16 share 14/16
-    {23, 14, 16},  // rank 7 block 63: step 23 share 14/16
-    {24, 14, 16},  // rank 7 block 63: step 24 share 14/16
+    // rank 0 block 0: shares 0..6 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 0 block 1: shares 7..14 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 0 block 2: shares 15..22 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 0 block 3: shares 23..30 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 0 block 4: shares 31..38 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 0 block 5: shares 39..46 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 0 block 6: shares 47..54 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 0 block 7: shares 55..62 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 0 block 8: shares 63..70 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 0 block 9: shares 71..78 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 0 block 10: shares 79..86 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 0 block 11: shares 87..94 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 0 block 12: shares 95..102 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 0 block 13: shares 103..110 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 0 block 14: shares 111..118 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 0 block 15: shares 119..126 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 0 block 16: shares 127..134 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 0 block 17: shares 135..142 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 0 block 18: shares 143..150 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 0 block 19: shares 151..158 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 0 block 20: shares 159..166 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 0 block 21: shares 167..174 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 0 block 22: shares 175..182 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 0 block 23: shares 183..190 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 0 block 24: shares 191..198 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 0 block 25: shares 199..206 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 0 block 26: shares 207..214 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 0 block 27: shares 215..222 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 0 block 28: shares 223..230 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 0 block 29: shares 231..238 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 0 block 30: shares 239..246 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 0 block 31: shares 247..254 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 0 block 32: shares 255..262 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 0 block 33: shares 263..270 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 0 block 34: shares 271..278 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 0 block 35: shares 279..286 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 0 block 36: shares 287..294 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 0 block 37: shares 295..302 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 0 block 38: shares 303..310 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 0 block 39: shares 311..318 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 0 block 40: shares 319..326 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 0 block 41: shares 327..334 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 0 block 42: shares 335..342 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 0 block 43: shares 343..350 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 0 block 44: shares 351..358 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 0 block 45: shares 359..366 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 0 block 46: shares 367..374 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 0 block 47: shares 375..382 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 0 block 48: shares 383..390 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 0 block 49: shares 391..397 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 0 block 50: shares 398..404 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 0 block 51: shares 405..410 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 0 block 52: shares 411..416 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 0 block 53: shares 417..422 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 0 block 54: shares 423..428 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 0 block 55: shares 429..434 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 0 block 56: shares 435..440 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 0 block 57: shares 441..446 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 0 block 58: shares 447..452 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 0 block 59: shares 453..458 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 0 block 60: shares 459..464 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 0 block 61: shares 465..470 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 0 block 62: shares 471..476 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 0 block 63: shares 477..482 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 1 block 0: shares 483..489 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 1 block 1: shares 490..497 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 1 block 2: shares 498..505 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 1 block 3: shares 506..513 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 1 block 4: shares 514..521 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 1 block 5: shares 522..529 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 1 block 6: shares 530..537 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 1 block 7: shares 538..545 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 1 block 8: shares 546..553 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 1 block 9: shares 554..561 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 1 block 10: shares 562..569 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 1 block 11: shares 570..577 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 1 block 12: shares 578..585 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 1 block 13: shares 586..593 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 1 block 14: shares 594..601 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 1 block 15: shares 602..609 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 1 block 16: shares 610..617 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 1 block 17: shares 618..625 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 1 block 18: shares 626..633 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 1 block 19: shares 634..641 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 1 block 20: shares 642..649 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 1 block 21: shares 650..657 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 1 block 22: shares 658..665 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 1 block 23: shares 666..673 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 1 block 24: shares 674..681 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 1 block 25: shares 682..689 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 1 block 26: shares 690..697 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 1 block 27: shares 698..705 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 1 block 28: shares 706..713 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 1 block 29: shares 714..721 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 1 block 30: shares 722..729 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 1 block 31: shares 730..737 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 1 block 32: shares 738..745 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 1 block 33: shares 746..753 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 1 block 34: shares 754..761 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 1 block 35: shares 762..769 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 1 block 36: shares 770..777 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 1 block 37: shares 778..785 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 1 block 38: shares 786..793 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 1 block 39: shares 794..801 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 1 block 40: shares 802..809 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 1 block 41: shares 810..817 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 1 block 42: shares 818..825 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 1 block 43: shares 826..833 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 1 block 44: shares 834..841 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 1 block 45: shares 842..849 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 1 block 46: shares 850..857 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 1 block 47: shares 858..865 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 1 block 48: shares 866..873 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 1 block 49: shares 874..880 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 1 block 50: shares 881..887 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 1 block 51: shares 888..893 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 1 block 52: shares 894..899 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 1 block 53: shares 900..905 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 1 block 54: shares 906..911 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 1 block 55: shares 912..917 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 1 block 56: shares 918..923 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 1 block 57: shares 924..929 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 1 block 58: shares 930..935 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 1 block 59: shares 936..941 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 1 block 60: shares 942..947 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 1 block 61: shares 948..953 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 1 block 62: shares 954..959 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 1 block 63: shares 960..965 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 2 block 0: shares 966..972 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 2 block 1: shares 973..980 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 2 block 2: shares 981..988 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 2 block 3: shares 989..996 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 2 block 4: shares 997..1004 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 2 block 5: shares 1005..1012 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 2 block 6: shares 1013..1020 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 2 block 7: shares 1021..1028 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 2 block 8: shares 1029..1036 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 2 block 9: shares 1037..1044 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 2 block 10: shares 1045..1052 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 2 block 11: shares 1053..1060 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 2 block 12: shares 1061..1068 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 2 block 13: shares 1069..1076 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 2 block 14: shares 1077..1084 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 2 block 15: shares 1085..1092 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 2 block 16: shares 1093..1100 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 2 block 17: shares 1101..1108 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 2 block 18: shares 1109..1116 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 2 block 19: shares 1117..1124 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 2 block 20: shares 1125..1132 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 2 block 21: shares 1133..1140 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 2 block 22: shares 1141..1148 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 2 block 23: shares 1149..1156 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 2 block 24: shares 1157..1164 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 2 block 25: shares 1165..1172 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 2 block 26: shares 1173..1180 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 2 block 27: shares 1181..1188 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 2 block 28: shares 1189..1196 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 2 block 29: shares 1197..1204 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 2 block 30: shares 1205..1212 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 2 block 31: shares 1213..1220 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 2 block 32: shares 1221..1228 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 2 block 33: shares 1229..1236 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 2 block 34: shares 1237..1244 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 2 block 35: shares 1245..1252 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 2 block 36: shares 1253..1260 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 2 block 37: shares 1261..1268 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 2 block 38: shares 1269..1276 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 2 block 39: shares 1277..1284 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 2 block 40: shares 1285..1292 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 2 block 41: shares 1293..1300 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 2 block 42: shares 1301..1308 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 2 block 43: shares 1309..1316 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 2 block 44: shares 1317..1324 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 2 block 45: shares 1325..1332 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 2 block 46: shares 1333..1340 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 2 block 47: shares 1341..1348 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 2 block 48: shares 1349..1356 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 2 block 49: shares 1357..1363 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 2 block 50: shares 1364..1370 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 2 block 51: shares 1371..1376 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 2 block 52: shares 1377..1382 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 2 block 53: shares 1383..1388 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 2 block 54: shares 1389..1394 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 2 block 55: shares 1395..1400 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 2 block 56: shares 1401..1406 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 2 block 57: shares 1407..1412 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 2 block 58: shares 1413..1418 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 2 block 59: shares 1419..1424 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 2 block 60: shares 1425..1430 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 2 block 61: shares 1431..1436 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 2 block 62: shares 1437..1442 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 2 block 63: shares 1443..1448 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 3 block 0: shares 1449..1455 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 3 block 1: shares 1456..1463 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 3 block 2: shares 1464..1471 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 3 block 3: shares 1472..1479 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 3 block 4: shares 1480..1487 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 3 block 5: shares 1488..1495 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 3 block 6: shares 1496..1503 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 3 block 7: shares 1504..1511 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 3 block 8: shares 1512..1519 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 3 block 9: shares 1520..1527 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 3 block 10: shares 1528..1535 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 3 block 11: shares 1536..1543 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 3 block 12: shares 1544..1551 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 3 block 13: shares 1552..1559 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 3 block 14: shares 1560..1567 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 3 block 15: shares 1568..1575 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 3 block 16: shares 1576..1583 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 3 block 17: shares 1584..1591 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 3 block 18: shares 1592..1599 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 3 block 19: shares 1600..1607 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 3 block 20: shares 1608..1615 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 3 block 21: shares 1616..1623 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 3 block 22: shares 1624..1631 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 3 block 23: shares 1632..1639 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 3 block 24: shares 1640..1647 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 3 block 25: shares 1648..1655 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 3 block 26: shares 1656..1663 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 3 block 27: shares 1664..1671 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 3 block 28: shares 1672..1679 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 3 block 29: shares 1680..1687 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 3 block 30: shares 1688..1695 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 3 block 31: shares 1696..1703 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 3 block 32: shares 1704..1711 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 3 block 33: shares 1712..1719 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 3 block 34: shares 1720..1727 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 3 block 35: shares 1728..1735 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 3 block 36: shares 1736..1743 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 3 block 37: shares 1744..1751 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 3 block 38: shares 1752..1759 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 3 block 39: shares 1760..1767 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 3 block 40: shares 1768..1775 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 3 block 41: shares 1776..1783 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 3 block 42: shares 1784..1791 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 3 block 43: shares 1792..1799 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 3 block 44: shares 1800..1807 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 3 block 45: shares 1808..1815 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 3 block 46: shares 1816..1823 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 3 block 47: shares 1824..1831 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 3 block 48: shares 1832..1839 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 3 block 49: shares 1840..1846 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 3 block 50: shares 1847..1853 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 3 block 51: shares 1854..1859 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 3 block 52: shares 1860..1865 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 3 block 53: shares 1866..1871 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 3 block 54: shares 1872..1877 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 3 block 55: shares 1878..1883 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 3 block 56: shares 1884..1889 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 3 block 57: shares 1890..1895 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 3 block 58: shares 1896..1901 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 3 block 59: shares 1902..1907 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 3 block 60: shares 1908..1913 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 3 block 61: shares 1914..1919 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 3 block 62: shares 1920..1925 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 3 block 63: shares 1926..1931 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 4 block 0: shares 1932..1938 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 4 block 1: shares 1939..1946 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 4 block 2: shares 1947..1954 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 4 block 3: shares 1955..1962 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 4 block 4: shares 1963..1970 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 4 block 5: shares 1971..1978 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 4 block 6: shares 1979..1986 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 4 block 7: shares 1987..1994 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 4 block 8: shares 1995..2002 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 4 block 9: shares 2003..2010 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 4 block 10: shares 2011..2018 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 4 block 11: shares 2019..2026 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 4 block 12: shares 2027..2034 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 4 block 13: shares 2035..2042 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 4 block 14: shares 2043..2050 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 4 block 15: shares 2051..2058 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 4 block 16: shares 2059..2066 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 4 block 17: shares 2067..2074 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 4 block 18: shares 2075..2082 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 4 block 19: shares 2083..2090 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 4 block 20: shares 2091..2098 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 4 block 21: shares 2099..2106 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 4 block 22: shares 2107..2114 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 4 block 23: shares 2115..2122 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 4 block 24: shares 2123..2130 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 4 block 25: shares 2131..2138 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 4 block 26: shares 2139..2146 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 4 block 27: shares 2147..2154 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 4 block 28: shares 2155..2162 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 4 block 29: shares 2163..2170 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 4 block 30: shares 2171..2178 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 4 block 31: shares 2179..2186 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 4 block 32: shares 2187..2194 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 4 block 33: shares 2195..2202 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 4 block 34: shares 2203..2210 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 4 block 35: shares 2211..2218 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 4 block 36: shares 2219..2226 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 4 block 37: shares 2227..2234 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 4 block 38: shares 2235..2242 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 4 block 39: shares 2243..2250 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 4 block 40: shares 2251..2258 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 4 block 41: shares 2259..2266 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 4 block 42: shares 2267..2274 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 4 block 43: shares 2275..2282 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 4 block 44: shares 2283..2290 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 4 block 45: shares 2291..2298 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 4 block 46: shares 2299..2306 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 4 block 47: shares 2307..2314 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 4 block 48: shares 2315..2322 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 4 block 49: shares 2323..2329 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 4 block 50: shares 2330..2336 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 4 block 51: shares 2337..2342 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 4 block 52: shares 2343..2348 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 4 block 53: shares 2349..2354 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 4 block 54: shares 2355..2360 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 4 block 55: shares 2361..2366 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 4 block 56: shares 2367..2372 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 4 block 57: shares 2373..2378 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 4 block 58: shares 2379..2384 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 4 block 59: shares 2385..2390 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 4 block 60: shares 2391..2396 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 4 block 61: shares 2397..2402 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 4 block 62: shares 2403..2408 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 4 block 63: shares 2409..2414 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 5 block 0: shares 2415..2421 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 5 block 1: shares 2422..2429 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 5 block 2: shares 2430..2437 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 5 block 3: shares 2438..2445 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 5 block 4: shares 2446..2453 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 5 block 5: shares 2454..2461 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 5 block 6: shares 2462..2469 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 5 block 7: shares 2470..2477 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 5 block 8: shares 2478..2485 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 5 block 9: shares 2486..2493 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 5 block 10: shares 2494..2501 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 5 block 11: shares 2502..2509 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 5 block 12: shares 2510..2517 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 5 block 13: shares 2518..2525 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 5 block 14: shares 2526..2533 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 5 block 15: shares 2534..2541 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 5 block 16: shares 2542..2549 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 5 block 17: shares 2550..2557 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 5 block 18: shares 2558..2565 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 5 block 19: shares 2566..2573 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 5 block 20: shares 2574..2581 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 5 block 21: shares 2582..2589 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 5 block 22: shares 2590..2597 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 5 block 23: shares 2598..2605 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 5 block 24: shares 2606..2613 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 5 block 25: shares 2614..2621 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 5 block 26: shares 2622..2629 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 5 block 27: shares 2630..2637 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 5 block 28: shares 2638..2645 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 5 block 29: shares 2646..2653 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 5 block 30: shares 2654..2661 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 5 block 31: shares 2662..2669 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 5 block 32: shares 2670..2677 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 5 block 33: shares 2678..2685 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 5 block 34: shares 2686..2693 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 5 block 35: shares 2694..2701 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 5 block 36: shares 2702..2709 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 5 block 37: shares 2710..2717 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 5 block 38: shares 2718..2725 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 5 block 39: shares 2726..2733 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 5 block 40: shares 2734..2741 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 5 block 41: shares 2742..2749 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 5 block 42: shares 2750..2757 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 5 block 43: shares 2758..2765 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 5 block 44: shares 2766..2773 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 5 block 45: shares 2774..2781 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 5 block 46: shares 2782..2789 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 5 block 47: shares 2790..2797 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 5 block 48: shares 2798..2805 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 5 block 49: shares 2806..2812 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 5 block 50: shares 2813..2819 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 5 block 51: shares 2820..2825 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 5 block 52: shares 2826..2831 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 5 block 53: shares 2832..2837 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 5 block 54: shares 2838..2843 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 5 block 55: shares 2844..2849 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 5 block 56: shares 2850..2855 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 5 block 57: shares 2856..2861 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 5 block 58: shares 2862..2867 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 5 block 59: shares 2868..2873 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 5 block 60: shares 2874..2879 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 5 block 61: shares 2880..2885 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 5 block 62: shares 2886..2891 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 5 block 63: shares 2892..2897 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 6 block 0: shares 2898..2904 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 6 block 1: shares 2905..2912 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 6 block 2: shares 2913..2920 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 6 block 3: shares 2921..2928 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 6 block 4: shares 2929..2936 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 6 block 5: shares 2937..2944 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 6 block 6: shares 2945..2952 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 6 block 7: shares 2953..2960 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 6 block 8: shares 2961..2968 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 6 block 9: shares 2969..2976 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 6 block 10: shares 2977..2984 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 6 block 11: shares 2985..2992 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 6 block 12: shares 2993..3000 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 6 block 13: shares 3001..3008 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 6 block 14: shares 3009..3016 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 6 block 15: shares 3017..3024 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 6 block 16: shares 3025..3032 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 6 block 17: shares 3033..3040 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 6 block 18: shares 3041..3048 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 6 block 19: shares 3049..3056 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 6 block 20: shares 3057..3064 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 6 block 21: shares 3065..3072 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 6 block 22: shares 3073..3080 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 6 block 23: shares 3081..3088 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 6 block 24: shares 3089..3096 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 6 block 25: shares 3097..3104 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 6 block 26: shares 3105..3112 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 6 block 27: shares 3113..3120 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 6 block 28: shares 3121..3128 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 6 block 29: shares 3129..3136 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 6 block 30: shares 3137..3144 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 6 block 31: shares 3145..3152 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 6 block 32: shares 3153..3160 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 6 block 33: shares 3161..3168 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 6 block 34: shares 3169..3176 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 6 block 35: shares 3177..3184 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 6 block 36: shares 3185..3192 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 6 block 37: shares 3193..3200 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 6 block 38: shares 3201..3208 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 6 block 39: shares 3209..3216 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 6 block 40: shares 3217..3224 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 6 block 41: shares 3225..3232 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 6 block 42: shares 3233..3240 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 6 block 43: shares 3241..3248 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 6 block 44: shares 3249..3256 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 6 block 45: shares 3257..3264 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 6 block 46: shares 3265..3272 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 6 block 47: shares 3273..3280 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 6 block 48: shares 3281..3288 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 6 block 49: shares 3289..3295 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 6 block 50: shares 3296..3302 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 6 block 51: shares 3303..3308 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 6 block 52: shares 3309..3314 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 6 block 53: shares 3315..3320 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 6 block 54: shares 3321..3326 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 6 block 55: shares 3327..3332 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 6 block 56: shares 3333..3338 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 6 block 57: shares 3339..3344 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 6 block 58: shares 3345..3350 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 6 block 59: shares 3351..3356 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 6 block 60: shares 3357..3362 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 6 block 61: shares 3363..3368 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 6 block 62: shares 3369..3374 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 6 block 63: shares 3375..3380 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
+    // rank 7 block 0: shares 3381..3387 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 7 block 1: shares 3388..3395 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
+    // rank 7 block 2: shares 3396..3403 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
+    // rank 7 block 3: shares 3404..3411 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
+    // rank 7 block 4: shares 3412..3419 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
+    // rank 7 block 5: shares 3420..3427 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
+    // rank 7 block 6: shares 3428..3435 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
+    // rank 7 block 7: shares 3436..3443 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
+    // rank 7 block 8: shares 3444..3451 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
+    // rank 7 block 9: shares 3452..3459 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
+    // rank 7 block 10: shares 3460..3467 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
+    // rank 7 block 11: shares 3468..3475 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
+    // rank 7 block 12: shares 3476..3483 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
+    // rank 7 block 13: shares 3484..3491 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
+    // rank 7 block 14: shares 3492..3499 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
+    // rank 7 block 15: shares 3500..3507 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
+    // rank 7 block 16: shares 3508..3515 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
+    // rank 7 block 17: shares 3516..3523 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
+    // rank 7 block 18: shares 3524..3531 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
+    // rank 7 block 19: shares 3532..3539 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
+    // rank 7 block 20: shares 3540..3547 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
+    // rank 7 block 21: shares 3548..3555 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
+    // rank 7 block 22: shares 3556..3563 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
+    // rank 7 block 23: shares 3564..3571 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
+    // rank 7 block 24: shares 3572..3579 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
+    // rank 7 block 25: shares 3580..3587 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
+    // rank 7 block 26: shares 3588..3595 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
+    // rank 7 block 27: shares 3596..3603 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
+    // rank 7 block 28: shares 3604..3611 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
+    // rank 7 block 29: shares 3612..3619 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
+    // rank 7 block 30: shares 3620..3627 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
+    // rank 7 block 31: shares 3628..3635 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
+    // rank 7 block 32: shares 3636..3643 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
+    // rank 7 block 33: shares 3644..3651 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
+    // rank 7 block 34: shares 3652..3659 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
+    // rank 7 block 35: shares 3660..3667 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
+    // rank 7 block 36: shares 3668..3675 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
+    // rank 7 block 37: shares 3676..3683 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
+    // rank 7 block 38: shares 3684..3691 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
+    // rank 7 block 39: shares 3692..3699 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
+    // rank 7 block 40: shares 3700..3707 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
+    // rank 7 block 41: shares 3708..3715 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
+    // rank 7 block 42: shares 3716..3723 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
+    // rank 7 block 43: shares 3724..3731 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
+    // rank 7 block 44: shares 3732..3739 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
+    // rank 7 block 45: shares 3740..3747 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
+    // rank 7 block 46: shares 3748..3755 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
+    // rank 7 block 47: shares 3756..3763 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
+    // rank 7 block 48: shares 3764..3771 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
+    // rank 7 block 49: shares 3772..3778 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
+    // rank 7 block 50: shares 3779..3785 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
+    // rank 7 block 51: shares 3786..3791 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
+    // rank 7 block 52: shares 3792..3797 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
+    // rank 7 block 53: shares 3798..3803 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
+    // rank 7 block 54: shares 3804..3809 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
+    // rank 7 block 55: shares 3810..3815 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
+    // rank 7 block 56: shares 3816..3821 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
+    // rank 7 block 57: shares 3822..3827 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
+    // rank 7 block 58: shares 3828..3833 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
+    // rank 7 block 59: shares 3834..3839 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
+    // rank 7 block 60: shares 3840..3845 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
+    // rank 7 block 61: shares 3846..3851 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
+    // rank 7 block 62: shares 3852..3857 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
+    // rank 7 block 63: shares 3858..3863 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {

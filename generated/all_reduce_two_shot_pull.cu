@@ -1174,138 +1174,142 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 0 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 0 block 1: step 2 share 0/32
-    {1, 1, 32},  // rank 0 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 0 block 2: step 2 share 1/32
-    {1, 2, 32},  // rank 0 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 0 block 3: step 2 share 2/32
-    {1, 3, 32},  // rank 0 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 0 block 4: step 2 share 3/32
-    {1, 4, 32},  // rank 0 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 0 block 5: step 2 share 4/32
-    {1, 5, 32},  // rank 0 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 0 block 6: step 2 share 5/32
-    {1, 6, 32},  // rank 0 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 0 block 7: step 2 share 6/32
-    {1, 7, 32},  // rank 0 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 0 block 8: step 2 share 7/32
-    {1, 8, 32},  // rank 0 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 0 block 9: step 2 share 8/32
-    {1, 9, 32},  // rank 0 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 0 block 10: step 2 share 9/32
-    {1, 10, 32},  // rank 0 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 0 block 11: step 2 share 10/32
-    {1, 11, 32},  // rank 0 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 0 block 12: step 2 share 11/32
-    {1, 12, 32},  // rank 0 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 0 block 13: step 2 share 12/32
-    {1, 13, 32},  // rank 0 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 0 block 14: step 2 share 13/32
-    {1, 14, 32},  // rank 0 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 0 block 15: step 2 share 14/32
-    {1, 15, 32},  // rank 0 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 0 block 16: step 2 share 15/32
-    {1, 16, 32},  // rank 0 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 0 block 17: step 2 share 16/32
-    {1, 17, 32},  // rank 0 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 0 block 18: step 2 share 17/32
-    {1, 18, 32},  // rank 0 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 0 block 19: step 2 share 18/32
-    {1, 19, 32},  // rank 0 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 0 block 20: step 2 share 19/32
-    {1, 20, 32},  // rank 0 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 0 block 21: step 2 share 20/32
-    {1, 21, 32},  // rank 0 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 0 block 22: step 2 share 21/32
-    {1, 22, 32},  // rank 0 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 0 block 23: step 2 share 22/32
-    {1, 23, 32},  // rank 0 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 0 block 24: step 2 share 23/32
-    {1, 24, 32},  // rank 0 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 0 block 25: step 2 share 24/32
-    {1, 25, 32},  // rank 0 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 0 block 26: step 2 share 25/32
-    {1, 26, 32},  // rank 0 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 0 block 27: step 2 share 26/32
-    {1, 27, 32},  // rank 0 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 0 block 28: step 2 share 27/32
-    {1, 28, 32},  // rank 0 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 0 block 29: step 2 share 28/32
-    {1, 29, 32},  // rank 0 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 0 block 30: step 2 share 29/32
-    {1, 30, 32},  // rank 0 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 0 block 31: step 2 share 30/32
-    {1, 31, 32},  // rank 0 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 0 block 32: step 2 share 31/32
-    {3, 0, 1},  // rank 0 block 33: step 3 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 1 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 1 block 1: step 2 share 0/32
-    {1, 1, 32},  // rank 1 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 1 block 2: step 2 share 1/32
-    {1, 2, 32},  // rank 1 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 1 block 3: step 2 share 2/32
-    {1, 3, 32},  // rank 1 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 1 block 4: step 2 share 3/32
-    {1, 4, 32},  // rank 1 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 1 block 5: step 2 share 4/32
-    {1, 5, 32},  // rank 1 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 1 block 6: step 2 share 5/32
-    {1, 6, 32},  // rank 1 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 1 block 7: step 2 share 6/32
-    {1, 7, 32},  // rank 1 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 1 block 8: step 2 share 7/32
-    {1, 8, 32},  // rank 1 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 1 block 9: step 2 share 8/32
-    {1, 9, 32},  // rank 1 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 1 block 10: step 2 share 9/32
-    {1, 10, 32},  // rank 1 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 1 block 11: step 2 share 10/32
-    {1, 11, 32},  // rank 1 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 1 block 12: step 2 share 11/32
-    {1, 12, 32},  // rank 1 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 1 block 13: step 2 share 12/32
-    {1, 13, 32},  // rank 1 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 1 block 14: step 2 share 13/32
-    {1, 14, 32},  // rank 1 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 1 block 15: step 2 share 14/32
-    {1, 15, 32},  // rank 1 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 1 block 16: step 2 share 15/32
-    {1, 16, 32},  // rank 1 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 1 block 17: step 2 share 16/32
-    {1, 17, 32},  // rank 1 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 1 block 18: step 2 share 17/32
-    {1, 18, 32},  // rank 1 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 1 block 19: step 2 share 18/32
-    {1, 19, 32},  // rank 1 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 1 block 20: step 2 share 19/32
-    {1, 20, 32},  // rank 1 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 1 block 21: step 2 share 20/32
-    {1, 21, 32},  // rank 1 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 1 block 22: step 2 share 21/32
-    {1, 22, 32},  // rank 1 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 1 block 23: step 2 share 22/32
-    {1, 23, 32},  // rank 1 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 1 block 24: step 2 share 23/32
-    {1, 24, 32},  // rank 1 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 1 block 25: step 2 share 24/32
-    {1, 25, 32},  // rank 1 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 1 block 26: step 2 share 25/32
-    {1, 26, 32},  // rank 1 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 1 block 27: step 2 share 26/32
-    {1, 27, 32},  // rank 1 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 1 block 28: step 2 share 27/32
-    {1, 28, 32},  // rank 1 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 1 block 29: step 2 share 28/32
-    {1, 29, 32},  // rank 1 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 1 block 30: step 2 share 29/32
-    {1, 30, 32},  // rank 1 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 1 block 31: step 2 share 30/32
-    {1, 31, 32},  // rank 1 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 1 block 32: step 2 share 31/32
-    {3, 0, 1},  // rank 1 block 33: step 3 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32},
+    // rank 0 block 2: shares 3..4 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32},
+    // rank 0 block 3: shares 5..6 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32},
+    // rank 0 block 4: shares 7..8 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32},
+    // rank 0 block 5: shares 9..10 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32},
+    // rank 0 block 6: shares 11..12 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32},
+    // rank 0 block 7: shares 13..14 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32},
+    // rank 0 block 8: shares 15..16 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32},
+    // rank 0 block 9: shares 17..18 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32},
+    // rank 0 block 10: shares 19..20 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32},
+    // rank 0 block 11: shares 21..22 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32},
+    // rank 0 block 12: shares 23..24 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32},
+    // rank 0 block 13: shares 25..26 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32},
+    // rank 0 block 14: shares 27..28 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32},
+    // rank 0 block 15: shares 29..30 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32},
+    // rank 0 block 16: shares 31..32 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32},
+    // rank 0 block 17: shares 33..34 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32},
+    // rank 0 block 18: shares 35..36 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32},
+    // rank 0 block 19: shares 37..38 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32},
+    // rank 0 block 20: shares 39..40 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32},
+    // rank 0 block 21: shares 41..42 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32},
+    // rank 0 block 22: shares 43..44 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32},
+    // rank 0 block 23: shares 45..46 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32},
+    // rank 0 block 24: shares 47..48 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32},
+    // rank 0 block 25: shares 49..50 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32},
+    // rank 0 block 26: shares 51..52 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32},
+    // rank 0 block 27: shares 53..54 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32},
+    // rank 0 block 28: shares 55..56 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32},
+    // rank 0 block 29: shares 57..58 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32},
+    // rank 0 block 30: shares 59..60 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32},
+    // rank 0 block 31: shares 61..62 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32},
+    // rank 0 block 32: shares 63..64 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32},
+    // rank 0 block 33: shares 65..65 ({step, share, of})
+    {3, 0, 1},
+    // rank 1 block 0: shares 66..66 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 67..68 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32},
+    // rank 1 block 2: shares 69..70 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32},
+    // rank 1 block 3: shares 71..72 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32},
+    // rank 1 block 4: shares 73..74 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32},
+    // rank 1 block 5: shares 75..76 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32},
+    // rank 1 block 6: shares 77..78 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32},
+    // rank 1 block 7: shares 79..80 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32},
+    // rank 1 block 8: shares 81..82 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32},
+    // rank 1 block 9: shares 83..84 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32},
+    // rank 1 block 10: shares 85..86 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32},
+    // rank 1 block 11: shares 87..88 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32},
+    // rank 1 block 12: shares 89..90 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32},
+    // rank 1 block 13: shares 91..92 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32},
+    // rank 1 block 14: shares 93..94 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32},
+    // rank 1 block 15: shares 95..96 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32},
+    // rank 1 block 16: shares 97..98 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32},
+    // rank 1 block 17: shares 99..100 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32},
+    // rank 1 block 18: shares 101..102 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32},
+    // rank 1 block 19: shares 103..104 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32},
+    // rank 1 block 20: shares 105..106 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32},
+    // rank 1 block 21: shares 107..108 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32},
+    // rank 1 block 22: shares 109..110 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32},
+    // rank 1 block 23: shares 111..112 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32},
+    // rank 1 block 24: shares 113..114 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32},
+    // rank 1 block 25: shares 115..116 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32},
+    // rank 1 block 26: shares 117..118 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32},
+    // rank 1 block 27: shares 119..120 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32},
+    // rank 1 block 28: shares 121..122 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32},
+    // rank 1 block 29: shares 123..124 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32},
+    // rank 1 block 30: shares 125..126 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32},
+    // rank 1 block 31: shares 127..128 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32},
+    // rank 1 block 32: shares 129..130 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32},
+    // rank 1 block 33: shares 131..131 ({step, share, of})
+    {3, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][41] = {
@@ -1351,300 +1355,210 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 0 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 0 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 0 block 1: step 3 share 0/32
-    {1, 1, 32},  // rank 0 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 0 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 0 block 2: step 3 share 1/32
-    {1, 2, 32},  // rank 0 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 0 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 0 block 3: step 3 share 2/32
-    {1, 3, 32},  // rank 0 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 0 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 0 block 4: step 3 share 3/32
-    {1, 4, 32},  // rank 0 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 0 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 0 block 5: step 3 share 4/32
-    {1, 5, 32},  // rank 0 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 0 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 0 block 6: step 3 share 5/32
-    {1, 6, 32},  // rank 0 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 0 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 0 block 7: step 3 share 6/32
-    {1, 7, 32},  // rank 0 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 0 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 0 block 8: step 3 share 7/32
-    {1, 8, 32},  // rank 0 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 0 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 0 block 9: step 3 share 8/32
-    {1, 9, 32},  // rank 0 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 0 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 0 block 10: step 3 share 9/32
-    {1, 10, 32},  // rank 0 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 0 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 0 block 11: step 3 share 10/32
-    {1, 11, 32},  // rank 0 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 0 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 0 block 12: step 3 share 11/32
-    {1, 12, 32},  // rank 0 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 0 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 0 block 13: step 3 share 12/32
-    {1, 13, 32},  // rank 0 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 0 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 0 block 14: step 3 share 13/32
-    {1, 14, 32},  // rank 0 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 0 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 0 block 15: step 3 share 14/32
-    {1, 15, 32},  // rank 0 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 0 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 0 block 16: step 3 share 15/32
-    {1, 16, 32},  // rank 0 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 0 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 0 block 17: step 3 share 16/32
-    {1, 17, 32},  // rank 0 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 0 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 0 block 18: step 3 share 17/32
-    {1, 18, 32},  // rank 0 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 0 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 0 block 19: step 3 share 18/32
-    {1, 19, 32},  // rank 0 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 0 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 0 block 20: step 3 share 19/32
-    {1, 20, 32},  // rank 0 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 0 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 0 block 21: step 3 share 20/32
-    {1, 21, 32},  // rank 0 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 0 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 0 block 22: step 3 share 21/32
-    {1, 22, 32},  // rank 0 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 0 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 0 block 23: step 3 share 22/32
-    {1, 23, 32},  // rank 0 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 0 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 0 block 24: step 3 share 23/32
-    {1, 24, 32},  // rank 0 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 0 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 0 block 25: step 3 share 24/32
-    {1, 25, 32},  // rank 0 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 0 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 0 block 26: step 3 share 25/32
-    {1, 26, 32},  // rank 0 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 0 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 0 block 27: step 3 share 26/32
-    {1, 27, 32},  // rank 0 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 0 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 0 block 28: step 3 share 27/32
-    {1, 28, 32},  // rank 0 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 0 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 0 block 29: step 3 share 28/32
-    {1, 29, 32},  // rank 0 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 0 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 0 block 30: step 3 share 29/32
-    {1, 30, 32},  // rank 0 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 0 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 0 block 31: step 3 share 30/32
-    {1, 31, 32},  // rank 0 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 0 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 0 block 32: step 3 share 31/32
-    {4, 0, 1},  // rank 0 block 33: step 4 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 1 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 1 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 1 block 1: step 3 share 0/32
-    {1, 1, 32},  // rank 1 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 1 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 1 block 2: step 3 share 1/32
-    {1, 2, 32},  // rank 1 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 1 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 1 block 3: step 3 share 2/32
-    {1, 3, 32},  // rank 1 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 1 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 1 block 4: step 3 share 3/32
-    {1, 4, 32},  // rank 1 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 1 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 1 block 5: step 3 share 4/32
-    {1, 5, 32},  // rank 1 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 1 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 1 block 6: step 3 share 5/32
-    {1, 6, 32},  // rank 1 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 1 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 1 block 7: step 3 share 6/32
-    {1, 7, 32},  // rank 1 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 1 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 1 block 8: step 3 share 7/32
-    {1, 8, 32},  // rank 1 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 1 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 1 block 9: step 3 share 8/32
-    {1, 9, 32},  // rank 1 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 1 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 1 block 10: step 3 share 9/32
-    {1, 10, 32},  // rank 1 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 1 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 1 block 11: step 3 share 10/32
-    {1, 11, 32},  // rank 1 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 1 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 1 block 12: step 3 share 11/32
-    {1, 12, 32},  // rank 1 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 1 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 1 block 13: step 3 share 12/32
-    {1, 13, 32},  // rank 1 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 1 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 1 block 14: step 3 share 13/32
-    {1, 14, 32},  // rank 1 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 1 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 1 block 15: step 3 share 14/32
-    {1, 15, 32},  // rank 1 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 1 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 1 block 16: step 3 share 15/32
-    {1, 16, 32},  // rank 1 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 1 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 1 block 17: step 3 share 16/32
-    {1, 17, 32},  // rank 1 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 1 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 1 block 18: step 3 share 17/32
-    {1, 18, 32},  // rank 1 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 1 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 1 block 19: step 3 share 18/32
-    {1, 19, 32},  // rank 1 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 1 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 1 block 20: step 3 share 19/32
-    {1, 20, 32},  // rank 1 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 1 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 1 block 21: step 3 share 20/32
-    {1, 21, 32},  // rank 1 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 1 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 1 block 22: step 3 share 21/32
-    {1, 22, 32},  // rank 1 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 1 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 1 block 23: step 3 share 22/32
-    {1, 23, 32},  // rank 1 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 1 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 1 block 24: step 3 share 23/32
-    {1, 24, 32},  // rank 1 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 1 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 1 block 25: step 3 share 24/32
-    {1, 25, 32},  // rank 1 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 1 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 1 block 26: step 3 share 25/32
-    {1, 26, 32},  // rank 1 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 1 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 1 block 27: step 3 share 26/32
-    {1, 27, 32},  // rank 1 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 1 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 1 block 28: step 3 share 27/32
-    {1, 28, 32},  // rank 1 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 1 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 1 block 29: step 3 share 28/32
-    {1, 29, 32},  // rank 1 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 1 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 1 block 30: step 3 share 29/32
-    {1, 30, 32},  // rank 1 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 1 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 1 block 31: step 3 share 30/32
-    {1, 31, 32},  // rank 1 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 1 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 1 block 32: step 3 share 31/32
-    {4, 0, 1},  // rank 1 block 33: step 4 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 2 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 2 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 2 block 1: step 3 share 0/32
-    {1, 1, 32},  // rank 2 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 2 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 2 block 2: step 3 share 1/32
-    {1, 2, 32},  // rank 2 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 2 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 2 block 3: step 3 share 2/32
-    {1, 3, 32},  // rank 2 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 2 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 2 block 4: step 3 share 3/32
-    {1, 4, 32},  // rank 2 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 2 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 2 block 5: step 3 share 4/32
-    {1, 5, 32},  // rank 2 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 2 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 2 block 6: step 3 share 5/32
-    {1, 6, 32},  // rank 2 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 2 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 2 block 7: step 3 share 6/32
-    {1, 7, 32},  // rank 2 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 2 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 2 block 8: step 3 share 7/32
-    {1, 8, 32},  // rank 2 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 2 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 2 block 9: step 3 share 8/32
-    {1, 9, 32},  // rank 2 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 2 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 2 block 10: step 3 share 9/32
-    {1, 10, 32},  // rank 2 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 2 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 2 block 11: step 3 share 10/32
-    {1, 11, 32},  // rank 2 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 2 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 2 block 12: step 3 share 11/32
-    {1, 12, 32},  // rank 2 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 2 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 2 block 13: step 3 share 12/32
-    {1, 13, 32},  // rank 2 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 2 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 2 block 14: step 3 share 13/32
-    {1, 14, 32},  // rank 2 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 2 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 2 block 15: step 3 share 14/32
-    {1, 15, 32},  // rank 2 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 2 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 2 block 16: step 3 share 15/32
-    {1, 16, 32},  // rank 2 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 2 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 2 block 17: step 3 share 16/32
-    {1, 17, 32},  // rank 2 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 2 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 2 block 18: step 3 share 17/32
-    {1, 18, 32},  // rank 2 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 2 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 2 block 19: step 3 share 18/32
-    {1, 19, 32},  // rank 2 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 2 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 2 block 20: step 3 share 19/32
-    {1, 20, 32},  // rank 2 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 2 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 2 block 21: step 3 share 20/32
-    {1, 21, 32},  // rank 2 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 2 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 2 block 22: step 3 share 21/32
-    {1, 22, 32},  // rank 2 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 2 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 2 block 23: step 3 share 22/32
-    {1, 23, 32},  // rank 2 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 2 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 2 block 24: step 3 share 23/32
-    {1, 24, 32},  // rank 2 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 2 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 2 block 25: step 3 share 24/32
-    {1, 25, 32},  // rank 2 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 2 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 2 block 26: step 3 share 25/32
-    {1, 26, 32},  // rank 2 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 2 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 2 block 27: step 3 share 26/32
-    {1, 27, 32},  // rank 2 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 2 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 2 block 28: step 3 share 27/32
-    {1, 28, 32},  // rank 2 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 2 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 2 block 29: step 3 share 28/32
-    {1, 29, 32},  // rank 2 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 2 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 2 block 30: step 3 share 29/32
-    {1, 30, 32},  // rank 2 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 2 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 2 block 31: step 3 share 30/32
-    {1, 31, 32},  // rank 2 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 2 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 2 block 32: step 3 share 31/32
-    {4, 0, 1},  // rank 2 block 33: step 4 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..3 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
+    // rank 0 block 2: shares 4..6 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
+    // rank 0 block 3: shares 7..9 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
+    // rank 0 block 4: shares 10..12 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
+    // rank 0 block 5: shares 13..15 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
+    // rank 0 block 6: shares 16..18 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
+    // rank 0 block 7: shares 19..21 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
+    // rank 0 block 8: shares 22..24 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
+    // rank 0 block 9: shares 25..27 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
+    // rank 0 block 10: shares 28..30 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
+    // rank 0 block 11: shares 31..33 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
+    // rank 0 block 12: shares 34..36 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
+    // rank 0 block 13: shares 37..39 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
+    // rank 0 block 14: shares 40..42 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
+    // rank 0 block 15: shares 43..45 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
+    // rank 0 block 16: shares 46..48 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
+    // rank 0 block 17: shares 49..51 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
+    // rank 0 block 18: shares 52..54 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
+    // rank 0 block 19: shares 55..57 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
+    // rank 0 block 20: shares 58..60 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
+    // rank 0 block 21: shares 61..63 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
+    // rank 0 block 22: shares 64..66 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
+    // rank 0 block 23: shares 67..69 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
+    // rank 0 block 24: shares 70..72 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
+    // rank 0 block 25: shares 73..75 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
+    // rank 0 block 26: shares 76..78 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
+    // rank 0 block 27: shares 79..81 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
+    // rank 0 block 28: shares 82..84 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
+    // rank 0 block 29: shares 85..87 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
+    // rank 0 block 30: shares 88..90 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
+    // rank 0 block 31: shares 91..93 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
+    // rank 0 block 32: shares 94..96 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
+    // rank 0 block 33: shares 97..97 ({step, share, of})
+    {4, 0, 1},
+    // rank 1 block 0: shares 98..98 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 99..101 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
+    // rank 1 block 2: shares 102..104 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
+    // rank 1 block 3: shares 105..107 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
+    // rank 1 block 4: shares 108..110 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
+    // rank 1 block 5: shares 111..113 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
+    // rank 1 block 6: shares 114..116 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
+    // rank 1 block 7: shares 117..119 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
+    // rank 1 block 8: shares 120..122 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
+    // rank 1 block 9: shares 123..125 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
+    // rank 1 block 10: shares 126..128 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
+    // rank 1 block 11: shares 129..131 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
+    // rank 1 block 12: shares 132..134 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
+    // rank 1 block 13: shares 135..137 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
+    // rank 1 block 14: shares 138..140 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
+    // rank 1 block 15: shares 141..143 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
+    // rank 1 block 16: shares 144..146 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
+    // rank 1 block 17: shares 147..149 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
+    // rank 1 block 18: shares 150..152 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
+    // rank 1 block 19: shares 153..155 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
+    // rank 1 block 20: shares 156..158 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
+    // rank 1 block 21: shares 159..161 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
+    // rank 1 block 22: shares 162..164 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
+    // rank 1 block 23: shares 165..167 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
+    // rank 1 block 24: shares 168..170 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
+    // rank 1 block 25: shares 171..173 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
+    // rank 1 block 26: shares 174..176 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
+    // rank 1 block 27: shares 177..179 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
+    // rank 1 block 28: shares 180..182 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
+    // rank 1 block 29: shares 183..185 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
+    // rank 1 block 30: shares 186..188 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
+    // rank 1 block 31: shares 189..191 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
+    // rank 1 block 32: shares 192..194 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
+    // rank 1 block 33: shares 195..195 ({step, share, of})
+    {4, 0, 1},
+    // rank 2 block 0: shares 196..196 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 197..199 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
+    // rank 2 block 2: shares 200..202 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
+    // rank 2 block 3: shares 203..205 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
+    // rank 2 block 4: shares 206..208 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
+    // rank 2 block 5: shares 209..211 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
+    // rank 2 block 6: shares 212..214 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
+    // rank 2 block 7: shares 215..217 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
+    // rank 2 block 8: shares 218..220 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
+    // rank 2 block 9: shares 221..223 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
+    // rank 2 block 10: shares 224..226 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
+    // rank 2 block 11: shares 227..229 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
+    // rank 2 block 12: shares 230..232 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
+    // rank 2 block 13: shares 233..235 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
+    // rank 2 block 14: shares 236..238 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
+    // rank 2 block 15: shares 239..241 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
+    // rank 2 block 16: shares 242..244 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
+    // rank 2 block 17: shares 245..247 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
+    // rank 2 block 18: shares 248..250 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
+    // rank 2 block 19: shares 251..253 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
+    // rank 2 block 20: shares 254..256 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
+    // rank 2 block 21: shares 257..259 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
+    // rank 2 block 22: shares 260..262 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
+    // rank 2 block 23: shares 263..265 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
+    // rank 2 block 24: shares 266..268 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
+    // rank 2 block 25: shares 269..271 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
+    // rank 2 block 26: shares 272..274 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
+    // rank 2 block 27: shares 275..277 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
+    // rank 2 block 28: shares 278..280 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
+    // rank 2 block 29: shares 281..283 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
+    // rank 2 block 30: shares 284..286 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
+    // rank 2 block 31: shares 287..289 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
+    // rank 2 block 32: shares 290..292 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
+    // rank 2 block 33: shares 293..293 ({step, share, of})
+    {4, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][41] = {
@@ -1709,526 +1623,278 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 0 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 0 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 0 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 0 block 1: step 4 share 0/32
-    {1, 1, 32},  // rank 0 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 0 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 0 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 0 block 2: step 4 share 1/32
-    {1, 2, 32},  // rank 0 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 0 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 0 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 0 block 3: step 4 share 2/32
-    {1, 3, 32},  // rank 0 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 0 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 0 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 0 block 4: step 4 share 3/32
-    {1, 4, 32},  // rank 0 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 0 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 0 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 0 block 5: step 4 share 4/32
-    {1, 5, 32},  // rank 0 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 0 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 0 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 0 block 6: step 4 share 5/32
-    {1, 6, 32},  // rank 0 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 0 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 0 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 0 block 7: step 4 share 6/32
-    {1, 7, 32},  // rank 0 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 0 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 0 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 0 block 8: step 4 share 7/32
-    {1, 8, 32},  // rank 0 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 0 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 0 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 0 block 9: step 4 share 8/32
-    {1, 9, 32},  // rank 0 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 0 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 0 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 0 block 10: step 4 share 9/32
-    {1, 10, 32},  // rank 0 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 0 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 0 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 0 block 11: step 4 share 10/32
-    {1, 11, 32},  // rank 0 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 0 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 0 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 0 block 12: step 4 share 11/32
-    {1, 12, 32},  // rank 0 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 0 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 0 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 0 block 13: step 4 share 12/32
-    {1, 13, 32},  // rank 0 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 0 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 0 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 0 block 14: step 4 share 13/32
-    {1, 14, 32},  // rank 0 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 0 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 0 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 0 block 15: step 4 share 14/32
-    {1, 15, 32},  // rank 0 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 0 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 0 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 0 block 16: step 4 share 15/32
-    {1, 16, 32},  // rank 0 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 0 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 0 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 0 block 17: step 4 share 16/32
-    {1, 17, 32},  // rank 0 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 0 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 0 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 0 block 18: step 4 share 17/32
-    {1, 18, 32},  // rank 0 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 0 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 0 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 0 block 19: step 4 share 18/32
-    {1, 19, 32},  // rank 0 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 0 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 0 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 0 block 20: step 4 share 19/32
-    {1, 20, 32},  // rank 0 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 0 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 0 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 0 block 21: step 4 share 20/32
-    {1, 21, 32},  // rank 0 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 0 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 0 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 0 block 22: step 4 share 21/32
-    {1, 22, 32},  // rank 0 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 0 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 0 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 0 block 23: step 4 share 22/32
-    {1, 23, 32},  // rank 0 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 0 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 0 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 0 block 24: step 4 share 23/32
-    {1, 24, 32},  // rank 0 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 0 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 0 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 0 block 25: step 4 share 24/32
-    {1, 25, 32},  // rank 0 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 0 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 0 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 0 block 26: step 4 share 25/32
-    {1, 26, 32},  // rank 0 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 0 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 0 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 0 block 27: step 4 share 26/32
-    {1, 27, 32},  // rank 0 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 0 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 0 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 0 block 28: step 4 share 27/32
-    {1, 28, 32},  // rank 0 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 0 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 0 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 0 block 29: step 4 share 28/32
-    {1, 29, 32},  // rank 0 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 0 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 0 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 0 block 30: step 4 share 29/32
-    {1, 30, 32},  // rank 0 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 0 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 0 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 0 block 31: step 4 share 30/32
-    {1, 31, 32},  // rank 0 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 0 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 0 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 0 block 32: step 4 share 31/32
-    {5, 0, 1},  // rank 0 block 33: step 5 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 1 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 1 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 1 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 1 block 1: step 4 share 0/32
-    {1, 1, 32},  // rank 1 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 1 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 1 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 1 block 2: step 4 share 1/32
-    {1, 2, 32},  // rank 1 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 1 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 1 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 1 block 3: step 4 share 2/32
-    {1, 3, 32},  // rank 1 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 1 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 1 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 1 block 4: step 4 share 3/32
-    {1, 4, 32},  // rank 1 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 1 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 1 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 1 block 5: step 4 share 4/32
-    {1, 5, 32},  // rank 1 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 1 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 1 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 1 block 6: step 4 share 5/32
-    {1, 6, 32},  // rank 1 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 1 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 1 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 1 block 7: step 4 share 6/32
-    {1, 7, 32},  // rank 1 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 1 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 1 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 1 block 8: step 4 share 7/32
-    {1, 8, 32},  // rank 1 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 1 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 1 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 1 block 9: step 4 share 8/32
-    {1, 9, 32},  // rank 1 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 1 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 1 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 1 block 10: step 4 share 9/32
-    {1, 10, 32},  // rank 1 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 1 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 1 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 1 block 11: step 4 share 10/32
-    {1, 11, 32},  // rank 1 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 1 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 1 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 1 block 12: step 4 share 11/32
-    {1, 12, 32},  // rank 1 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 1 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 1 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 1 block 13: step 4 share 12/32
-    {1, 13, 32},  // rank 1 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 1 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 1 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 1 block 14: step 4 share 13/32
-    {1, 14, 32},  // rank 1 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 1 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 1 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 1 block 15: step 4 share 14/32
-    {1, 15, 32},  // rank 1 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 1 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 1 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 1 block 16: step 4 share 15/32
-    {1, 16, 32},  // rank 1 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 1 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 1 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 1 block 17: step 4 share 16/32
-    {1, 17, 32},  // rank 1 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 1 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 1 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 1 block 18: step 4 share 17/32
-    {1, 18, 32},  // rank 1 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 1 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 1 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 1 block 19: step 4 share 18/32
-    {1, 19, 32},  // rank 1 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 1 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 1 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 1 block 20: step 4 share 19/32
-    {1, 20, 32},  // rank 1 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 1 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 1 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 1 block 21: step 4 share 20/32
-    {1, 21, 32},  // rank 1 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 1 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 1 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 1 block 22: step 4 share 21/32
-    {1, 22, 32},  // rank 1 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 1 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 1 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 1 block 23: step 4 share 22/32
-    {1, 23, 32},  // rank 1 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 1 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 1 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 1 block 24: step 4 share 23/32
-    {1, 24, 32},  // rank 1 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 1 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 1 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 1 block 25: step 4 share 24/32
-    {1, 25, 32},  // rank 1 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 1 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 1 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 1 block 26: step 4 share 25/32
-    {1, 26, 32},  // rank 1 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 1 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 1 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 1 block 27: step 4 share 26/32
-    {1, 27, 32},  // rank 1 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 1 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 1 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 1 block 28: step 4 share 27/32
-    {1, 28, 32},  // rank 1 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 1 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 1 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 1 block 29: step 4 share 28/32
-    {1, 29, 32},  // rank 1 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 1 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 1 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 1 block 30: step 4 share 29/32
-    {1, 30, 32},  // rank 1 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 1 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 1 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 1 block 31: step 4 share 30/32
-    {1, 31, 32},  // rank 1 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 1 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 1 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 1 block 32: step 4 share 31/32
-    {5, 0, 1},  // rank 1 block 33: step 5 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 2 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 2 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 2 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 2 block 1: step 4 share 0/32
-    {1, 1, 32},  // rank 2 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 2 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 2 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 2 block 2: step 4 share 1/32
-    {1, 2, 32},  // rank 2 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 2 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 2 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 2 block 3: step 4 share 2/32
-    {1, 3, 32},  // rank 2 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 2 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 2 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 2 block 4: step 4 share 3/32
-    {1, 4, 32},  // rank 2 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 2 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 2 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 2 block 5: step 4 share 4/32
-    {1, 5, 32},  // rank 2 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 2 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 2 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 2 block 6: step 4 share 5/32
-    {1, 6, 32},  // rank 2 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 2 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 2 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 2 block 7: step 4 share 6/32
-    {1, 7, 32},  // rank 2 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 2 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 2 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 2 block 8: step 4 share 7/32
-    {1, 8, 32},  // rank 2 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 2 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 2 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 2 block 9: step 4 share 8/32
-    {1, 9, 32},  // rank 2 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 2 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 2 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 2 block 10: step 4 share 9/32
-    {1, 10, 32},  // rank 2 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 2 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 2 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 2 block 11: step 4 share 10/32
-    {1, 11, 32},  // rank 2 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 2 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 2 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 2 block 12: step 4 share 11/32
-    {1, 12, 32},  // rank 2 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 2 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 2 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 2 block 13: step 4 share 12/32
-    {1, 13, 32},  // rank 2 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 2 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 2 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 2 block 14: step 4 share 13/32
-    {1, 14, 32},  // rank 2 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 2 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 2 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 2 block 15: step 4 share 14/32
-    {1, 15, 32},  // rank 2 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 2 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 2 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 2 block 16: step 4 share 15/32
-    {1, 16, 32},  // rank 2 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 2 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 2 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 2 block 17: step 4 share 16/32
-    {1, 17, 32},  // rank 2 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 2 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 2 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 2 block 18: step 4 share 17/32
-    {1, 18, 32},  // rank 2 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 2 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 2 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 2 block 19: step 4 share 18/32
-    {1, 19, 32},  // rank 2 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 2 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 2 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 2 block 20: step 4 share 19/32
-    {1, 20, 32},  // rank 2 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 2 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 2 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 2 block 21: step 4 share 20/32
-    {1, 21, 32},  // rank 2 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 2 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 2 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 2 block 22: step 4 share 21/32
-    {1, 22, 32},  // rank 2 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 2 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 2 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 2 block 23: step 4 share 22/32
-    {1, 23, 32},  // rank 2 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 2 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 2 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 2 block 24: step 4 share 23/32
-    {1, 24, 32},  // rank 2 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 2 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 2 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 2 block 25: step 4 share 24/32
-    {1, 25, 32},  // rank 2 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 2 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 2 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 2 block 26: step 4 share 25/32
-    {1, 26, 32},  // rank 2 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 2 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 2 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 2 block 27: step 4 share 26/32
-    {1, 27, 32},  // rank 2 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 2 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 2 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 2 block 28: step 4 share 27/32
-    {1, 28, 32},  // rank 2 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 2 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 2 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 2 block 29: step 4 share 28/32
-    {1, 29, 32},  // rank 2 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 2 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 2 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 2 block 30: step 4 share 29/32
-    {1, 30, 32},  // rank 2 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 2 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 2 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 2 block 31: step 4 share 30/32
-    {1, 31, 32},  // rank 2 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 2 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 2 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 2 block 32: step 4 share 31/32
-    {5, 0, 1},  // rank 2 block 33: step 5 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 3 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 3 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 3 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 3 block 1: step 4 share 0/32
-    {1, 1, 32},  // rank 3 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 3 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 3 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 3 block 2: step 4 share 1/32
-    {1, 2, 32},  // rank 3 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 3 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 3 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 3 block 3: step 4 share 2/32
-    {1, 3, 32},  // rank 3 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 3 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 3 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 3 block 4: step 4 share 3/32
-    {1, 4, 32},  // rank 3 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 3 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 3 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 3 block 5: step 4 share 4/32
-    {1, 5, 32},  // rank 3 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 3 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 3 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 3 block 6: step 4 share 5/32
-    {1, 6, 32},  // rank 3 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 3 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 3 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 3 block 7: step 4 share 6/32
-    {1, 7, 32},  // rank 3 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 3 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 3 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 3 block 8: step 4 share 7/32
-    {1, 8, 32},  // rank 3 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 3 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 3 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 3 block 9: step 4 share 8/32
-    {1, 9, 32},  // rank 3 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 3 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 3 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 3 block 10: step 4 share 9/32
-    {1, 10, 32},  // rank 3 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 3 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 3 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 3 block 11: step 4 share 10/32
-    {1, 11, 32},  // rank 3 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 3 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 3 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 3 block 12: step 4 share 11/32
-    {1, 12, 32},  // rank 3 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 3 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 3 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 3 block 13: step 4 share 12/32
-    {1, 13, 32},  // rank 3 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 3 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 3 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 3 block 14: step 4 share 13/32
-    {1, 14, 32},  // rank 3 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 3 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 3 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 3 block 15: step 4 share 14/32
-    {1, 15, 32},  // rank 3 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 3 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 3 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 3 block 16: step 4 share 15/32
-    {1, 16, 32},  // rank 3 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 3 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 3 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 3 block 17: step 4 share 16/32
-    {1, 17, 32},  // rank 3 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 3 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 3 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 3 block 18: step 4 share 17/32
-    {1, 18, 32},  // rank 3 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 3 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 3 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 3 block 19: step 4 share 18/32
-    {1, 19, 32},  // rank 3 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 3 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 3 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 3 block 20: step 4 share 19/32
-    {1, 20, 32},  // rank 3 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 3 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 3 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 3 block 21: step 4 share 20/32
-    {1, 21, 32},  // rank 3 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 3 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 3 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 3 block 22: step 4 share 21/32
-    {1, 22, 32},  // rank 3 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 3 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 3 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 3 block 23: step 4 share 22/32
-    {1, 23, 32},  // rank 3 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 3 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 3 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 3 block 24: step 4 share 23/32
-    {1, 24, 32},  // rank 3 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 3 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 3 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 3 block 25: step 4 share 24/32
-    {1, 25, 32},  // rank 3 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 3 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 3 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 3 block 26: step 4 share 25/32
-    {1, 26, 32},  // rank 3 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 3 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 3 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 3 block 27: step 4 share 26/32
-    {1, 27, 32},  // rank 3 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 3 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 3 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 3 block 28: step 4 share 27/32
-    {1, 28, 32},  // rank 3 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 3 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 3 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 3 block 29: step 4 share 28/32
-    {1, 29, 32},  // rank 3 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 3 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 3 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 3 block 30: step 4 share 29/32
-    {1, 30, 32},  // rank 3 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 3 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 3 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 3 block 31: step 4 share 30/32
-    {1, 31, 32},  // rank 3 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 3 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 3 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 3 block 32: step 4 share 31/32
-    {5, 0, 1},  // rank 3 block 33: step 5 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
+    // rank 0 block 5: shares 17..20 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
+    // rank 0 block 6: shares 21..24 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
+    // rank 0 block 7: shares 25..28 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
+    // rank 0 block 8: shares 29..32 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
+    // rank 0 block 9: shares 33..36 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
+    // rank 0 block 10: shares 37..40 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
+    // rank 0 block 11: shares 41..44 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
+    // rank 0 block 12: shares 45..48 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
+    // rank 0 block 13: shares 49..52 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
+    // rank 0 block 14: shares 53..56 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
+    // rank 0 block 15: shares 57..60 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
+    // rank 0 block 16: shares 61..64 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
+    // rank 0 block 17: shares 65..68 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
+    // rank 0 block 18: shares 69..72 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
+    // rank 0 block 19: shares 73..76 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
+    // rank 0 block 20: shares 77..80 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
+    // rank 0 block 21: shares 81..84 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
+    // rank 0 block 22: shares 85..88 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
+    // rank 0 block 23: shares 89..92 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
+    // rank 0 block 24: shares 93..96 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
+    // rank 0 block 25: shares 97..100 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
+    // rank 0 block 26: shares 101..104 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
+    // rank 0 block 27: shares 105..108 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
+    // rank 0 block 28: shares 109..112 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
+    // rank 0 block 29: shares 113..116 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
+    // rank 0 block 30: shares 117..120 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
+    // rank 0 block 31: shares 121..124 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
+    // rank 0 block 32: shares 125..128 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
+    // rank 0 block 33: shares 129..129 ({step, share, of})
+    {5, 0, 1},
+    // rank 1 block 0: shares 130..130 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 131..134 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
+    // rank 1 block 2: shares 135..138 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
+    // rank 1 block 3: shares 139..142 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
+    // rank 1 block 4: shares 143..146 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
+    // rank 1 block 5: shares 147..150 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
+    // rank 1 block 6: shares 151..154 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
+    // rank 1 block 7: shares 155..158 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
+    // rank 1 block 8: shares 159..162 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
+    // rank 1 block 9: shares 163..166 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
+    // rank 1 block 10: shares 167..170 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
+    // rank 1 block 11: shares 171..174 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
+    // rank 1 block 12: shares 175..178 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
+    // rank 1 block 13: shares 179..182 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
+    // rank 1 block 14: shares 183..186 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
+    // rank 1 block 15: shares 187..190 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
+    // rank 1 block 16: shares 191..194 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
+    // rank 1 block 17: shares 195..198 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
+    // rank 1 block 18: shares 199..202 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
+    // rank 1 block 19: shares 203..206 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
+    // rank 1 block 20: shares 207..210 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
+    // rank 1 block 21: shares 211..214 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
+    // rank 1 block 22: shares 215..218 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
+    // rank 1 block 23: shares 219..222 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
+    // rank 1 block 24: shares 223..226 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
+    // rank 1 block 25: shares 227..230 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
+    // rank 1 block 26: shares 231..234 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
+    // rank 1 block 27: shares 235..238 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
+    // rank 1 block 28: shares 239..242 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
+    // rank 1 block 29: shares 243..246 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
+    // rank 1 block 30: shares 247..250 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
+    // rank 1 block 31: shares 251..254 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
+    // rank 1 block 32: shares 255..258 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
+    // rank 1 block 33: shares 259..259 ({step, share, of})
+    {5, 0, 1},
+    // rank 2 block 0: shares 260..260 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 261..264 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
+    // rank 2 block 2: shares 265..268 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
+    // rank 2 block 3: shares 269..272 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
+    // rank 2 block 4: shares 273..276 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
+    // rank 2 block 5: shares 277..280 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
+    // rank 2 block 6: shares 281..284 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
+    // rank 2 block 7: shares 285..288 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
+    // rank 2 block 8: shares 289..292 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
+    // rank 2 block 9: shares 293..296 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
+    // rank 2 block 10: shares 297..300 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
+    // rank 2 block 11: shares 301..304 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
+    // rank 2 block 12: shares 305..308 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
+    // rank 2 block 13: shares 309..312 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
+    // rank 2 block 14: shares 313..316 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
+    // rank 2 block 15: shares 317..320 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
+    // rank 2 block 16: shares 321..324 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
+    // rank 2 block 17: shares 325..328 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
+    // rank 2 block 18: shares 329..332 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
+    // rank 2 block 19: shares 333..336 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
+    // rank 2 block 20: shares 337..340 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
+    // rank 2 block 21: shares 341..344 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
+    // rank 2 block 22: shares 345..348 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
+    // rank 2 block 23: shares 349..352 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
+    // rank 2 block 24: shares 353..356 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
+    // rank 2 block 25: shares 357..360 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
+    // rank 2 block 26: shares 361..364 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
+    // rank 2 block 27: shares 365..368 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
+    // rank 2 block 28: shares 369..372 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
+    // rank 2 block 29: shares 373..376 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
+    // rank 2 block 30: shares 377..380 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
+    // rank 2 block 31: shares 381..384 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
+    // rank 2 block 32: shares 385..388 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
+    // rank 2 block 33: shares 389..389 ({step, share, of})
+    {5, 0, 1},
+    // rank 3 block 0: shares 390..390 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 391..394 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
+    // rank 3 block 2: shares 395..398 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
+    // rank 3 block 3: shares 399..402 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
+    // rank 3 block 4: shares 403..406 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
+    // rank 3 block 5: shares 407..410 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
+    // rank 3 block 6: shares 411..414 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
+    // rank 3 block 7: shares 415..418 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
+    // rank 3 block 8: shares 419..422 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
+    // rank 3 block 9: shares 423..426 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
+    // rank 3 block 10: shares 427..430 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
+    // rank 3 block 11: shares 431..434 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
+    // rank 3 block 12: shares 435..438 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
+    // rank 3 block 13: shares 439..442 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
+    // rank 3 block 14: shares 443..446 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
+    // rank 3 block 15: shares 447..450 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
+    // rank 3 block 16: shares 451..454 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
+    // rank 3 block 17: shares 455..458 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
+    // rank 3 block 18: shares 459..462 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
+    // rank 3 block 19: shares 463..466 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
+    // rank 3 block 20: shares 467..470 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
+    // rank 3 block 21: shares 471..474 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
+    // rank 3 block 22: shares 475..478 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
+    // rank 3 block 23: shares 479..482 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
+    // rank 3 block 24: shares 483..486 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
+    // rank 3 block 25: shares 487..490 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
+    // rank 3 block 26: shares 491..494 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
+    // rank 3 block 27: shares 495..498 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
+    // rank 3 block 28: shares 499..502 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
+    // rank 3 block 29: shares 503..506 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
+    // rank 3 block 30: shares 507..510 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
+    // rank 3 block 31: shares 511..514 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
+    // rank 3 block 32: shares 515..518 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
+    // rank 3 block 33: shares 519..519 ({step, share, of})
+    {5, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][41] = {
@@ -2406,2070 +2072,550 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 0 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 0 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 0 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 0 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 0 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 0 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 0 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 0 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 0 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 0 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 0 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 0 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 0 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 0 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 0 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 0 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 0 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 0 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 0 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 0 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 0 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 0 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 0 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 0 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 0 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 0 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 0 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 0 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 0 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 0 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 0 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 0 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 0 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 0 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 0 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 0 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 0 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 0 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 0 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 0 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 0 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 0 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 0 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 0 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 0 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 0 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 0 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 0 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 0 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 0 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 0 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 0 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 0 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 0 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 0 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 0 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 0 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 0 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 0 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 0 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 0 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 0 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 0 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 0 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 0 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 0 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 0 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 0 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 0 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 0 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 0 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 0 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 0 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 0 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 0 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 0 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 0 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 0 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 0 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 0 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 0 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 0 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 0 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 0 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 0 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 0 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 0 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 0 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 0 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 0 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 0 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 0 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 0 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 0 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 0 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 0 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 0 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 0 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 0 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 0 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 0 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 0 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 0 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 0 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 0 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 0 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 0 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 0 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 0 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 0 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 0 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 0 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 0 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 0 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 0 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 0 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 0 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 0 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 0 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 0 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 0 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 0 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 0 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 0 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 0 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 0 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 0 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 0 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 0 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 0 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 0 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 0 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 0 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 0 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 0 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 0 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 0 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 0 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 0 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 0 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 0 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 0 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 0 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 0 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 0 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 0 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 0 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 0 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 0 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 0 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 0 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 0 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 0 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 0 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 0 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 0 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 0 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 0 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 0 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 0 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 0 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 0 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 0 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 0 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 0 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 0 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 0 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 0 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 0 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 0 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 0 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 0 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 0 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 0 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 0 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 0 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 0 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 0 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 0 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 0 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 0 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 0 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 0 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 0 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 0 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 0 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 0 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 0 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 0 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 0 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 0 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 0 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 0 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 0 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 0 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 0 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 0 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 0 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 0 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 0 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 0 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 0 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 0 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 0 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 0 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 0 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 0 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 0 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 0 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 0 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 0 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 0 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 0 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 0 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 0 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 0 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 0 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 0 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 0 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 0 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 0 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 0 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 0 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 0 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 0 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 0 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 0 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 0 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 0 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 0 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 0 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 0 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 0 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 0 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 0 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 0 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 0 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 0 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 0 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 0 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 0 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 0 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 0 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 0 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 0 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 0 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 0 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 0 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 0 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 0 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 0 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 0 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 0 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 0 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 0 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 0 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 0 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 1 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 1 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 1 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 1 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 1 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 1 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 1 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 1 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 1 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 1 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 1 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 1 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 1 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 1 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 1 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 1 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 1 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 1 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 1 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 1 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 1 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 1 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 1 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 1 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 1 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 1 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 1 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 1 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 1 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 1 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 1 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 1 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 1 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 1 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 1 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 1 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 1 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 1 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 1 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 1 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 1 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 1 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 1 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 1 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 1 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 1 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 1 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 1 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 1 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 1 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 1 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 1 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 1 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 1 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 1 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 1 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 1 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 1 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 1 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 1 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 1 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 1 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 1 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 1 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 1 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 1 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 1 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 1 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 1 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 1 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 1 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 1 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 1 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 1 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 1 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 1 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 1 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 1 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 1 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 1 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 1 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 1 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 1 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 1 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 1 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 1 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 1 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 1 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 1 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 1 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 1 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 1 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 1 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 1 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 1 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 1 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 1 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 1 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 1 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 1 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 1 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 1 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 1 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 1 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 1 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 1 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 1 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 1 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 1 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 1 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 1 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 1 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 1 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 1 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 1 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 1 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 1 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 1 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 1 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 1 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 1 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 1 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 1 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 1 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 1 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 1 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 1 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 1 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 1 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 1 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 1 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 1 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 1 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 1 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 1 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 1 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 1 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 1 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 1 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 1 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 1 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 1 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 1 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 1 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 1 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 1 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 1 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 1 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 1 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 1 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 1 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 1 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 1 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 1 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 1 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 1 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 1 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 1 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 1 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 1 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 1 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 1 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 1 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 1 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 1 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 1 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 1 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 1 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 1 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 1 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 1 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 1 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 1 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 1 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 1 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 1 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 1 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 1 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 1 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 1 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 1 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 1 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 1 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 1 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 1 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 1 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 1 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 1 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 1 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 1 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 1 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 1 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 1 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 1 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 1 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 1 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 1 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 1 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 1 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 1 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 1 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 1 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 1 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 1 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 1 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 1 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 1 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 1 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 1 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 1 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 1 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 1 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 1 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 1 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 1 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 1 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 1 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 1 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 1 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 1 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 1 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 1 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 1 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 1 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 1 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 1 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 1 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 1 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 1 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 1 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 1 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 1 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 1 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 1 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 1 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 1 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 1 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 1 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 1 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 1 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 1 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 1 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 1 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 1 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 1 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 1 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 1 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 1 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 1 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 1 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 1 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 1 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 1 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 1 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 1 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 1 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 1 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 2 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 2 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 2 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 2 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 2 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 2 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 2 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 2 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 2 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 2 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 2 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 2 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 2 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 2 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 2 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 2 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 2 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 2 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 2 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 2 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 2 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 2 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 2 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 2 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 2 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 2 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 2 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 2 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 2 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 2 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 2 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 2 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 2 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 2 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 2 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 2 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 2 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 2 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 2 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 2 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 2 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 2 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 2 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 2 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 2 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 2 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 2 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 2 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 2 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 2 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 2 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 2 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 2 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 2 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 2 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 2 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 2 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 2 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 2 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 2 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 2 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 2 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 2 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 2 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 2 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 2 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 2 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 2 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 2 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 2 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 2 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 2 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 2 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 2 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 2 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 2 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 2 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 2 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 2 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 2 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 2 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 2 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 2 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 2 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 2 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 2 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 2 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 2 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 2 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 2 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 2 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 2 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 2 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 2 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 2 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 2 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 2 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 2 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 2 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 2 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 2 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 2 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 2 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 2 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 2 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 2 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 2 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 2 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 2 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 2 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 2 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 2 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 2 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 2 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 2 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 2 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 2 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 2 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 2 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 2 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 2 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 2 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 2 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 2 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 2 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 2 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 2 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 2 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 2 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 2 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 2 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 2 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 2 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 2 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 2 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 2 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 2 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 2 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 2 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 2 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 2 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 2 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 2 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 2 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 2 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 2 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 2 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 2 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 2 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 2 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 2 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 2 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 2 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 2 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 2 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 2 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 2 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 2 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 2 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 2 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 2 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 2 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 2 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 2 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 2 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 2 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 2 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 2 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 2 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 2 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 2 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 2 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 2 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 2 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 2 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 2 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 2 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 2 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 2 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 2 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 2 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 2 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 2 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 2 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 2 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 2 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 2 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 2 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 2 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 2 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 2 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 2 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 2 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 2 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 2 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 2 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 2 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 2 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 2 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 2 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 2 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 2 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 2 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 2 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 2 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 2 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 2 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 2 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 2 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 2 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 2 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 2 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 2 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 2 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 2 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 2 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 2 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 2 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 2 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 2 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 2 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 2 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 2 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 2 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 2 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 2 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 2 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 2 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 2 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 2 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 2 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 2 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 2 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 2 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 2 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 2 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 2 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 2 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 2 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 2 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 2 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 2 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 2 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 2 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 2 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 2 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 2 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 2 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 2 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 2 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 2 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 2 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 2 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 2 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 2 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 2 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 2 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 3 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 3 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 3 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 3 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 3 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 3 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 3 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 3 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 3 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 3 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 3 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 3 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 3 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 3 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 3 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 3 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 3 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 3 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 3 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 3 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 3 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 3 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 3 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 3 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 3 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 3 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 3 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 3 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 3 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 3 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 3 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 3 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 3 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 3 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 3 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 3 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 3 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 3 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 3 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 3 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 3 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 3 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 3 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 3 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 3 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 3 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 3 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 3 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 3 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 3 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 3 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 3 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 3 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 3 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 3 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 3 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 3 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 3 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 3 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 3 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 3 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 3 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 3 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 3 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 3 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 3 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 3 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 3 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 3 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 3 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 3 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 3 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 3 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 3 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 3 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 3 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 3 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 3 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 3 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 3 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 3 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 3 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 3 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 3 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 3 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 3 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 3 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 3 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 3 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 3 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 3 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 3 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 3 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 3 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 3 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 3 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 3 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 3 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 3 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 3 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 3 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 3 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 3 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 3 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 3 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 3 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 3 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 3 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 3 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 3 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 3 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 3 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 3 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 3 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 3 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 3 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 3 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 3 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 3 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 3 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 3 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 3 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 3 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 3 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 3 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 3 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 3 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 3 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 3 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 3 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 3 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 3 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 3 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 3 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 3 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 3 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 3 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 3 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 3 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 3 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 3 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 3 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 3 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 3 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 3 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 3 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 3 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 3 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 3 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 3 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 3 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 3 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 3 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 3 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 3 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 3 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 3 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 3 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 3 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 3 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 3 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 3 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 3 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 3 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 3 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 3 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 3 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 3 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 3 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 3 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 3 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 3 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 3 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 3 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 3 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 3 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 3 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 3 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 3 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 3 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 3 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 3 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 3 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 3 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 3 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 3 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 3 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 3 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 3 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 3 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 3 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 3 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 3 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 3 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 3 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 3 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 3 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 3 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 3 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 3 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 3 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 3 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 3 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 3 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 3 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 3 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 3 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 3 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 3 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 3 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 3 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 3 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 3 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 3 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 3 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 3 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 3 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 3 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 3 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 3 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 3 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 3 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 3 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 3 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 3 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 3 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 3 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 3 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 3 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 3 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 3 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 3 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 3 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 3 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 3 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 3 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 3 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 3 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 3 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 3 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 3 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 3 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 3 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 3 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 3 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 3 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 3 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 3 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 3 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 3 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 3 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 3 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 3 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 3 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 3 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 3 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 3 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 4 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 4 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 4 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 4 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 4 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 4 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 4 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 4 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 4 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 4 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 4 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 4 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 4 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 4 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 4 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 4 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 4 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 4 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 4 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 4 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 4 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 4 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 4 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 4 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 4 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 4 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 4 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 4 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 4 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 4 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 4 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 4 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 4 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 4 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 4 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 4 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 4 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 4 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 4 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 4 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 4 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 4 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 4 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 4 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 4 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 4 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 4 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 4 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 4 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 4 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 4 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 4 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 4 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 4 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 4 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 4 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 4 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 4 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 4 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 4 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 4 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 4 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 4 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 4 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 4 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 4 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 4 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 4 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 4 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 4 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 4 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 4 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 4 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 4 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 4 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 4 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 4 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 4 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 4 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 4 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 4 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 4 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 4 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 4 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 4 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 4 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 4 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 4 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 4 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 4 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 4 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 4 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 4 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 4 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 4 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 4 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 4 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 4 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 4 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 4 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 4 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 4 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 4 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 4 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 4 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 4 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 4 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 4 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 4 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 4 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 4 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 4 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 4 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 4 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 4 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 4 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 4 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 4 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 4 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 4 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 4 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 4 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 4 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 4 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 4 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 4 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 4 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 4 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 4 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 4 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 4 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 4 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 4 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 4 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 4 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 4 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 4 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 4 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 4 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 4 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 4 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 4 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 4 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 4 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 4 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 4 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 4 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 4 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 4 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 4 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 4 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 4 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 4 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 4 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 4 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 4 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 4 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 4 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 4 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 4 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 4 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 4 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 4 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 4 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 4 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 4 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 4 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 4 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 4 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 4 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 4 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 4 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 4 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 4 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 4 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 4 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 4 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 4 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 4 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 4 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 4 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 4 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 4 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 4 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 4 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 4 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 4 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 4 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 4 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 4 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 4 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 4 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 4 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 4 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 4 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 4 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 4 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 4 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 4 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 4 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 4 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 4 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 4 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 4 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 4 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 4 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 4 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 4 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 4 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 4 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 4 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 4 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 4 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 4 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 4 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 4 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 4 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 4 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 4 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 4 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 4 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 4 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 4 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 4 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 4 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 4 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 4 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 4 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 4 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 4 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 4 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 4 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 4 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 4 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 4 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 4 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 4 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 4 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 4 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 4 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 4 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 4 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 4 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 4 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 4 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 4 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 4 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 4 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 4 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 4 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 4 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 4 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 4 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 4 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 4 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 4 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 4 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 5 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 5 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 5 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 5 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 5 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 5 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 5 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 5 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 5 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 5 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 5 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 5 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 5 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 5 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 5 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 5 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 5 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 5 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 5 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 5 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 5 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 5 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 5 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 5 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 5 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 5 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 5 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 5 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 5 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 5 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 5 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 5 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 5 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 5 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 5 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 5 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 5 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 5 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 5 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 5 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 5 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 5 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 5 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 5 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 5 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 5 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 5 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 5 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 5 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 5 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 5 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 5 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 5 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 5 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 5 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 5 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 5 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 5 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 5 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 5 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 5 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 5 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 5 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 5 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 5 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 5 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 5 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 5 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 5 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 5 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 5 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 5 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 5 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 5 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 5 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 5 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 5 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 5 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 5 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 5 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 5 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 5 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 5 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 5 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 5 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 5 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 5 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 5 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 5 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 5 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 5 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 5 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 5 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 5 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 5 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 5 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 5 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 5 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 5 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 5 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 5 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 5 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 5 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 5 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 5 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 5 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 5 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 5 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 5 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 5 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 5 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 5 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 5 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 5 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 5 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 5 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 5 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 5 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 5 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 5 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 5 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 5 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 5 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 5 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 5 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 5 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 5 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 5 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 5 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 5 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 5 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 5 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 5 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 5 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 5 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 5 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 5 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 5 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 5 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 5 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 5 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 5 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 5 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 5 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 5 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 5 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 5 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 5 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 5 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 5 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 5 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 5 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 5 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 5 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 5 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 5 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 5 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 5 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 5 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 5 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 5 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 5 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 5 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 5 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 5 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 5 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 5 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 5 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 5 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 5 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 5 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 5 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 5 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 5 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 5 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 5 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 5 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 5 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 5 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 5 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 5 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 5 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 5 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 5 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 5 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 5 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 5 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 5 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 5 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 5 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 5 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 5 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 5 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 5 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 5 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 5 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 5 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 5 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 5 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 5 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 5 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 5 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 5 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 5 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 5 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 5 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 5 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 5 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 5 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 5 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 5 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 5 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 5 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 5 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 5 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 5 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 5 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 5 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 5 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 5 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 5 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 5 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 5 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 5 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 5 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 5 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 5 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 5 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 5 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 5 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 5 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 5 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 5 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 5 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 5 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 5 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 5 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 5 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 5 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 5 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 5 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 5 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 5 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 5 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 5 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 5 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 5 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 5 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 5 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 5 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 5 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 5 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 5 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 5 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 5 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 5 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 5 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 6 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 6 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 6 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 6 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 6 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 6 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 6 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 6 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 6 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 6 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 6 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 6 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 6 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 6 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 6 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 6 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 6 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 6 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 6 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 6 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 6 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 6 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 6 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 6 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 6 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 6 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 6 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 6 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 6 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 6 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 6 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 6 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 6 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 6 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 6 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 6 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 6 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 6 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 6 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 6 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 6 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 6 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 6 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 6 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 6 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 6 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 6 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 6 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 6 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 6 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 6 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 6 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 6 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 6 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 6 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 6 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 6 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 6 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 6 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 6 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 6 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 6 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 6 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 6 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 6 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 6 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 6 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 6 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 6 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 6 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 6 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 6 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 6 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 6 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 6 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 6 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 6 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 6 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 6 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 6 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 6 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 6 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 6 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 6 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 6 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 6 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 6 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 6 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 6 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 6 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 6 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 6 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 6 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 6 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 6 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 6 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 6 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 6 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 6 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 6 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 6 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 6 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 6 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 6 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 6 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 6 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 6 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 6 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 6 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 6 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 6 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 6 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 6 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 6 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 6 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 6 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 6 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 6 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 6 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 6 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 6 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 6 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 6 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 6 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 6 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 6 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 6 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 6 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 6 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 6 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 6 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 6 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 6 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 6 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 6 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 6 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 6 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 6 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 6 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 6 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 6 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 6 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 6 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 6 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 6 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 6 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 6 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 6 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 6 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 6 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 6 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 6 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 6 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 6 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 6 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 6 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 6 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 6 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 6 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 6 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 6 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 6 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 6 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 6 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 6 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 6 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 6 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 6 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 6 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 6 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 6 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 6 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 6 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 6 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 6 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 6 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 6 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 6 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 6 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 6 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 6 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 6 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 6 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 6 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 6 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 6 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 6 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 6 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 6 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 6 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 6 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 6 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 6 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 6 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 6 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 6 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 6 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 6 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 6 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 6 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 6 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 6 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 6 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 6 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 6 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 6 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 6 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 6 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 6 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 6 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 6 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 6 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 6 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 6 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 6 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 6 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 6 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 6 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 6 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 6 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 6 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 6 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 6 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 6 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 6 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 6 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 6 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 6 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 6 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 6 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 6 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 6 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 6 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 6 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 6 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 6 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 6 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 6 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 6 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 6 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 6 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 6 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 6 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 6 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 6 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 6 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 6 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 6 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 6 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 6 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 6 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 6 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 6 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 6 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 6 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 6 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 6 block 33: step 9 share 0/1
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {1, 0, 32},  // rank 7 block 1: step 1 share 0/32
-    {2, 0, 32},  // rank 7 block 1: step 2 share 0/32
-    {3, 0, 32},  // rank 7 block 1: step 3 share 0/32
-    {4, 0, 32},  // rank 7 block 1: step 4 share 0/32
-    {5, 0, 32},  // rank 7 block 1: step 5 share 0/32
-    {6, 0, 32},  // rank 7 block 1: step 6 share 0/32
-    {7, 0, 32},  // rank 7 block 1: step 7 share 0/32
-    {8, 0, 32},  // rank 7 block 1: step 8 share 0/32
-    {1, 1, 32},  // rank 7 block 2: step 1 share 1/32
-    {2, 1, 32},  // rank 7 block 2: step 2 share 1/32
-    {3, 1, 32},  // rank 7 block 2: step 3 share 1/32
-    {4, 1, 32},  // rank 7 block 2: step 4 share 1/32
-    {5, 1, 32},  // rank 7 block 2: step 5 share 1/32
-    {6, 1, 32},  // rank 7 block 2: step 6 share 1/32
-    {7, 1, 32},  // rank 7 block 2: step 7 share 1/32
-    {8, 1, 32},  // rank 7 block 2: step 8 share 1/32
-    {1, 2, 32},  // rank 7 block 3: step 1 share 2/32
-    {2, 2, 32},  // rank 7 block 3: step 2 share 2/32
-    {3, 2, 32},  // rank 7 block 3: step 3 share 2/32
-    {4, 2, 32},  // rank 7 block 3: step 4 share 2/32
-    {5, 2, 32},  // rank 7 block 3: step 5 share 2/32
-    {6, 2, 32},  // rank 7 block 3: step 6 share 2/32
-    {7, 2, 32},  // rank 7 block 3: step 7 share 2/32
-    {8, 2, 32},  // rank 7 block 3: step 8 share 2/32
-    {1, 3, 32},  // rank 7 block 4: step 1 share 3/32
-    {2, 3, 32},  // rank 7 block 4: step 2 share 3/32
-    {3, 3, 32},  // rank 7 block 4: step 3 share 3/32
-    {4, 3, 32},  // rank 7 block 4: step 4 share 3/32
-    {5, 3, 32},  // rank 7 block 4: step 5 share 3/32
-    {6, 3, 32},  // rank 7 block 4: step 6 share 3/32
-    {7, 3, 32},  // rank 7 block 4: step 7 share 3/32
-    {8, 3, 32},  // rank 7 block 4: step 8 share 3/32
-    {1, 4, 32},  // rank 7 block 5: step 1 share 4/32
-    {2, 4, 32},  // rank 7 block 5: step 2 share 4/32
-    {3, 4, 32},  // rank 7 block 5: step 3 share 4/32
-    {4, 4, 32},  // rank 7 block 5: step 4 share 4/32
-    {5, 4, 32},  // rank 7 block 5: step 5 share 4/32
-    {6, 4, 32},  // rank 7 block 5: step 6 share 4/32
-    {7, 4, 32},  // rank 7 block 5: step 7 share 4/32
-    {8, 4, 32},  // rank 7 block 5: step 8 share 4/32
-    {1, 5, 32},  // rank 7 block 6: step 1 share 5/32
-    {2, 5, 32},  // rank 7 block 6: step 2 share 5/32
-    {3, 5, 32},  // rank 7 block 6: step 3 share 5/32
-    {4, 5, 32},  // rank 7 block 6: step 4 share 5/32
-    {5, 5, 32},  // rank 7 block 6: step 5 share 5/32
-    {6, 5, 32},  // rank 7 block 6: step 6 share 5/32
-    {7, 5, 32},  // rank 7 block 6: step 7 share 5/32
-    {8, 5, 32},  // rank 7 block 6: step 8 share 5/32
-    {1, 6, 32},  // rank 7 block 7: step 1 share 6/32
-    {2, 6, 32},  // rank 7 block 7: step 2 share 6/32
-    {3, 6, 32},  // rank 7 block 7: step 3 share 6/32
-    {4, 6, 32},  // rank 7 block 7: step 4 share 6/32
-    {5, 6, 32},  // rank 7 block 7: step 5 share 6/32
-    {6, 6, 32},  // rank 7 block 7: step 6 share 6/32
-    {7, 6, 32},  // rank 7 block 7: step 7 share 6/32
-    {8, 6, 32},  // rank 7 block 7: step 8 share 6/32
-    {1, 7, 32},  // rank 7 block 8: step 1 share 7/32
-    {2, 7, 32},  // rank 7 block 8: step 2 share 7/32
-    {3, 7, 32},  // rank 7 block 8: step 3 share 7/32
-    {4, 7, 32},  // rank 7 block 8: step 4 share 7/32
-    {5, 7, 32},  // rank 7 block 8: step 5 share 7/32
-    {6, 7, 32},  // rank 7 block 8: step 6 share 7/32
-    {7, 7, 32},  // rank 7 block 8: step 7 share 7/32
-    {8, 7, 32},  // rank 7 block 8: step 8 share 7/32
-    {1, 8, 32},  // rank 7 block 9: step 1 share 8/32
-    {2, 8, 32},  // rank 7 block 9: step 2 share 8/32
-    {3, 8, 32},  // rank 7 block 9: step 3 share 8/32
-    {4, 8, 32},  // rank 7 block 9: step 4 share 8/32
-    {5, 8, 32},  // rank 7 block 9: step 5 share 8/32
-    {6, 8, 32},  // rank 7 block 9: step 6 share 8/32
-    {7, 8, 32},  // rank 7 block 9: step 7 share 8/32
-    {8, 8, 32},  // rank 7 block 9: step 8 share 8/32
-    {1, 9, 32},  // rank 7 block 10: step 1 share 9/32
-    {2, 9, 32},  // rank 7 block 10: step 2 share 9/32
-    {3, 9, 32},  // rank 7 block 10: step 3 share 9/32
-    {4, 9, 32},  // rank 7 block 10: step 4 share 9/32
-    {5, 9, 32},  // rank 7 block 10: step 5 share 9/32
-    {6, 9, 32},  // rank 7 block 10: step 6 share 9/32
-    {7, 9, 32},  // rank 7 block 10: step 7 share 9/32
-    {8, 9, 32},  // rank 7 block 10: step 8 share 9/32
-    {1, 10, 32},  // rank 7 block 11: step 1 share 10/32
-    {2, 10, 32},  // rank 7 block 11: step 2 share 10/32
-    {3, 10, 32},  // rank 7 block 11: step 3 share 10/32
-    {4, 10, 32},  // rank 7 block 11: step 4 share 10/32
-    {5, 10, 32},  // rank 7 block 11: step 5 share 10/32
-    {6, 10, 32},  // rank 7 block 11: step 6 share 10/32
-    {7, 10, 32},  // rank 7 block 11: step 7 share 10/32
-    {8, 10, 32},  // rank 7 block 11: step 8 share 10/32
-    {1, 11, 32},  // rank 7 block 12: step 1 share 11/32
-    {2, 11, 32},  // rank 7 block 12: step 2 share 11/32
-    {3, 11, 32},  // rank 7 block 12: step 3 share 11/32
-    {4, 11, 32},  // rank 7 block 12: step 4 share 11/32
-    {5, 11, 32},  // rank 7 block 12: step 5 share 11/32
-    {6, 11, 32},  // rank 7 block 12: step 6 share 11/32
-    {7, 11, 32},  // rank 7 block 12: step 7 share 11/32
-    {8, 11, 32},  // rank 7 block 12: step 8 share 11/32
-    {1, 12, 32},  // rank 7 block 13: step 1 share 12/32
-    {2, 12, 32},  // rank 7 block 13: step 2 share 12/32
-    {3, 12, 32},  // rank 7 block 13: step 3 share 12/32
-    {4, 12, 32},  // rank 7 block 13: step 4 share 12/32
-    {5, 12, 32},  // rank 7 block 13: step 5 share 12/32
-    {6, 12, 32},  // rank 7 block 13: step 6 share 12/32
-    {7, 12, 32},  // rank 7 block 13: step 7 share 12/32
-    {8, 12, 32},  // rank 7 block 13: step 8 share 12/32
-    {1, 13, 32},  // rank 7 block 14: step 1 share 13/32
-    {2, 13, 32},  // rank 7 block 14: step 2 share 13/32
-    {3, 13, 32},  // rank 7 block 14: step 3 share 13/32
-    {4, 13, 32},  // rank 7 block 14: step 4 share 13/32
-    {5, 13, 32},  // rank 7 block 14: step 5 share 13/32
-    {6, 13, 32},  // rank 7 block 14: step 6 share 13/32
-    {7, 13, 32},  // rank 7 block 14: step 7 share 13/32
-    {8, 13, 32},  // rank 7 block 14: step 8 share 13/32
-    {1, 14, 32},  // rank 7 block 15: step 1 share 14/32
-    {2, 14, 32},  // rank 7 block 15: step 2 share 14/32
-    {3, 14, 32},  // rank 7 block 15: step 3 share 14/32
-    {4, 14, 32},  // rank 7 block 15: step 4 share 14/32
-    {5, 14, 32},  // rank 7 block 15: step 5 share 14/32
-    {6, 14, 32},  // rank 7 block 15: step 6 share 14/32
-    {7, 14, 32},  // rank 7 block 15: step 7 share 14/32
-    {8, 14, 32},  // rank 7 block 15: step 8 share 14/32
-    {1, 15, 32},  // rank 7 block 16: step 1 share 15/32
-    {2, 15, 32},  // rank 7 block 16: step 2 share 15/32
-    {3, 15, 32},  // rank 7 block 16: step 3 share 15/32
-    {4, 15, 32},  // rank 7 block 16: step 4 share 15/32
-    {5, 15, 32},  // rank 7 block 16: step 5 share 15/32
-    {6, 15, 32},  // rank 7 block 16: step 6 share 15/32
-    {7, 15, 32},  // rank 7 block 16: step 7 share 15/32
-    {8, 15, 32},  // rank 7 block 16: step 8 share 15/32
-    {1, 16, 32},  // rank 7 block 17: step 1 share 16/32
-    {2, 16, 32},  // rank 7 block 17: step 2 share 16/32
-    {3, 16, 32},  // rank 7 block 17: step 3 share 16/32
-    {4, 16, 32},  // rank 7 block 17: step 4 share 16/32
-    {5, 16, 32},  // rank 7 block 17: step 5 share 16/32
-    {6, 16, 32},  // rank 7 block 17: step 6 share 16/32
-    {7, 16, 32},  // rank 7 block 17: step 7 share 16/32
-    {8, 16, 32},  // rank 7 block 17: step 8 share 16/32
-    {1, 17, 32},  // rank 7 block 18: step 1 share 17/32
-    {2, 17, 32},  // rank 7 block 18: step 2 share 17/32
-    {3, 17, 32},  // rank 7 block 18: step 3 share 17/32
-    {4, 17, 32},  // rank 7 block 18: step 4 share 17/32
-    {5, 17, 32},  // rank 7 block 18: step 5 share 17/32
-    {6, 17, 32},  // rank 7 block 18: step 6 share 17/32
-    {7, 17, 32},  // rank 7 block 18: step 7 share 17/32
-    {8, 17, 32},  // rank 7 block 18: step 8 share 17/32
-    {1, 18, 32},  // rank 7 block 19: step 1 share 18/32
-    {2, 18, 32},  // rank 7 block 19: step 2 share 18/32
-    {3, 18, 32},  // rank 7 block 19: step 3 share 18/32
-    {4, 18, 32},  // rank 7 block 19: step 4 share 18/32
-    {5, 18, 32},  // rank 7 block 19: step 5 share 18/32
-    {6, 18, 32},  // rank 7 block 19: step 6 share 18/32
-    {7, 18, 32},  // rank 7 block 19: step 7 share 18/32
-    {8, 18, 32},  // rank 7 block 19: step 8 share 18/32
-    {1, 19, 32},  // rank 7 block 20: step 1 share 19/32
-    {2, 19, 32},  // rank 7 block 20: step 2 share 19/32
-    {3, 19, 32},  // rank 7 block 20: step 3 share 19/32
-    {4, 19, 32},  // rank 7 block 20: step 4 share 19/32
-    {5, 19, 32},  // rank 7 block 20: step 5 share 19/32
-    {6, 19, 32},  // rank 7 block 20: step 6 share 19/32
-    {7, 19, 32},  // rank 7 block 20: step 7 share 19/32
-    {8, 19, 32},  // rank 7 block 20: step 8 share 19/32
-    {1, 20, 32},  // rank 7 block 21: step 1 share 20/32
-    {2, 20, 32},  // rank 7 block 21: step 2 share 20/32
-    {3, 20, 32},  // rank 7 block 21: step 3 share 20/32
-    {4, 20, 32},  // rank 7 block 21: step 4 share 20/32
-    {5, 20, 32},  // rank 7 block 21: step 5 share 20/32
-    {6, 20, 32},  // rank 7 block 21: step 6 share 20/32
-    {7, 20, 32},  // rank 7 block 21: step 7 share 20/32
-    {8, 20, 32},  // rank 7 block 21: step 8 share 20/32
-    {1, 21, 32},  // rank 7 block 22: step 1 share 21/32
-    {2, 21, 32},  // rank 7 block 22: step 2 share 21/32
-    {3, 21, 32},  // rank 7 block 22: step 3 share 21/32
-    {4, 21, 32},  // rank 7 block 22: step 4 share 21/32
-    {5, 21, 32},  // rank 7 block 22: step 5 share 21/32
-    {6, 21, 32},  // rank 7 block 22: step 6 share 21/32
-    {7, 21, 32},  // rank 7 block 22: step 7 share 21/32
-    {8, 21, 32},  // rank 7 block 22: step 8 share 21/32
-    {1, 22, 32},  // rank 7 block 23: step 1 share 22/32
-    {2, 22, 32},  // rank 7 block 23: step 2 share 22/32
-    {3, 22, 32},  // rank 7 block 23: step 3 share 22/32
-    {4, 22, 32},  // rank 7 block 23: step 4 share 22/32
-    {5, 22, 32},  // rank 7 block 23: step 5 share 22/32
-    {6, 22, 32},  // rank 7 block 23: step 6 share 22/32
-    {7, 22, 32},  // rank 7 block 23: step 7 share 22/32
-    {8, 22, 32},  // rank 7 block 23: step 8 share 22/32
-    {1, 23, 32},  // rank 7 block 24: step 1 share 23/32
-    {2, 23, 32},  // rank 7 block 24: step 2 share 23/32
-    {3, 23, 32},  // rank 7 block 24: step 3 share 23/32
-    {4, 23, 32},  // rank 7 block 24: step 4 share 23/32
-    {5, 23, 32},  // rank 7 block 24: step 5 share 23/32
-    {6, 23, 32},  // rank 7 block 24: step 6 share 23/32
-    {7, 23, 32},  // rank 7 block 24: step 7 share 23/32
-    {8, 23, 32},  // rank 7 block 24: step 8 share 23/32
-    {1, 24, 32},  // rank 7 block 25: step 1 share 24/32
-    {2, 24, 32},  // rank 7 block 25: step 2 share 24/32
-    {3, 24, 32},  // rank 7 block 25: step 3 share 24/32
-    {4, 24, 32},  // rank 7 block 25: step 4 share 24/32
-    {5, 24, 32},  // rank 7 block 25: step 5 share 24/32
-    {6, 24, 32},  // rank 7 block 25: step 6 share 24/32
-    {7, 24, 32},  // rank 7 block 25: step 7 share 24/32
-    {8, 24, 32},  // rank 7 block 25: step 8 share 24/32
-    {1, 25, 32},  // rank 7 block 26: step 1 share 25/32
-    {2, 25, 32},  // rank 7 block 26: step 2 share 25/32
-    {3, 25, 32},  // rank 7 block 26: step 3 share 25/32
-    {4, 25, 32},  // rank 7 block 26: step 4 share 25/32
-    {5, 25, 32},  // rank 7 block 26: step 5 share 25/32
-    {6, 25, 32},  // rank 7 block 26: step 6 share 25/32
-    {7, 25, 32},  // rank 7 block 26: step 7 share 25/32
-    {8, 25, 32},  // rank 7 block 26: step 8 share 25/32
-    {1, 26, 32},  // rank 7 block 27: step 1 share 26/32
-    {2, 26, 32},  // rank 7 block 27: step 2 share 26/32
-    {3, 26, 32},  // rank 7 block 27: step 3 share 26/32
-    {4, 26, 32},  // rank 7 block 27: step 4 share 26/32
-    {5, 26, 32},  // rank 7 block 27: step 5 share 26/32
-    {6, 26, 32},  // rank 7 block 27: step 6 share 26/32
-    {7, 26, 32},  // rank 7 block 27: step 7 share 26/32
-    {8, 26, 32},  // rank 7 block 27: step 8 share 26/32
-    {1, 27, 32},  // rank 7 block 28: step 1 share 27/32
-    {2, 27, 32},  // rank 7 block 28: step 2 share 27/32
-    {3, 27, 32},  // rank 7 block 28: step 3 share 27/32
-    {4, 27, 32},  // rank 7 block 28: step 4 share 27/32
-    {5, 27, 32},  // rank 7 block 28: step 5 share 27/32
-    {6, 27, 32},  // rank 7 block 28: step 6 share 27/32
-    {7, 27, 32},  // rank 7 block 28: step 7 share 27/32
-    {8, 27, 32},  // rank 7 block 28: step 8 share 27/32
-    {1, 28, 32},  // rank 7 block 29: step 1 share 28/32
-    {2, 28, 32},  // rank 7 block 29: step 2 share 28/32
-    {3, 28, 32},  // rank 7 block 29: step 3 share 28/32
-    {4, 28, 32},  // rank 7 block 29: step 4 share 28/32
-    {5, 28, 32},  // rank 7 block 29: step 5 share 28/32
-    {6, 28, 32},  // rank 7 block 29: step 6 share 28/32
-    {7, 28, 32},  // rank 7 block 29: step 7 share 28/32
-    {8, 28, 32},  // rank 7 block 29: step 8 share 28/32
-    {1, 29, 32},  // rank 7 block 30: step 1 share 29/32
-    {2, 29, 32},  // rank 7 block 30: step 2 share 29/32
-    {3, 29, 32},  // rank 7 block 30: step 3 share 29/32
-    {4, 29, 32},  // rank 7 block 30: step 4 share 29/32
-    {5, 29, 32},  // rank 7 block 30: step 5 share 29/32
-    {6, 29, 32},  // rank 7 block 30: step 6 share 29/32
-    {7, 29, 32},  // rank 7 block 30: step 7 share 29/32
-    {8, 29, 32},  // rank 7 block 30: step 8 share 29/32
-    {1, 30, 32},  // rank 7 block 31: step 1 share 30/32
-    {2, 30, 32},  // rank 7 block 31: step 2 share 30/32
-    {3, 30, 32},  // rank 7 block 31: step 3 share 30/32
-    {4, 30, 32},  // rank 7 block 31: step 4 share 30/32
-    {5, 30, 32},  // rank 7 block 31: step 5 share 30/32
-    {6, 30, 32},  // rank 7 block 31: step 6 share 30/32
-    {7, 30, 32},  // rank 7 block 31: step 7 share 30/32
-    {8, 30, 32},  // rank 7 block 31: step 8 share 30/32
-    {1, 31, 32},  // rank 7 block 32: step 1 share 31/32
-    {2, 31, 32},  // rank 7 block 32: step 2 share 31/32
-    {3, 31, 32},  // rank 7 block 32: step 3 share 31/32
-    {4, 31, 32},  // rank 7 block 32: step 4 share 31/32
-    {5, 31, 32},  // rank 7 block 32: step 5 share 31/32
-    {6, 31, 32},  // rank 7 block 32: step 6 share 31/32
-    {7, 31, 32},  // rank 7 block 32: step 7 share 31/32
-    {8, 31, 32},  // rank 7 block 32: step 8 share 31/32
-    {9, 0, 1},  // rank 7 block 33: step 9 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..8 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 0 block 2: shares 9..16 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 0 block 3: shares 17..24 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 0 block 4: shares 25..32 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 0 block 5: shares 33..40 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 0 block 6: shares 41..48 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 0 block 7: shares 49..56 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 0 block 8: shares 57..64 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 0 block 9: shares 65..72 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 0 block 10: shares 73..80 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 0 block 11: shares 81..88 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 0 block 12: shares 89..96 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 0 block 13: shares 97..104 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 0 block 14: shares 105..112 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 0 block 15: shares 113..120 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 0 block 16: shares 121..128 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 0 block 17: shares 129..136 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 0 block 18: shares 137..144 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 0 block 19: shares 145..152 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 0 block 20: shares 153..160 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 0 block 21: shares 161..168 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 0 block 22: shares 169..176 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 0 block 23: shares 177..184 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 0 block 24: shares 185..192 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 0 block 25: shares 193..200 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 0 block 26: shares 201..208 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 0 block 27: shares 209..216 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 0 block 28: shares 217..224 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 0 block 29: shares 225..232 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 0 block 30: shares 233..240 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 0 block 31: shares 241..248 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 0 block 32: shares 249..256 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 0 block 33: shares 257..257 ({step, share, of})
+    {9, 0, 1},
+    // rank 1 block 0: shares 258..258 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 259..266 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 1 block 2: shares 267..274 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 1 block 3: shares 275..282 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 1 block 4: shares 283..290 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 1 block 5: shares 291..298 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 1 block 6: shares 299..306 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 1 block 7: shares 307..314 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 1 block 8: shares 315..322 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 1 block 9: shares 323..330 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 1 block 10: shares 331..338 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 1 block 11: shares 339..346 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 1 block 12: shares 347..354 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 1 block 13: shares 355..362 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 1 block 14: shares 363..370 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 1 block 15: shares 371..378 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 1 block 16: shares 379..386 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 1 block 17: shares 387..394 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 1 block 18: shares 395..402 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 1 block 19: shares 403..410 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 1 block 20: shares 411..418 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 1 block 21: shares 419..426 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 1 block 22: shares 427..434 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 1 block 23: shares 435..442 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 1 block 24: shares 443..450 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 1 block 25: shares 451..458 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 1 block 26: shares 459..466 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 1 block 27: shares 467..474 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 1 block 28: shares 475..482 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 1 block 29: shares 483..490 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 1 block 30: shares 491..498 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 1 block 31: shares 499..506 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 1 block 32: shares 507..514 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 1 block 33: shares 515..515 ({step, share, of})
+    {9, 0, 1},
+    // rank 2 block 0: shares 516..516 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 517..524 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 2 block 2: shares 525..532 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 2 block 3: shares 533..540 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 2 block 4: shares 541..548 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 2 block 5: shares 549..556 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 2 block 6: shares 557..564 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 2 block 7: shares 565..572 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 2 block 8: shares 573..580 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 2 block 9: shares 581..588 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 2 block 10: shares 589..596 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 2 block 11: shares 597..604 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 2 block 12: shares 605..612 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 2 block 13: shares 613..620 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 2 block 14: shares 621..628 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 2 block 15: shares 629..636 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 2 block 16: shares 637..644 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 2 block 17: shares 645..652 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 2 block 18: shares 653..660 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 2 block 19: shares 661..668 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 2 block 20: shares 669..676 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 2 block 21: shares 677..684 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 2 block 22: shares 685..692 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 2 block 23: shares 693..700 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 2 block 24: shares 701..708 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 2 block 25: shares 709..716 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 2 block 26: shares 717..724 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 2 block 27: shares 725..732 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 2 block 28: shares 733..740 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 2 block 29: shares 741..748 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 2 block 30: shares 749..756 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 2 block 31: shares 757..764 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 2 block 32: shares 765..772 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 2 block 33: shares 773..773 ({step, share, of})
+    {9, 0, 1},
+    // rank 3 block 0: shares 774..774 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 775..782 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 3 block 2: shares 783..790 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 3 block 3: shares 791..798 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 3 block 4: shares 799..806 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 3 block 5: shares 807..814 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 3 block 6: shares 815..822 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 3 block 7: shares 823..830 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 3 block 8: shares 831..838 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 3 block 9: shares 839..846 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 3 block 10: shares 847..854 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 3 block 11: shares 855..862 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 3 block 12: shares 863..870 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 3 block 13: shares 871..878 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 3 block 14: shares 879..886 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 3 block 15: shares 887..894 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 3 block 16: shares 895..902 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 3 block 17: shares 903..910 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 3 block 18: shares 911..918 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 3 block 19: shares 919..926 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 3 block 20: shares 927..934 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 3 block 21: shares 935..942 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 3 block 22: shares 943..950 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 3 block 23: shares 951..958 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 3 block 24: shares 959..966 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 3 block 25: shares 967..974 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 3 block 26: shares 975..982 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 3 block 27: shares 983..990 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 3 block 28: shares 991..998 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 3 block 29: shares 999..1006 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 3 block 30: shares 1007..1014 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 3 block 31: shares 1015..1022 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 3 block 32: shares 1023..1030 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 3 block 33: shares 1031..1031 ({step, share, of})
+    {9, 0, 1},
+    // rank 4 block 0: shares 1032..1032 ({step, share, of})
+    {0, 0, 1},
+    // rank 4 block 1: shares 1033..1040 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 4 block 2: shares 1041..1048 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 4 block 3: shares 1049..1056 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 4 block 4: shares 1057..1064 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 4 block 5: shares 1065..1072 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 4 block 6: shares 1073..1080 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 4 block 7: shares 1081..1088 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 4 block 8: shares 1089..1096 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 4 block 9: shares 1097..1104 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 4 block 10: shares 1105..1112 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 4 block 11: shares 1113..1120 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 4 block 12: shares 1121..1128 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 4 block 13: shares 1129..1136 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 4 block 14: shares 1137..1144 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 4 block 15: shares 1145..1152 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 4 block 16: shares 1153..1160 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 4 block 17: shares 1161..1168 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 4 block 18: shares 1169..1176 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 4 block 19: shares 1177..1184 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 4 block 20: shares 1185..1192 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 4 block 21: shares 1193..1200 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 4 block 22: shares 1201..1208 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 4 block 23: shares 1209..1216 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 4 block 24: shares 1217..1224 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 4 block 25: shares 1225..1232 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 4 block 26: shares 1233..1240 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 4 block 27: shares 1241..1248 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 4 block 28: shares 1249..1256 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 4 block 29: shares 1257..1264 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 4 block 30: shares 1265..1272 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 4 block 31: shares 1273..1280 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 4 block 32: shares 1281..1288 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 4 block 33: shares 1289..1289 ({step, share, of})
+    {9, 0, 1},
+    // rank 5 block 0: shares 1290..1290 ({step, share, of})
+    {0, 0, 1},
+    // rank 5 block 1: shares 1291..1298 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 5 block 2: shares 1299..1306 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 5 block 3: shares 1307..1314 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 5 block 4: shares 1315..1322 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 5 block 5: shares 1323..1330 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 5 block 6: shares 1331..1338 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 5 block 7: shares 1339..1346 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 5 block 8: shares 1347..1354 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 5 block 9: shares 1355..1362 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 5 block 10: shares 1363..1370 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 5 block 11: shares 1371..1378 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 5 block 12: shares 1379..1386 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 5 block 13: shares 1387..1394 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 5 block 14: shares 1395..1402 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 5 block 15: shares 1403..1410 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 5 block 16: shares 1411..1418 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 5 block 17: shares 1419..1426 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 5 block 18: shares 1427..1434 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 5 block 19: shares 1435..1442 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 5 block 20: shares 1443..1450 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 5 block 21: shares 1451..1458 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 5 block 22: shares 1459..1466 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 5 block 23: shares 1467..1474 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 5 block 24: shares 1475..1482 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 5 block 25: shares 1483..1490 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 5 block 26: shares 1491..1498 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 5 block 27: shares 1499..1506 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 5 block 28: shares 1507..1514 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 5 block 29: shares 1515..1522 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 5 block 30: shares 1523..1530 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 5 block 31: shares 1531..1538 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 5 block 32: shares 1539..1546 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 5 block 33: shares 1547..1547 ({step, share, of})
+    {9, 0, 1},
+    // rank 6 block 0: shares 1548..1548 ({step, share, of})
+    {0, 0, 1},
+    // rank 6 block 1: shares 1549..1556 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 6 block 2: shares 1557..1564 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 6 block 3: shares 1565..1572 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 6 block 4: shares 1573..1580 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 6 block 5: shares 1581..1588 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 6 block 6: shares 1589..1596 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 6 block 7: shares 1597..1604 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 6 block 8: shares 1605..1612 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 6 block 9: shares 1613..1620 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 6 block 10: shares 1621..1628 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 6 block 11: shares 1629..1636 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 6 block 12: shares 1637..1644 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 6 block 13: shares 1645..1652 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 6 block 14: shares 1653..1660 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 6 block 15: shares 1661..1668 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 6 block 16: shares 1669..1676 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 6 block 17: shares 1677..1684 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 6 block 18: shares 1685..1692 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 6 block 19: shares 1693..1700 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 6 block 20: shares 1701..1708 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 6 block 21: shares 1709..1716 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 6 block 22: shares 1717..1724 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 6 block 23: shares 1725..1732 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 6 block 24: shares 1733..1740 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 6 block 25: shares 1741..1748 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 6 block 26: shares 1749..1756 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 6 block 27: shares 1757..1764 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 6 block 28: shares 1765..1772 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 6 block 29: shares 1773..1780 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 6 block 30: shares 1781..1788 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 6 block 31: shares 1789..1796 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 6 block 32: shares 1797..1804 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 6 block 33: shares 1805..1805 ({step, share, of})
+    {9, 0, 1},
+    // rank 7 block 0: shares 1806..1806 ({step, share, of})
+    {0, 0, 1},
+    // rank 7 block 1: shares 1807..1814 ({step, share, of})
+    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
+    // rank 7 block 2: shares 1815..1822 ({step, share, of})
+    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
+    // rank 7 block 3: shares 1823..1830 ({step, share, of})
+    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
+    // rank 7 block 4: shares 1831..1838 ({step, share, of})
+    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
+    // rank 7 block 5: shares 1839..1846 ({step, share, of})
+    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
+    // rank 7 block 6: shares 1847..1854 ({step, share, of})
+    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
+    // rank 7 block 7: shares 1855..1862 ({step, share, of})
+    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
+    // rank 7 block 8: shares 1863..1870 ({step, share, of})
+    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
+    // rank 7 block 9: shares 1871..1878 ({step, share, of})
+    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
+    // rank 7 block 10: shares 1879..1886 ({step, share, of})
+    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
+    // rank 7 block 11: shares 1887..1894 ({step, share, of})
+    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
+    // rank 7 block 12: shares 1895..1902 ({step, share, of})
+    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
+    // rank 7 block 13: shares 1903..1910 ({step, share, of})
+    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
+    // rank 7 block 14: shares 1911..1918 ({step, share, of})
+    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
+    // rank 7 block 15: shares 1919..1926 ({step, share, of})
+    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
+    // rank 7 block 16: shares 1927..1934 ({step, share, of})
+    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
+    // rank 7 block 17: shares 1935..1942 ({step, share, of})
+    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
+    // rank 7 block 18: shares 1943..1950 ({step, share, of})
+    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
+    // rank 7 block 19: shares 1951..1958 ({step, share, of})
+    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
+    // rank 7 block 20: shares 1959..1966 ({step, share, of})
+    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
+    // rank 7 block 21: shares 1967..1974 ({step, share, of})
+    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
+    // rank 7 block 22: shares 1975..1982 ({step, share, of})
+    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
+    // rank 7 block 23: shares 1983..1990 ({step, share, of})
+    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
+    // rank 7 block 24: shares 1991..1998 ({step, share, of})
+    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
+    // rank 7 block 25: shares 1999..2006 ({step, share, of})
+    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
+    // rank 7 block 26: shares 2007..2014 ({step, share, of})
+    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
+    // rank 7 block 27: shares 2015..2022 ({step, share, of})
+    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
+    // rank 7 block 28: shares 2023..2030 ({step, share, of})
+    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
+    // rank 7 block 29: shares 2031..2038 ({step, share, of})
+    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
+    // rank 7 block 30: shares 2039..2046 ({step, share, of})
+    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
+    // rank 7 block 31: shares 2047..2054 ({step, share, of})
+    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
+    // rank 7 block 32: shares 2055..2062 ({step, share, of})
+    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
+    // rank 7 block 33: shares 2063..2063 ({step, share, of})
+    {9, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][41] = {

@@ -1170,72 +1170,138 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 0, 16},  // rank 0 block 17: step 2 share 0/16
-    {2, 1, 16},  // rank 0 block 18: step 2 share 1/16
-    {2, 2, 16},  // rank 0 block 19: step 2 share 2/16
-    {2, 3, 16},  // rank 0 block 20: step 2 share 3/16
-    {2, 4, 16},  // rank 0 block 21: step 2 share 4/16
-    {2, 5, 16},  // rank 0 block 22: step 2 share 5/16
-    {2, 6, 16},  // rank 0 block 23: step 2 share 6/16
-    {2, 7, 16},  // rank 0 block 24: step 2 share 7/16
-    {2, 8, 16},  // rank 0 block 25: step 2 share 8/16
-    {2, 9, 16},  // rank 0 block 26: step 2 share 9/16
-    {2, 10, 16},  // rank 0 block 27: step 2 share 10/16
-    {2, 11, 16},  // rank 0 block 28: step 2 share 11/16
-    {2, 12, 16},  // rank 0 block 29: step 2 share 12/16
-    {2, 13, 16},  // rank 0 block 30: step 2 share 13/16
-    {2, 14, 16},  // rank 0 block 31: step 2 share 14/16
-    {2, 15, 16},  // rank 0 block 32: step 2 share 15/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 0, 16},  // rank 1 block 17: step 2 share 0/16
-    {2, 1, 16},  // rank 1 block 18: step 2 share 1/16
-    {2, 2, 16},  // rank 1 block 19: step 2 share 2/16
-    {2, 3, 16},  // rank 1 block 20: step 2 share 3/16
-    {2, 4, 16},  // rank 1 block 21: step 2 share 4/16
-    {2, 5, 16},  // rank 1 block 22: step 2 share 5/16
-    {2, 6, 16},  // rank 1 block 23: step 2 share 6/16
-    {2, 7, 16},  // rank 1 block 24: step 2 share 7/16
-    {2, 8, 16},  // rank 1 block 25: step 2 share 8/16
-    {2, 9, 16},  // rank 1 block 26: step 2 share 9/16
-    {2, 10, 16},  // rank 1 block 27: step 2 share 10/16
-    {2, 11, 16},  // rank 1 block 28: step 2 share 11/16
-    {2, 12, 16},  // rank 1 block 29: step 2 share 12/16
-    {2, 13, 16},  // rank 1 block 30: step 2 share 13/16
-    {2, 14, 16},  // rank 1 block 31: step 2 share 14/16
-    {2, 15, 16},  // rank 1 block 32: step 2 share 15/16
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 16},
+    // rank 0 block 2: shares 2..2 ({step, share, of})
+    {1, 1, 16},
+    // rank 0 block 3: shares 3..3 ({step, share, of})
+    {1, 2, 16},
+    // rank 0 block 4: shares 4..4 ({step, share, of})
+    {1, 3, 16},
+    // rank 0 block 5: shares 5..5 ({step, share, of})
+    {1, 4, 16},
+    // rank 0 block 6: shares 6..6 ({step, share, of})
+    {1, 5, 16},
+    // rank 0 block 7: shares 7..7 ({step, share, of})
+    {1, 6, 16},
+    // rank 0 block 8: shares 8..8 ({step, share, of})
+    {1, 7, 16},
+    // rank 0 block 9: shares 9..9 ({step, share, of})
+    {1, 8, 16},
+    // rank 0 block 10: shares 10..10 ({step, share, of})
+    {1, 9, 16},
+    // rank 0 block 11: shares 11..11 ({step, share, of})
+    {1, 10, 16},
+    // rank 0 block 12: shares 12..12 ({step, share, of})
+    {1, 11, 16},
+    // rank 0 block 13: shares 13..13 ({step, share, of})
+    {1, 12, 16},
+    // rank 0 block 14: shares 14..14 ({step, share, of})
+    {1, 13, 16},
+    // rank 0 block 15: shares 15..15 ({step, share, of})
+    {1, 14, 16},
+    // rank 0 block 16: shares 16..16 ({step, share, of})
+    {1, 15, 16},
+    // rank 0 block 17: shares 17..17 ({step, share, of})
+    {2, 0, 16},
+    // rank 0 block 18: shares 18..18 ({step, share, of})
+    {2, 1, 16},
+    // rank 0 block 19: shares 19..19 ({step, share, of})
+    {2, 2, 16},
+    // rank 0 block 20: shares 20..20 ({step, share, of})
+    {2, 3, 16},
+    // rank 0 block 21: shares 21..21 ({step, share, of})
+    {2, 4, 16},
+    // rank 0 block 22: shares 22..22 ({step, share, of})
+    {2, 5, 16},
+    // rank 0 block 23: shares 23..23 ({step, share, of})
+    {2, 6, 16},
+    // rank 0 block 24: shares 24..24 ({step, share, of})
+    {2, 7, 16},
+    // rank 0 block 25: shares 25..25 ({step, share, of})
+    {2, 8, 16},
+    // rank 0 block 26: shares 26..26 ({step, share, of})
+    {2, 9, 16},
+    // rank 0 block 27: shares 27..27 ({step, share, of})
+    {2, 10, 16},
+    // rank 0 block 28: shares 28..28 ({step, share, of})
+    {2, 11, 16},
+    // rank 0 block 29: shares 29..29 ({step, share, of})
+    {2, 12, 16},
+    // rank 0 block 30: shares 30..30 ({step, share, of})
+    {2, 13, 16},
+    // rank 0 block 31: shares 31..31 ({step, share, of})
+    {2, 14, 16},
+    // rank 0 block 32: shares 32..32 ({step, share, of})
+    {2, 15, 16},
+    // rank 1 block 0: shares 33..33 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 34..34 ({step, share, of})
+    {1, 0, 16},
+    // rank 1 block 2: shares 35..35 ({step, share, of})
+    {1, 1, 16},
+    // rank 1 block 3: shares 36..36 ({step, share, of})
+    {1, 2, 16},
+    // rank 1 block 4: shares 37..37 ({step, share, of})
+    {1, 3, 16},
+    // rank 1 block 5: shares 38..38 ({step, share, of})
+    {1, 4, 16},
+    // rank 1 block 6: shares 39..39 ({step, share, of})
+    {1, 5, 16},
+    // rank 1 block 7: shares 40..40 ({step, share, of})
+    {1, 6, 16},
+    // rank 1 block 8: shares 41..41 ({step, share, of})
+    {1, 7, 16},
+    // rank 1 block 9: shares 42..42 ({step, share, of})
+    {1, 8, 16},
+    // rank 1 block 10: shares 43..43 ({step, share, of})
+    {1, 9, 16},
+    // rank 1 block 11: shares 44..44 ({step, share, of})
+    {1, 10, 16},
+    // rank 1 block 12: shares 45..45 ({step, share, of})
+    {1, 11, 16},
+    // rank 1 block 13: shares 46..46 ({step, share, of})
+    {1, 12, 16},
+    // rank 1 block 14: shares 47..47 ({step, share, of})
+    {1, 13, 16},
+    // rank 1 block 15: shares 48..48 ({step, share, of})
+    {1, 14, 16},
+    // rank 1 block 16: shares 49..49 ({step, share, of})
+    {1, 15, 16},
+    // rank 1 block 17: shares 50..50 ({step, share, of})
+    {2, 0, 16},
+    // rank 1 block 18: shares 51..51 ({step, share, of})
+    {2, 1, 16},
+    // rank 1 block 19: shares 52..52 ({step, share, of})
+    {2, 2, 16},
+    // rank 1 block 20: shares 53..53 ({step, share, of})
+    {2, 3, 16},
+    // rank 1 block 21: shares 54..54 ({step, share, of})
+    {2, 4, 16},
+    // rank 1 block 22: shares 55..55 ({step, share, of})
+    {2, 5, 16},
+    // rank 1 block 23: shares 56..56 ({step, share, of})
+    {2, 6, 16},
+    // rank 1 block 24: shares 57..57 ({step, share, of})
+    {2, 7, 16},
+    // rank 1 block 25: shares 58..58 ({step, share, of})
+    {2, 8, 16},
+    // rank 1 block 26: shares 59..59 ({step, share, of})
+    {2, 9, 16},
+    // rank 1 block 27: shares 60..60 ({step, share, of})
+    {2, 10, 16},
+    // rank 1 block 28: shares 61..61 ({step, share, of})
+    {2, 11, 16},
+    // rank 1 block 29: shares 62..62 ({step, share, of})
+    {2, 12, 16},
+    // rank 1 block 30: shares 63..63 ({step, share, of})
+    {2, 13, 16},
+    // rank 1 block 31: shares 64..64 ({step, share, of})
+    {2, 14, 16},
+    // rank 1 block 32: shares 65..65 ({step, share, of})
+    {2, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
@@ -1281,201 +1347,390 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 0 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 0, 16},  // rank 0 block 17: step 2 share 0/16
-    {2, 1, 16},  // rank 0 block 18: step 2 share 1/16
-    {2, 2, 16},  // rank 0 block 19: step 2 share 2/16
-    {2, 3, 16},  // rank 0 block 20: step 2 share 3/16
-    {2, 4, 16},  // rank 0 block 21: step 2 share 4/16
-    {2, 5, 16},  // rank 0 block 22: step 2 share 5/16
-    {2, 6, 16},  // rank 0 block 23: step 2 share 6/16
-    {2, 7, 16},  // rank 0 block 24: step 2 share 7/16
-    {2, 8, 16},  // rank 0 block 25: step 2 share 8/16
-    {2, 9, 16},  // rank 0 block 26: step 2 share 9/16
-    {2, 10, 16},  // rank 0 block 27: step 2 share 10/16
-    {2, 11, 16},  // rank 0 block 28: step 2 share 11/16
-    {2, 12, 16},  // rank 0 block 29: step 2 share 12/16
-    {2, 13, 16},  // rank 0 block 30: step 2 share 13/16
-    {2, 14, 16},  // rank 0 block 31: step 2 share 14/16
-    {2, 15, 16},  // rank 0 block 32: step 2 share 15/16
-    {3, 0, 16},  // rank 0 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 0 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 0 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 0 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 0 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 0 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 0 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 0 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 0 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 0 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 0 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 0 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 0 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 0 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 0 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 0 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 0 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 0 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 0 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 0 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 0 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 0 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 0 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 0 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 0 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 0 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 0 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 0 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 0 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 0 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 0 block 63: step 4 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 1 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 0, 16},  // rank 1 block 17: step 2 share 0/16
-    {2, 1, 16},  // rank 1 block 18: step 2 share 1/16
-    {2, 2, 16},  // rank 1 block 19: step 2 share 2/16
-    {2, 3, 16},  // rank 1 block 20: step 2 share 3/16
-    {2, 4, 16},  // rank 1 block 21: step 2 share 4/16
-    {2, 5, 16},  // rank 1 block 22: step 2 share 5/16
-    {2, 6, 16},  // rank 1 block 23: step 2 share 6/16
-    {2, 7, 16},  // rank 1 block 24: step 2 share 7/16
-    {2, 8, 16},  // rank 1 block 25: step 2 share 8/16
-    {2, 9, 16},  // rank 1 block 26: step 2 share 9/16
-    {2, 10, 16},  // rank 1 block 27: step 2 share 10/16
-    {2, 11, 16},  // rank 1 block 28: step 2 share 11/16
-    {2, 12, 16},  // rank 1 block 29: step 2 share 12/16
-    {2, 13, 16},  // rank 1 block 30: step 2 share 13/16
-    {2, 14, 16},  // rank 1 block 31: step 2 share 14/16
-    {2, 15, 16},  // rank 1 block 32: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 1 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 1 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 1 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 1 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 1 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 1 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 1 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 1 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 1 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 1 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 1 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 1 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 1 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 1 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 1 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 1 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 1 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 1 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 1 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 1 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 1 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 1 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 1 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 1 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 1 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 1 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 1 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 1 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 1 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 1 block 63: step 4 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 2 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 0, 16},  // rank 2 block 17: step 2 share 0/16
-    {2, 1, 16},  // rank 2 block 18: step 2 share 1/16
-    {2, 2, 16},  // rank 2 block 19: step 2 share 2/16
-    {2, 3, 16},  // rank 2 block 20: step 2 share 3/16
-    {2, 4, 16},  // rank 2 block 21: step 2 share 4/16
-    {2, 5, 16},  // rank 2 block 22: step 2 share 5/16
-    {2, 6, 16},  // rank 2 block 23: step 2 share 6/16
-    {2, 7, 16},  // rank 2 block 24: step 2 share 7/16
-    {2, 8, 16},  // rank 2 block 25: step 2 share 8/16
-    {2, 9, 16},  // rank 2 block 26: step 2 share 9/16
-    {2, 10, 16},  // rank 2 block 27: step 2 share 10/16
-    {2, 11, 16},  // rank 2 block 28: step 2 share 11/16
-    {2, 12, 16},  // rank 2 block 29: step 2 share 12/16
-    {2, 13, 16},  // rank 2 block 30: step 2 share 13/16
-    {2, 14, 16},  // rank 2 block 31: step 2 share 14/16
-    {2, 15, 16},  // rank 2 block 32: step 2 share 15/16
-    {3, 0, 16},  // rank 2 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 2 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 2 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 2 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 2 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 2 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 2 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 2 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 2 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 2 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 2 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 2 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 2 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 2 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 2 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 2 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 2 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 2 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 2 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 2 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 2 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 2 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 2 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 2 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 2 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 2 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 2 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 2 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 2 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 2 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 2 block 63: step 4 share 14/16
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 0 block 1: shares 2..2 ({step, share, of})
+    {1, 0, 16},
+    // rank 0 block 2: shares 3..3 ({step, share, of})
+    {1, 1, 16},
+    // rank 0 block 3: shares 4..4 ({step, share, of})
+    {1, 2, 16},
+    // rank 0 block 4: shares 5..5 ({step, share, of})
+    {1, 3, 16},
+    // rank 0 block 5: shares 6..6 ({step, share, of})
+    {1, 4, 16},
+    // rank 0 block 6: shares 7..7 ({step, share, of})
+    {1, 5, 16},
+    // rank 0 block 7: shares 8..8 ({step, share, of})
+    {1, 6, 16},
+    // rank 0 block 8: shares 9..9 ({step, share, of})
+    {1, 7, 16},
+    // rank 0 block 9: shares 10..10 ({step, share, of})
+    {1, 8, 16},
+    // rank 0 block 10: shares 11..11 ({step, share, of})
+    {1, 9, 16},
+    // rank 0 block 11: shares 12..12 ({step, share, of})
+    {1, 10, 16},
+    // rank 0 block 12: shares 13..13 ({step, share, of})
+    {1, 11, 16},
+    // rank 0 block 13: shares 14..14 ({step, share, of})
+    {1, 12, 16},
+    // rank 0 block 14: shares 15..15 ({step, share, of})
+    {1, 13, 16},
+    // rank 0 block 15: shares 16..16 ({step, share, of})
+    {1, 14, 16},
+    // rank 0 block 16: shares 17..17 ({step, share, of})
+    {1, 15, 16},
+    // rank 0 block 17: shares 18..18 ({step, share, of})
+    {2, 0, 16},
+    // rank 0 block 18: shares 19..19 ({step, share, of})
+    {2, 1, 16},
+    // rank 0 block 19: shares 20..20 ({step, share, of})
+    {2, 2, 16},
+    // rank 0 block 20: shares 21..21 ({step, share, of})
+    {2, 3, 16},
+    // rank 0 block 21: shares 22..22 ({step, share, of})
+    {2, 4, 16},
+    // rank 0 block 22: shares 23..23 ({step, share, of})
+    {2, 5, 16},
+    // rank 0 block 23: shares 24..24 ({step, share, of})
+    {2, 6, 16},
+    // rank 0 block 24: shares 25..25 ({step, share, of})
+    {2, 7, 16},
+    // rank 0 block 25: shares 26..26 ({step, share, of})
+    {2, 8, 16},
+    // rank 0 block 26: shares 27..27 ({step, share, of})
+    {2, 9, 16},
+    // rank 0 block 27: shares 28..28 ({step, share, of})
+    {2, 10, 16},
+    // rank 0 block 28: shares 29..29 ({step, share, of})
+    {2, 11, 16},
+    // rank 0 block 29: shares 30..30 ({step, share, of})
+    {2, 12, 16},
+    // rank 0 block 30: shares 31..31 ({step, share, of})
+    {2, 13, 16},
+    // rank 0 block 31: shares 32..32 ({step, share, of})
+    {2, 14, 16},
+    // rank 0 block 32: shares 33..33 ({step, share, of})
+    {2, 15, 16},
+    // rank 0 block 33: shares 34..34 ({step, share, of})
+    {3, 0, 16},
+    // rank 0 block 34: shares 35..35 ({step, share, of})
+    {3, 1, 16},
+    // rank 0 block 35: shares 36..36 ({step, share, of})
+    {3, 2, 16},
+    // rank 0 block 36: shares 37..37 ({step, share, of})
+    {3, 3, 16},
+    // rank 0 block 37: shares 38..38 ({step, share, of})
+    {3, 4, 16},
+    // rank 0 block 38: shares 39..39 ({step, share, of})
+    {3, 5, 16},
+    // rank 0 block 39: shares 40..40 ({step, share, of})
+    {3, 6, 16},
+    // rank 0 block 40: shares 41..41 ({step, share, of})
+    {3, 7, 16},
+    // rank 0 block 41: shares 42..42 ({step, share, of})
+    {3, 8, 16},
+    // rank 0 block 42: shares 43..43 ({step, share, of})
+    {3, 9, 16},
+    // rank 0 block 43: shares 44..44 ({step, share, of})
+    {3, 10, 16},
+    // rank 0 block 44: shares 45..45 ({step, share, of})
+    {3, 11, 16},
+    // rank 0 block 45: shares 46..46 ({step, share, of})
+    {3, 12, 16},
+    // rank 0 block 46: shares 47..47 ({step, share, of})
+    {3, 13, 16},
+    // rank 0 block 47: shares 48..48 ({step, share, of})
+    {3, 14, 16},
+    // rank 0 block 48: shares 49..49 ({step, share, of})
+    {3, 15, 16},
+    // rank 0 block 49: shares 50..50 ({step, share, of})
+    {4, 0, 16},
+    // rank 0 block 50: shares 51..51 ({step, share, of})
+    {4, 1, 16},
+    // rank 0 block 51: shares 52..52 ({step, share, of})
+    {4, 2, 16},
+    // rank 0 block 52: shares 53..53 ({step, share, of})
+    {4, 3, 16},
+    // rank 0 block 53: shares 54..54 ({step, share, of})
+    {4, 4, 16},
+    // rank 0 block 54: shares 55..55 ({step, share, of})
+    {4, 5, 16},
+    // rank 0 block 55: shares 56..56 ({step, share, of})
+    {4, 6, 16},
+    // rank 0 block 56: shares 57..57 ({step, share, of})
+    {4, 7, 16},
+    // rank 0 block 57: shares 58..58 ({step, share, of})
+    {4, 8, 16},
+    // rank 0 block 58: shares 59..59 ({step, share, of})
+    {4, 9, 16},
+    // rank 0 block 59: shares 60..60 ({step, share, of})
+    {4, 10, 16},
+    // rank 0 block 60: shares 61..61 ({step, share, of})
+    {4, 11, 16},
+    // rank 0 block 61: shares 62..62 ({step, share, of})
+    {4, 12, 16},
+    // rank 0 block 62: shares 63..63 ({step, share, of})
+    {4, 13, 16},
+    // rank 0 block 63: shares 64..64 ({step, share, of})
+    {4, 14, 16},
+    // rank 1 block 0: shares 65..66 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 1 block 1: shares 67..67 ({step, share, of})
+    {1, 0, 16},
+    // rank 1 block 2: shares 68..68 ({step, share, of})
+    {1, 1, 16},
+    // rank 1 block 3: shares 69..69 ({step, share, of})
+    {1, 2, 16},
+    // rank 1 block 4: shares 70..70 ({step, share, of})
+    {1, 3, 16},
+    // rank 1 block 5: shares 71..71 ({step, share, of})
+    {1, 4, 16},
+    // rank 1 block 6: shares 72..72 ({step, share, of})
+    {1, 5, 16},
+    // rank 1 block 7: shares 73..73 ({step, share, of})
+    {1, 6, 16},
+    // rank 1 block 8: shares 74..74 ({step, share, of})
+    {1, 7, 16},
+    // rank 1 block 9: shares 75..75 ({step, share, of})
+    {1, 8, 16},
+    // rank 1 block 10: shares 76..76 ({step, share, of})
+    {1, 9, 16},
+    // rank 1 block 11: shares 77..77 ({step, share, of})
+    {1, 10, 16},
+    // rank 1 block 12: shares 78..78 ({step, share, of})
+    {1, 11, 16},
+    // rank 1 block 13: shares 79..79 ({step, share, of})
+    {1, 12, 16},
+    // rank 1 block 14: shares 80..80 ({step, share, of})
+    {1, 13, 16},
+    // rank 1 block 15: shares 81..81 ({step, share, of})
+    {1, 14, 16},
+    // rank 1 block 16: shares 82..82 ({step, share, of})
+    {1, 15, 16},
+    // rank 1 block 17: shares 83..83 ({step, share, of})
+    {2, 0, 16},
+    // rank 1 block 18: shares 84..84 ({step, share, of})
+    {2, 1, 16},
+    // rank 1 block 19: shares 85..85 ({step, share, of})
+    {2, 2, 16},
+    // rank 1 block 20: shares 86..86 ({step, share, of})
+    {2, 3, 16},
+    // rank 1 block 21: shares 87..87 ({step, share, of})
+    {2, 4, 16},
+    // rank 1 block 22: shares 88..88 ({step, share, of})
+    {2, 5, 16},
+    // rank 1 block 23: shares 89..89 ({step, share, of})
+    {2, 6, 16},
+    // rank 1 block 24: shares 90..90 ({step, share, of})
+    {2, 7, 16},
+    // rank 1 block 25: shares 91..91 ({step, share, of})
+    {2, 8, 16},
+    // rank 1 block 26: shares 92..92 ({step, share, of})
+    {2, 9, 16},
+    // rank 1 block 27: shares 93..93 ({step, share, of})
+    {2, 10, 16},
+    // rank 1 block 28: shares 94..94 ({step, share, of})
+    {2, 11, 16},
+    // rank 1 block 29: shares 95..95 ({step, share, of})
+    {2, 12, 16},
+    // rank 1 block 30: shares 96..96 ({step, share, of})
+    {2, 13, 16},
+    // rank 1 block 31: shares 97..97 ({step, share, of})
+    {2, 14, 16},
+    // rank 1 block 32: shares 98..98 ({step, share, of})
+    {2, 15, 16},
+    // rank 1 block 33: shares 99..99 ({step, share, of})
+    {3, 0, 16},
+    // rank 1 block 34: shares 100..100 ({step, share, of})
+    {3, 1, 16},
+    // rank 1 block 35: shares 101..101 ({step, share, of})
+    {3, 2, 16},
+    // rank 1 block 36: shares 102..102 ({step, share, of})
+    {3, 3, 16},
+    // rank 1 block 37: shares 103..103 ({step, share, of})
+    {3, 4, 16},
+    // rank 1 block 38: shares 104..104 ({step, share, of})
+    {3, 5, 16},
+    // rank 1 block 39: shares 105..105 ({step, share, of})
+    {3, 6, 16},
+    // rank 1 block 40: shares 106..106 ({step, share, of})
+    {3, 7, 16},
+    // rank 1 block 41: shares 107..107 ({step, share, of})
+    {3, 8, 16},
+    // rank 1 block 42: shares 108..108 ({step, share, of})
+    {3, 9, 16},
+    // rank 1 block 43: shares 109..109 ({step, share, of})
+    {3, 10, 16},
+    // rank 1 block 44: shares 110..110 ({step, share, of})
+    {3, 11, 16},
+    // rank 1 block 45: shares 111..111 ({step, share, of})
+    {3, 12, 16},
+    // rank 1 block 46: shares 112..112 ({step, share, of})
+    {3, 13, 16},
+    // rank 1 block 47: shares 113..113 ({step, share, of})
+    {3, 14, 16},
+    // rank 1 block 48: shares 114..114 ({step, share, of})
+    {3, 15, 16},
+    // rank 1 block 49: shares 115..115 ({step, share, of})
+    {4, 0, 16},
+    // rank 1 block 50: shares 116..116 ({step, share, of})
+    {4, 1, 16},
+    // rank 1 block 51: shares 117..117 ({step, share, of})
+    {4, 2, 16},
+    // rank 1 block 52: shares 118..118 ({step, share, of})
+    {4, 3, 16},
+    // rank 1 block 53: shares 119..119 ({step, share, of})
+    {4, 4, 16},
+    // rank 1 block 54: shares 120..120 ({step, share, of})
+    {4, 5, 16},
+    // rank 1 block 55: shares 121..121 ({step, share, of})
+    {4, 6, 16},
+    // rank 1 block 56: shares 122..122 ({step, share, of})
+    {4, 7, 16},
+    // rank 1 block 57: shares 123..123 ({step, share, of})
+    {4, 8, 16},
+    // rank 1 block 58: shares 124..124 ({step, share, of})
+    {4, 9, 16},
+    // rank 1 block 59: shares 125..125 ({step, share, of})
+    {4, 10, 16},
+    // rank 1 block 60: shares 126..126 ({step, share, of})
+    {4, 11, 16},
+    // rank 1 block 61: shares 127..127 ({step, share, of})
+    {4, 12, 16},
+    // rank 1 block 62: shares 128..128 ({step, share, of})
+    {4, 13, 16},
+    // rank 1 block 63: shares 129..129 ({step, share, of})
+    {4, 14, 16},
+    // rank 2 block 0: shares 130..131 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 2 block 1: shares 132..132 ({step, share, of})
+    {1, 0, 16},
+    // rank 2 block 2: shares 133..133 ({step, share, of})
+    {1, 1, 16},
+    // rank 2 block 3: shares 134..134 ({step, share, of})
+    {1, 2, 16},
+    // rank 2 block 4: shares 135..135 ({step, share, of})
+    {1, 3, 16},
+    // rank 2 block 5: shares 136..136 ({step, share, of})
+    {1, 4, 16},
+    // rank 2 block 6: shares 137..137 ({step, share, of})
+    {1, 5, 16},
+    // rank 2 block 7: shares 138..138 ({step, share, of})
+    {1, 6, 16},
+    // rank 2 block 8: shares 139..139 ({step, share, of})
+    {1, 7, 16},
+    // rank 2 block 9: shares 140..140 ({step, share, of})
+    {1, 8, 16},
+    // rank 2 block 10: shares 141..141 ({step, share, of})
+    {1, 9, 16},
+    // rank 2 block 11: shares 142..142 ({step, share, of})
+    {1, 10, 16},
+    // rank 2 block 12: shares 143..143 ({step, share, of})
+    {1, 11, 16},
+    // rank 2 block 13: shares 144..144 ({step, share, of})
+    {1, 12, 16},
+    // rank 2 block 14: shares 145..145 ({step, share, of})
+    {1, 13, 16},
+    // rank 2 block 15: shares 146..146 ({step, share, of})
+    {1, 14, 16},
+    // rank 2 block 16: shares 147..147 ({step, share, of})
+    {1, 15, 16},
+    // rank 2 block 17: shares 148..148 ({step, share, of})
+    {2, 0, 16},
+    // rank 2 block 18: shares 149..149 ({step, share, of})
+    {2, 1, 16},
+    // rank 2 block 19: shares 150..150 ({step, share, of})
+    {2, 2, 16},
+    // rank 2 block 20: shares 151..151 ({step, share, of})
+    {2, 3, 16},
+    // rank 2 block 21: shares 152..152 ({step, share, of})
+    {2, 4, 16},
+    // rank 2 block 22: shares 153..153 ({step, share, of})
+    {2, 5, 16},
+    // rank 2 block 23: shares 154..154 ({step, share, of})
+    {2, 6, 16},
+    // rank 2 block 24: shares 155..155 ({step, share, of})
+    {2, 7, 16},
+    // rank 2 block 25: shares 156..156 ({step, share, of})
+    {2, 8, 16},
+    // rank 2 block 26: shares 157..157 ({step, share, of})
+    {2, 9, 16},
+    // rank 2 block 27: shares 158..158 ({step, share, of})
+    {2, 10, 16},
+    // rank 2 block 28: shares 159..159 ({step, share, of})
+    {2, 11, 16},
+    // rank 2 block 29: shares 160..160 ({step, share, of})
+    {2, 12, 16},
+    // rank 2 block 30: shares 161..161 ({step, share, of})
+    {2, 13, 16},
+    // rank 2 block 31: shares 162..162 ({step, share, of})
+    {2, 14, 16},
+    // rank 2 block 32: shares 163..163 ({step, share, of})
+    {2, 15, 16},
+    // rank 2 block 33: shares 164..164 ({step, share, of})
+    {3, 0, 16},
+    // rank 2 block 34: shares 165..165 ({step, share, of})
+    {3, 1, 16},
+    // rank 2 block 35: shares 166..166 ({step, share, of})
+    {3, 2, 16},
+    // rank 2 block 36: shares 167..167 ({step, share, of})
+    {3, 3, 16},
+    // rank 2 block 37: shares 168..168 ({step, share, of})
+    {3, 4, 16},
+    // rank 2 block 38: shares 169..169 ({step, share, of})
+    {3, 5, 16},
+    // rank 2 block 39: shares 170..170 ({step, share, of})
+    {3, 6, 16},
+    // rank 2 block 40: shares 171..171 ({step, share, of})
+    {3, 7, 16},
+    // rank 2 block 41: shares 172..172 ({step, share, of})
+    {3, 8, 16},
+    // rank 2 block 42: shares 173..173 ({step, share, of})
+    {3, 9, 16},
+    // rank 2 block 43: shares 174..174 ({step, share, of})
+    {3, 10, 16},
+    // rank 2 block 44: shares 175..175 ({step, share, of})
+    {3, 11, 16},
+    // rank 2 block 45: shares 176..176 ({step, share, of})
+    {3, 12, 16},
+    // rank 2 block 46: shares 177..177 ({step, share, of})
+    {3, 13, 16},
+    // rank 2 block 47: shares 178..178 ({step, share, of})
+    {3, 14, 16},
+    // rank 2 block 48: shares 179..179 ({step, share, of})
+    {3, 15, 16},
+    // rank 2 block 49: shares 180..180 ({step, share, of})
+    {4, 0, 16},
+    // rank 2 block 50: shares 181..181 ({step, share, of})
+    {4, 1, 16},
+    // rank 2 block 51: shares 182..182 ({step, share, of})
+    {4, 2, 16},
+    // rank 2 block 52: shares 183..183 ({step, share, of})
+    {4, 3, 16},
+    // rank 2 block 53: shares 184..184 ({step, share, of})
+    {4, 4, 16},
+    // rank 2 block 54: shares 185..185 ({step, share, of})
+    {4, 5, 16},
+    // rank 2 block 55: shares 186..186 ({step, share, of})
+    {4, 6, 16},
+    // rank 2 block 56: shares 187..187 ({step, share, of})
+    {4, 7, 16},
+    // rank 2 block 57: shares 188..188 ({step, share, of})
+    {4, 8, 16},
+    // rank 2 block 58: shares 189..189 ({step, share, of})
+    {4, 9, 16},
+    // rank 2 block 59: shares 190..190 ({step, share, of})
+    {4, 10, 16},
+    // rank 2 block 60: shares 191..191 ({step, share, of})
+    {4, 11, 16},
+    // rank 2 block 61: shares 192..192 ({step, share, of})
+    {4, 12, 16},
+    // rank 2 block 62: shares 193..193 ({step, share, of})
+    {4, 13, 16},
+    // rank 2 block 63: shares 194..194 ({step, share, of})
+    {4, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
@@ -1548,394 +1803,518 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 7, 14, 21 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 0 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 0 block 1: step 5 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 0 block 2: step 5 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 0 block 3: step 5 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 0 block 4: step 5 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 0 block 5: step 5 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 0 block 6: step 5 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 0 block 7: step 5 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 0 block 8: step 5 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 0 block 9: step 5 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 0 block 10: step 5 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 0 block 11: step 5 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 0 block 12: step 5 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 0 block 13: step 5 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 0 block 14: step 5 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 0 block 15: step 5 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 0 block 16: step 5 share 15/16
-    {2, 0, 16},  // rank 0 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 0 block 17: step 6 share 0/16
-    {2, 1, 16},  // rank 0 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 0 block 18: step 6 share 1/16
-    {2, 2, 16},  // rank 0 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 0 block 19: step 6 share 2/16
-    {2, 3, 16},  // rank 0 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 0 block 20: step 6 share 3/16
-    {2, 4, 16},  // rank 0 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 0 block 21: step 6 share 4/16
-    {2, 5, 16},  // rank 0 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 0 block 22: step 6 share 5/16
-    {2, 6, 16},  // rank 0 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 0 block 23: step 6 share 6/16
-    {2, 7, 16},  // rank 0 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 0 block 24: step 6 share 7/16
-    {2, 8, 16},  // rank 0 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 0 block 25: step 6 share 8/16
-    {2, 9, 16},  // rank 0 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 0 block 26: step 6 share 9/16
-    {2, 10, 16},  // rank 0 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 0 block 27: step 6 share 10/16
-    {2, 11, 16},  // rank 0 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 0 block 28: step 6 share 11/16
-    {2, 12, 16},  // rank 0 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 0 block 29: step 6 share 12/16
-    {2, 13, 16},  // rank 0 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 0 block 30: step 6 share 13/16
-    {2, 14, 16},  // rank 0 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 0 block 31: step 6 share 14/16
-    {2, 15, 16},  // rank 0 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 0 block 32: step 6 share 15/16
-    {3, 0, 16},  // rank 0 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 0 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 0 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 0 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 0 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 0 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 0 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 0 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 0 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 0 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 0 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 0 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 0 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 0 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 0 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 0 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 0 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 0 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 0 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 0 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 0 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 0 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 0 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 0 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 0 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 0 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 0 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 0 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 0 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 0 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 0 block 63: step 4 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 1 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 1 block 1: step 5 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 1 block 2: step 5 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 1 block 3: step 5 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 1 block 4: step 5 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 1 block 5: step 5 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 1 block 6: step 5 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 1 block 7: step 5 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 1 block 8: step 5 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 1 block 9: step 5 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 1 block 10: step 5 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 1 block 11: step 5 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 1 block 12: step 5 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 1 block 13: step 5 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 1 block 14: step 5 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 1 block 15: step 5 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 1 block 16: step 5 share 15/16
-    {2, 0, 16},  // rank 1 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 1 block 17: step 6 share 0/16
-    {2, 1, 16},  // rank 1 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 1 block 18: step 6 share 1/16
-    {2, 2, 16},  // rank 1 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 1 block 19: step 6 share 2/16
-    {2, 3, 16},  // rank 1 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 1 block 20: step 6 share 3/16
-    {2, 4, 16},  // rank 1 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 1 block 21: step 6 share 4/16
-    {2, 5, 16},  // rank 1 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 1 block 22: step 6 share 5/16
-    {2, 6, 16},  // rank 1 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 1 block 23: step 6 share 6/16
-    {2, 7, 16},  // rank 1 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 1 block 24: step 6 share 7/16
-    {2, 8, 16},  // rank 1 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 1 block 25: step 6 share 8/16
-    {2, 9, 16},  // rank 1 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 1 block 26: step 6 share 9/16
-    {2, 10, 16},  // rank 1 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 1 block 27: step 6 share 10/16
-    {2, 11, 16},  // rank 1 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 1 block 28: step 6 share 11/16
-    {2, 12, 16},  // rank 1 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 1 block 29: step 6 share 12/16
-    {2, 13, 16},  // rank 1 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 1 block 30: step 6 share 13/16
-    {2, 14, 16},  // rank 1 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 1 block 31: step 6 share 14/16
-    {2, 15, 16},  // rank 1 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 1 block 32: step 6 share 15/16
-    {3, 0, 16},  // rank 1 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 1 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 1 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 1 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 1 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 1 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 1 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 1 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 1 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 1 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 1 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 1 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 1 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 1 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 1 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 1 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 1 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 1 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 1 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 1 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 1 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 1 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 1 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 1 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 1 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 1 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 1 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 1 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 1 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 1 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 1 block 63: step 4 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 2 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 2 block 1: step 5 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 2 block 2: step 5 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 2 block 3: step 5 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 2 block 4: step 5 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 2 block 5: step 5 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 2 block 6: step 5 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 2 block 7: step 5 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 2 block 8: step 5 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 2 block 9: step 5 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 2 block 10: step 5 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 2 block 11: step 5 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 2 block 12: step 5 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 2 block 13: step 5 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 2 block 14: step 5 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 2 block 15: step 5 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 2 block 16: step 5 share 15/16
-    {2, 0, 16},  // rank 2 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 2 block 17: step 6 share 0/16
-    {2, 1, 16},  // rank 2 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 2 block 18: step 6 share 1/16
-    {2, 2, 16},  // rank 2 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 2 block 19: step 6 share 2/16
-    {2, 3, 16},  // rank 2 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 2 block 20: step 6 share 3/16
-    {2, 4, 16},  // rank 2 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 2 block 21: step 6 share 4/16
-    {2, 5, 16},  // rank 2 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 2 block 22: step 6 share 5/16
-    {2, 6, 16},  // rank 2 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 2 block 23: step 6 share 6/16
-    {2, 7, 16},  // rank 2 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 2 block 24: step 6 share 7/16
-    {2, 8, 16},  // rank 2 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 2 block 25: step 6 share 8/16
-    {2, 9, 16},  // rank 2 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 2 block 26: step 6 share 9/16
-    {2, 10, 16},  // rank 2 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 2 block 27: step 6 share 10/16
-    {2, 11, 16},  // rank 2 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 2 block 28: step 6 share 11/16
-    {2, 12, 16},  // rank 2 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 2 block 29: step 6 share 12/16
-    {2, 13, 16},  // rank 2 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 2 block 30: step 6 share 13/16
-    {2, 14, 16},  // rank 2 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 2 block 31: step 6 share 14/16
-    {2, 15, 16},  // rank 2 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 2 block 32: step 6 share 15/16
-    {3, 0, 16},  // rank 2 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 2 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 2 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 2 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 2 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 2 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 2 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 2 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 2 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 2 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 2 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 2 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 2 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 2 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 2 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 2 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 2 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 2 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 2 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 2 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 2 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 2 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 2 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 2 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 2 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 2 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 2 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 2 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 2 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 2 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 2 block 63: step 4 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 3 block 0: step 4 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 3 block 1: step 5 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 3 block 2: step 5 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 3 block 3: step 5 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 3 block 4: step 5 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 3 block 5: step 5 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 3 block 6: step 5 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 3 block 7: step 5 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 3 block 8: step 5 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 3 block 9: step 5 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 3 block 10: step 5 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 3 block 11: step 5 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 3 block 12: step 5 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 3 block 13: step 5 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 3 block 14: step 5 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 3 block 15: step 5 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 3 block 16: step 5 share 15/16
-    {2, 0, 16},  // rank 3 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 3 block 17: step 6 share 0/16
-    {2, 1, 16},  // rank 3 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 3 block 18: step 6 share 1/16
-    {2, 2, 16},  // rank 3 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 3 block 19: step 6 share 2/16
-    {2, 3, 16},  // rank 3 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 3 block 20: step 6 share 3/16
-    {2, 4, 16},  // rank 3 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 3 block 21: step 6 share 4/16
-    {2, 5, 16},  // rank 3 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 3 block 22: step 6 share 5/16
-    {2, 6, 16},  // rank 3 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 3 block 23: step 6 share 6/16
-    {2, 7, 16},  // rank 3 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 3 block 24: step 6 share 7/16
-    {2, 8, 16},  // rank 3 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 3 block 25: step 6 share 8/16
-    {2, 9, 16},  // rank 3 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 3 block 26: step 6 share 9/16
-    {2, 10, 16},  // rank 3 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 3 block 27: step 6 share 10/16
-    {2, 11, 16},  // rank 3 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 3 block 28: step 6 share 11/16
-    {2, 12, 16},  // rank 3 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 3 block 29: step 6 share 12/16
-    {2, 13, 16},  // rank 3 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 3 block 30: step 6 share 13/16
-    {2, 14, 16},  // rank 3 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 3 block 31: step 6 share 14/16
-    {2, 15, 16},  // rank 3 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 3 block 32: step 6 share 15/16
-    {3, 0, 16},  // rank 3 block 33: step 3 share 0/16
-    {3, 1, 16},  // rank 3 block 34: step 3 share 1/16
-    {3, 2, 16},  // rank 3 block 35: step 3 share 2/16
-    {3, 3, 16},  // rank 3 block 36: step 3 share 3/16
-    {3, 4, 16},  // rank 3 block 37: step 3 share 4/16
-    {3, 5, 16},  // rank 3 block 38: step 3 share 5/16
-    {3, 6, 16},  // rank 3 block 39: step 3 share 6/16
-    {3, 7, 16},  // rank 3 block 40: step 3 share 7/16
-    {3, 8, 16},  // rank 3 block 41: step 3 share 8/16
-    {3, 9, 16},  // rank 3 block 42: step 3 share 9/16
-    {3, 10, 16},  // rank 3 block 43: step 3 share 10/16
-    {3, 11, 16},  // rank 3 block 44: step 3 share 11/16
-    {3, 12, 16},  // rank 3 block 45: step 3 share 12/16
-    {3, 13, 16},  // rank 3 block 46: step 3 share 13/16
-    {3, 14, 16},  // rank 3 block 47: step 3 share 14/16
-    {3, 15, 16},  // rank 3 block 48: step 3 share 15/16
-    {4, 0, 16},  // rank 3 block 49: step 4 share 0/16
-    {4, 1, 16},  // rank 3 block 50: step 4 share 1/16
-    {4, 2, 16},  // rank 3 block 51: step 4 share 2/16
-    {4, 3, 16},  // rank 3 block 52: step 4 share 3/16
-    {4, 4, 16},  // rank 3 block 53: step 4 share 4/16
-    {4, 5, 16},  // rank 3 block 54: step 4 share 5/16
-    {4, 6, 16},  // rank 3 block 55: step 4 share 6/16
-    {4, 7, 16},  // rank 3 block 56: step 4 share 7/16
-    {4, 8, 16},  // rank 3 block 57: step 4 share 8/16
-    {4, 9, 16},  // rank 3 block 58: step 4 share 9/16
-    {4, 10, 16},  // rank 3 block 59: step 4 share 10/16
-    {4, 11, 16},  // rank 3 block 60: step 4 share 11/16
-    {4, 12, 16},  // rank 3 block 61: step 4 share 12/16
-    {4, 13, 16},  // rank 3 block 62: step 4 share 13/16
-    {4, 14, 16},  // rank 3 block 63: step 4 share 14/16
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 0 block 1: shares 2..3 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16},
+    // rank 0 block 2: shares 4..5 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16},
+    // rank 0 block 3: shares 6..7 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16},
+    // rank 0 block 4: shares 8..9 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16},
+    // rank 0 block 5: shares 10..11 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16},
+    // rank 0 block 6: shares 12..13 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16},
+    // rank 0 block 7: shares 14..15 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16},
+    // rank 0 block 8: shares 16..17 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16},
+    // rank 0 block 9: shares 18..19 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16},
+    // rank 0 block 10: shares 20..21 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16},
+    // rank 0 block 11: shares 22..23 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16},
+    // rank 0 block 12: shares 24..25 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16},
+    // rank 0 block 13: shares 26..27 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16},
+    // rank 0 block 14: shares 28..29 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16},
+    // rank 0 block 15: shares 30..31 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16},
+    // rank 0 block 16: shares 32..33 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16},
+    // rank 0 block 17: shares 34..35 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16},
+    // rank 0 block 18: shares 36..37 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16},
+    // rank 0 block 19: shares 38..39 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16},
+    // rank 0 block 20: shares 40..41 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16},
+    // rank 0 block 21: shares 42..43 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16},
+    // rank 0 block 22: shares 44..45 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16},
+    // rank 0 block 23: shares 46..47 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16},
+    // rank 0 block 24: shares 48..49 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16},
+    // rank 0 block 25: shares 50..51 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16},
+    // rank 0 block 26: shares 52..53 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16},
+    // rank 0 block 27: shares 54..55 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16},
+    // rank 0 block 28: shares 56..57 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16},
+    // rank 0 block 29: shares 58..59 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16},
+    // rank 0 block 30: shares 60..61 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16},
+    // rank 0 block 31: shares 62..63 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16},
+    // rank 0 block 32: shares 64..65 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16},
+    // rank 0 block 33: shares 66..66 ({step, share, of})
+    {3, 0, 16},
+    // rank 0 block 34: shares 67..67 ({step, share, of})
+    {3, 1, 16},
+    // rank 0 block 35: shares 68..68 ({step, share, of})
+    {3, 2, 16},
+    // rank 0 block 36: shares 69..69 ({step, share, of})
+    {3, 3, 16},
+    // rank 0 block 37: shares 70..70 ({step, share, of})
+    {3, 4, 16},
+    // rank 0 block 38: shares 71..71 ({step, share, of})
+    {3, 5, 16},
+    // rank 0 block 39: shares 72..72 ({step, share, of})
+    {3, 6, 16},
+    // rank 0 block 40: shares 73..73 ({step, share, of})
+    {3, 7, 16},
+    // rank 0 block 41: shares 74..74 ({step, share, of})
+    {3, 8, 16},
+    // rank 0 block 42: shares 75..75 ({step, share, of})
+    {3, 9, 16},
+    // rank 0 block 43: shares 76..76 ({step, share, of})
+    {3, 10, 16},
+    // rank 0 block 44: shares 77..77 ({step, share, of})
+    {3, 11, 16},
+    // rank 0 block 45: shares 78..78 ({step, share, of})
+    {3, 12, 16},
+    // rank 0 block 46: shares 79..79 ({step, share, of})
+    {3, 13, 16},
+    // rank 0 block 47: shares 80..80 ({step, share, of})
+    {3, 14, 16},
+    // rank 0 block 48: shares 81..81 ({step, share, of})
+    {3, 15, 16},
+    // rank 0 block 49: shares 82..82 ({step, share, of})
+    {4, 0, 16},
+    // rank 0 block 50: shares 83..83 ({step, share, of})
+    {4, 1, 16},
+    // rank 0 block 51: shares 84..84 ({step, share, of})
+    {4, 2, 16},
+    // rank 0 block 52: shares 85..85 ({step, share, of})
+    {4, 3, 16},
+    // rank 0 block 53: shares 86..86 ({step, share, of})
+    {4, 4, 16},
+    // rank 0 block 54: shares 87..87 ({step, share, of})
+    {4, 5, 16},
+    // rank 0 block 55: shares 88..88 ({step, share, of})
+    {4, 6, 16},
+    // rank 0 block 56: shares 89..89 ({step, share, of})
+    {4, 7, 16},
+    // rank 0 block 57: shares 90..90 ({step, share, of})
+    {4, 8, 16},
+    // rank 0 block 58: shares 91..91 ({step, share, of})
+    {4, 9, 16},
+    // rank 0 block 59: shares 92..92 ({step, share, of})
+    {4, 10, 16},
+    // rank 0 block 60: shares 93..93 ({step, share, of})
+    {4, 11, 16},
+    // rank 0 block 61: shares 94..94 ({step, share, of})
+    {4, 12, 16},
+    // rank 0 block 62: shares 95..95 ({step, share, of})
+    {4, 13, 16},
+    // rank 0 block 63: shares 96..96 ({step, share, of})
+    {4, 14, 16},
+    // rank 1 block 0: shares 97..98 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 1 block 1: shares 99..100 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16},
+    // rank 1 block 2: shares 101..102 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16},
+    // rank 1 block 3: shares 103..104 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16},
+    // rank 1 block 4: shares 105..106 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16},
+    // rank 1 block 5: shares 107..108 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16},
+    // rank 1 block 6: shares 109..110 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16},
+    // rank 1 block 7: shares 111..112 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16},
+    // rank 1 block 8: shares 113..114 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16},
+    // rank 1 block 9: shares 115..116 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16},
+    // rank 1 block 10: shares 117..118 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16},
+    // rank 1 block 11: shares 119..120 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16},
+    // rank 1 block 12: shares 121..122 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16},
+    // rank 1 block 13: shares 123..124 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16},
+    // rank 1 block 14: shares 125..126 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16},
+    // rank 1 block 15: shares 127..128 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16},
+    // rank 1 block 16: shares 129..130 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16},
+    // rank 1 block 17: shares 131..132 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16},
+    // rank 1 block 18: shares 133..134 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16},
+    // rank 1 block 19: shares 135..136 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16},
+    // rank 1 block 20: shares 137..138 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16},
+    // rank 1 block 21: shares 139..140 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16},
+    // rank 1 block 22: shares 141..142 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16},
+    // rank 1 block 23: shares 143..144 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16},
+    // rank 1 block 24: shares 145..146 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16},
+    // rank 1 block 25: shares 147..148 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16},
+    // rank 1 block 26: shares 149..150 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16},
+    // rank 1 block 27: shares 151..152 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16},
+    // rank 1 block 28: shares 153..154 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16},
+    // rank 1 block 29: shares 155..156 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16},
+    // rank 1 block 30: shares 157..158 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16},
+    // rank 1 block 31: shares 159..160 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16},
+    // rank 1 block 32: shares 161..162 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16},
+    // rank 1 block 33: shares 163..163 ({step, share, of})
+    {3, 0, 16},
+    // rank 1 block 34: shares 164..164 ({step, share, of})
+    {3, 1, 16},
+    // rank 1 block 35: shares 165..165 ({step, share, of})
+    {3, 2, 16},
+    // rank 1 block 36: shares 166..166 ({step, share, of})
+    {3, 3, 16},
+    // rank 1 block 37: shares 167..167 ({step, share, of})
+    {3, 4, 16},
+    // rank 1 block 38: shares 168..168 ({step, share, of})
+    {3, 5, 16},
+    // rank 1 block 39: shares 169..169 ({step, share, of})
+    {3, 6, 16},
+    // rank 1 block 40: shares 170..170 ({step, share, of})
+    {3, 7, 16},
+    // rank 1 block 41: shares 171..171 ({step, share, of})
+    {3, 8, 16},
+    // rank 1 block 42: shares 172..172 ({step, share, of})
+    {3, 9, 16},
+    // rank 1 block 43: shares 173..173 ({step, share, of})
+    {3, 10, 16},
+    // rank 1 block 44: shares 174..174 ({step, share, of})
+    {3, 11, 16},
+    // rank 1 block 45: shares 175..175 ({step, share, of})
+    {3, 12, 16},
+    // rank 1 block 46: shares 176..176 ({step, share, of})
+    {3, 13, 16},
+    // rank 1 block 47: shares 177..177 ({step, share, of})
+    {3, 14, 16},
+    // rank 1 block 48: shares 178..178 ({step, share, of})
+    {3, 15, 16},
+    // rank 1 block 49: shares 179..179 ({step, share, of})
+    {4, 0, 16},
+    // rank 1 block 50: shares 180..180 ({step, share, of})
+    {4, 1, 16},
+    // rank 1 block 51: shares 181..181 ({step, share, of})
+    {4, 2, 16},
+    // rank 1 block 52: shares 182..182 ({step, share, of})
+    {4, 3, 16},
+    // rank 1 block 53: shares 183..183 ({step, share, of})
+    {4, 4, 16},
+    // rank 1 block 54: shares 184..184 ({step, share, of})
+    {4, 5, 16},
+    // rank 1 block 55: shares 185..185 ({step, share, of})
+    {4, 6, 16},
+    // rank 1 block 56: shares 186..186 ({step, share, of})
+    {4, 7, 16},
+    // rank 1 block 57: shares 187..187 ({step, share, of})
+    {4, 8, 16},
+    // rank 1 block 58: shares 188..188 ({step, share, of})
+    {4, 9, 16},
+    // rank 1 block 59: shares 189..189 ({step, share, of})
+    {4, 10, 16},
+    // rank 1 block 60: shares 190..190 ({step, share, of})
+    {4, 11, 16},
+    // rank 1 block 61: shares 191..191 ({step, share, of})
+    {4, 12, 16},
+    // rank 1 block 62: shares 192..192 ({step, share, of})
+    {4, 13, 16},
+    // rank 1 block 63: shares 193..193 ({step, share, of})
+    {4, 14, 16},
+    // rank 2 block 0: shares 194..195 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 2 block 1: shares 196..197 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16},
+    // rank 2 block 2: shares 198..199 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16},
+    // rank 2 block 3: shares 200..201 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16},
+    // rank 2 block 4: shares 202..203 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16},
+    // rank 2 block 5: shares 204..205 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16},
+    // rank 2 block 6: shares 206..207 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16},
+    // rank 2 block 7: shares 208..209 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16},
+    // rank 2 block 8: shares 210..211 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16},
+    // rank 2 block 9: shares 212..213 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16},
+    // rank 2 block 10: shares 214..215 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16},
+    // rank 2 block 11: shares 216..217 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16},
+    // rank 2 block 12: shares 218..219 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16},
+    // rank 2 block 13: shares 220..221 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16},
+    // rank 2 block 14: shares 222..223 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16},
+    // rank 2 block 15: shares 224..225 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16},
+    // rank 2 block 16: shares 226..227 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16},
+    // rank 2 block 17: shares 228..229 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16},
+    // rank 2 block 18: shares 230..231 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16},
+    // rank 2 block 19: shares 232..233 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16},
+    // rank 2 block 20: shares 234..235 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16},
+    // rank 2 block 21: shares 236..237 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16},
+    // rank 2 block 22: shares 238..239 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16},
+    // rank 2 block 23: shares 240..241 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16},
+    // rank 2 block 24: shares 242..243 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16},
+    // rank 2 block 25: shares 244..245 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16},
+    // rank 2 block 26: shares 246..247 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16},
+    // rank 2 block 27: shares 248..249 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16},
+    // rank 2 block 28: shares 250..251 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16},
+    // rank 2 block 29: shares 252..253 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16},
+    // rank 2 block 30: shares 254..255 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16},
+    // rank 2 block 31: shares 256..257 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16},
+    // rank 2 block 32: shares 258..259 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16},
+    // rank 2 block 33: shares 260..260 ({step, share, of})
+    {3, 0, 16},
+    // rank 2 block 34: shares 261..261 ({step, share, of})
+    {3, 1, 16},
+    // rank 2 block 35: shares 262..262 ({step, share, of})
+    {3, 2, 16},
+    // rank 2 block 36: shares 263..263 ({step, share, of})
+    {3, 3, 16},
+    // rank 2 block 37: shares 264..264 ({step, share, of})
+    {3, 4, 16},
+    // rank 2 block 38: shares 265..265 ({step, share, of})
+    {3, 5, 16},
+    // rank 2 block 39: shares 266..266 ({step, share, of})
+    {3, 6, 16},
+    // rank 2 block 40: shares 267..267 ({step, share, of})
+    {3, 7, 16},
+    // rank 2 block 41: shares 268..268 ({step, share, of})
+    {3, 8, 16},
+    // rank 2 block 42: shares 269..269 ({step, share, of})
+    {3, 9, 16},
+    // rank 2 block 43: shares 270..270 ({step, share, of})
+    {3, 10, 16},
+    // rank 2 block 44: shares 271..271 ({step, share, of})
+    {3, 11, 16},
+    // rank 2 block 45: shares 272..272 ({step, share, of})
+    {3, 12, 16},
+    // rank 2 block 46: shares 273..273 ({step, share, of})
+    {3, 13, 16},
+    // rank 2 block 47: shares 274..274 ({step, share, of})
+    {3, 14, 16},
+    // rank 2 block 48: shares 275..275 ({step, share, of})
+    {3, 15, 16},
+    // rank 2 block 49: shares 276..276 ({step, share, of})
+    {4, 0, 16},
+    // rank 2 block 50: shares 277..277 ({step, share, of})
+    {4, 1, 16},
+    // rank 2 block 51: shares 278..278 ({step, share, of})
+    {4, 2, 16},
+    // rank 2 block 52: shares 279..279 ({step, share, of})
+    {4, 3, 16},
+    // rank 2 block 53: shares 280..280 ({step, share, of})
+    {4, 4, 16},
+    // rank 2 block 54: shares 281..281 ({step, share, of})
+    {4, 5, 16},
+    // rank 2 block 55: shares 282..282 ({step, share, of})
+    {4, 6, 16},
+    // rank 2 block 56: shares 283..283 ({step, share, of})
+    {4, 7, 16},
+    // rank 2 block 57: shares 284..284 ({step, share, of})
+    {4, 8, 16},
+    // rank 2 block 58: shares 285..285 ({step, share, of})
+    {4, 9, 16},
+    // rank 2 block 59: shares 286..286 ({step, share, of})
+    {4, 10, 16},
+    // rank 2 block 60: shares 287..287 ({step, share, of})
+    {4, 11, 16},
+    // rank 2 block 61: shares 288..288 ({step, share, of})
+    {4, 12, 16},
+    // rank 2 block 62: shares 289..289 ({step, share, of})
+    {4, 13, 16},
+    // rank 2 block 63: shares 290..290 ({step, share, of})
+    {4, 14, 16},
+    // rank 3 block 0: shares 291..292 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16},
+    // rank 3 block 1: shares 293..294 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16},
+    // rank 3 block 2: shares 295..296 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16},
+    // rank 3 block 3: shares 297..298 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16},
+    // rank 3 block 4: shares 299..300 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16},
+    // rank 3 block 5: shares 301..302 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16},
+    // rank 3 block 6: shares 303..304 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16},
+    // rank 3 block 7: shares 305..306 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16},
+    // rank 3 block 8: shares 307..308 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16},
+    // rank 3 block 9: shares 309..310 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16},
+    // rank 3 block 10: shares 311..312 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16},
+    // rank 3 block 11: shares 313..314 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16},
+    // rank 3 block 12: shares 315..316 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16},
+    // rank 3 block 13: shares 317..318 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16},
+    // rank 3 block 14: shares 319..320 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16},
+    // rank 3 block 15: shares 321..322 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16},
+    // rank 3 block 16: shares 323..324 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16},
+    // rank 3 block 17: shares 325..326 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16},
+    // rank 3 block 18: shares 327..328 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16},
+    // rank 3 block 19: shares 329..330 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16},
+    // rank 3 block 20: shares 331..332 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16},
+    // rank 3 block 21: shares 333..334 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16},
+    // rank 3 block 22: shares 335..336 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16},
+    // rank 3 block 23: shares 337..338 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16},
+    // rank 3 block 24: shares 339..340 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16},
+    // rank 3 block 25: shares 341..342 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16},
+    // rank 3 block 26: shares 343..344 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16},
+    // rank 3 block 27: shares 345..346 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16},
+    // rank 3 block 28: shares 347..348 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16},
+    // rank 3 block 29: shares 349..350 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16},
+    // rank 3 block 30: shares 351..352 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16},
+    // rank 3 block 31: shares 353..354 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16},
+    // rank 3 block 32: shares 355..356 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16},
+    // rank 3 block 33: shares 357..357 ({step, share, of})
+    {3, 0, 16},
+    // rank 3 block 34: shares 358..358 ({step, share, of})
+    {3, 1, 16},
+    // rank 3 block 35: shares 359..359 ({step, share, of})
+    {3, 2, 16},
+    // rank 3 block 36: shares 360..360 ({step, share, of})
+    {3, 3, 16},
+    // rank 3 block 37: shares 361..361 ({step, share, of})
+    {3, 4, 16},
+    // rank 3 block 38: shares 362..362 ({step, share, of})
+    {3, 5, 16},
+    // rank 3 block 39: shares 363..363 ({step, share, of})
+    {3, 6, 16},
+    // rank 3 block 40: shares 364..364 ({step, share, of})
+    {3, 7, 16},
+    // rank 3 block 41: shares 365..365 ({step, share, of})
+    {3, 8, 16},
+    // rank 3 block 42: shares 366..366 ({step, share, of})
+    {3, 9, 16},
+    // rank 3 block 43: shares 367..367 ({step, share, of})
+    {3, 10, 16},
+    // rank 3 block 44: shares 368..368 ({step, share, of})
+    {3, 11, 16},
+    // rank 3 block 45: shares 369..369 ({step, share, of})
+    {3, 12, 16},
+    // rank 3 block 46: shares 370..370 ({step, share, of})
+    {3, 13, 16},
+    // rank 3 block 47: shares 371..371 ({step, share, of})
+    {3, 14, 16},
+    // rank 3 block 48: shares 372..372 ({step, share, of})
+    {3, 15, 16},
+    // rank 3 block 49: shares 373..373 ({step, share, of})
+    {4, 0, 16},
+    // rank 3 block 50: shares 374..374 ({step, share, of})
+    {4, 1, 16},
+    // rank 3 block 51: shares 375..375 ({step, share, of})
+    {4, 2, 16},
+    // rank 3 block 52: shares 376..376 ({step, share, of})
+    {4, 3, 16},
+    // rank 3 block 53: shares 377..377 ({step, share, of})
+    {4, 4, 16},
+    // rank 3 block 54: shares 378..378 ({step, share, of})
+    {4, 5, 16},
+    // rank 3 block 55: shares 379..379 ({step, share, of})
+    {4, 6, 16},
+    // rank 3 block 56: shares 380..380 ({step, share, of})
+    {4, 7, 16},
+    // rank 3 block 57: shares 381..381 ({step, share, of})
+    {4, 8, 16},
+    // rank 3 block 58: shares 382..382 ({step, share, of})
+    {4, 9, 16},
+    // rank 3 block 59: shares 383..383 ({step, share, of})
+    {4, 10, 16},
+    // rank 3 block 60: shares 384..384 ({step, share, of})
+    {4, 11, 16},
+    // rank 3 block 61: shares 385..385 ({step, share, of})
+    {4, 12, 16},
+    // rank 3 block 62: shares 386..386 ({step, share, of})
+    {4, 13, 16},
+    // rank 3 block 63: shares 387..387 ({step, share, of})
+    {4, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
@@ -2193,1806 +2572,1030 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 15, 30, 45, 60, 75, 90, 105 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 0 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 0 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 0 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 0 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 0 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 0 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 0 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 0 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 0 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 0 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 0 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 0 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 0 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 0 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 0 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 0 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 0 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 0 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 0 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 0 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 0 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 0 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 0 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 0 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 0 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 0 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 0 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 0 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 0 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 0 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 0 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 0 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 0 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 0 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 0 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 0 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 0 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 0 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 0 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 0 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 0 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 0 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 0 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 0 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 0 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 0 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 0 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 0 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 0 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 0 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 0 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 0 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 0 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 0 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 0 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 0 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 0 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 0 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 0 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 0 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 0 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 0 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 0 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 0 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 0 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 0 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 0 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 0 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 0 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 0 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 0 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 0 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 0 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 0 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 0 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 0 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 0 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 0 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 0 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 0 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 0 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 0 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 0 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 0 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 0 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 0 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 0 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 0 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 0 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 0 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 0 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 0 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 0 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 0 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 0 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 0 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 0 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 0 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 0 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 0 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 0 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 0 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 0 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 0 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 0 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 0 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 0 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 0 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 0 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 0 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 0 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 0 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 0 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 0 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 0 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 0 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 0 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 0 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 0 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 0 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 0 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 0 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 0 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 0 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 0 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 0 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 0 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 0 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 0 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 0 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 0 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 0 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 0 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 0 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 0 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 0 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 0 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 0 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 0 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 0 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 0 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 0 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 0 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 0 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 0 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 0 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 0 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 0 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 0 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 0 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 0 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 0 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 0 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 0 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 0 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 0 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 0 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 0 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 0 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 0 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 0 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 0 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 0 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 0 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 0 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 0 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 0 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 0 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 0 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 0 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 0 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 0 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 0 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 0 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 0 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 0 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 1 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 1 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 1 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 1 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 1 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 1 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 1 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 1 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 1 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 1 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 1 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 1 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 1 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 1 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 1 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 1 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 1 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 1 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 1 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 1 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 1 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 1 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 1 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 1 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 1 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 1 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 1 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 1 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 1 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 1 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 1 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 1 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 1 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 1 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 1 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 1 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 1 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 1 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 1 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 1 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 1 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 1 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 1 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 1 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 1 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 1 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 1 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 1 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 1 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 1 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 1 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 1 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 1 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 1 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 1 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 1 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 1 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 1 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 1 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 1 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 1 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 1 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 1 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 1 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 1 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 1 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 1 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 1 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 1 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 1 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 1 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 1 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 1 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 1 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 1 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 1 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 1 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 1 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 1 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 1 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 1 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 1 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 1 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 1 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 1 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 1 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 1 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 1 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 1 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 1 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 1 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 1 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 1 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 1 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 1 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 1 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 1 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 1 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 1 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 1 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 1 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 1 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 1 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 1 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 1 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 1 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 1 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 1 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 1 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 1 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 1 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 1 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 1 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 1 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 1 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 1 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 1 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 1 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 1 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 1 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 1 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 1 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 1 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 1 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 1 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 1 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 1 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 1 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 1 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 1 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 1 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 1 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 1 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 1 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 1 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 1 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 1 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 1 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 1 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 1 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 1 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 1 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 1 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 1 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 1 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 1 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 1 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 1 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 1 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 1 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 1 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 1 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 1 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 1 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 1 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 1 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 1 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 1 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 1 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 1 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 1 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 1 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 1 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 1 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 1 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 1 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 1 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 1 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 1 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 1 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 1 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 1 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 1 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 1 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 1 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 1 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 2 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 2 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 2 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 2 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 2 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 2 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 2 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 2 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 2 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 2 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 2 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 2 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 2 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 2 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 2 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 2 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 2 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 2 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 2 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 2 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 2 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 2 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 2 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 2 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 2 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 2 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 2 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 2 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 2 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 2 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 2 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 2 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 2 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 2 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 2 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 2 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 2 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 2 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 2 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 2 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 2 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 2 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 2 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 2 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 2 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 2 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 2 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 2 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 2 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 2 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 2 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 2 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 2 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 2 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 2 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 2 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 2 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 2 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 2 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 2 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 2 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 2 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 2 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 2 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 2 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 2 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 2 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 2 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 2 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 2 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 2 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 2 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 2 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 2 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 2 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 2 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 2 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 2 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 2 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 2 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 2 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 2 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 2 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 2 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 2 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 2 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 2 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 2 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 2 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 2 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 2 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 2 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 2 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 2 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 2 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 2 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 2 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 2 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 2 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 2 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 2 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 2 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 2 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 2 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 2 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 2 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 2 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 2 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 2 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 2 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 2 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 2 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 2 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 2 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 2 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 2 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 2 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 2 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 2 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 2 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 2 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 2 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 2 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 2 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 2 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 2 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 2 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 2 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 2 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 2 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 2 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 2 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 2 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 2 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 2 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 2 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 2 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 2 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 2 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 2 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 2 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 2 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 2 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 2 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 2 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 2 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 2 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 2 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 2 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 2 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 2 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 2 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 2 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 2 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 2 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 2 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 2 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 2 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 2 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 2 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 2 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 2 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 2 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 2 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 2 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 2 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 2 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 2 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 2 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 2 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 2 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 2 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 2 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 2 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 2 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 2 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 3 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 3 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 3 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 3 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 3 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 3 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 3 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 3 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 3 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 3 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 3 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 3 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 3 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 3 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 3 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 3 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 3 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 3 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 3 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 3 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 3 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 3 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 3 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 3 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 3 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 3 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 3 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 3 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 3 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 3 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 3 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 3 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 3 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 3 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 3 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 3 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 3 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 3 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 3 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 3 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 3 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 3 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 3 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 3 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 3 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 3 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 3 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 3 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 3 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 3 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 3 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 3 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 3 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 3 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 3 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 3 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 3 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 3 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 3 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 3 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 3 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 3 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 3 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 3 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 3 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 3 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 3 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 3 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 3 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 3 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 3 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 3 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 3 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 3 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 3 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 3 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 3 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 3 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 3 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 3 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 3 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 3 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 3 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 3 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 3 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 3 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 3 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 3 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 3 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 3 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 3 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 3 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 3 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 3 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 3 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 3 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 3 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 3 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 3 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 3 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 3 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 3 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 3 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 3 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 3 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 3 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 3 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 3 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 3 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 3 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 3 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 3 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 3 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 3 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 3 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 3 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 3 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 3 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 3 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 3 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 3 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 3 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 3 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 3 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 3 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 3 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 3 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 3 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 3 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 3 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 3 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 3 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 3 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 3 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 3 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 3 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 3 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 3 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 3 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 3 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 3 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 3 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 3 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 3 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 3 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 3 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 3 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 3 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 3 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 3 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 3 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 3 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 3 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 3 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 3 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 3 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 3 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 3 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 3 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 3 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 3 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 3 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 3 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 3 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 3 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 3 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 3 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 3 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 3 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 3 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 3 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 3 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 3 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 3 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 3 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 3 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 4 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 4 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 4 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 4 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 4 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 4 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 4 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 4 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 4 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 4 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 4 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 4 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 4 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 4 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 4 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 4 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 4 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 4 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 4 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 4 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 4 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 4 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 4 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 4 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 4 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 4 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 4 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 4 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 4 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 4 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 4 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 4 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 4 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 4 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 4 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 4 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 4 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 4 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 4 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 4 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 4 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 4 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 4 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 4 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 4 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 4 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 4 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 4 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 4 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 4 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 4 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 4 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 4 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 4 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 4 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 4 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 4 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 4 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 4 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 4 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 4 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 4 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 4 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 4 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 4 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 4 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 4 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 4 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 4 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 4 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 4 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 4 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 4 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 4 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 4 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 4 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 4 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 4 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 4 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 4 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 4 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 4 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 4 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 4 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 4 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 4 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 4 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 4 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 4 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 4 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 4 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 4 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 4 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 4 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 4 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 4 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 4 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 4 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 4 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 4 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 4 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 4 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 4 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 4 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 4 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 4 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 4 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 4 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 4 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 4 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 4 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 4 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 4 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 4 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 4 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 4 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 4 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 4 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 4 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 4 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 4 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 4 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 4 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 4 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 4 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 4 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 4 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 4 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 4 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 4 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 4 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 4 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 4 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 4 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 4 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 4 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 4 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 4 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 4 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 4 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 4 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 4 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 4 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 4 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 4 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 4 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 4 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 4 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 4 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 4 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 4 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 4 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 4 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 4 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 4 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 4 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 4 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 4 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 4 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 4 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 4 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 4 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 4 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 4 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 4 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 4 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 4 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 4 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 4 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 4 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 4 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 4 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 4 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 4 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 4 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 4 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 4 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 4 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 4 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 4 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 4 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 4 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 4 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 4 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 4 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 4 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 4 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 4 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 4 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 4 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 4 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 4 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 4 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 4 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 4 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 4 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 4 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 4 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 4 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 4 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 4 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 4 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 4 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 4 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 4 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 4 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 4 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 4 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 4 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 4 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 4 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 4 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 4 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 4 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 4 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 4 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 4 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 4 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 4 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 4 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 4 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 4 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 4 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 4 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 5 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 5 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 5 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 5 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 5 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 5 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 5 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 5 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 5 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 5 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 5 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 5 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 5 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 5 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 5 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 5 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 5 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 5 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 5 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 5 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 5 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 5 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 5 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 5 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 5 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 5 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 5 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 5 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 5 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 5 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 5 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 5 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 5 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 5 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 5 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 5 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 5 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 5 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 5 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 5 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 5 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 5 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 5 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 5 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 5 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 5 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 5 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 5 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 5 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 5 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 5 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 5 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 5 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 5 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 5 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 5 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 5 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 5 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 5 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 5 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 5 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 5 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 5 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 5 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 5 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 5 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 5 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 5 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 5 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 5 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 5 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 5 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 5 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 5 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 5 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 5 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 5 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 5 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 5 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 5 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 5 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 5 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 5 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 5 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 5 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 5 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 5 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 5 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 5 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 5 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 5 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 5 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 5 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 5 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 5 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 5 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 5 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 5 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 5 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 5 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 5 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 5 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 5 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 5 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 5 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 5 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 5 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 5 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 5 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 5 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 5 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 5 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 5 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 5 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 5 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 5 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 5 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 5 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 5 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 5 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 5 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 5 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 5 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 5 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 5 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 5 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 5 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 5 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 5 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 5 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 5 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 5 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 5 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 5 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 5 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 5 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 5 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 5 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 5 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 5 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 5 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 5 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 5 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 5 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 5 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 5 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 5 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 5 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 5 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 5 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 5 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 5 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 5 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 5 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 5 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 5 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 5 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 5 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 5 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 5 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 5 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 5 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 5 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 5 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 5 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 5 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 5 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 5 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 5 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 5 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 5 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 5 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 5 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 5 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 5 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 5 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 5 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 5 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 5 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 5 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 5 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 5 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 5 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 5 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 5 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 5 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 5 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 5 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 5 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 5 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 5 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 5 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 5 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 5 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 5 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 5 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 5 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 5 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 5 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 5 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 5 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 5 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 5 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 5 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 5 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 5 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 5 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 5 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 5 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 5 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 5 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 5 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 5 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 5 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 5 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 5 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 5 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 5 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 5 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 5 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 5 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 5 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 5 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 5 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 6 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 6 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 6 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 6 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 6 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 6 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 6 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 6 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 6 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 6 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 6 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 6 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 6 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 6 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 6 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 6 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 6 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 6 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 6 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 6 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 6 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 6 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 6 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 6 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 6 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 6 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 6 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 6 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 6 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 6 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 6 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 6 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 6 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 6 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 6 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 6 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 6 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 6 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 6 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 6 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 6 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 6 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 6 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 6 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 6 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 6 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 6 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 6 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 6 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 6 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 6 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 6 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 6 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 6 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 6 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 6 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 6 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 6 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 6 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 6 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 6 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 6 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 6 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 6 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 6 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 6 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 6 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 6 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 6 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 6 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 6 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 6 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 6 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 6 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 6 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 6 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 6 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 6 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 6 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 6 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 6 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 6 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 6 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 6 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 6 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 6 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 6 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 6 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 6 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 6 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 6 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 6 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 6 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 6 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 6 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 6 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 6 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 6 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 6 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 6 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 6 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 6 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 6 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 6 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 6 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 6 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 6 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 6 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 6 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 6 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 6 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 6 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 6 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 6 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 6 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 6 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 6 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 6 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 6 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 6 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 6 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 6 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 6 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 6 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 6 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 6 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 6 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 6 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 6 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 6 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 6 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 6 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 6 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 6 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 6 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 6 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 6 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 6 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 6 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 6 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 6 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 6 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 6 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 6 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 6 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 6 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 6 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 6 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 6 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 6 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 6 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 6 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 6 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 6 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 6 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 6 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 6 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 6 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 6 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 6 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 6 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 6 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 6 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 6 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 6 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 6 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 6 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 6 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 6 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 6 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 6 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 6 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 6 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 6 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 6 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 6 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 6 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 6 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 6 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 6 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 6 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 6 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 6 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 6 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 6 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 6 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 6 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 6 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 6 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 6 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 6 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 6 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 6 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 6 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 6 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 6 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 6 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 6 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 6 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 6 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 6 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 6 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 6 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 6 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 6 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 6 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 6 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 6 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 6 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 6 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 6 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 6 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 6 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 6 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 6 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 6 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 6 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 6 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 6 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 6 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 6 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 6 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 6 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 6 block 63: step 12 share 14/16
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {4, 15, 16},  // rank 7 block 0: step 4 share 15/16
-    {8, 15, 16},  // rank 7 block 0: step 8 share 15/16
-    {12, 15, 16},  // rank 7 block 0: step 12 share 15/16
-    {1, 0, 16},  // rank 7 block 1: step 1 share 0/16
-    {5, 0, 16},  // rank 7 block 1: step 5 share 0/16
-    {9, 0, 16},  // rank 7 block 1: step 9 share 0/16
-    {13, 0, 16},  // rank 7 block 1: step 13 share 0/16
-    {1, 1, 16},  // rank 7 block 2: step 1 share 1/16
-    {5, 1, 16},  // rank 7 block 2: step 5 share 1/16
-    {9, 1, 16},  // rank 7 block 2: step 9 share 1/16
-    {13, 1, 16},  // rank 7 block 2: step 13 share 1/16
-    {1, 2, 16},  // rank 7 block 3: step 1 share 2/16
-    {5, 2, 16},  // rank 7 block 3: step 5 share 2/16
-    {9, 2, 16},  // rank 7 block 3: step 9 share 2/16
-    {13, 2, 16},  // rank 7 block 3: step 13 share 2/16
-    {1, 3, 16},  // rank 7 block 4: step 1 share 3/16
-    {5, 3, 16},  // rank 7 block 4: step 5 share 3/16
-    {9, 3, 16},  // rank 7 block 4: step 9 share 3/16
-    {13, 3, 16},  // rank 7 block 4: step 13 share 3/16
-    {1, 4, 16},  // rank 7 block 5: step 1 share 4/16
-    {5, 4, 16},  // rank 7 block 5: step 5 share 4/16
-    {9, 4, 16},  // rank 7 block 5: step 9 share 4/16
-    {13, 4, 16},  // rank 7 block 5: step 13 share 4/16
-    {1, 5, 16},  // rank 7 block 6: step 1 share 5/16
-    {5, 5, 16},  // rank 7 block 6: step 5 share 5/16
-    {9, 5, 16},  // rank 7 block 6: step 9 share 5/16
-    {13, 5, 16},  // rank 7 block 6: step 13 share 5/16
-    {1, 6, 16},  // rank 7 block 7: step 1 share 6/16
-    {5, 6, 16},  // rank 7 block 7: step 5 share 6/16
-    {9, 6, 16},  // rank 7 block 7: step 9 share 6/16
-    {13, 6, 16},  // rank 7 block 7: step 13 share 6/16
-    {1, 7, 16},  // rank 7 block 8: step 1 share 7/16
-    {5, 7, 16},  // rank 7 block 8: step 5 share 7/16
-    {9, 7, 16},  // rank 7 block 8: step 9 share 7/16
-    {13, 7, 16},  // rank 7 block 8: step 13 share 7/16
-    {1, 8, 16},  // rank 7 block 9: step 1 share 8/16
-    {5, 8, 16},  // rank 7 block 9: step 5 share 8/16
-    {9, 8, 16},  // rank 7 block 9: step 9 share 8/16
-    {13, 8, 16},  // rank 7 block 9: step 13 share 8/16
-    {1, 9, 16},  // rank 7 block 10: step 1 share 9/16
-    {5, 9, 16},  // rank 7 block 10: step 5 share 9/16
-    {9, 9, 16},  // rank 7 block 10: step 9 share 9/16
-    {13, 9, 16},  // rank 7 block 10: step 13 share 9/16
-    {1, 10, 16},  // rank 7 block 11: step 1 share 10/16
-    {5, 10, 16},  // rank 7 block 11: step 5 share 10/16
-    {9, 10, 16},  // rank 7 block 11: step 9 share 10/16
-    {13, 10, 16},  // rank 7 block 11: step 13 share 10/16
-    {1, 11, 16},  // rank 7 block 12: step 1 share 11/16
-    {5, 11, 16},  // rank 7 block 12: step 5 share 11/16
-    {9, 11, 16},  // rank 7 block 12: step 9 share 11/16
-    {13, 11, 16},  // rank 7 block 12: step 13 share 11/16
-    {1, 12, 16},  // rank 7 block 13: step 1 share 12/16
-    {5, 12, 16},  // rank 7 block 13: step 5 share 12/16
-    {9, 12, 16},  // rank 7 block 13: step 9 share 12/16
-    {13, 12, 16},  // rank 7 block 13: step 13 share 12/16
-    {1, 13, 16},  // rank 7 block 14: step 1 share 13/16
-    {5, 13, 16},  // rank 7 block 14: step 5 share 13/16
-    {9, 13, 16},  // rank 7 block 14: step 9 share 13/16
-    {13, 13, 16},  // rank 7 block 14: step 13 share 13/16
-    {1, 14, 16},  // rank 7 block 15: step 1 share 14/16
-    {5, 14, 16},  // rank 7 block 15: step 5 share 14/16
-    {9, 14, 16},  // rank 7 block 15: step 9 share 14/16
-    {13, 14, 16},  // rank 7 block 15: step 13 share 14/16
-    {1, 15, 16},  // rank 7 block 16: step 1 share 15/16
-    {5, 15, 16},  // rank 7 block 16: step 5 share 15/16
-    {9, 15, 16},  // rank 7 block 16: step 9 share 15/16
-    {13, 15, 16},  // rank 7 block 16: step 13 share 15/16
-    {2, 0, 16},  // rank 7 block 17: step 2 share 0/16
-    {6, 0, 16},  // rank 7 block 17: step 6 share 0/16
-    {10, 0, 16},  // rank 7 block 17: step 10 share 0/16
-    {14, 0, 16},  // rank 7 block 17: step 14 share 0/16
-    {2, 1, 16},  // rank 7 block 18: step 2 share 1/16
-    {6, 1, 16},  // rank 7 block 18: step 6 share 1/16
-    {10, 1, 16},  // rank 7 block 18: step 10 share 1/16
-    {14, 1, 16},  // rank 7 block 18: step 14 share 1/16
-    {2, 2, 16},  // rank 7 block 19: step 2 share 2/16
-    {6, 2, 16},  // rank 7 block 19: step 6 share 2/16
-    {10, 2, 16},  // rank 7 block 19: step 10 share 2/16
-    {14, 2, 16},  // rank 7 block 19: step 14 share 2/16
-    {2, 3, 16},  // rank 7 block 20: step 2 share 3/16
-    {6, 3, 16},  // rank 7 block 20: step 6 share 3/16
-    {10, 3, 16},  // rank 7 block 20: step 10 share 3/16
-    {14, 3, 16},  // rank 7 block 20: step 14 share 3/16
-    {2, 4, 16},  // rank 7 block 21: step 2 share 4/16
-    {6, 4, 16},  // rank 7 block 21: step 6 share 4/16
-    {10, 4, 16},  // rank 7 block 21: step 10 share 4/16
-    {14, 4, 16},  // rank 7 block 21: step 14 share 4/16
-    {2, 5, 16},  // rank 7 block 22: step 2 share 5/16
-    {6, 5, 16},  // rank 7 block 22: step 6 share 5/16
-    {10, 5, 16},  // rank 7 block 22: step 10 share 5/16
-    {14, 5, 16},  // rank 7 block 22: step 14 share 5/16
-    {2, 6, 16},  // rank 7 block 23: step 2 share 6/16
-    {6, 6, 16},  // rank 7 block 23: step 6 share 6/16
-    {10, 6, 16},  // rank 7 block 23: step 10 share 6/16
-    {14, 6, 16},  // rank 7 block 23: step 14 share 6/16
-    {2, 7, 16},  // rank 7 block 24: step 2 share 7/16
-    {6, 7, 16},  // rank 7 block 24: step 6 share 7/16
-    {10, 7, 16},  // rank 7 block 24: step 10 share 7/16
-    {14, 7, 16},  // rank 7 block 24: step 14 share 7/16
-    {2, 8, 16},  // rank 7 block 25: step 2 share 8/16
-    {6, 8, 16},  // rank 7 block 25: step 6 share 8/16
-    {10, 8, 16},  // rank 7 block 25: step 10 share 8/16
-    {14, 8, 16},  // rank 7 block 25: step 14 share 8/16
-    {2, 9, 16},  // rank 7 block 26: step 2 share 9/16
-    {6, 9, 16},  // rank 7 block 26: step 6 share 9/16
-    {10, 9, 16},  // rank 7 block 26: step 10 share 9/16
-    {14, 9, 16},  // rank 7 block 26: step 14 share 9/16
-    {2, 10, 16},  // rank 7 block 27: step 2 share 10/16
-    {6, 10, 16},  // rank 7 block 27: step 6 share 10/16
-    {10, 10, 16},  // rank 7 block 27: step 10 share 10/16
-    {14, 10, 16},  // rank 7 block 27: step 14 share 10/16
-    {2, 11, 16},  // rank 7 block 28: step 2 share 11/16
-    {6, 11, 16},  // rank 7 block 28: step 6 share 11/16
-    {10, 11, 16},  // rank 7 block 28: step 10 share 11/16
-    {14, 11, 16},  // rank 7 block 28: step 14 share 11/16
-    {2, 12, 16},  // rank 7 block 29: step 2 share 12/16
-    {6, 12, 16},  // rank 7 block 29: step 6 share 12/16
-    {10, 12, 16},  // rank 7 block 29: step 10 share 12/16
-    {14, 12, 16},  // rank 7 block 29: step 14 share 12/16
-    {2, 13, 16},  // rank 7 block 30: step 2 share 13/16
-    {6, 13, 16},  // rank 7 block 30: step 6 share 13/16
-    {10, 13, 16},  // rank 7 block 30: step 10 share 13/16
-    {14, 13, 16},  // rank 7 block 30: step 14 share 13/16
-    {2, 14, 16},  // rank 7 block 31: step 2 share 14/16
-    {6, 14, 16},  // rank 7 block 31: step 6 share 14/16
-    {10, 14, 16},  // rank 7 block 31: step 10 share 14/16
-    {14, 14, 16},  // rank 7 block 31: step 14 share 14/16
-    {2, 15, 16},  // rank 7 block 32: step 2 share 15/16
-    {6, 15, 16},  // rank 7 block 32: step 6 share 15/16
-    {10, 15, 16},  // rank 7 block 32: step 10 share 15/16
-    {14, 15, 16},  // rank 7 block 32: step 14 share 15/16
-    {3, 0, 16},  // rank 7 block 33: step 3 share 0/16
-    {7, 0, 16},  // rank 7 block 33: step 7 share 0/16
-    {11, 0, 16},  // rank 7 block 33: step 11 share 0/16
-    {3, 1, 16},  // rank 7 block 34: step 3 share 1/16
-    {7, 1, 16},  // rank 7 block 34: step 7 share 1/16
-    {11, 1, 16},  // rank 7 block 34: step 11 share 1/16
-    {3, 2, 16},  // rank 7 block 35: step 3 share 2/16
-    {7, 2, 16},  // rank 7 block 35: step 7 share 2/16
-    {11, 2, 16},  // rank 7 block 35: step 11 share 2/16
-    {3, 3, 16},  // rank 7 block 36: step 3 share 3/16
-    {7, 3, 16},  // rank 7 block 36: step 7 share 3/16
-    {11, 3, 16},  // rank 7 block 36: step 11 share 3/16
-    {3, 4, 16},  // rank 7 block 37: step 3 share 4/16
-    {7, 4, 16},  // rank 7 block 37: step 7 share 4/16
-    {11, 4, 16},  // rank 7 block 37: step 11 share 4/16
-    {3, 5, 16},  // rank 7 block 38: step 3 share 5/16
-    {7, 5, 16},  // rank 7 block 38: step 7 share 5/16
-    {11, 5, 16},  // rank 7 block 38: step 11 share 5/16
-    {3, 6, 16},  // rank 7 block 39: step 3 share 6/16
-    {7, 6, 16},  // rank 7 block 39: step 7 share 6/16
-    {11, 6, 16},  // rank 7 block 39: step 11 share 6/16
-    {3, 7, 16},  // rank 7 block 40: step 3 share 7/16
-    {7, 7, 16},  // rank 7 block 40: step 7 share 7/16
-    {11, 7, 16},  // rank 7 block 40: step 11 share 7/16
-    {3, 8, 16},  // rank 7 block 41: step 3 share 8/16
-    {7, 8, 16},  // rank 7 block 41: step 7 share 8/16
-    {11, 8, 16},  // rank 7 block 41: step 11 share 8/16
-    {3, 9, 16},  // rank 7 block 42: step 3 share 9/16
-    {7, 9, 16},  // rank 7 block 42: step 7 share 9/16
-    {11, 9, 16},  // rank 7 block 42: step 11 share 9/16
-    {3, 10, 16},  // rank 7 block 43: step 3 share 10/16
-    {7, 10, 16},  // rank 7 block 43: step 7 share 10/16
-    {11, 10, 16},  // rank 7 block 43: step 11 share 10/16
-    {3, 11, 16},  // rank 7 block 44: step 3 share 11/16
-    {7, 11, 16},  // rank 7 block 44: step 7 share 11/16
-    {11, 11, 16},  // rank 7 block 44: step 11 share 11/16
-    {3, 12, 16},  // rank 7 block 45: step 3 share 12/16
-    {7, 12, 16},  // rank 7 block 45: step 7 share 12/16
-    {11, 12, 16},  // rank 7 block 45: step 11 share 12/16
-    {3, 13, 16},  // rank 7 block 46: step 3 share 13/16
-    {7, 13, 16},  // rank 7 block 46: step 7 share 13/16
-    {11, 13, 16},  // rank 7 block 46: step 11 share 13/16
-    {3, 14, 16},  // rank 7 block 47: step 3 share 14/16
-    {7, 14, 16},  // rank 7 block 47: step 7 share 14/16
-    {11, 14, 16},  // rank 7 block 47: step 11 share 14/16
-    {3, 15, 16},  // rank 7 block 48: step 3 share 15/16
-    {7, 15, 16},  // rank 7 block 48: step 7 share 15/16
-    {11, 15, 16},  // rank 7 block 48: step 11 share 15/16
-    {4, 0, 16},  // rank 7 block 49: step 4 share 0/16
-    {8, 0, 16},  // rank 7 block 49: step 8 share 0/16
-    {12, 0, 16},  // rank 7 block 49: step 12 share 0/16
-    {4, 1, 16},  // rank 7 block 50: step 4 share 1/16
-    {8, 1, 16},  // rank 7 block 50: step 8 share 1/16
-    {12, 1, 16},  // rank 7 block 50: step 12 share 1/16
-    {4, 2, 16},  // rank 7 block 51: step 4 share 2/16
-    {8, 2, 16},  // rank 7 block 51: step 8 share 2/16
-    {12, 2, 16},  // rank 7 block 51: step 12 share 2/16
-    {4, 3, 16},  // rank 7 block 52: step 4 share 3/16
-    {8, 3, 16},  // rank 7 block 52: step 8 share 3/16
-    {12, 3, 16},  // rank 7 block 52: step 12 share 3/16
-    {4, 4, 16},  // rank 7 block 53: step 4 share 4/16
-    {8, 4, 16},  // rank 7 block 53: step 8 share 4/16
-    {12, 4, 16},  // rank 7 block 53: step 12 share 4/16
-    {4, 5, 16},  // rank 7 block 54: step 4 share 5/16
-    {8, 5, 16},  // rank 7 block 54: step 8 share 5/16
-    {12, 5, 16},  // rank 7 block 54: step 12 share 5/16
-    {4, 6, 16},  // rank 7 block 55: step 4 share 6/16
-    {8, 6, 16},  // rank 7 block 55: step 8 share 6/16
-    {12, 6, 16},  // rank 7 block 55: step 12 share 6/16
-    {4, 7, 16},  // rank 7 block 56: step 4 share 7/16
-    {8, 7, 16},  // rank 7 block 56: step 8 share 7/16
-    {12, 7, 16},  // rank 7 block 56: step 12 share 7/16
-    {4, 8, 16},  // rank 7 block 57: step 4 share 8/16
-    {8, 8, 16},  // rank 7 block 57: step 8 share 8/16
-    {12, 8, 16},  // rank 7 block 57: step 12 share 8/16
-    {4, 9, 16},  // rank 7 block 58: step 4 share 9/16
-    {8, 9, 16},  // rank 7 block 58: step 8 share 9/16
-    {12, 9, 16},  // rank 7 block 58: step 12 share 9/16
-    {4, 10, 16},  // rank 7 block 59: step 4 share 10/16
-    {8, 10, 16},  // rank 7 block 59: step 8 share 10/16
-    {12, 10, 16},  // rank 7 block 59: step 12 share 10/16
-    {4, 11, 16},  // rank 7 block 60: step 4 share 11/16
-    {8, 11, 16},  // rank 7 block 60: step 8 share 11/16
-    {12, 11, 16},  // rank 7 block 60: step 12 share 11/16
-    {4, 12, 16},  // rank 7 block 61: step 4 share 12/16
-    {8, 12, 16},  // rank 7 block 61: step 8 share 12/16
-    {12, 12, 16},  // rank 7 block 61: step 12 share 12/16
-    {4, 13, 16},  // rank 7 block 62: step 4 share 13/16
-    {8, 13, 16},  // rank 7 block 62: step 8 share 13/16
-    {12, 13, 16},  // rank 7 block 62: step 12 share 13/16
-    {4, 14, 16},  // rank 7 block 63: step 4 share 14/16
-    {8, 14, 16},  // rank 7 block 63: step 8 share 14/16
-    {12, 14, 16},  // rank 7 block 63: step 12 share 14/16
+    // rank 0 block 0: shares 0..3 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 0 block 1: shares 4..7 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 0 block 2: shares 8..11 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 0 block 3: shares 12..15 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 0 block 4: shares 16..19 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 0 block 5: shares 20..23 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 0 block 6: shares 24..27 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 0 block 7: shares 28..31 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 0 block 8: shares 32..35 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 0 block 9: shares 36..39 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 0 block 10: shares 40..43 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 0 block 11: shares 44..47 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 0 block 12: shares 48..51 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 0 block 13: shares 52..55 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 0 block 14: shares 56..59 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 0 block 15: shares 60..63 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 0 block 16: shares 64..67 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 0 block 17: shares 68..71 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 0 block 18: shares 72..75 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 0 block 19: shares 76..79 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 0 block 20: shares 80..83 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 0 block 21: shares 84..87 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 0 block 22: shares 88..91 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 0 block 23: shares 92..95 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 0 block 24: shares 96..99 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 0 block 25: shares 100..103 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 0 block 26: shares 104..107 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 0 block 27: shares 108..111 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 0 block 28: shares 112..115 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 0 block 29: shares 116..119 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 0 block 30: shares 120..123 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 0 block 31: shares 124..127 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 0 block 32: shares 128..131 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 0 block 33: shares 132..134 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 0 block 34: shares 135..137 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 0 block 35: shares 138..140 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 0 block 36: shares 141..143 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 0 block 37: shares 144..146 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 0 block 38: shares 147..149 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 0 block 39: shares 150..152 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 0 block 40: shares 153..155 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 0 block 41: shares 156..158 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 0 block 42: shares 159..161 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 0 block 43: shares 162..164 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 0 block 44: shares 165..167 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 0 block 45: shares 168..170 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 0 block 46: shares 171..173 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 0 block 47: shares 174..176 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 0 block 48: shares 177..179 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 0 block 49: shares 180..182 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 0 block 50: shares 183..185 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 0 block 51: shares 186..188 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 0 block 52: shares 189..191 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 0 block 53: shares 192..194 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 0 block 54: shares 195..197 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 0 block 55: shares 198..200 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 0 block 56: shares 201..203 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 0 block 57: shares 204..206 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 0 block 58: shares 207..209 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 0 block 59: shares 210..212 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 0 block 60: shares 213..215 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 0 block 61: shares 216..218 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 0 block 62: shares 219..221 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 0 block 63: shares 222..224 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 1 block 0: shares 225..228 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 1 block 1: shares 229..232 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 1 block 2: shares 233..236 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 1 block 3: shares 237..240 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 1 block 4: shares 241..244 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 1 block 5: shares 245..248 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 1 block 6: shares 249..252 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 1 block 7: shares 253..256 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 1 block 8: shares 257..260 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 1 block 9: shares 261..264 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 1 block 10: shares 265..268 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 1 block 11: shares 269..272 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 1 block 12: shares 273..276 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 1 block 13: shares 277..280 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 1 block 14: shares 281..284 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 1 block 15: shares 285..288 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 1 block 16: shares 289..292 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 1 block 17: shares 293..296 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 1 block 18: shares 297..300 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 1 block 19: shares 301..304 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 1 block 20: shares 305..308 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 1 block 21: shares 309..312 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 1 block 22: shares 313..316 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 1 block 23: shares 317..320 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 1 block 24: shares 321..324 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 1 block 25: shares 325..328 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 1 block 26: shares 329..332 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 1 block 27: shares 333..336 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 1 block 28: shares 337..340 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 1 block 29: shares 341..344 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 1 block 30: shares 345..348 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 1 block 31: shares 349..352 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 1 block 32: shares 353..356 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 1 block 33: shares 357..359 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 1 block 34: shares 360..362 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 1 block 35: shares 363..365 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 1 block 36: shares 366..368 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 1 block 37: shares 369..371 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 1 block 38: shares 372..374 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 1 block 39: shares 375..377 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 1 block 40: shares 378..380 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 1 block 41: shares 381..383 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 1 block 42: shares 384..386 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 1 block 43: shares 387..389 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 1 block 44: shares 390..392 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 1 block 45: shares 393..395 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 1 block 46: shares 396..398 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 1 block 47: shares 399..401 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 1 block 48: shares 402..404 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 1 block 49: shares 405..407 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 1 block 50: shares 408..410 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 1 block 51: shares 411..413 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 1 block 52: shares 414..416 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 1 block 53: shares 417..419 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 1 block 54: shares 420..422 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 1 block 55: shares 423..425 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 1 block 56: shares 426..428 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 1 block 57: shares 429..431 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 1 block 58: shares 432..434 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 1 block 59: shares 435..437 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 1 block 60: shares 438..440 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 1 block 61: shares 441..443 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 1 block 62: shares 444..446 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 1 block 63: shares 447..449 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 2 block 0: shares 450..453 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 2 block 1: shares 454..457 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 2 block 2: shares 458..461 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 2 block 3: shares 462..465 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 2 block 4: shares 466..469 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 2 block 5: shares 470..473 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 2 block 6: shares 474..477 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 2 block 7: shares 478..481 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 2 block 8: shares 482..485 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 2 block 9: shares 486..489 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 2 block 10: shares 490..493 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 2 block 11: shares 494..497 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 2 block 12: shares 498..501 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 2 block 13: shares 502..505 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 2 block 14: shares 506..509 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 2 block 15: shares 510..513 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 2 block 16: shares 514..517 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 2 block 17: shares 518..521 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 2 block 18: shares 522..525 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 2 block 19: shares 526..529 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 2 block 20: shares 530..533 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 2 block 21: shares 534..537 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 2 block 22: shares 538..541 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 2 block 23: shares 542..545 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 2 block 24: shares 546..549 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 2 block 25: shares 550..553 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 2 block 26: shares 554..557 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 2 block 27: shares 558..561 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 2 block 28: shares 562..565 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 2 block 29: shares 566..569 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 2 block 30: shares 570..573 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 2 block 31: shares 574..577 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 2 block 32: shares 578..581 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 2 block 33: shares 582..584 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 2 block 34: shares 585..587 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 2 block 35: shares 588..590 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 2 block 36: shares 591..593 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 2 block 37: shares 594..596 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 2 block 38: shares 597..599 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 2 block 39: shares 600..602 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 2 block 40: shares 603..605 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 2 block 41: shares 606..608 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 2 block 42: shares 609..611 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 2 block 43: shares 612..614 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 2 block 44: shares 615..617 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 2 block 45: shares 618..620 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 2 block 46: shares 621..623 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 2 block 47: shares 624..626 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 2 block 48: shares 627..629 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 2 block 49: shares 630..632 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 2 block 50: shares 633..635 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 2 block 51: shares 636..638 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 2 block 52: shares 639..641 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 2 block 53: shares 642..644 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 2 block 54: shares 645..647 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 2 block 55: shares 648..650 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 2 block 56: shares 651..653 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 2 block 57: shares 654..656 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 2 block 58: shares 657..659 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 2 block 59: shares 660..662 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 2 block 60: shares 663..665 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 2 block 61: shares 666..668 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 2 block 62: shares 669..671 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 2 block 63: shares 672..674 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 3 block 0: shares 675..678 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 3 block 1: shares 679..682 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 3 block 2: shares 683..686 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 3 block 3: shares 687..690 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 3 block 4: shares 691..694 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 3 block 5: shares 695..698 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 3 block 6: shares 699..702 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 3 block 7: shares 703..706 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 3 block 8: shares 707..710 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 3 block 9: shares 711..714 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 3 block 10: shares 715..718 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 3 block 11: shares 719..722 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 3 block 12: shares 723..726 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 3 block 13: shares 727..730 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 3 block 14: shares 731..734 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 3 block 15: shares 735..738 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 3 block 16: shares 739..742 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 3 block 17: shares 743..746 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 3 block 18: shares 747..750 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 3 block 19: shares 751..754 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 3 block 20: shares 755..758 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 3 block 21: shares 759..762 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 3 block 22: shares 763..766 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 3 block 23: shares 767..770 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 3 block 24: shares 771..774 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 3 block 25: shares 775..778 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 3 block 26: shares 779..782 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 3 block 27: shares 783..786 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 3 block 28: shares 787..790 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 3 block 29: shares 791..794 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 3 block 30: shares 795..798 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 3 block 31: shares 799..802 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 3 block 32: shares 803..806 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 3 block 33: shares 807..809 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 3 block 34: shares 810..812 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 3 block 35: shares 813..815 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 3 block 36: shares 816..818 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 3 block 37: shares 819..821 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 3 block 38: shares 822..824 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 3 block 39: shares 825..827 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 3 block 40: shares 828..830 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 3 block 41: shares 831..833 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 3 block 42: shares 834..836 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 3 block 43: shares 837..839 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 3 block 44: shares 840..842 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 3 block 45: shares 843..845 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 3 block 46: shares 846..848 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 3 block 47: shares 849..851 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 3 block 48: shares 852..854 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 3 block 49: shares 855..857 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 3 block 50: shares 858..860 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 3 block 51: shares 861..863 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 3 block 52: shares 864..866 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 3 block 53: shares 867..869 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 3 block 54: shares 870..872 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 3 block 55: shares 873..875 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 3 block 56: shares 876..878 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 3 block 57: shares 879..881 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 3 block 58: shares 882..884 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 3 block 59: shares 885..887 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 3 block 60: shares 888..890 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 3 block 61: shares 891..893 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 3 block 62: shares 894..896 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 3 block 63: shares 897..899 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 4 block 0: shares 900..903 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 4 block 1: shares 904..907 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 4 block 2: shares 908..911 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 4 block 3: shares 912..915 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 4 block 4: shares 916..919 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 4 block 5: shares 920..923 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 4 block 6: shares 924..927 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 4 block 7: shares 928..931 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 4 block 8: shares 932..935 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 4 block 9: shares 936..939 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 4 block 10: shares 940..943 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 4 block 11: shares 944..947 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 4 block 12: shares 948..951 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 4 block 13: shares 952..955 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 4 block 14: shares 956..959 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 4 block 15: shares 960..963 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 4 block 16: shares 964..967 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 4 block 17: shares 968..971 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 4 block 18: shares 972..975 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 4 block 19: shares 976..979 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 4 block 20: shares 980..983 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 4 block 21: shares 984..987 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 4 block 22: shares 988..991 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 4 block 23: shares 992..995 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 4 block 24: shares 996..999 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 4 block 25: shares 1000..1003 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 4 block 26: shares 1004..1007 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 4 block 27: shares 1008..1011 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 4 block 28: shares 1012..1015 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 4 block 29: shares 1016..1019 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 4 block 30: shares 1020..1023 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 4 block 31: shares 1024..1027 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 4 block 32: shares 1028..1031 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 4 block 33: shares 1032..1034 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 4 block 34: shares 1035..1037 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 4 block 35: shares 1038..1040 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 4 block 36: shares 1041..1043 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 4 block 37: shares 1044..1046 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 4 block 38: shares 1047..1049 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 4 block 39: shares 1050..1052 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 4 block 40: shares 1053..1055 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 4 block 41: shares 1056..1058 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 4 block 42: shares 1059..1061 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 4 block 43: shares 1062..1064 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 4 block 44: shares 1065..1067 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 4 block 45: shares 1068..1070 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 4 block 46: shares 1071..1073 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 4 block 47: shares 1074..1076 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 4 block 48: shares 1077..1079 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 4 block 49: shares 1080..1082 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 4 block 50: shares 1083..1085 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 4 block 51: shares 1086..1088 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 4 block 52: shares 1089..1091 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 4 block 53: shares 1092..1094 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 4 block 54: shares 1095..1097 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 4 block 55: shares 1098..1100 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 4 block 56: shares 1101..1103 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 4 block 57: shares 1104..1106 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 4 block 58: shares 1107..1109 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 4 block 59: shares 1110..1112 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 4 block 60: shares 1113..1115 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 4 block 61: shares 1116..1118 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 4 block 62: shares 1119..1121 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 4 block 63: shares 1122..1124 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 5 block 0: shares 1125..1128 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 5 block 1: shares 1129..1132 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 5 block 2: shares 1133..1136 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 5 block 3: shares 1137..1140 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 5 block 4: shares 1141..1144 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 5 block 5: shares 1145..1148 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 5 block 6: shares 1149..1152 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 5 block 7: shares 1153..1156 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 5 block 8: shares 1157..1160 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 5 block 9: shares 1161..1164 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 5 block 10: shares 1165..1168 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 5 block 11: shares 1169..1172 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 5 block 12: shares 1173..1176 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 5 block 13: shares 1177..1180 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 5 block 14: shares 1181..1184 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 5 block 15: shares 1185..1188 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 5 block 16: shares 1189..1192 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 5 block 17: shares 1193..1196 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 5 block 18: shares 1197..1200 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 5 block 19: shares 1201..1204 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 5 block 20: shares 1205..1208 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 5 block 21: shares 1209..1212 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 5 block 22: shares 1213..1216 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 5 block 23: shares 1217..1220 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 5 block 24: shares 1221..1224 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 5 block 25: shares 1225..1228 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 5 block 26: shares 1229..1232 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 5 block 27: shares 1233..1236 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 5 block 28: shares 1237..1240 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 5 block 29: shares 1241..1244 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 5 block 30: shares 1245..1248 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 5 block 31: shares 1249..1252 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 5 block 32: shares 1253..1256 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 5 block 33: shares 1257..1259 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 5 block 34: shares 1260..1262 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 5 block 35: shares 1263..1265 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 5 block 36: shares 1266..1268 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 5 block 37: shares 1269..1271 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 5 block 38: shares 1272..1274 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 5 block 39: shares 1275..1277 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 5 block 40: shares 1278..1280 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 5 block 41: shares 1281..1283 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 5 block 42: shares 1284..1286 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 5 block 43: shares 1287..1289 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 5 block 44: shares 1290..1292 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 5 block 45: shares 1293..1295 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 5 block 46: shares 1296..1298 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 5 block 47: shares 1299..1301 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 5 block 48: shares 1302..1304 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 5 block 49: shares 1305..1307 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 5 block 50: shares 1308..1310 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 5 block 51: shares 1311..1313 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 5 block 52: shares 1314..1316 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 5 block 53: shares 1317..1319 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 5 block 54: shares 1320..1322 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 5 block 55: shares 1323..1325 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 5 block 56: shares 1326..1328 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 5 block 57: shares 1329..1331 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 5 block 58: shares 1332..1334 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 5 block 59: shares 1335..1337 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 5 block 60: shares 1338..1340 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 5 block 61: shares 1341..1343 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 5 block 62: shares 1344..1346 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 5 block 63: shares 1347..1349 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 6 block 0: shares 1350..1353 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 6 block 1: shares 1354..1357 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 6 block 2: shares 1358..1361 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 6 block 3: shares 1362..1365 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 6 block 4: shares 1366..1369 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 6 block 5: shares 1370..1373 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 6 block 6: shares 1374..1377 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 6 block 7: shares 1378..1381 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 6 block 8: shares 1382..1385 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 6 block 9: shares 1386..1389 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 6 block 10: shares 1390..1393 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 6 block 11: shares 1394..1397 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 6 block 12: shares 1398..1401 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 6 block 13: shares 1402..1405 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 6 block 14: shares 1406..1409 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 6 block 15: shares 1410..1413 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 6 block 16: shares 1414..1417 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 6 block 17: shares 1418..1421 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 6 block 18: shares 1422..1425 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 6 block 19: shares 1426..1429 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 6 block 20: shares 1430..1433 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 6 block 21: shares 1434..1437 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 6 block 22: shares 1438..1441 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 6 block 23: shares 1442..1445 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 6 block 24: shares 1446..1449 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 6 block 25: shares 1450..1453 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 6 block 26: shares 1454..1457 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 6 block 27: shares 1458..1461 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 6 block 28: shares 1462..1465 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 6 block 29: shares 1466..1469 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 6 block 30: shares 1470..1473 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 6 block 31: shares 1474..1477 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 6 block 32: shares 1478..1481 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 6 block 33: shares 1482..1484 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 6 block 34: shares 1485..1487 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 6 block 35: shares 1488..1490 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 6 block 36: shares 1491..1493 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 6 block 37: shares 1494..1496 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 6 block 38: shares 1497..1499 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 6 block 39: shares 1500..1502 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 6 block 40: shares 1503..1505 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 6 block 41: shares 1506..1508 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 6 block 42: shares 1509..1511 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 6 block 43: shares 1512..1514 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 6 block 44: shares 1515..1517 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 6 block 45: shares 1518..1520 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 6 block 46: shares 1521..1523 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 6 block 47: shares 1524..1526 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 6 block 48: shares 1527..1529 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 6 block 49: shares 1530..1532 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 6 block 50: shares 1533..1535 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 6 block 51: shares 1536..1538 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 6 block 52: shares 1539..1541 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 6 block 53: shares 1542..1544 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 6 block 54: shares 1545..1547 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 6 block 55: shares 1548..1550 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 6 block 56: shares 1551..1553 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 6 block 57: shares 1554..1556 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 6 block 58: shares 1557..1559 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 6 block 59: shares 1560..1562 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 6 block 60: shares 1563..1565 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 6 block 61: shares 1566..1568 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 6 block 62: shares 1569..1571 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 6 block 63: shares 1572..1574 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
+    // rank 7 block 0: shares 1575..1578 ({step, share, of})
+    {0, 0, 1}, {4, 15, 16}, {8, 15, 16}, {12, 15, 16},
+    // rank 7 block 1: shares 1579..1582 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16}, {9, 0, 16}, {13, 0, 16},
+    // rank 7 block 2: shares 1583..1586 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16}, {9, 1, 16}, {13, 1, 16},
+    // rank 7 block 3: shares 1587..1590 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16}, {9, 2, 16}, {13, 2, 16},
+    // rank 7 block 4: shares 1591..1594 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16}, {9, 3, 16}, {13, 3, 16},
+    // rank 7 block 5: shares 1595..1598 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16}, {9, 4, 16}, {13, 4, 16},
+    // rank 7 block 6: shares 1599..1602 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16}, {9, 5, 16}, {13, 5, 16},
+    // rank 7 block 7: shares 1603..1606 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16}, {9, 6, 16}, {13, 6, 16},
+    // rank 7 block 8: shares 1607..1610 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16}, {9, 7, 16}, {13, 7, 16},
+    // rank 7 block 9: shares 1611..1614 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16}, {9, 8, 16}, {13, 8, 16},
+    // rank 7 block 10: shares 1615..1618 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16}, {9, 9, 16}, {13, 9, 16},
+    // rank 7 block 11: shares 1619..1622 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16}, {9, 10, 16}, {13, 10, 16},
+    // rank 7 block 12: shares 1623..1626 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16}, {9, 11, 16}, {13, 11, 16},
+    // rank 7 block 13: shares 1627..1630 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16}, {9, 12, 16}, {13, 12, 16},
+    // rank 7 block 14: shares 1631..1634 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16}, {9, 13, 16}, {13, 13, 16},
+    // rank 7 block 15: shares 1635..1638 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16}, {9, 14, 16}, {13, 14, 16},
+    // rank 7 block 16: shares 1639..1642 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16}, {9, 15, 16}, {13, 15, 16},
+    // rank 7 block 17: shares 1643..1646 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16}, {10, 0, 16}, {14, 0, 16},
+    // rank 7 block 18: shares 1647..1650 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16}, {10, 1, 16}, {14, 1, 16},
+    // rank 7 block 19: shares 1651..1654 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16}, {10, 2, 16}, {14, 2, 16},
+    // rank 7 block 20: shares 1655..1658 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16}, {10, 3, 16}, {14, 3, 16},
+    // rank 7 block 21: shares 1659..1662 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16}, {10, 4, 16}, {14, 4, 16},
+    // rank 7 block 22: shares 1663..1666 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16}, {10, 5, 16}, {14, 5, 16},
+    // rank 7 block 23: shares 1667..1670 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16}, {10, 6, 16}, {14, 6, 16},
+    // rank 7 block 24: shares 1671..1674 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16}, {10, 7, 16}, {14, 7, 16},
+    // rank 7 block 25: shares 1675..1678 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16}, {10, 8, 16}, {14, 8, 16},
+    // rank 7 block 26: shares 1679..1682 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16}, {10, 9, 16}, {14, 9, 16},
+    // rank 7 block 27: shares 1683..1686 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16}, {10, 10, 16}, {14, 10, 16},
+    // rank 7 block 28: shares 1687..1690 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16}, {10, 11, 16}, {14, 11, 16},
+    // rank 7 block 29: shares 1691..1694 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16}, {10, 12, 16}, {14, 12, 16},
+    // rank 7 block 30: shares 1695..1698 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16}, {10, 13, 16}, {14, 13, 16},
+    // rank 7 block 31: shares 1699..1702 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16}, {10, 14, 16}, {14, 14, 16},
+    // rank 7 block 32: shares 1703..1706 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16}, {10, 15, 16}, {14, 15, 16},
+    // rank 7 block 33: shares 1707..1709 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16}, {11, 0, 16},
+    // rank 7 block 34: shares 1710..1712 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16}, {11, 1, 16},
+    // rank 7 block 35: shares 1713..1715 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16}, {11, 2, 16},
+    // rank 7 block 36: shares 1716..1718 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16}, {11, 3, 16},
+    // rank 7 block 37: shares 1719..1721 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16}, {11, 4, 16},
+    // rank 7 block 38: shares 1722..1724 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16}, {11, 5, 16},
+    // rank 7 block 39: shares 1725..1727 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16}, {11, 6, 16},
+    // rank 7 block 40: shares 1728..1730 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16}, {11, 7, 16},
+    // rank 7 block 41: shares 1731..1733 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16}, {11, 8, 16},
+    // rank 7 block 42: shares 1734..1736 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16}, {11, 9, 16},
+    // rank 7 block 43: shares 1737..1739 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16}, {11, 10, 16},
+    // rank 7 block 44: shares 1740..1742 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16}, {11, 11, 16},
+    // rank 7 block 45: shares 1743..1745 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16}, {11, 12, 16},
+    // rank 7 block 46: shares 1746..1748 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16}, {11, 13, 16},
+    // rank 7 block 47: shares 1749..1751 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16}, {11, 14, 16},
+    // rank 7 block 48: shares 1752..1754 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16}, {11, 15, 16},
+    // rank 7 block 49: shares 1755..1757 ({step, share, of})
+    {4, 0, 16}, {8, 0, 16}, {12, 0, 16},
+    // rank 7 block 50: shares 1758..1760 ({step, share, of})
+    {4, 1, 16}, {8, 1, 16}, {12, 1, 16},
+    // rank 7 block 51: shares 1761..1763 ({step, share, of})
+    {4, 2, 16}, {8, 2, 16}, {12, 2, 16},
+    // rank 7 block 52: shares 1764..1766 ({step, share, of})
+    {4, 3, 16}, {8, 3, 16}, {12, 3, 16},
+    // rank 7 block 53: shares 1767..1769 ({step, share, of})
+    {4, 4, 16}, {8, 4, 16}, {12, 4, 16},
+    // rank 7 block 54: shares 1770..1772 ({step, share, of})
+    {4, 5, 16}, {8, 5, 16}, {12, 5, 16},
+    // rank 7 block 55: shares 1773..1775 ({step, share, of})
+    {4, 6, 16}, {8, 6, 16}, {12, 6, 16},
+    // rank 7 block 56: shares 1776..1778 ({step, share, of})
+    {4, 7, 16}, {8, 7, 16}, {12, 7, 16},
+    // rank 7 block 57: shares 1779..1781 ({step, share, of})
+    {4, 8, 16}, {8, 8, 16}, {12, 8, 16},
+    // rank 7 block 58: shares 1782..1784 ({step, share, of})
+    {4, 9, 16}, {8, 9, 16}, {12, 9, 16},
+    // rank 7 block 59: shares 1785..1787 ({step, share, of})
+    {4, 10, 16}, {8, 10, 16}, {12, 10, 16},
+    // rank 7 block 60: shares 1788..1790 ({step, share, of})
+    {4, 11, 16}, {8, 11, 16}, {12, 11, 16},
+    // rank 7 block 61: shares 1791..1793 ({step, share, of})
+    {4, 12, 16}, {8, 12, 16}, {12, 12, 16},
+    // rank 7 block 62: shares 1794..1796 ({step, share, of})
+    {4, 13, 16}, {8, 13, 16}, {12, 13, 16},
+    // rank 7 block 63: shares 1797..1799 ({step, share, of})
+    {4, 14, 16}, {8, 14, 16}, {12, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {

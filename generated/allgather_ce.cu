@@ -1332,14 +1332,22 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 3: step 3 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 3: step 3 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 0 block 2: shares 2..2 ({step, share, of})
+    {2, 0, 1},
+    // rank 0 block 3: shares 3..3 ({step, share, of})
+    {3, 0, 1},
+    // rank 1 block 0: shares 4..4 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 5..5 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 2: shares 6..6 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 3: shares 7..7 ({step, share, of})
+    {3, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][5] = {
@@ -1385,21 +1393,36 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 4: step 4 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 4: step 4 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 4: step 4 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 0 block 2: shares 2..2 ({step, share, of})
+    {2, 0, 1},
+    // rank 0 block 3: shares 3..3 ({step, share, of})
+    {3, 0, 1},
+    // rank 0 block 4: shares 4..4 ({step, share, of})
+    {4, 0, 1},
+    // rank 1 block 0: shares 5..5 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 6..6 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 2: shares 7..7 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 3: shares 8..8 ({step, share, of})
+    {3, 0, 1},
+    // rank 1 block 4: shares 9..9 ({step, share, of})
+    {4, 0, 1},
+    // rank 2 block 0: shares 10..10 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 11..11 ({step, share, of})
+    {1, 0, 1},
+    // rank 2 block 2: shares 12..12 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 3: shares 13..13 ({step, share, of})
+    {3, 0, 1},
+    // rank 2 block 4: shares 14..14 ({step, share, of})
+    {4, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][6] = {
@@ -1464,30 +1487,54 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 5: step 5 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 5: step 5 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 5: step 5 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 5: step 5 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 0 block 2: shares 2..2 ({step, share, of})
+    {2, 0, 1},
+    // rank 0 block 3: shares 3..3 ({step, share, of})
+    {3, 0, 1},
+    // rank 0 block 4: shares 4..4 ({step, share, of})
+    {4, 0, 1},
+    // rank 0 block 5: shares 5..5 ({step, share, of})
+    {5, 0, 1},
+    // rank 1 block 0: shares 6..6 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 7..7 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 2: shares 8..8 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 3: shares 9..9 ({step, share, of})
+    {3, 0, 1},
+    // rank 1 block 4: shares 10..10 ({step, share, of})
+    {4, 0, 1},
+    // rank 1 block 5: shares 11..11 ({step, share, of})
+    {5, 0, 1},
+    // rank 2 block 0: shares 12..12 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 13..13 ({step, share, of})
+    {1, 0, 1},
+    // rank 2 block 2: shares 14..14 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 3: shares 15..15 ({step, share, of})
+    {3, 0, 1},
+    // rank 2 block 4: shares 16..16 ({step, share, of})
+    {4, 0, 1},
+    // rank 2 block 5: shares 17..17 ({step, share, of})
+    {5, 0, 1},
+    // rank 3 block 0: shares 18..18 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 19..19 ({step, share, of})
+    {1, 0, 1},
+    // rank 3 block 2: shares 20..20 ({step, share, of})
+    {2, 0, 1},
+    // rank 3 block 3: shares 21..21 ({step, share, of})
+    {3, 0, 1},
+    // rank 3 block 4: shares 22..22 ({step, share, of})
+    {4, 0, 1},
+    // rank 3 block 5: shares 23..23 ({step, share, of})
+    {5, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][7] = {
@@ -1665,86 +1712,166 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 3 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 3 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 3 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 3 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 4 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 4 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 4 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 4 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 4 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 4 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 4 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 4 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 4 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 5 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 5 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 5 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 5 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 5 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 5 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 5 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 5 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 5 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 6 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 6 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 6 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 6 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 6 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 6 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 6 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 6 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 6 block 9: step 9 share 0/1
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 7 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 7 block 2: step 2 share 0/1
-    {3, 0, 1},  // rank 7 block 3: step 3 share 0/1
-    {4, 0, 1},  // rank 7 block 4: step 4 share 0/1
-    {5, 0, 1},  // rank 7 block 5: step 5 share 0/1
-    {6, 0, 1},  // rank 7 block 6: step 6 share 0/1
-    {7, 0, 1},  // rank 7 block 7: step 7 share 0/1
-    {8, 0, 1},  // rank 7 block 8: step 8 share 0/1
-    {9, 0, 1},  // rank 7 block 9: step 9 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 0 block 2: shares 2..2 ({step, share, of})
+    {2, 0, 1},
+    // rank 0 block 3: shares 3..3 ({step, share, of})
+    {3, 0, 1},
+    // rank 0 block 4: shares 4..4 ({step, share, of})
+    {4, 0, 1},
+    // rank 0 block 5: shares 5..5 ({step, share, of})
+    {5, 0, 1},
+    // rank 0 block 6: shares 6..6 ({step, share, of})
+    {6, 0, 1},
+    // rank 0 block 7: shares 7..7 ({step, share, of})
+    {7, 0, 1},
+    // rank 0 block 8: shares 8..8 ({step, share, of})
+    {8, 0, 1},
+    // rank 0 block 9: shares 9..9 ({step, share, of})
+    {9, 0, 1},
+    // rank 1 block 0: shares 10..10 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 11..11 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 2: shares 12..12 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 3: shares 13..13 ({step, share, of})
+    {3, 0, 1},
+    // rank 1 block 4: shares 14..14 ({step, share, of})
+    {4, 0, 1},
+    // rank 1 block 5: shares 15..15 ({step, share, of})
+    {5, 0, 1},
+    // rank 1 block 6: shares 16..16 ({step, share, of})
+    {6, 0, 1},
+    // rank 1 block 7: shares 17..17 ({step, share, of})
+    {7, 0, 1},
+    // rank 1 block 8: shares 18..18 ({step, share, of})
+    {8, 0, 1},
+    // rank 1 block 9: shares 19..19 ({step, share, of})
+    {9, 0, 1},
+    // rank 2 block 0: shares 20..20 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 21..21 ({step, share, of})
+    {1, 0, 1},
+    // rank 2 block 2: shares 22..22 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 3: shares 23..23 ({step, share, of})
+    {3, 0, 1},
+    // rank 2 block 4: shares 24..24 ({step, share, of})
+    {4, 0, 1},
+    // rank 2 block 5: shares 25..25 ({step, share, of})
+    {5, 0, 1},
+    // rank 2 block 6: shares 26..26 ({step, share, of})
+    {6, 0, 1},
+    // rank 2 block 7: shares 27..27 ({step, share, of})
+    {7, 0, 1},
+    // rank 2 block 8: shares 28..28 ({step, share, of})
+    {8, 0, 1},
+    // rank 2 block 9: shares 29..29 ({step, share, of})
+    {9, 0, 1},
+    // rank 3 block 0: shares 30..30 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 31..31 ({step, share, of})
+    {1, 0, 1},
+    // rank 3 block 2: shares 32..32 ({step, share, of})
+    {2, 0, 1},
+    // rank 3 block 3: shares 33..33 ({step, share, of})
+    {3, 0, 1},
+    // rank 3 block 4: shares 34..34 ({step, share, of})
+    {4, 0, 1},
+    // rank 3 block 5: shares 35..35 ({step, share, of})
+    {5, 0, 1},
+    // rank 3 block 6: shares 36..36 ({step, share, of})
+    {6, 0, 1},
+    // rank 3 block 7: shares 37..37 ({step, share, of})
+    {7, 0, 1},
+    // rank 3 block 8: shares 38..38 ({step, share, of})
+    {8, 0, 1},
+    // rank 3 block 9: shares 39..39 ({step, share, of})
+    {9, 0, 1},
+    // rank 4 block 0: shares 40..40 ({step, share, of})
+    {0, 0, 1},
+    // rank 4 block 1: shares 41..41 ({step, share, of})
+    {1, 0, 1},
+    // rank 4 block 2: shares 42..42 ({step, share, of})
+    {2, 0, 1},
+    // rank 4 block 3: shares 43..43 ({step, share, of})
+    {3, 0, 1},
+    // rank 4 block 4: shares 44..44 ({step, share, of})
+    {4, 0, 1},
+    // rank 4 block 5: shares 45..45 ({step, share, of})
+    {5, 0, 1},
+    // rank 4 block 6: shares 46..46 ({step, share, of})
+    {6, 0, 1},
+    // rank 4 block 7: shares 47..47 ({step, share, of})
+    {7, 0, 1},
+    // rank 4 block 8: shares 48..48 ({step, share, of})
+    {8, 0, 1},
+    // rank 4 block 9: shares 49..49 ({step, share, of})
+    {9, 0, 1},
+    // rank 5 block 0: shares 50..50 ({step, share, of})
+    {0, 0, 1},
+    // rank 5 block 1: shares 51..51 ({step, share, of})
+    {1, 0, 1},
+    // rank 5 block 2: shares 52..52 ({step, share, of})
+    {2, 0, 1},
+    // rank 5 block 3: shares 53..53 ({step, share, of})
+    {3, 0, 1},
+    // rank 5 block 4: shares 54..54 ({step, share, of})
+    {4, 0, 1},
+    // rank 5 block 5: shares 55..55 ({step, share, of})
+    {5, 0, 1},
+    // rank 5 block 6: shares 56..56 ({step, share, of})
+    {6, 0, 1},
+    // rank 5 block 7: shares 57..57 ({step, share, of})
+    {7, 0, 1},
+    // rank 5 block 8: shares 58..58 ({step, share, of})
+    {8, 0, 1},
+    // rank 5 block 9: shares 59..59 ({step, share, of})
+    {9, 0, 1},
+    // rank 6 block 0: shares 60..60 ({step, share, of})
+    {0, 0, 1},
+    // rank 6 block 1: shares 61..61 ({step, share, of})
+    {1, 0, 1},
+    // rank 6 block 2: shares 62..62 ({step, share, of})
+    {2, 0, 1},
+    // rank 6 block 3: shares 63..63 ({step, share, of})
+    {3, 0, 1},
+    // rank 6 block 4: shares 64..64 ({step, share, of})
+    {4, 0, 1},
+    // rank 6 block 5: shares 65..65 ({step, share, of})
+    {5, 0, 1},
+    // rank 6 block 6: shares 66..66 ({step, share, of})
+    {6, 0, 1},
+    // rank 6 block 7: shares 67..67 ({step, share, of})
+    {7, 0, 1},
+    // rank 6 block 8: shares 68..68 ({step, share, of})
+    {8, 0, 1},
+    // rank 6 block 9: shares 69..69 ({step, share, of})
+    {9, 0, 1},
+    // rank 7 block 0: shares 70..70 ({step, share, of})
+    {0, 0, 1},
+    // rank 7 block 1: shares 71..71 ({step, share, of})
+    {1, 0, 1},
+    // rank 7 block 2: shares 72..72 ({step, share, of})
+    {2, 0, 1},
+    // rank 7 block 3: shares 73..73 ({step, share, of})
+    {3, 0, 1},
+    // rank 7 block 4: shares 74..74 ({step, share, of})
+    {4, 0, 1},
+    // rank 7 block 5: shares 75..75 ({step, share, of})
+    {5, 0, 1},
+    // rank 7 block 6: shares 76..76 ({step, share, of})
+    {6, 0, 1},
+    // rank 7 block 7: shares 77..77 ({step, share, of})
+    {7, 0, 1},
+    // rank 7 block 8: shares 78..78 ({step, share, of})
+    {8, 0, 1},
+    // rank 7 block 9: shares 79..79 ({step, share, of})
+    {9, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][11] = {

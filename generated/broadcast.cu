@@ -1164,40 +1164,74 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 2 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {0, 0, 16},  // rank 1 block 0: step 0 share 0/16
-    {0, 1, 16},  // rank 1 block 1: step 0 share 1/16
-    {0, 2, 16},  // rank 1 block 2: step 0 share 2/16
-    {0, 3, 16},  // rank 1 block 3: step 0 share 3/16
-    {0, 4, 16},  // rank 1 block 4: step 0 share 4/16
-    {0, 5, 16},  // rank 1 block 5: step 0 share 5/16
-    {0, 6, 16},  // rank 1 block 6: step 0 share 6/16
-    {0, 7, 16},  // rank 1 block 7: step 0 share 7/16
-    {0, 8, 16},  // rank 1 block 8: step 0 share 8/16
-    {0, 9, 16},  // rank 1 block 9: step 0 share 9/16
-    {0, 10, 16},  // rank 1 block 10: step 0 share 10/16
-    {0, 11, 16},  // rank 1 block 11: step 0 share 11/16
-    {0, 12, 16},  // rank 1 block 12: step 0 share 12/16
-    {0, 13, 16},  // rank 1 block 13: step 0 share 13/16
-    {0, 14, 16},  // rank 1 block 14: step 0 share 14/16
-    {0, 15, 16},  // rank 1 block 15: step 0 share 15/16
-    {1, 0, 16},  // rank 1 block 16: step 1 share 0/16
-    {1, 1, 16},  // rank 1 block 17: step 1 share 1/16
-    {1, 2, 16},  // rank 1 block 18: step 1 share 2/16
-    {1, 3, 16},  // rank 1 block 19: step 1 share 3/16
-    {1, 4, 16},  // rank 1 block 20: step 1 share 4/16
-    {1, 5, 16},  // rank 1 block 21: step 1 share 5/16
-    {1, 6, 16},  // rank 1 block 22: step 1 share 6/16
-    {1, 7, 16},  // rank 1 block 23: step 1 share 7/16
-    {1, 8, 16},  // rank 1 block 24: step 1 share 8/16
-    {1, 9, 16},  // rank 1 block 25: step 1 share 9/16
-    {1, 10, 16},  // rank 1 block 26: step 1 share 10/16
-    {1, 11, 16},  // rank 1 block 27: step 1 share 11/16
-    {1, 12, 16},  // rank 1 block 28: step 1 share 12/16
-    {1, 13, 16},  // rank 1 block 29: step 1 share 13/16
-    {1, 14, 16},  // rank 1 block 30: step 1 share 14/16
-    {1, 15, 16},  // rank 1 block 31: step 1 share 15/16
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 0: shares 2..2 ({step, share, of})
+    {0, 0, 16},
+    // rank 1 block 1: shares 3..3 ({step, share, of})
+    {0, 1, 16},
+    // rank 1 block 2: shares 4..4 ({step, share, of})
+    {0, 2, 16},
+    // rank 1 block 3: shares 5..5 ({step, share, of})
+    {0, 3, 16},
+    // rank 1 block 4: shares 6..6 ({step, share, of})
+    {0, 4, 16},
+    // rank 1 block 5: shares 7..7 ({step, share, of})
+    {0, 5, 16},
+    // rank 1 block 6: shares 8..8 ({step, share, of})
+    {0, 6, 16},
+    // rank 1 block 7: shares 9..9 ({step, share, of})
+    {0, 7, 16},
+    // rank 1 block 8: shares 10..10 ({step, share, of})
+    {0, 8, 16},
+    // rank 1 block 9: shares 11..11 ({step, share, of})
+    {0, 9, 16},
+    // rank 1 block 10: shares 12..12 ({step, share, of})
+    {0, 10, 16},
+    // rank 1 block 11: shares 13..13 ({step, share, of})
+    {0, 11, 16},
+    // rank 1 block 12: shares 14..14 ({step, share, of})
+    {0, 12, 16},
+    // rank 1 block 13: shares 15..15 ({step, share, of})
+    {0, 13, 16},
+    // rank 1 block 14: shares 16..16 ({step, share, of})
+    {0, 14, 16},
+    // rank 1 block 15: shares 17..17 ({step, share, of})
+    {0, 15, 16},
+    // rank 1 block 16: shares 18..18 ({step, share, of})
+    {1, 0, 16},
+    // rank 1 block 17: shares 19..19 ({step, share, of})
+    {1, 1, 16},
+    // rank 1 block 18: shares 20..20 ({step, share, of})
+    {1, 2, 16},
+    // rank 1 block 19: shares 21..21 ({step, share, of})
+    {1, 3, 16},
+    // rank 1 block 20: shares 22..22 ({step, share, of})
+    {1, 4, 16},
+    // rank 1 block 21: shares 23..23 ({step, share, of})
+    {1, 5, 16},
+    // rank 1 block 22: shares 24..24 ({step, share, of})
+    {1, 6, 16},
+    // rank 1 block 23: shares 25..25 ({step, share, of})
+    {1, 7, 16},
+    // rank 1 block 24: shares 26..26 ({step, share, of})
+    {1, 8, 16},
+    // rank 1 block 25: shares 27..27 ({step, share, of})
+    {1, 9, 16},
+    // rank 1 block 26: shares 28..28 ({step, share, of})
+    {1, 10, 16},
+    // rank 1 block 27: shares 29..29 ({step, share, of})
+    {1, 11, 16},
+    // rank 1 block 28: shares 30..30 ({step, share, of})
+    {1, 12, 16},
+    // rank 1 block 29: shares 31..31 ({step, share, of})
+    {1, 13, 16},
+    // rank 1 block 30: shares 32..32 ({step, share, of})
+    {1, 14, 16},
+    // rank 1 block 31: shares 33..33 ({step, share, of})
+    {1, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
@@ -1227,58 +1261,110 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 2, 5 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {0, 0, 16},  // rank 1 block 0: step 0 share 0/16
-    {0, 1, 16},  // rank 1 block 1: step 0 share 1/16
-    {0, 2, 16},  // rank 1 block 2: step 0 share 2/16
-    {0, 3, 16},  // rank 1 block 3: step 0 share 3/16
-    {0, 4, 16},  // rank 1 block 4: step 0 share 4/16
-    {0, 5, 16},  // rank 1 block 5: step 0 share 5/16
-    {0, 6, 16},  // rank 1 block 6: step 0 share 6/16
-    {0, 7, 16},  // rank 1 block 7: step 0 share 7/16
-    {0, 8, 16},  // rank 1 block 8: step 0 share 8/16
-    {0, 9, 16},  // rank 1 block 9: step 0 share 9/16
-    {0, 10, 16},  // rank 1 block 10: step 0 share 10/16
-    {0, 11, 16},  // rank 1 block 11: step 0 share 11/16
-    {0, 12, 16},  // rank 1 block 12: step 0 share 12/16
-    {0, 13, 16},  // rank 1 block 13: step 0 share 13/16
-    {0, 14, 16},  // rank 1 block 14: step 0 share 14/16
-    {0, 15, 16},  // rank 1 block 15: step 0 share 15/16
-    {1, 0, 16},  // rank 1 block 16: step 1 share 0/16
-    {1, 1, 16},  // rank 1 block 17: step 1 share 1/16
-    {1, 2, 16},  // rank 1 block 18: step 1 share 2/16
-    {1, 3, 16},  // rank 1 block 19: step 1 share 3/16
-    {1, 4, 16},  // rank 1 block 20: step 1 share 4/16
-    {1, 5, 16},  // rank 1 block 21: step 1 share 5/16
-    {1, 6, 16},  // rank 1 block 22: step 1 share 6/16
-    {1, 7, 16},  // rank 1 block 23: step 1 share 7/16
-    {1, 8, 16},  // rank 1 block 24: step 1 share 8/16
-    {1, 9, 16},  // rank 1 block 25: step 1 share 9/16
-    {1, 10, 16},  // rank 1 block 26: step 1 share 10/16
-    {1, 11, 16},  // rank 1 block 27: step 1 share 11/16
-    {1, 12, 16},  // rank 1 block 28: step 1 share 12/16
-    {1, 13, 16},  // rank 1 block 29: step 1 share 13/16
-    {1, 14, 16},  // rank 1 block 30: step 1 share 14/16
-    {1, 15, 16},  // rank 1 block 31: step 1 share 15/16
-    {2, 0, 16},  // rank 1 block 32: step 2 share 0/16
-    {2, 1, 16},  // rank 1 block 33: step 2 share 1/16
-    {2, 2, 16},  // rank 1 block 34: step 2 share 2/16
-    {2, 3, 16},  // rank 1 block 35: step 2 share 3/16
-    {2, 4, 16},  // rank 1 block 36: step 2 share 4/16
-    {2, 5, 16},  // rank 1 block 37: step 2 share 5/16
-    {2, 6, 16},  // rank 1 block 38: step 2 share 6/16
-    {2, 7, 16},  // rank 1 block 39: step 2 share 7/16
-    {2, 8, 16},  // rank 1 block 40: step 2 share 8/16
-    {2, 9, 16},  // rank 1 block 41: step 2 share 9/16
-    {2, 10, 16},  // rank 1 block 42: step 2 share 10/16
-    {2, 11, 16},  // rank 1 block 43: step 2 share 11/16
-    {2, 12, 16},  // rank 1 block 44: step 2 share 12/16
-    {2, 13, 16},  // rank 1 block 45: step 2 share 13/16
-    {2, 14, 16},  // rank 1 block 46: step 2 share 14/16
-    {2, 15, 16},  // rank 1 block 47: step 2 share 15/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 0: shares 2..2 ({step, share, of})
+    {0, 0, 16},
+    // rank 1 block 1: shares 3..3 ({step, share, of})
+    {0, 1, 16},
+    // rank 1 block 2: shares 4..4 ({step, share, of})
+    {0, 2, 16},
+    // rank 1 block 3: shares 5..5 ({step, share, of})
+    {0, 3, 16},
+    // rank 1 block 4: shares 6..6 ({step, share, of})
+    {0, 4, 16},
+    // rank 1 block 5: shares 7..7 ({step, share, of})
+    {0, 5, 16},
+    // rank 1 block 6: shares 8..8 ({step, share, of})
+    {0, 6, 16},
+    // rank 1 block 7: shares 9..9 ({step, share, of})
+    {0, 7, 16},
+    // rank 1 block 8: shares 10..10 ({step, share, of})
+    {0, 8, 16},
+    // rank 1 block 9: shares 11..11 ({step, share, of})
+    {0, 9, 16},
+    // rank 1 block 10: shares 12..12 ({step, share, of})
+    {0, 10, 16},
+    // rank 1 block 11: shares 13..13 ({step, share, of})
+    {0, 11, 16},
+    // rank 1 block 12: shares 14..14 ({step, share, of})
+    {0, 12, 16},
+    // rank 1 block 13: shares 15..15 ({step, share, of})
+    {0, 13, 16},
+    // rank 1 block 14: shares 16..16 ({step, share, of})
+    {0, 14, 16},
+    // rank 1 block 15: shares 17..17 ({step, share, of})
+    {0, 15, 16},
+    // rank 1 block 16: shares 18..18 ({step, share, of})
+    {1, 0, 16},
+    // rank 1 block 17: shares 19..19 ({step, share, of})
+    {1, 1, 16},
+    // rank 1 block 18: shares 20..20 ({step, share, of})
+    {1, 2, 16},
+    // rank 1 block 19: shares 21..21 ({step, share, of})
+    {1, 3, 16},
+    // rank 1 block 20: shares 22..22 ({step, share, of})
+    {1, 4, 16},
+    // rank 1 block 21: shares 23..23 ({step, share, of})
+    {1, 5, 16},
+    // rank 1 block 22: shares 24..24 ({step, share, of})
+    {1, 6, 16},
+    // rank 1 block 23: shares 25..25 ({step, share, of})
+    {1, 7, 16},
+    // rank 1 block 24: shares 26..26 ({step, share, of})
+    {1, 8, 16},
+    // rank 1 block 25: shares 27..27 ({step, share, of})
+    {1, 9, 16},
+    // rank 1 block 26: shares 28..28 ({step, share, of})
+    {1, 10, 16},
+    // rank 1 block 27: shares 29..29 ({step, share, of})
+    {1, 11, 16},
+    // rank 1 block 28: shares 30..30 ({step, share, of})
+    {1, 12, 16},
+    // rank 1 block 29: shares 31..31 ({step, share, of})
+    {1, 13, 16},
+    // rank 1 block 30: shares 32..32 ({step, share, of})
+    {1, 14, 16},
+    // rank 1 block 31: shares 33..33 ({step, share, of})
+    {1, 15, 16},
+    // rank 1 block 32: shares 34..34 ({step, share, of})
+    {2, 0, 16},
+    // rank 1 block 33: shares 35..35 ({step, share, of})
+    {2, 1, 16},
+    // rank 1 block 34: shares 36..36 ({step, share, of})
+    {2, 2, 16},
+    // rank 1 block 35: shares 37..37 ({step, share, of})
+    {2, 3, 16},
+    // rank 1 block 36: shares 38..38 ({step, share, of})
+    {2, 4, 16},
+    // rank 1 block 37: shares 39..39 ({step, share, of})
+    {2, 5, 16},
+    // rank 1 block 38: shares 40..40 ({step, share, of})
+    {2, 6, 16},
+    // rank 1 block 39: shares 41..41 ({step, share, of})
+    {2, 7, 16},
+    // rank 1 block 40: shares 42..42 ({step, share, of})
+    {2, 8, 16},
+    // rank 1 block 41: shares 43..43 ({step, share, of})
+    {2, 9, 16},
+    // rank 1 block 42: shares 44..44 ({step, share, of})
+    {2, 10, 16},
+    // rank 1 block 43: shares 45..45 ({step, share, of})
+    {2, 11, 16},
+    // rank 1 block 44: shares 46..46 ({step, share, of})
+    {2, 12, 16},
+    // rank 1 block 45: shares 47..47 ({step, share, of})
+    {2, 13, 16},
+    // rank 1 block 46: shares 48..48 ({step, share, of})
+    {2, 14, 16},
+    // rank 1 block 47: shares 49..49 ({step, share, of})
+    {2, 15, 16},
+    // rank 2 block 0: shares 50..50 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 51..51 ({step, share, of})
+    {1, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
@@ -1315,76 +1401,146 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 2, 6, 8 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {0, 0, 16},  // rank 1 block 0: step 0 share 0/16
-    {0, 1, 16},  // rank 1 block 1: step 0 share 1/16
-    {0, 2, 16},  // rank 1 block 2: step 0 share 2/16
-    {0, 3, 16},  // rank 1 block 3: step 0 share 3/16
-    {0, 4, 16},  // rank 1 block 4: step 0 share 4/16
-    {0, 5, 16},  // rank 1 block 5: step 0 share 5/16
-    {0, 6, 16},  // rank 1 block 6: step 0 share 6/16
-    {0, 7, 16},  // rank 1 block 7: step 0 share 7/16
-    {0, 8, 16},  // rank 1 block 8: step 0 share 8/16
-    {0, 9, 16},  // rank 1 block 9: step 0 share 9/16
-    {0, 10, 16},  // rank 1 block 10: step 0 share 10/16
-    {0, 11, 16},  // rank 1 block 11: step 0 share 11/16
-    {0, 12, 16},  // rank 1 block 12: step 0 share 12/16
-    {0, 13, 16},  // rank 1 block 13: step 0 share 13/16
-    {0, 14, 16},  // rank 1 block 14: step 0 share 14/16
-    {0, 15, 16},  // rank 1 block 15: step 0 share 15/16
-    {1, 0, 16},  // rank 1 block 16: step 1 share 0/16
-    {1, 1, 16},  // rank 1 block 17: step 1 share 1/16
-    {1, 2, 16},  // rank 1 block 18: step 1 share 2/16
-    {1, 3, 16},  // rank 1 block 19: step 1 share 3/16
-    {1, 4, 16},  // rank 1 block 20: step 1 share 4/16
-    {1, 5, 16},  // rank 1 block 21: step 1 share 5/16
-    {1, 6, 16},  // rank 1 block 22: step 1 share 6/16
-    {1, 7, 16},  // rank 1 block 23: step 1 share 7/16
-    {1, 8, 16},  // rank 1 block 24: step 1 share 8/16
-    {1, 9, 16},  // rank 1 block 25: step 1 share 9/16
-    {1, 10, 16},  // rank 1 block 26: step 1 share 10/16
-    {1, 11, 16},  // rank 1 block 27: step 1 share 11/16
-    {1, 12, 16},  // rank 1 block 28: step 1 share 12/16
-    {1, 13, 16},  // rank 1 block 29: step 1 share 13/16
-    {1, 14, 16},  // rank 1 block 30: step 1 share 14/16
-    {1, 15, 16},  // rank 1 block 31: step 1 share 15/16
-    {2, 0, 16},  // rank 1 block 32: step 2 share 0/16
-    {2, 1, 16},  // rank 1 block 33: step 2 share 1/16
-    {2, 2, 16},  // rank 1 block 34: step 2 share 2/16
-    {2, 3, 16},  // rank 1 block 35: step 2 share 3/16
-    {2, 4, 16},  // rank 1 block 36: step 2 share 4/16
-    {2, 5, 16},  // rank 1 block 37: step 2 share 5/16
-    {2, 6, 16},  // rank 1 block 38: step 2 share 6/16
-    {2, 7, 16},  // rank 1 block 39: step 2 share 7/16
-    {2, 8, 16},  // rank 1 block 40: step 2 share 8/16
-    {2, 9, 16},  // rank 1 block 41: step 2 share 9/16
-    {2, 10, 16},  // rank 1 block 42: step 2 share 10/16
-    {2, 11, 16},  // rank 1 block 43: step 2 share 11/16
-    {2, 12, 16},  // rank 1 block 44: step 2 share 12/16
-    {2, 13, 16},  // rank 1 block 45: step 2 share 13/16
-    {2, 14, 16},  // rank 1 block 46: step 2 share 14/16
-    {2, 15, 16},  // rank 1 block 47: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 48: step 3 share 0/16
-    {3, 1, 16},  // rank 1 block 49: step 3 share 1/16
-    {3, 2, 16},  // rank 1 block 50: step 3 share 2/16
-    {3, 3, 16},  // rank 1 block 51: step 3 share 3/16
-    {3, 4, 16},  // rank 1 block 52: step 3 share 4/16
-    {3, 5, 16},  // rank 1 block 53: step 3 share 5/16
-    {3, 6, 16},  // rank 1 block 54: step 3 share 6/16
-    {3, 7, 16},  // rank 1 block 55: step 3 share 7/16
-    {3, 8, 16},  // rank 1 block 56: step 3 share 8/16
-    {3, 9, 16},  // rank 1 block 57: step 3 share 9/16
-    {3, 10, 16},  // rank 1 block 58: step 3 share 10/16
-    {3, 11, 16},  // rank 1 block 59: step 3 share 11/16
-    {3, 12, 16},  // rank 1 block 60: step 3 share 12/16
-    {3, 13, 16},  // rank 1 block 61: step 3 share 13/16
-    {3, 14, 16},  // rank 1 block 62: step 3 share 14/16
-    {3, 15, 16},  // rank 1 block 63: step 3 share 15/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 0: shares 2..2 ({step, share, of})
+    {0, 0, 16},
+    // rank 1 block 1: shares 3..3 ({step, share, of})
+    {0, 1, 16},
+    // rank 1 block 2: shares 4..4 ({step, share, of})
+    {0, 2, 16},
+    // rank 1 block 3: shares 5..5 ({step, share, of})
+    {0, 3, 16},
+    // rank 1 block 4: shares 6..6 ({step, share, of})
+    {0, 4, 16},
+    // rank 1 block 5: shares 7..7 ({step, share, of})
+    {0, 5, 16},
+    // rank 1 block 6: shares 8..8 ({step, share, of})
+    {0, 6, 16},
+    // rank 1 block 7: shares 9..9 ({step, share, of})
+    {0, 7, 16},
+    // rank 1 block 8: shares 10..10 ({step, share, of})
+    {0, 8, 16},
+    // rank 1 block 9: shares 11..11 ({step, share, of})
+    {0, 9, 16},
+    // rank 1 block 10: shares 12..12 ({step, share, of})
+    {0, 10, 16},
+    // rank 1 block 11: shares 13..13 ({step, share, of})
+    {0, 11, 16},
+    // rank 1 block 12: shares 14..14 ({step, share, of})
+    {0, 12, 16},
+    // rank 1 block 13: shares 15..15 ({step, share, of})
+    {0, 13, 16},
+    // rank 1 block 14: shares 16..16 ({step, share, of})
+    {0, 14, 16},
+    // rank 1 block 15: shares 17..17 ({step, share, of})
+    {0, 15, 16},
+    // rank 1 block 16: shares 18..18 ({step, share, of})
+    {1, 0, 16},
+    // rank 1 block 17: shares 19..19 ({step, share, of})
+    {1, 1, 16},
+    // rank 1 block 18: shares 20..20 ({step, share, of})
+    {1, 2, 16},
+    // rank 1 block 19: shares 21..21 ({step, share, of})
+    {1, 3, 16},
+    // rank 1 block 20: shares 22..22 ({step, share, of})
+    {1, 4, 16},
+    // rank 1 block 21: shares 23..23 ({step, share, of})
+    {1, 5, 16},
+    // rank 1 block 22: shares 24..24 ({step, share, of})
+    {1, 6, 16},
+    // rank 1 block 23: shares 25..25 ({step, share, of})
+    {1, 7, 16},
+    // rank 1 block 24: shares 26..26 ({step, share, of})
+    {1, 8, 16},
+    // rank 1 block 25: shares 27..27 ({step, share, of})
+    {1, 9, 16},
+    // rank 1 block 26: shares 28..28 ({step, share, of})
+    {1, 10, 16},
+    // rank 1 block 27: shares 29..29 ({step, share, of})
+    {1, 11, 16},
+    // rank 1 block 28: shares 30..30 ({step, share, of})
+    {1, 12, 16},
+    // rank 1 block 29: shares 31..31 ({step, share, of})
+    {1, 13, 16},
+    // rank 1 block 30: shares 32..32 ({step, share, of})
+    {1, 14, 16},
+    // rank 1 block 31: shares 33..33 ({step, share, of})
+    {1, 15, 16},
+    // rank 1 block 32: shares 34..34 ({step, share, of})
+    {2, 0, 16},
+    // rank 1 block 33: shares 35..35 ({step, share, of})
+    {2, 1, 16},
+    // rank 1 block 34: shares 36..36 ({step, share, of})
+    {2, 2, 16},
+    // rank 1 block 35: shares 37..37 ({step, share, of})
+    {2, 3, 16},
+    // rank 1 block 36: shares 38..38 ({step, share, of})
+    {2, 4, 16},
+    // rank 1 block 37: shares 39..39 ({step, share, of})
+    {2, 5, 16},
+    // rank 1 block 38: shares 40..40 ({step, share, of})
+    {2, 6, 16},
+    // rank 1 block 39: shares 41..41 ({step, share, of})
+    {2, 7, 16},
+    // rank 1 block 40: shares 42..42 ({step, share, of})
+    {2, 8, 16},
+    // rank 1 block 41: shares 43..43 ({step, share, of})
+    {2, 9, 16},
+    // rank 1 block 42: shares 44..44 ({step, share, of})
+    {2, 10, 16},
+    // rank 1 block 43: shares 45..45 ({step, share, of})
+    {2, 11, 16},
+    // rank 1 block 44: shares 46..46 ({step, share, of})
+    {2, 12, 16},
+    // rank 1 block 45: shares 47..47 ({step, share, of})
+    {2, 13, 16},
+    // rank 1 block 46: shares 48..48 ({step, share, of})
+    {2, 14, 16},
+    // rank 1 block 47: shares 49..49 ({step, share, of})
+    {2, 15, 16},
+    // rank 1 block 48: shares 50..50 ({step, share, of})
+    {3, 0, 16},
+    // rank 1 block 49: shares 51..51 ({step, share, of})
+    {3, 1, 16},
+    // rank 1 block 50: shares 52..52 ({step, share, of})
+    {3, 2, 16},
+    // rank 1 block 51: shares 53..53 ({step, share, of})
+    {3, 3, 16},
+    // rank 1 block 52: shares 54..54 ({step, share, of})
+    {3, 4, 16},
+    // rank 1 block 53: shares 55..55 ({step, share, of})
+    {3, 5, 16},
+    // rank 1 block 54: shares 56..56 ({step, share, of})
+    {3, 6, 16},
+    // rank 1 block 55: shares 57..57 ({step, share, of})
+    {3, 7, 16},
+    // rank 1 block 56: shares 58..58 ({step, share, of})
+    {3, 8, 16},
+    // rank 1 block 57: shares 59..59 ({step, share, of})
+    {3, 9, 16},
+    // rank 1 block 58: shares 60..60 ({step, share, of})
+    {3, 10, 16},
+    // rank 1 block 59: shares 61..61 ({step, share, of})
+    {3, 11, 16},
+    // rank 1 block 60: shares 62..62 ({step, share, of})
+    {3, 12, 16},
+    // rank 1 block 61: shares 63..63 ({step, share, of})
+    {3, 13, 16},
+    // rank 1 block 62: shares 64..64 ({step, share, of})
+    {3, 14, 16},
+    // rank 1 block 63: shares 65..65 ({step, share, of})
+    {3, 15, 16},
+    // rank 2 block 0: shares 66..66 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 67..67 ({step, share, of})
+    {1, 0, 1},
+    // rank 3 block 0: shares 68..68 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 69..69 ({step, share, of})
+    {1, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
@@ -1446,148 +1602,162 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 2, 10, 12, 14, 16, 18, 20 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {0, 0, 16},  // rank 1 block 0: step 0 share 0/16
-    {4, 0, 16},  // rank 1 block 0: step 4 share 0/16
-    {0, 1, 16},  // rank 1 block 1: step 0 share 1/16
-    {4, 1, 16},  // rank 1 block 1: step 4 share 1/16
-    {0, 2, 16},  // rank 1 block 2: step 0 share 2/16
-    {4, 2, 16},  // rank 1 block 2: step 4 share 2/16
-    {0, 3, 16},  // rank 1 block 3: step 0 share 3/16
-    {4, 3, 16},  // rank 1 block 3: step 4 share 3/16
-    {0, 4, 16},  // rank 1 block 4: step 0 share 4/16
-    {4, 4, 16},  // rank 1 block 4: step 4 share 4/16
-    {0, 5, 16},  // rank 1 block 5: step 0 share 5/16
-    {4, 5, 16},  // rank 1 block 5: step 4 share 5/16
-    {0, 6, 16},  // rank 1 block 6: step 0 share 6/16
-    {4, 6, 16},  // rank 1 block 6: step 4 share 6/16
-    {0, 7, 16},  // rank 1 block 7: step 0 share 7/16
-    {4, 7, 16},  // rank 1 block 7: step 4 share 7/16
-    {0, 8, 16},  // rank 1 block 8: step 0 share 8/16
-    {4, 8, 16},  // rank 1 block 8: step 4 share 8/16
-    {0, 9, 16},  // rank 1 block 9: step 0 share 9/16
-    {4, 9, 16},  // rank 1 block 9: step 4 share 9/16
-    {0, 10, 16},  // rank 1 block 10: step 0 share 10/16
-    {4, 10, 16},  // rank 1 block 10: step 4 share 10/16
-    {0, 11, 16},  // rank 1 block 11: step 0 share 11/16
-    {4, 11, 16},  // rank 1 block 11: step 4 share 11/16
-    {0, 12, 16},  // rank 1 block 12: step 0 share 12/16
-    {4, 12, 16},  // rank 1 block 12: step 4 share 12/16
-    {0, 13, 16},  // rank 1 block 13: step 0 share 13/16
-    {4, 13, 16},  // rank 1 block 13: step 4 share 13/16
-    {0, 14, 16},  // rank 1 block 14: step 0 share 14/16
-    {4, 14, 16},  // rank 1 block 14: step 4 share 14/16
-    {0, 15, 16},  // rank 1 block 15: step 0 share 15/16
-    {4, 15, 16},  // rank 1 block 15: step 4 share 15/16
-    {1, 0, 16},  // rank 1 block 16: step 1 share 0/16
-    {5, 0, 16},  // rank 1 block 16: step 5 share 0/16
-    {1, 1, 16},  // rank 1 block 17: step 1 share 1/16
-    {5, 1, 16},  // rank 1 block 17: step 5 share 1/16
-    {1, 2, 16},  // rank 1 block 18: step 1 share 2/16
-    {5, 2, 16},  // rank 1 block 18: step 5 share 2/16
-    {1, 3, 16},  // rank 1 block 19: step 1 share 3/16
-    {5, 3, 16},  // rank 1 block 19: step 5 share 3/16
-    {1, 4, 16},  // rank 1 block 20: step 1 share 4/16
-    {5, 4, 16},  // rank 1 block 20: step 5 share 4/16
-    {1, 5, 16},  // rank 1 block 21: step 1 share 5/16
-    {5, 5, 16},  // rank 1 block 21: step 5 share 5/16
-    {1, 6, 16},  // rank 1 block 22: step 1 share 6/16
-    {5, 6, 16},  // rank 1 block 22: step 5 share 6/16
-    {1, 7, 16},  // rank 1 block 23: step 1 share 7/16
-    {5, 7, 16},  // rank 1 block 23: step 5 share 7/16
-    {1, 8, 16},  // rank 1 block 24: step 1 share 8/16
-    {5, 8, 16},  // rank 1 block 24: step 5 share 8/16
-    {1, 9, 16},  // rank 1 block 25: step 1 share 9/16
-    {5, 9, 16},  // rank 1 block 25: step 5 share 9/16
-    {1, 10, 16},  // rank 1 block 26: step 1 share 10/16
-    {5, 10, 16},  // rank 1 block 26: step 5 share 10/16
-    {1, 11, 16},  // rank 1 block 27: step 1 share 11/16
-    {5, 11, 16},  // rank 1 block 27: step 5 share 11/16
-    {1, 12, 16},  // rank 1 block 28: step 1 share 12/16
-    {5, 12, 16},  // rank 1 block 28: step 5 share 12/16
-    {1, 13, 16},  // rank 1 block 29: step 1 share 13/16
-    {5, 13, 16},  // rank 1 block 29: step 5 share 13/16
-    {1, 14, 16},  // rank 1 block 30: step 1 share 14/16
-    {5, 14, 16},  // rank 1 block 30: step 5 share 14/16
-    {1, 15, 16},  // rank 1 block 31: step 1 share 15/16
-    {5, 15, 16},  // rank 1 block 31: step 5 share 15/16
-    {2, 0, 16},  // rank 1 block 32: step 2 share 0/16
-    {6, 0, 16},  // rank 1 block 32: step 6 share 0/16
-    {2, 1, 16},  // rank 1 block 33: step 2 share 1/16
-    {6, 1, 16},  // rank 1 block 33: step 6 share 1/16
-    {2, 2, 16},  // rank 1 block 34: step 2 share 2/16
-    {6, 2, 16},  // rank 1 block 34: step 6 share 2/16
-    {2, 3, 16},  // rank 1 block 35: step 2 share 3/16
-    {6, 3, 16},  // rank 1 block 35: step 6 share 3/16
-    {2, 4, 16},  // rank 1 block 36: step 2 share 4/16
-    {6, 4, 16},  // rank 1 block 36: step 6 share 4/16
-    {2, 5, 16},  // rank 1 block 37: step 2 share 5/16
-    {6, 5, 16},  // rank 1 block 37: step 6 share 5/16
-    {2, 6, 16},  // rank 1 block 38: step 2 share 6/16
-    {6, 6, 16},  // rank 1 block 38: step 6 share 6/16
-    {2, 7, 16},  // rank 1 block 39: step 2 share 7/16
-    {6, 7, 16},  // rank 1 block 39: step 6 share 7/16
-    {2, 8, 16},  // rank 1 block 40: step 2 share 8/16
-    {6, 8, 16},  // rank 1 block 40: step 6 share 8/16
-    {2, 9, 16},  // rank 1 block 41: step 2 share 9/16
-    {6, 9, 16},  // rank 1 block 41: step 6 share 9/16
-    {2, 10, 16},  // rank 1 block 42: step 2 share 10/16
-    {6, 10, 16},  // rank 1 block 42: step 6 share 10/16
-    {2, 11, 16},  // rank 1 block 43: step 2 share 11/16
-    {6, 11, 16},  // rank 1 block 43: step 6 share 11/16
-    {2, 12, 16},  // rank 1 block 44: step 2 share 12/16
-    {6, 12, 16},  // rank 1 block 44: step 6 share 12/16
-    {2, 13, 16},  // rank 1 block 45: step 2 share 13/16
-    {6, 13, 16},  // rank 1 block 45: step 6 share 13/16
-    {2, 14, 16},  // rank 1 block 46: step 2 share 14/16
-    {6, 14, 16},  // rank 1 block 46: step 6 share 14/16
-    {2, 15, 16},  // rank 1 block 47: step 2 share 15/16
-    {6, 15, 16},  // rank 1 block 47: step 6 share 15/16
-    {3, 0, 16},  // rank 1 block 48: step 3 share 0/16
-    {7, 0, 16},  // rank 1 block 48: step 7 share 0/16
-    {3, 1, 16},  // rank 1 block 49: step 3 share 1/16
-    {7, 1, 16},  // rank 1 block 49: step 7 share 1/16
-    {3, 2, 16},  // rank 1 block 50: step 3 share 2/16
-    {7, 2, 16},  // rank 1 block 50: step 7 share 2/16
-    {3, 3, 16},  // rank 1 block 51: step 3 share 3/16
-    {7, 3, 16},  // rank 1 block 51: step 7 share 3/16
-    {3, 4, 16},  // rank 1 block 52: step 3 share 4/16
-    {7, 4, 16},  // rank 1 block 52: step 7 share 4/16
-    {3, 5, 16},  // rank 1 block 53: step 3 share 5/16
-    {7, 5, 16},  // rank 1 block 53: step 7 share 5/16
-    {3, 6, 16},  // rank 1 block 54: step 3 share 6/16
-    {7, 6, 16},  // rank 1 block 54: step 7 share 6/16
-    {3, 7, 16},  // rank 1 block 55: step 3 share 7/16
-    {7, 7, 16},  // rank 1 block 55: step 7 share 7/16
-    {3, 8, 16},  // rank 1 block 56: step 3 share 8/16
-    {7, 8, 16},  // rank 1 block 56: step 7 share 8/16
-    {3, 9, 16},  // rank 1 block 57: step 3 share 9/16
-    {7, 9, 16},  // rank 1 block 57: step 7 share 9/16
-    {3, 10, 16},  // rank 1 block 58: step 3 share 10/16
-    {7, 10, 16},  // rank 1 block 58: step 7 share 10/16
-    {3, 11, 16},  // rank 1 block 59: step 3 share 11/16
-    {7, 11, 16},  // rank 1 block 59: step 7 share 11/16
-    {3, 12, 16},  // rank 1 block 60: step 3 share 12/16
-    {7, 12, 16},  // rank 1 block 60: step 7 share 12/16
-    {3, 13, 16},  // rank 1 block 61: step 3 share 13/16
-    {7, 13, 16},  // rank 1 block 61: step 7 share 13/16
-    {3, 14, 16},  // rank 1 block 62: step 3 share 14/16
-    {7, 14, 16},  // rank 1 block 62: step 7 share 14/16
-    {3, 15, 16},  // rank 1 block 63: step 3 share 15/16
-    {7, 15, 16},  // rank 1 block 63: step 7 share 15/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 4 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 5 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 6 block 1: step 1 share 0/1
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 7 block 1: step 1 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
+    {1, 0, 1},
+    // rank 1 block 0: shares 2..3 ({step, share, of})
+    {0, 0, 16}, {4, 0, 16},
+    // rank 1 block 1: shares 4..5 ({step, share, of})
+    {0, 1, 16}, {4, 1, 16},
+    // rank 1 block 2: shares 6..7 ({step, share, of})
+    {0, 2, 16}, {4, 2, 16},
+    // rank 1 block 3: shares 8..9 ({step, share, of})
+    {0, 3, 16}, {4, 3, 16},
+    // rank 1 block 4: shares 10..11 ({step, share, of})
+    {0, 4, 16}, {4, 4, 16},
+    // rank 1 block 5: shares 12..13 ({step, share, of})
+    {0, 5, 16}, {4, 5, 16},
+    // rank 1 block 6: shares 14..15 ({step, share, of})
+    {0, 6, 16}, {4, 6, 16},
+    // rank 1 block 7: shares 16..17 ({step, share, of})
+    {0, 7, 16}, {4, 7, 16},
+    // rank 1 block 8: shares 18..19 ({step, share, of})
+    {0, 8, 16}, {4, 8, 16},
+    // rank 1 block 9: shares 20..21 ({step, share, of})
+    {0, 9, 16}, {4, 9, 16},
+    // rank 1 block 10: shares 22..23 ({step, share, of})
+    {0, 10, 16}, {4, 10, 16},
+    // rank 1 block 11: shares 24..25 ({step, share, of})
+    {0, 11, 16}, {4, 11, 16},
+    // rank 1 block 12: shares 26..27 ({step, share, of})
+    {0, 12, 16}, {4, 12, 16},
+    // rank 1 block 13: shares 28..29 ({step, share, of})
+    {0, 13, 16}, {4, 13, 16},
+    // rank 1 block 14: shares 30..31 ({step, share, of})
+    {0, 14, 16}, {4, 14, 16},
+    // rank 1 block 15: shares 32..33 ({step, share, of})
+    {0, 15, 16}, {4, 15, 16},
+    // rank 1 block 16: shares 34..35 ({step, share, of})
+    {1, 0, 16}, {5, 0, 16},
+    // rank 1 block 17: shares 36..37 ({step, share, of})
+    {1, 1, 16}, {5, 1, 16},
+    // rank 1 block 18: shares 38..39 ({step, share, of})
+    {1, 2, 16}, {5, 2, 16},
+    // rank 1 block 19: shares 40..41 ({step, share, of})
+    {1, 3, 16}, {5, 3, 16},
+    // rank 1 block 20: shares 42..43 ({step, share, of})
+    {1, 4, 16}, {5, 4, 16},
+    // rank 1 block 21: shares 44..45 ({step, share, of})
+    {1, 5, 16}, {5, 5, 16},
+    // rank 1 block 22: shares 46..47 ({step, share, of})
+    {1, 6, 16}, {5, 6, 16},
+    // rank 1 block 23: shares 48..49 ({step, share, of})
+    {1, 7, 16}, {5, 7, 16},
+    // rank 1 block 24: shares 50..51 ({step, share, of})
+    {1, 8, 16}, {5, 8, 16},
+    // rank 1 block 25: shares 52..53 ({step, share, of})
+    {1, 9, 16}, {5, 9, 16},
+    // rank 1 block 26: shares 54..55 ({step, share, of})
+    {1, 10, 16}, {5, 10, 16},
+    // rank 1 block 27: shares 56..57 ({step, share, of})
+    {1, 11, 16}, {5, 11, 16},
+    // rank 1 block 28: shares 58..59 ({step, share, of})
+    {1, 12, 16}, {5, 12, 16},
+    // rank 1 block 29: shares 60..61 ({step, share, of})
+    {1, 13, 16}, {5, 13, 16},
+    // rank 1 block 30: shares 62..63 ({step, share, of})
+    {1, 14, 16}, {5, 14, 16},
+    // rank 1 block 31: shares 64..65 ({step, share, of})
+    {1, 15, 16}, {5, 15, 16},
+    // rank 1 block 32: shares 66..67 ({step, share, of})
+    {2, 0, 16}, {6, 0, 16},
+    // rank 1 block 33: shares 68..69 ({step, share, of})
+    {2, 1, 16}, {6, 1, 16},
+    // rank 1 block 34: shares 70..71 ({step, share, of})
+    {2, 2, 16}, {6, 2, 16},
+    // rank 1 block 35: shares 72..73 ({step, share, of})
+    {2, 3, 16}, {6, 3, 16},
+    // rank 1 block 36: shares 74..75 ({step, share, of})
+    {2, 4, 16}, {6, 4, 16},
+    // rank 1 block 37: shares 76..77 ({step, share, of})
+    {2, 5, 16}, {6, 5, 16},
+    // rank 1 block 38: shares 78..79 ({step, share, of})
+    {2, 6, 16}, {6, 6, 16},
+    // rank 1 block 39: shares 80..81 ({step, share, of})
+    {2, 7, 16}, {6, 7, 16},
+    // rank 1 block 40: shares 82..83 ({step, share, of})
+    {2, 8, 16}, {6, 8, 16},
+    // rank 1 block 41: shares 84..85 ({step, share, of})
+    {2, 9, 16}, {6, 9, 16},
+    // rank 1 block 42: shares 86..87 ({step, share, of})
+    {2, 10, 16}, {6, 10, 16},
+    // rank 1 block 43: shares 88..89 ({step, share, of})
+    {2, 11, 16}, {6, 11, 16},
+    // rank 1 block 44: shares 90..91 ({step, share, of})
+    {2, 12, 16}, {6, 12, 16},
+    // rank 1 block 45: shares 92..93 ({step, share, of})
+    {2, 13, 16}, {6, 13, 16},
+    // rank 1 block 46: shares 94..95 ({step, share, of})
+    {2, 14, 16}, {6, 14, 16},
+    // rank 1 block 47: shares 96..97 ({step, share, of})
+    {2, 15, 16}, {6, 15, 16},
+    // rank 1 block 48: shares 98..99 ({step, share, of})
+    {3, 0, 16}, {7, 0, 16},
+    // rank 1 block 49: shares 100..101 ({step, share, of})
+    {3, 1, 16}, {7, 1, 16},
+    // rank 1 block 50: shares 102..103 ({step, share, of})
+    {3, 2, 16}, {7, 2, 16},
+    // rank 1 block 51: shares 104..105 ({step, share, of})
+    {3, 3, 16}, {7, 3, 16},
+    // rank 1 block 52: shares 106..107 ({step, share, of})
+    {3, 4, 16}, {7, 4, 16},
+    // rank 1 block 53: shares 108..109 ({step, share, of})
+    {3, 5, 16}, {7, 5, 16},
+    // rank 1 block 54: shares 110..111 ({step, share, of})
+    {3, 6, 16}, {7, 6, 16},
+    // rank 1 block 55: shares 112..113 ({step, share, of})
+    {3, 7, 16}, {7, 7, 16},
+    // rank 1 block 56: shares 114..115 ({step, share, of})
+    {3, 8, 16}, {7, 8, 16},
+    // rank 1 block 57: shares 116..117 ({step, share, of})
+    {3, 9, 16}, {7, 9, 16},
+    // rank 1 block 58: shares 118..119 ({step, share, of})
+    {3, 10, 16}, {7, 10, 16},
+    // rank 1 block 59: shares 120..121 ({step, share, of})
+    {3, 11, 16}, {7, 11, 16},
+    // rank 1 block 60: shares 122..123 ({step, share, of})
+    {3, 12, 16}, {7, 12, 16},
+    // rank 1 block 61: shares 124..125 ({step, share, of})
+    {3, 13, 16}, {7, 13, 16},
+    // rank 1 block 62: shares 126..127 ({step, share, of})
+    {3, 14, 16}, {7, 14, 16},
+    // rank 1 block 63: shares 128..129 ({step, share, of})
+    {3, 15, 16}, {7, 15, 16},
+    // rank 2 block 0: shares 130..130 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 131..131 ({step, share, of})
+    {1, 0, 1},
+    // rank 3 block 0: shares 132..132 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 133..133 ({step, share, of})
+    {1, 0, 1},
+    // rank 4 block 0: shares 134..134 ({step, share, of})
+    {0, 0, 1},
+    // rank 4 block 1: shares 135..135 ({step, share, of})
+    {1, 0, 1},
+    // rank 5 block 0: shares 136..136 ({step, share, of})
+    {0, 0, 1},
+    // rank 5 block 1: shares 137..137 ({step, share, of})
+    {1, 0, 1},
+    // rank 6 block 0: shares 138..138 ({step, share, of})
+    {0, 0, 1},
+    // rank 6 block 1: shares 139..139 ({step, share, of})
+    {1, 0, 1},
+    // rank 7 block 0: shares 140..140 ({step, share, of})
+    {0, 0, 1},
+    // rank 7 block 1: shares 141..141 ({step, share, of})
+    {1, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {

@@ -1178,136 +1178,138 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 0 block 2: shares 3..4 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 0 block 3: shares 5..6 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 0 block 4: shares 7..8 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 0 block 5: shares 9..10 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 0 block 6: shares 11..12 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 0 block 7: shares 13..14 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 0 block 8: shares 15..16 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 0 block 9: shares 17..18 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 0 block 10: shares 19..20 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 0 block 11: shares 21..22 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 0 block 12: shares 23..24 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 0 block 13: shares 25..26 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 0 block 14: shares 27..28 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 0 block 15: shares 29..30 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 0 block 16: shares 31..32 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 0 block 17: shares 33..34 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 0 block 18: shares 35..36 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 0 block 19: shares 37..38 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 0 block 20: shares 39..40 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 0 block 21: shares 41..42 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 0 block 22: shares 43..44 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 0 block 23: shares 45..46 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 0 block 24: shares 47..48 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 0 block 25: shares 49..50 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 0 block 26: shares 51..52 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 0 block 27: shares 53..54 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 0 block 28: shares 55..56 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 0 block 29: shares 57..58 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 0 block 30: shares 59..60 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 0 block 31: shares 61..62 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 0 block 32: shares 63..64 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 1 block 0: shares 65..65 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 66..67 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 1 block 2: shares 68..69 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 1 block 3: shares 70..71 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 1 block 4: shares 72..73 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 1 block 5: shares 74..75 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 1 block 6: shares 76..77 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 1 block 7: shares 78..79 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 1 block 8: shares 80..81 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 1 block 9: shares 82..83 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 1 block 10: shares 84..85 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 1 block 11: shares 86..87 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 1 block 12: shares 88..89 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 1 block 13: shares 90..91 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 1 block 14: shares 92..93 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 1 block 15: shares 94..95 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 1 block 16: shares 96..97 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 1 block 17: shares 98..99 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 1 block 18: shares 100..101 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 1 block 19: shares 102..103 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 1 block 20: shares 104..105 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 1 block 21: shares 106..107 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 1 block 22: shares 108..109 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 1 block 23: shares 110..111 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 1 block 24: shares 112..113 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 1 block 25: shares 114..115 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 1 block 26: shares 116..117 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 1 block 27: shares 118..119 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 1 block 28: shares 120..121 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 1 block 29: shares 122..123 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 1 block 30: shares 124..125 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 1 block 31: shares 126..127 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 1 block 32: shares 128..129 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
@@ -1365,297 +1367,300 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 0 block 2: shares 3..4 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 0 block 3: shares 5..6 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 0 block 4: shares 7..8 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 0 block 5: shares 9..10 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 0 block 6: shares 11..12 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 0 block 7: shares 13..14 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 0 block 8: shares 15..16 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 0 block 9: shares 17..18 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 0 block 10: shares 19..20 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 0 block 11: shares 21..22 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 0 block 12: shares 23..24 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 0 block 13: shares 25..26 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 0 block 14: shares 27..28 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 0 block 15: shares 29..30 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 0 block 16: shares 31..32 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 0 block 17: shares 33..34 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 0 block 18: shares 35..36 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 0 block 19: shares 37..38 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 0 block 20: shares 39..40 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 0 block 21: shares 41..42 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 0 block 22: shares 43..44 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 0 block 23: shares 45..46 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 0 block 24: shares 47..48 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 0 block 25: shares 49..50 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 0 block 26: shares 51..52 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 0 block 27: shares 53..54 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 0 block 28: shares 55..56 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 0 block 29: shares 57..58 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 0 block 30: shares 59..60 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 0 block 31: shares 61..62 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 0 block 32: shares 63..64 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 0 block 33: shares 65..66 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 0 block 34: shares 67..68 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 0 block 35: shares 69..70 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 0 block 36: shares 71..72 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 0 block 37: shares 73..74 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 0 block 38: shares 75..76 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 0 block 39: shares 77..78 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 0 block 40: shares 79..80 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 0 block 41: shares 81..82 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 0 block 42: shares 83..84 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 0 block 43: shares 85..86 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 0 block 44: shares 87..88 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 0 block 45: shares 89..90 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 0 block 46: shares 91..92 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 0 block 47: shares 93..94 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 0 block 48: shares 95..96 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 1 block 0: shares 97..97 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 98..99 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 1 block 2: shares 100..101 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 1 block 3: shares 102..103 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 1 block 4: shares 104..105 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 1 block 5: shares 106..107 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 1 block 6: shares 108..109 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 1 block 7: shares 110..111 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 1 block 8: shares 112..113 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 1 block 9: shares 114..115 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 1 block 10: shares 116..117 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 1 block 11: shares 118..119 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 1 block 12: shares 120..121 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 1 block 13: shares 122..123 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 1 block 14: shares 124..125 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 1 block 15: shares 126..127 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 1 block 16: shares 128..129 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 1 block 17: shares 130..131 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 1 block 18: shares 132..133 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 1 block 19: shares 134..135 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 1 block 20: shares 136..137 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 1 block 21: shares 138..139 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 1 block 22: shares 140..141 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 1 block 23: shares 142..143 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 1 block 24: shares 144..145 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 1 block 25: shares 146..147 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 1 block 26: shares 148..149 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 1 block 27: shares 150..151 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 1 block 28: shares 152..153 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 1 block 29: shares 154..155 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 1 block 30: shares 156..157 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 1 block 31: shares 158..159 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 1 block 32: shares 160..161 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 1 block 33: shares 162..163 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 1 block 34: shares 164..165 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 1 block 35: shares 166..167 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 1 block 36: shares 168..169 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 1 block 37: shares 170..171 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 1 block 38: shares 172..173 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 1 block 39: shares 174..175 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 1 block 40: shares 176..177 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 1 block 41: shares 178..179 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 1 block 42: shares 180..181 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 1 block 43: shares 182..183 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 1 block 44: shares 184..185 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 1 block 45: shares 186..187 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 1 block 46: shares 188..189 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 1 block 47: shares 190..191 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 1 block 48: shares 192..193 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 2 block 0: shares 194..194 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 195..196 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 2 block 2: shares 197..198 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 2 block 3: shares 199..200 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 2 block 4: shares 201..202 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 2 block 5: shares 203..204 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 2 block 6: shares 205..206 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 2 block 7: shares 207..208 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 2 block 8: shares 209..210 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 2 block 9: shares 211..212 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 2 block 10: shares 213..214 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 2 block 11: shares 215..216 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 2 block 12: shares 217..218 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 2 block 13: shares 219..220 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 2 block 14: shares 221..222 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 2 block 15: shares 223..224 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 2 block 16: shares 225..226 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 2 block 17: shares 227..228 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 2 block 18: shares 229..230 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 2 block 19: shares 231..232 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 2 block 20: shares 233..234 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 2 block 21: shares 235..236 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 2 block 22: shares 237..238 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 2 block 23: shares 239..240 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 2 block 24: shares 241..242 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 2 block 25: shares 243..244 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 2 block 26: shares 245..246 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 2 block 27: shares 247..248 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 2 block 28: shares 249..250 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 2 block 29: shares 251..252 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 2 block 30: shares 253..254 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 2 block 31: shares 255..256 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 2 block 32: shares 257..258 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 2 block 33: shares 259..260 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 2 block 34: shares 261..262 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 2 block 35: shares 263..264 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 2 block 36: shares 265..266 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 2 block 37: shares 267..268 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 2 block 38: shares 269..270 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 2 block 39: shares 271..272 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 2 block 40: shares 273..274 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 2 block 41: shares 275..276 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 2 block 42: shares 277..278 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 2 block 43: shares 279..280 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 2 block 44: shares 281..282 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 2 block 45: shares 283..284 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 2 block 46: shares 285..286 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 2 block 47: shares 287..288 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 2 block 48: shares 289..290 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
@@ -1744,522 +1749,518 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
-    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
-    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
-    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
-    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
-    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
-    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
-    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
-    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
-    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
-    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
-    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
-    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
-    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
-    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
-    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
-    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
-    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
-    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
-    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
-    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
-    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
-    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
-    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
-    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
-    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
-    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
-    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
-    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
-    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
-    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
-    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
-    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
-    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
-    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
-    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
-    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
-    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
-    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
-    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
-    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
-    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
-    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
-    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
-    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
-    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
-    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
-    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
+    // rank 0 block 0: shares 0..2 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 3..4 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 0 block 2: shares 5..6 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 0 block 3: shares 7..8 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 0 block 4: shares 9..10 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 0 block 5: shares 11..12 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 0 block 6: shares 13..14 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 0 block 7: shares 15..16 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 0 block 8: shares 17..18 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 0 block 9: shares 19..20 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 0 block 10: shares 21..22 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 0 block 11: shares 23..24 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 0 block 12: shares 25..26 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 0 block 13: shares 27..28 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 0 block 14: shares 29..30 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 0 block 15: shares 31..32 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 0 block 16: shares 33..34 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 0 block 17: shares 35..36 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 0 block 18: shares 37..38 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 0 block 19: shares 39..40 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 0 block 20: shares 41..42 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 0 block 21: shares 43..44 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 0 block 22: shares 45..46 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 0 block 23: shares 47..48 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 0 block 24: shares 49..50 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 0 block 25: shares 51..52 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 0 block 26: shares 53..54 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 0 block 27: shares 55..56 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 0 block 28: shares 57..58 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 0 block 29: shares 59..60 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 0 block 30: shares 61..62 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 0 block 31: shares 63..64 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 0 block 32: shares 65..66 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 0 block 33: shares 67..68 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 0 block 34: shares 69..70 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 0 block 35: shares 71..72 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 0 block 36: shares 73..74 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 0 block 37: shares 75..76 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 0 block 38: shares 77..78 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 0 block 39: shares 79..80 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 0 block 40: shares 81..82 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 0 block 41: shares 83..84 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 0 block 42: shares 85..86 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 0 block 43: shares 87..88 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 0 block 44: shares 89..90 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 0 block 45: shares 91..92 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 0 block 46: shares 93..94 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 0 block 47: shares 95..96 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 0 block 48: shares 97..98 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 0 block 49: shares 99..100 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 0 block 50: shares 101..102 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 0 block 51: shares 103..104 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 0 block 52: shares 105..106 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 0 block 53: shares 107..108 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 0 block 54: shares 109..110 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 0 block 55: shares 111..112 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 0 block 56: shares 113..114 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 0 block 57: shares 115..116 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 0 block 58: shares 117..118 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 0 block 59: shares 119..120 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 0 block 60: shares 121..122 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 0 block 61: shares 123..124 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 0 block 62: shares 125..126 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 0 block 63: shares 127..128 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 1 block 0: shares 129..131 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 132..133 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 1 block 2: shares 134..135 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 1 block 3: shares 136..137 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 1 block 4: shares 138..139 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 1 block 5: shares 140..141 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 1 block 6: shares 142..143 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 1 block 7: shares 144..145 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 1 block 8: shares 146..147 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 1 block 9: shares 148..149 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 1 block 10: shares 150..151 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 1 block 11: shares 152..153 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 1 block 12: shares 154..155 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 1 block 13: shares 156..157 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 1 block 14: shares 158..159 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 1 block 15: shares 160..161 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 1 block 16: shares 162..163 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 1 block 17: shares 164..165 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 1 block 18: shares 166..167 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 1 block 19: shares 168..169 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 1 block 20: shares 170..171 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 1 block 21: shares 172..173 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 1 block 22: shares 174..175 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 1 block 23: shares 176..177 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 1 block 24: shares 178..179 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 1 block 25: shares 180..181 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 1 block 26: shares 182..183 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 1 block 27: shares 184..185 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 1 block 28: shares 186..187 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 1 block 29: shares 188..189 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 1 block 30: shares 190..191 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 1 block 31: shares 192..193 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 1 block 32: shares 194..195 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 1 block 33: shares 196..197 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 1 block 34: shares 198..199 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 1 block 35: shares 200..201 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 1 block 36: shares 202..203 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 1 block 37: shares 204..205 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 1 block 38: shares 206..207 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 1 block 39: shares 208..209 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 1 block 40: shares 210..211 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 1 block 41: shares 212..213 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 1 block 42: shares 214..215 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 1 block 43: shares 216..217 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 1 block 44: shares 218..219 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 1 block 45: shares 220..221 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 1 block 46: shares 222..223 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 1 block 47: shares 224..225 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 1 block 48: shares 226..227 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 1 block 49: shares 228..229 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 1 block 50: shares 230..231 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 1 block 51: shares 232..233 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 1 block 52: shares 234..235 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 1 block 53: shares 236..237 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 1 block 54: shares 238..239 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 1 block 55: shares 240..241 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 1 block 56: shares 242..243 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 1 block 57: shares 244..245 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 1 block 58: shares 246..247 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 1 block 59: shares 248..249 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 1 block 60: shares 250..251 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 1 block 61: shares 252..253 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 1 block 62: shares 254..255 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 1 block 63: shares 256..257 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 2 block 0: shares 258..260 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 261..262 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 2 block 2: shares 263..264 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 2 block 3: shares 265..266 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 2 block 4: shares 267..268 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 2 block 5: shares 269..270 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 2 block 6: shares 271..272 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 2 block 7: shares 273..274 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 2 block 8: shares 275..276 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 2 block 9: shares 277..278 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 2 block 10: shares 279..280 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 2 block 11: shares 281..282 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 2 block 12: shares 283..284 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 2 block 13: shares 285..286 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 2 block 14: shares 287..288 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 2 block 15: shares 289..290 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 2 block 16: shares 291..292 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 2 block 17: shares 293..294 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 2 block 18: shares 295..296 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 2 block 19: shares 297..298 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 2 block 20: shares 299..300 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 2 block 21: shares 301..302 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 2 block 22: shares 303..304 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 2 block 23: shares 305..306 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 2 block 24: shares 307..308 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 2 block 25: shares 309..310 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 2 block 26: shares 311..312 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 2 block 27: shares 313..314 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 2 block 28: shares 315..316 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 2 block 29: shares 317..318 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 2 block 30: shares 319..320 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 2 block 31: shares 321..322 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 2 block 32: shares 323..324 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 2 block 33: shares 325..326 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 2 block 34: shares 327..328 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 2 block 35: shares 329..330 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 2 block 36: shares 331..332 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 2 block 37: shares 333..334 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 2 block 38: shares 335..336 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 2 block 39: shares 337..338 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 2 block 40: shares 339..340 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 2 block 41: shares 341..342 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 2 block 42: shares 343..344 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 2 block 43: shares 345..346 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 2 block 44: shares 347..348 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 2 block 45: shares 349..350 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 2 block 46: shares 351..352 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 2 block 47: shares 353..354 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 2 block 48: shares 355..356 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 2 block 49: shares 357..358 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 2 block 50: shares 359..360 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 2 block 51: shares 361..362 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 2 block 52: shares 363..364 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 2 block 53: shares 365..366 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 2 block 54: shares 367..368 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 2 block 55: shares 369..370 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 2 block 56: shares 371..372 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 2 block 57: shares 373..374 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 2 block 58: shares 375..376 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 2 block 59: shares 377..378 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 2 block 60: shares 379..380 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 2 block 61: shares 381..382 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 2 block 62: shares 383..384 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 2 block 63: shares 385..386 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
+    // rank 3 block 0: shares 387..389 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
+    // rank 3 block 1: shares 390..391 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16},
+    // rank 3 block 2: shares 392..393 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16},
+    // rank 3 block 3: shares 394..395 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16},
+    // rank 3 block 4: shares 396..397 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16},
+    // rank 3 block 5: shares 398..399 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16},
+    // rank 3 block 6: shares 400..401 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16},
+    // rank 3 block 7: shares 402..403 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16},
+    // rank 3 block 8: shares 404..405 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16},
+    // rank 3 block 9: shares 406..407 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16},
+    // rank 3 block 10: shares 408..409 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16},
+    // rank 3 block 11: shares 410..411 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16},
+    // rank 3 block 12: shares 412..413 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16},
+    // rank 3 block 13: shares 414..415 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16},
+    // rank 3 block 14: shares 416..417 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16},
+    // rank 3 block 15: shares 418..419 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16},
+    // rank 3 block 16: shares 420..421 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16},
+    // rank 3 block 17: shares 422..423 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16},
+    // rank 3 block 18: shares 424..425 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16},
+    // rank 3 block 19: shares 426..427 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16},
+    // rank 3 block 20: shares 428..429 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16},
+    // rank 3 block 21: shares 430..431 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16},
+    // rank 3 block 22: shares 432..433 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16},
+    // rank 3 block 23: shares 434..435 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16},
+    // rank 3 block 24: shares 436..437 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16},
+    // rank 3 block 25: shares 438..439 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16},
+    // rank 3 block 26: shares 440..441 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16},
+    // rank 3 block 27: shares 442..443 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16},
+    // rank 3 block 28: shares 444..445 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16},
+    // rank 3 block 29: shares 446..447 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16},
+    // rank 3 block 30: shares 448..449 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16},
+    // rank 3 block 31: shares 450..451 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16},
+    // rank 3 block 32: shares 452..453 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16},
+    // rank 3 block 33: shares 454..455 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16},
+    // rank 3 block 34: shares 456..457 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16},
+    // rank 3 block 35: shares 458..459 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16},
+    // rank 3 block 36: shares 460..461 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16},
+    // rank 3 block 37: shares 462..463 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16},
+    // rank 3 block 38: shares 464..465 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16},
+    // rank 3 block 39: shares 466..467 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16},
+    // rank 3 block 40: shares 468..469 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16},
+    // rank 3 block 41: shares 470..471 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16},
+    // rank 3 block 42: shares 472..473 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16},
+    // rank 3 block 43: shares 474..475 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16},
+    // rank 3 block 44: shares 476..477 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16},
+    // rank 3 block 45: shares 478..479 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16},
+    // rank 3 block 46: shares 480..481 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16},
+    // rank 3 block 47: shares 482..483 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16},
+    // rank 3 block 48: shares 484..485 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16},
+    // rank 3 block 49: shares 486..487 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16},
+    // rank 3 block 50: shares 488..489 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16},
+    // rank 3 block 51: shares 490..491 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16},
+    // rank 3 block 52: shares 492..493 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16},
+    // rank 3 block 53: shares 494..495 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16},
+    // rank 3 block 54: shares 496..497 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16},
+    // rank 3 block 55: shares 498..499 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16},
+    // rank 3 block 56: shares 500..501 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16},
+    // rank 3 block 57: shares 502..503 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16},
+    // rank 3 block 58: shares 504..505 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16},
+    // rank 3 block 59: shares 506..507 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16},
+    // rank 3 block 60: shares 508..509 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16},
+    // rank 3 block 61: shares 510..511 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16},
+    // rank 3 block 62: shares 512..513 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16},
+    // rank 3 block 63: shares 514..515 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
@@ -2549,2062 +2550,1030 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 0 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 0 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 0 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 0 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 0 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 0 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 0 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 0 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 0 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 0 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 0 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 0 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 0 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 0 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 0 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 0 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 0 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 0 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 0 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 0 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 0 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 0 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 0 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 0 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 0 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 0 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 0 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 0 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 0 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 0 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 0 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 0 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 0 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 0 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 0 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 0 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 0 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 0 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 0 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 0 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 0 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 0 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 0 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 0 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 0 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 0 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 0 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 0 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 0 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 0 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 0 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 0 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 0 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 0 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 0 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 0 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 0 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 0 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 0 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 0 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 0 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 0 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 0 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 0 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 0 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 0 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 0 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 0 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 0 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 0 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 0 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 0 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 0 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 0 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 0 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 0 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 0 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 0 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 0 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 0 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 0 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 0 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 0 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 0 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 0 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 0 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 0 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 0 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 0 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 0 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 0 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 0 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 0 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 0 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 0 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 0 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 0 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 0 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 0 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 0 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 0 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 0 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 0 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 0 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 0 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 0 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 0 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 0 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 0 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 0 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 0 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 0 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 0 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 0 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 0 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 0 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 0 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 0 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 0 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 0 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 0 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 0 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 0 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 0 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 0 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 0 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 0 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 0 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 0 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 0 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 0 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 0 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 0 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 0 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 0 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 0 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 0 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 0 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 0 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 0 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 0 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 0 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 0 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 0 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 0 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 0 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 0 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 0 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 0 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 0 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 0 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 0 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 0 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 0 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 0 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 0 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 0 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 0 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 0 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 0 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 0 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 0 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 0 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 0 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 0 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 0 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 0 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 0 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 0 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 0 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 0 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 0 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 0 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 0 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 0 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 0 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 0 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 0 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 0 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 0 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 0 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 0 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 0 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 0 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 0 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 0 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 0 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 0 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 0 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 0 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 0 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 0 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 0 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 0 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 0 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 0 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 0 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 0 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 0 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 0 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 0 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 0 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 0 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 0 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 0 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 0 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 0 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 0 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 0 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 0 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 0 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 0 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 0 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 0 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 0 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 0 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 0 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 0 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 0 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 0 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 0 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 0 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 0 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 0 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 0 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 0 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 0 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 0 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 0 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 0 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 0 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 0 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 0 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 0 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 0 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 0 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 0 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 0 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 0 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 0 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 0 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 0 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 0 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 0 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 0 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 0 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 0 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 0 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 0 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 0 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 0 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 0 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 0 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 0 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 0 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 0 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 1 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 1 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 1 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 1 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 1 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 1 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 1 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 1 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 1 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 1 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 1 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 1 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 1 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 1 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 1 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 1 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 1 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 1 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 1 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 1 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 1 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 1 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 1 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 1 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 1 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 1 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 1 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 1 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 1 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 1 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 1 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 1 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 1 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 1 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 1 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 1 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 1 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 1 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 1 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 1 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 1 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 1 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 1 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 1 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 1 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 1 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 1 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 1 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 1 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 1 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 1 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 1 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 1 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 1 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 1 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 1 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 1 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 1 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 1 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 1 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 1 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 1 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 1 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 1 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 1 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 1 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 1 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 1 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 1 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 1 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 1 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 1 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 1 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 1 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 1 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 1 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 1 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 1 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 1 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 1 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 1 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 1 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 1 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 1 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 1 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 1 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 1 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 1 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 1 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 1 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 1 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 1 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 1 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 1 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 1 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 1 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 1 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 1 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 1 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 1 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 1 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 1 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 1 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 1 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 1 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 1 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 1 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 1 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 1 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 1 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 1 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 1 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 1 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 1 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 1 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 1 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 1 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 1 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 1 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 1 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 1 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 1 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 1 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 1 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 1 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 1 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 1 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 1 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 1 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 1 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 1 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 1 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 1 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 1 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 1 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 1 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 1 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 1 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 1 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 1 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 1 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 1 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 1 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 1 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 1 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 1 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 1 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 1 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 1 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 1 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 1 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 1 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 1 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 1 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 1 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 1 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 1 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 1 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 1 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 1 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 1 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 1 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 1 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 1 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 1 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 1 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 1 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 1 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 1 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 1 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 1 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 1 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 1 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 1 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 1 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 1 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 1 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 1 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 1 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 1 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 1 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 1 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 1 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 1 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 1 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 1 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 1 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 1 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 1 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 1 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 1 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 1 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 1 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 1 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 1 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 1 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 1 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 1 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 1 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 1 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 1 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 1 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 1 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 1 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 1 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 1 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 1 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 1 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 1 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 1 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 1 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 1 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 1 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 1 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 1 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 1 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 1 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 1 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 1 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 1 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 1 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 1 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 1 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 1 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 1 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 1 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 1 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 1 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 1 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 1 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 1 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 1 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 1 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 1 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 1 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 1 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 1 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 1 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 1 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 1 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 1 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 1 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 1 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 1 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 1 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 1 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 1 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 1 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 1 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 1 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 1 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 1 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 1 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 1 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 1 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 1 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 2 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 2 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 2 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 2 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 2 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 2 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 2 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 2 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 2 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 2 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 2 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 2 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 2 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 2 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 2 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 2 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 2 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 2 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 2 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 2 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 2 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 2 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 2 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 2 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 2 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 2 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 2 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 2 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 2 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 2 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 2 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 2 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 2 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 2 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 2 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 2 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 2 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 2 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 2 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 2 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 2 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 2 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 2 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 2 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 2 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 2 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 2 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 2 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 2 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 2 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 2 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 2 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 2 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 2 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 2 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 2 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 2 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 2 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 2 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 2 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 2 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 2 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 2 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 2 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 2 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 2 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 2 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 2 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 2 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 2 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 2 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 2 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 2 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 2 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 2 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 2 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 2 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 2 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 2 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 2 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 2 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 2 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 2 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 2 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 2 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 2 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 2 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 2 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 2 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 2 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 2 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 2 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 2 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 2 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 2 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 2 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 2 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 2 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 2 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 2 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 2 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 2 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 2 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 2 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 2 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 2 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 2 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 2 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 2 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 2 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 2 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 2 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 2 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 2 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 2 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 2 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 2 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 2 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 2 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 2 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 2 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 2 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 2 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 2 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 2 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 2 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 2 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 2 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 2 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 2 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 2 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 2 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 2 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 2 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 2 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 2 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 2 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 2 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 2 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 2 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 2 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 2 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 2 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 2 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 2 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 2 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 2 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 2 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 2 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 2 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 2 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 2 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 2 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 2 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 2 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 2 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 2 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 2 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 2 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 2 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 2 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 2 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 2 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 2 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 2 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 2 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 2 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 2 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 2 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 2 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 2 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 2 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 2 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 2 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 2 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 2 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 2 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 2 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 2 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 2 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 2 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 2 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 2 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 2 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 2 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 2 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 2 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 2 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 2 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 2 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 2 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 2 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 2 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 2 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 2 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 2 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 2 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 2 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 2 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 2 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 2 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 2 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 2 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 2 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 2 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 2 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 2 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 2 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 2 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 2 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 2 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 2 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 2 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 2 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 2 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 2 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 2 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 2 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 2 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 2 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 2 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 2 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 2 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 2 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 2 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 2 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 2 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 2 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 2 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 2 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 2 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 2 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 2 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 2 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 2 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 2 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 2 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 2 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 2 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 2 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 2 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 2 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 2 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 2 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 2 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 2 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 2 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 2 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 2 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 2 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 2 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 2 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 2 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 2 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 2 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 2 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 3 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 3 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 3 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 3 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 3 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 3 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 3 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 3 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 3 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 3 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 3 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 3 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 3 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 3 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 3 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 3 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 3 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 3 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 3 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 3 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 3 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 3 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 3 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 3 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 3 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 3 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 3 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 3 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 3 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 3 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 3 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 3 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 3 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 3 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 3 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 3 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 3 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 3 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 3 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 3 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 3 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 3 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 3 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 3 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 3 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 3 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 3 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 3 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 3 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 3 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 3 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 3 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 3 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 3 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 3 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 3 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 3 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 3 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 3 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 3 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 3 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 3 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 3 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 3 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 3 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 3 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 3 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 3 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 3 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 3 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 3 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 3 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 3 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 3 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 3 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 3 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 3 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 3 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 3 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 3 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 3 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 3 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 3 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 3 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 3 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 3 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 3 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 3 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 3 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 3 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 3 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 3 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 3 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 3 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 3 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 3 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 3 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 3 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 3 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 3 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 3 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 3 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 3 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 3 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 3 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 3 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 3 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 3 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 3 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 3 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 3 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 3 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 3 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 3 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 3 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 3 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 3 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 3 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 3 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 3 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 3 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 3 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 3 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 3 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 3 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 3 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 3 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 3 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 3 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 3 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 3 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 3 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 3 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 3 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 3 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 3 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 3 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 3 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 3 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 3 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 3 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 3 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 3 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 3 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 3 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 3 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 3 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 3 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 3 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 3 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 3 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 3 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 3 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 3 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 3 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 3 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 3 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 3 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 3 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 3 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 3 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 3 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 3 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 3 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 3 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 3 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 3 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 3 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 3 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 3 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 3 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 3 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 3 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 3 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 3 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 3 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 3 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 3 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 3 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 3 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 3 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 3 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 3 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 3 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 3 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 3 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 3 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 3 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 3 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 3 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 3 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 3 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 3 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 3 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 3 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 3 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 3 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 3 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 3 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 3 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 3 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 3 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 3 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 3 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 3 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 3 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 3 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 3 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 3 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 3 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 3 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 3 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 3 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 3 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 3 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 3 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 3 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 3 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 3 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 3 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 3 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 3 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 3 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 3 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 3 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 3 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 3 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 3 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 3 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 3 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 3 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 3 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 3 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 3 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 3 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 3 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 3 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 3 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 3 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 3 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 3 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 3 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 3 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 3 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 3 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 3 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 3 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 3 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 3 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 3 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 3 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 3 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 3 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 3 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 3 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 3 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 4 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 4 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 4 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 4 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 4 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 4 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 4 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 4 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 4 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 4 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 4 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 4 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 4 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 4 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 4 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 4 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 4 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 4 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 4 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 4 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 4 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 4 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 4 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 4 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 4 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 4 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 4 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 4 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 4 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 4 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 4 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 4 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 4 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 4 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 4 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 4 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 4 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 4 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 4 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 4 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 4 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 4 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 4 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 4 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 4 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 4 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 4 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 4 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 4 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 4 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 4 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 4 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 4 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 4 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 4 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 4 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 4 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 4 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 4 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 4 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 4 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 4 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 4 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 4 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 4 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 4 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 4 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 4 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 4 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 4 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 4 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 4 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 4 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 4 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 4 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 4 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 4 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 4 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 4 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 4 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 4 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 4 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 4 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 4 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 4 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 4 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 4 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 4 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 4 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 4 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 4 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 4 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 4 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 4 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 4 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 4 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 4 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 4 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 4 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 4 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 4 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 4 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 4 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 4 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 4 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 4 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 4 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 4 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 4 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 4 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 4 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 4 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 4 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 4 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 4 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 4 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 4 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 4 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 4 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 4 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 4 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 4 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 4 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 4 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 4 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 4 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 4 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 4 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 4 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 4 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 4 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 4 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 4 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 4 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 4 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 4 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 4 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 4 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 4 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 4 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 4 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 4 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 4 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 4 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 4 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 4 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 4 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 4 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 4 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 4 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 4 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 4 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 4 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 4 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 4 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 4 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 4 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 4 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 4 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 4 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 4 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 4 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 4 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 4 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 4 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 4 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 4 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 4 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 4 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 4 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 4 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 4 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 4 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 4 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 4 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 4 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 4 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 4 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 4 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 4 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 4 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 4 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 4 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 4 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 4 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 4 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 4 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 4 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 4 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 4 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 4 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 4 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 4 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 4 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 4 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 4 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 4 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 4 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 4 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 4 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 4 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 4 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 4 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 4 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 4 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 4 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 4 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 4 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 4 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 4 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 4 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 4 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 4 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 4 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 4 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 4 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 4 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 4 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 4 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 4 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 4 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 4 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 4 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 4 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 4 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 4 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 4 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 4 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 4 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 4 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 4 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 4 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 4 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 4 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 4 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 4 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 4 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 4 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 4 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 4 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 4 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 4 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 4 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 4 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 4 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 4 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 4 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 4 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 4 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 4 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 4 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 4 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 4 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 4 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 4 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 4 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 5 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 5 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 5 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 5 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 5 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 5 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 5 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 5 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 5 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 5 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 5 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 5 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 5 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 5 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 5 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 5 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 5 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 5 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 5 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 5 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 5 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 5 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 5 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 5 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 5 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 5 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 5 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 5 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 5 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 5 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 5 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 5 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 5 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 5 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 5 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 5 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 5 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 5 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 5 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 5 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 5 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 5 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 5 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 5 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 5 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 5 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 5 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 5 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 5 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 5 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 5 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 5 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 5 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 5 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 5 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 5 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 5 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 5 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 5 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 5 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 5 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 5 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 5 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 5 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 5 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 5 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 5 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 5 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 5 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 5 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 5 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 5 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 5 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 5 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 5 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 5 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 5 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 5 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 5 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 5 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 5 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 5 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 5 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 5 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 5 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 5 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 5 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 5 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 5 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 5 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 5 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 5 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 5 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 5 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 5 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 5 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 5 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 5 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 5 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 5 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 5 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 5 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 5 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 5 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 5 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 5 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 5 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 5 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 5 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 5 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 5 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 5 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 5 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 5 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 5 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 5 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 5 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 5 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 5 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 5 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 5 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 5 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 5 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 5 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 5 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 5 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 5 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 5 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 5 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 5 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 5 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 5 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 5 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 5 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 5 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 5 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 5 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 5 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 5 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 5 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 5 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 5 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 5 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 5 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 5 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 5 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 5 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 5 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 5 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 5 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 5 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 5 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 5 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 5 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 5 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 5 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 5 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 5 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 5 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 5 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 5 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 5 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 5 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 5 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 5 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 5 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 5 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 5 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 5 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 5 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 5 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 5 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 5 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 5 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 5 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 5 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 5 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 5 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 5 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 5 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 5 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 5 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 5 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 5 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 5 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 5 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 5 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 5 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 5 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 5 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 5 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 5 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 5 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 5 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 5 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 5 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 5 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 5 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 5 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 5 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 5 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 5 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 5 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 5 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 5 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 5 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 5 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 5 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 5 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 5 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 5 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 5 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 5 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 5 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 5 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 5 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 5 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 5 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 5 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 5 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 5 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 5 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 5 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 5 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 5 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 5 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 5 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 5 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 5 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 5 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 5 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 5 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 5 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 5 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 5 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 5 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 5 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 5 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 5 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 5 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 5 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 5 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 5 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 5 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 5 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 5 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 5 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 5 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 5 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 5 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 5 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 5 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 5 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 5 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 5 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 5 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 6 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 6 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 6 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 6 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 6 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 6 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 6 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 6 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 6 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 6 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 6 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 6 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 6 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 6 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 6 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 6 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 6 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 6 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 6 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 6 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 6 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 6 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 6 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 6 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 6 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 6 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 6 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 6 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 6 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 6 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 6 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 6 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 6 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 6 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 6 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 6 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 6 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 6 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 6 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 6 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 6 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 6 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 6 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 6 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 6 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 6 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 6 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 6 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 6 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 6 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 6 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 6 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 6 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 6 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 6 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 6 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 6 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 6 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 6 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 6 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 6 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 6 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 6 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 6 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 6 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 6 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 6 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 6 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 6 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 6 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 6 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 6 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 6 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 6 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 6 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 6 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 6 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 6 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 6 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 6 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 6 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 6 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 6 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 6 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 6 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 6 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 6 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 6 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 6 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 6 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 6 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 6 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 6 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 6 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 6 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 6 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 6 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 6 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 6 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 6 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 6 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 6 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 6 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 6 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 6 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 6 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 6 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 6 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 6 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 6 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 6 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 6 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 6 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 6 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 6 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 6 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 6 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 6 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 6 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 6 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 6 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 6 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 6 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 6 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 6 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 6 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 6 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 6 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 6 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 6 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 6 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 6 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 6 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 6 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 6 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 6 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 6 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 6 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 6 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 6 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 6 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 6 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 6 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 6 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 6 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 6 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 6 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 6 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 6 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 6 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 6 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 6 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 6 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 6 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 6 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 6 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 6 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 6 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 6 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 6 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 6 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 6 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 6 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 6 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 6 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 6 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 6 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 6 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 6 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 6 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 6 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 6 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 6 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 6 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 6 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 6 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 6 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 6 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 6 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 6 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 6 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 6 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 6 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 6 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 6 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 6 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 6 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 6 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 6 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 6 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 6 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 6 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 6 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 6 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 6 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 6 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 6 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 6 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 6 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 6 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 6 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 6 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 6 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 6 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 6 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 6 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 6 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 6 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 6 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 6 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 6 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 6 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 6 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 6 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 6 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 6 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 6 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 6 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 6 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 6 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 6 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 6 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 6 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 6 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 6 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 6 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 6 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 6 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 6 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 6 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 6 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 6 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 6 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 6 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 6 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 6 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 6 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 6 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 6 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 6 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 6 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 6 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 6 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 6 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 6 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 6 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 6 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 6 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 6 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 6 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 6 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 6 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 6 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 6 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 6 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 6 block 63: step 16 share 14/16
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {7, 15, 16},  // rank 7 block 0: step 7 share 15/16
-    {8, 15, 16},  // rank 7 block 0: step 8 share 15/16
-    {15, 15, 16},  // rank 7 block 0: step 15 share 15/16
-    {16, 15, 16},  // rank 7 block 0: step 16 share 15/16
-    {1, 0, 16},  // rank 7 block 1: step 1 share 0/16
-    {2, 0, 16},  // rank 7 block 1: step 2 share 0/16
-    {9, 0, 16},  // rank 7 block 1: step 9 share 0/16
-    {10, 0, 16},  // rank 7 block 1: step 10 share 0/16
-    {1, 1, 16},  // rank 7 block 2: step 1 share 1/16
-    {2, 1, 16},  // rank 7 block 2: step 2 share 1/16
-    {9, 1, 16},  // rank 7 block 2: step 9 share 1/16
-    {10, 1, 16},  // rank 7 block 2: step 10 share 1/16
-    {1, 2, 16},  // rank 7 block 3: step 1 share 2/16
-    {2, 2, 16},  // rank 7 block 3: step 2 share 2/16
-    {9, 2, 16},  // rank 7 block 3: step 9 share 2/16
-    {10, 2, 16},  // rank 7 block 3: step 10 share 2/16
-    {1, 3, 16},  // rank 7 block 4: step 1 share 3/16
-    {2, 3, 16},  // rank 7 block 4: step 2 share 3/16
-    {9, 3, 16},  // rank 7 block 4: step 9 share 3/16
-    {10, 3, 16},  // rank 7 block 4: step 10 share 3/16
-    {1, 4, 16},  // rank 7 block 5: step 1 share 4/16
-    {2, 4, 16},  // rank 7 block 5: step 2 share 4/16
-    {9, 4, 16},  // rank 7 block 5: step 9 share 4/16
-    {10, 4, 16},  // rank 7 block 5: step 10 share 4/16
-    {1, 5, 16},  // rank 7 block 6: step 1 share 5/16
-    {2, 5, 16},  // rank 7 block 6: step 2 share 5/16
-    {9, 5, 16},  // rank 7 block 6: step 9 share 5/16
-    {10, 5, 16},  // rank 7 block 6: step 10 share 5/16
-    {1, 6, 16},  // rank 7 block 7: step 1 share 6/16
-    {2, 6, 16},  // rank 7 block 7: step 2 share 6/16
-    {9, 6, 16},  // rank 7 block 7: step 9 share 6/16
-    {10, 6, 16},  // rank 7 block 7: step 10 share 6/16
-    {1, 7, 16},  // rank 7 block 8: step 1 share 7/16
-    {2, 7, 16},  // rank 7 block 8: step 2 share 7/16
-    {9, 7, 16},  // rank 7 block 8: step 9 share 7/16
-    {10, 7, 16},  // rank 7 block 8: step 10 share 7/16
-    {1, 8, 16},  // rank 7 block 9: step 1 share 8/16
-    {2, 8, 16},  // rank 7 block 9: step 2 share 8/16
-    {9, 8, 16},  // rank 7 block 9: step 9 share 8/16
-    {10, 8, 16},  // rank 7 block 9: step 10 share 8/16
-    {1, 9, 16},  // rank 7 block 10: step 1 share 9/16
-    {2, 9, 16},  // rank 7 block 10: step 2 share 9/16
-    {9, 9, 16},  // rank 7 block 10: step 9 share 9/16
-    {10, 9, 16},  // rank 7 block 10: step 10 share 9/16
-    {1, 10, 16},  // rank 7 block 11: step 1 share 10/16
-    {2, 10, 16},  // rank 7 block 11: step 2 share 10/16
-    {9, 10, 16},  // rank 7 block 11: step 9 share 10/16
-    {10, 10, 16},  // rank 7 block 11: step 10 share 10/16
-    {1, 11, 16},  // rank 7 block 12: step 1 share 11/16
-    {2, 11, 16},  // rank 7 block 12: step 2 share 11/16
-    {9, 11, 16},  // rank 7 block 12: step 9 share 11/16
-    {10, 11, 16},  // rank 7 block 12: step 10 share 11/16
-    {1, 12, 16},  // rank 7 block 13: step 1 share 12/16
-    {2, 12, 16},  // rank 7 block 13: step 2 share 12/16
-    {9, 12, 16},  // rank 7 block 13: step 9 share 12/16
-    {10, 12, 16},  // rank 7 block 13: step 10 share 12/16
-    {1, 13, 16},  // rank 7 block 14: step 1 share 13/16
-    {2, 13, 16},  // rank 7 block 14: step 2 share 13/16
-    {9, 13, 16},  // rank 7 block 14: step 9 share 13/16
-    {10, 13, 16},  // rank 7 block 14: step 10 share 13/16
-    {1, 14, 16},  // rank 7 block 15: step 1 share 14/16
-    {2, 14, 16},  // rank 7 block 15: step 2 share 14/16
-    {9, 14, 16},  // rank 7 block 15: step 9 share 14/16
-    {10, 14, 16},  // rank 7 block 15: step 10 share 14/16
-    {1, 15, 16},  // rank 7 block 16: step 1 share 15/16
-    {2, 15, 16},  // rank 7 block 16: step 2 share 15/16
-    {9, 15, 16},  // rank 7 block 16: step 9 share 15/16
-    {10, 15, 16},  // rank 7 block 16: step 10 share 15/16
-    {3, 0, 16},  // rank 7 block 17: step 3 share 0/16
-    {4, 0, 16},  // rank 7 block 17: step 4 share 0/16
-    {11, 0, 16},  // rank 7 block 17: step 11 share 0/16
-    {12, 0, 16},  // rank 7 block 17: step 12 share 0/16
-    {3, 1, 16},  // rank 7 block 18: step 3 share 1/16
-    {4, 1, 16},  // rank 7 block 18: step 4 share 1/16
-    {11, 1, 16},  // rank 7 block 18: step 11 share 1/16
-    {12, 1, 16},  // rank 7 block 18: step 12 share 1/16
-    {3, 2, 16},  // rank 7 block 19: step 3 share 2/16
-    {4, 2, 16},  // rank 7 block 19: step 4 share 2/16
-    {11, 2, 16},  // rank 7 block 19: step 11 share 2/16
-    {12, 2, 16},  // rank 7 block 19: step 12 share 2/16
-    {3, 3, 16},  // rank 7 block 20: step 3 share 3/16
-    {4, 3, 16},  // rank 7 block 20: step 4 share 3/16
-    {11, 3, 16},  // rank 7 block 20: step 11 share 3/16
-    {12, 3, 16},  // rank 7 block 20: step 12 share 3/16
-    {3, 4, 16},  // rank 7 block 21: step 3 share 4/16
-    {4, 4, 16},  // rank 7 block 21: step 4 share 4/16
-    {11, 4, 16},  // rank 7 block 21: step 11 share 4/16
-    {12, 4, 16},  // rank 7 block 21: step 12 share 4/16
-    {3, 5, 16},  // rank 7 block 22: step 3 share 5/16
-    {4, 5, 16},  // rank 7 block 22: step 4 share 5/16
-    {11, 5, 16},  // rank 7 block 22: step 11 share 5/16
-    {12, 5, 16},  // rank 7 block 22: step 12 share 5/16
-    {3, 6, 16},  // rank 7 block 23: step 3 share 6/16
-    {4, 6, 16},  // rank 7 block 23: step 4 share 6/16
-    {11, 6, 16},  // rank 7 block 23: step 11 share 6/16
-    {12, 6, 16},  // rank 7 block 23: step 12 share 6/16
-    {3, 7, 16},  // rank 7 block 24: step 3 share 7/16
-    {4, 7, 16},  // rank 7 block 24: step 4 share 7/16
-    {11, 7, 16},  // rank 7 block 24: step 11 share 7/16
-    {12, 7, 16},  // rank 7 block 24: step 12 share 7/16
-    {3, 8, 16},  // rank 7 block 25: step 3 share 8/16
-    {4, 8, 16},  // rank 7 block 25: step 4 share 8/16
-    {11, 8, 16},  // rank 7 block 25: step 11 share 8/16
-    {12, 8, 16},  // rank 7 block 25: step 12 share 8/16
-    {3, 9, 16},  // rank 7 block 26: step 3 share 9/16
-    {4, 9, 16},  // rank 7 block 26: step 4 share 9/16
-    {11, 9, 16},  // rank 7 block 26: step 11 share 9/16
-    {12, 9, 16},  // rank 7 block 26: step 12 share 9/16
-    {3, 10, 16},  // rank 7 block 27: step 3 share 10/16
-    {4, 10, 16},  // rank 7 block 27: step 4 share 10/16
-    {11, 10, 16},  // rank 7 block 27: step 11 share 10/16
-    {12, 10, 16},  // rank 7 block 27: step 12 share 10/16
-    {3, 11, 16},  // rank 7 block 28: step 3 share 11/16
-    {4, 11, 16},  // rank 7 block 28: step 4 share 11/16
-    {11, 11, 16},  // rank 7 block 28: step 11 share 11/16
-    {12, 11, 16},  // rank 7 block 28: step 12 share 11/16
-    {3, 12, 16},  // rank 7 block 29: step 3 share 12/16
-    {4, 12, 16},  // rank 7 block 29: step 4 share 12/16
-    {11, 12, 16},  // rank 7 block 29: step 11 share 12/16
-    {12, 12, 16},  // rank 7 block 29: step 12 share 12/16
-    {3, 13, 16},  // rank 7 block 30: step 3 share 13/16
-    {4, 13, 16},  // rank 7 block 30: step 4 share 13/16
-    {11, 13, 16},  // rank 7 block 30: step 11 share 13/16
-    {12, 13, 16},  // rank 7 block 30: step 12 share 13/16
-    {3, 14, 16},  // rank 7 block 31: step 3 share 14/16
-    {4, 14, 16},  // rank 7 block 31: step 4 share 14/16
-    {11, 14, 16},  // rank 7 block 31: step 11 share 14/16
-    {12, 14, 16},  // rank 7 block 31: step 12 share 14/16
-    {3, 15, 16},  // rank 7 block 32: step 3 share 15/16
-    {4, 15, 16},  // rank 7 block 32: step 4 share 15/16
-    {11, 15, 16},  // rank 7 block 32: step 11 share 15/16
-    {12, 15, 16},  // rank 7 block 32: step 12 share 15/16
-    {5, 0, 16},  // rank 7 block 33: step 5 share 0/16
-    {6, 0, 16},  // rank 7 block 33: step 6 share 0/16
-    {13, 0, 16},  // rank 7 block 33: step 13 share 0/16
-    {14, 0, 16},  // rank 7 block 33: step 14 share 0/16
-    {5, 1, 16},  // rank 7 block 34: step 5 share 1/16
-    {6, 1, 16},  // rank 7 block 34: step 6 share 1/16
-    {13, 1, 16},  // rank 7 block 34: step 13 share 1/16
-    {14, 1, 16},  // rank 7 block 34: step 14 share 1/16
-    {5, 2, 16},  // rank 7 block 35: step 5 share 2/16
-    {6, 2, 16},  // rank 7 block 35: step 6 share 2/16
-    {13, 2, 16},  // rank 7 block 35: step 13 share 2/16
-    {14, 2, 16},  // rank 7 block 35: step 14 share 2/16
-    {5, 3, 16},  // rank 7 block 36: step 5 share 3/16
-    {6, 3, 16},  // rank 7 block 36: step 6 share 3/16
-    {13, 3, 16},  // rank 7 block 36: step 13 share 3/16
-    {14, 3, 16},  // rank 7 block 36: step 14 share 3/16
-    {5, 4, 16},  // rank 7 block 37: step 5 share 4/16
-    {6, 4, 16},  // rank 7 block 37: step 6 share 4/16
-    {13, 4, 16},  // rank 7 block 37: step 13 share 4/16
-    {14, 4, 16},  // rank 7 block 37: step 14 share 4/16
-    {5, 5, 16},  // rank 7 block 38: step 5 share 5/16
-    {6, 5, 16},  // rank 7 block 38: step 6 share 5/16
-    {13, 5, 16},  // rank 7 block 38: step 13 share 5/16
-    {14, 5, 16},  // rank 7 block 38: step 14 share 5/16
-    {5, 6, 16},  // rank 7 block 39: step 5 share 6/16
-    {6, 6, 16},  // rank 7 block 39: step 6 share 6/16
-    {13, 6, 16},  // rank 7 block 39: step 13 share 6/16
-    {14, 6, 16},  // rank 7 block 39: step 14 share 6/16
-    {5, 7, 16},  // rank 7 block 40: step 5 share 7/16
-    {6, 7, 16},  // rank 7 block 40: step 6 share 7/16
-    {13, 7, 16},  // rank 7 block 40: step 13 share 7/16
-    {14, 7, 16},  // rank 7 block 40: step 14 share 7/16
-    {5, 8, 16},  // rank 7 block 41: step 5 share 8/16
-    {6, 8, 16},  // rank 7 block 41: step 6 share 8/16
-    {13, 8, 16},  // rank 7 block 41: step 13 share 8/16
-    {14, 8, 16},  // rank 7 block 41: step 14 share 8/16
-    {5, 9, 16},  // rank 7 block 42: step 5 share 9/16
-    {6, 9, 16},  // rank 7 block 42: step 6 share 9/16
-    {13, 9, 16},  // rank 7 block 42: step 13 share 9/16
-    {14, 9, 16},  // rank 7 block 42: step 14 share 9/16
-    {5, 10, 16},  // rank 7 block 43: step 5 share 10/16
-    {6, 10, 16},  // rank 7 block 43: step 6 share 10/16
-    {13, 10, 16},  // rank 7 block 43: step 13 share 10/16
-    {14, 10, 16},  // rank 7 block 43: step 14 share 10/16
-    {5, 11, 16},  // rank 7 block 44: step 5 share 11/16
-    {6, 11, 16},  // rank 7 block 44: step 6 share 11/16
-    {13, 11, 16},  // rank 7 block 44: step 13 share 11/16
-    {14, 11, 16},  // rank 7 block 44: step 14 share 11/16
-    {5, 12, 16},  // rank 7 block 45: step 5 share 12/16
-    {6, 12, 16},  // rank 7 block 45: step 6 share 12/16
-    {13, 12, 16},  // rank 7 block 45: step 13 share 12/16
-    {14, 12, 16},  // rank 7 block 45: step 14 share 12/16
-    {5, 13, 16},  // rank 7 block 46: step 5 share 13/16
-    {6, 13, 16},  // rank 7 block 46: step 6 share 13/16
-    {13, 13, 16},  // rank 7 block 46: step 13 share 13/16
-    {14, 13, 16},  // rank 7 block 46: step 14 share 13/16
-    {5, 14, 16},  // rank 7 block 47: step 5 share 14/16
-    {6, 14, 16},  // rank 7 block 47: step 6 share 14/16
-    {13, 14, 16},  // rank 7 block 47: step 13 share 14/16
-    {14, 14, 16},  // rank 7 block 47: step 14 share 14/16
-    {5, 15, 16},  // rank 7 block 48: step 5 share 15/16
-    {6, 15, 16},  // rank 7 block 48: step 6 share 15/16
-    {13, 15, 16},  // rank 7 block 48: step 13 share 15/16
-    {14, 15, 16},  // rank 7 block 48: step 14 share 15/16
-    {7, 0, 16},  // rank 7 block 49: step 7 share 0/16
-    {8, 0, 16},  // rank 7 block 49: step 8 share 0/16
-    {15, 0, 16},  // rank 7 block 49: step 15 share 0/16
-    {16, 0, 16},  // rank 7 block 49: step 16 share 0/16
-    {7, 1, 16},  // rank 7 block 50: step 7 share 1/16
-    {8, 1, 16},  // rank 7 block 50: step 8 share 1/16
-    {15, 1, 16},  // rank 7 block 50: step 15 share 1/16
-    {16, 1, 16},  // rank 7 block 50: step 16 share 1/16
-    {7, 2, 16},  // rank 7 block 51: step 7 share 2/16
-    {8, 2, 16},  // rank 7 block 51: step 8 share 2/16
-    {15, 2, 16},  // rank 7 block 51: step 15 share 2/16
-    {16, 2, 16},  // rank 7 block 51: step 16 share 2/16
-    {7, 3, 16},  // rank 7 block 52: step 7 share 3/16
-    {8, 3, 16},  // rank 7 block 52: step 8 share 3/16
-    {15, 3, 16},  // rank 7 block 52: step 15 share 3/16
-    {16, 3, 16},  // rank 7 block 52: step 16 share 3/16
-    {7, 4, 16},  // rank 7 block 53: step 7 share 4/16
-    {8, 4, 16},  // rank 7 block 53: step 8 share 4/16
-    {15, 4, 16},  // rank 7 block 53: step 15 share 4/16
-    {16, 4, 16},  // rank 7 block 53: step 16 share 4/16
-    {7, 5, 16},  // rank 7 block 54: step 7 share 5/16
-    {8, 5, 16},  // rank 7 block 54: step 8 share 5/16
-    {15, 5, 16},  // rank 7 block 54: step 15 share 5/16
-    {16, 5, 16},  // rank 7 block 54: step 16 share 5/16
-    {7, 6, 16},  // rank 7 block 55: step 7 share 6/16
-    {8, 6, 16},  // rank 7 block 55: step 8 share 6/16
-    {15, 6, 16},  // rank 7 block 55: step 15 share 6/16
-    {16, 6, 16},  // rank 7 block 55: step 16 share 6/16
-    {7, 7, 16},  // rank 7 block 56: step 7 share 7/16
-    {8, 7, 16},  // rank 7 block 56: step 8 share 7/16
-    {15, 7, 16},  // rank 7 block 56: step 15 share 7/16
-    {16, 7, 16},  // rank 7 block 56: step 16 share 7/16
-    {7, 8, 16},  // rank 7 block 57: step 7 share 8/16
-    {8, 8, 16},  // rank 7 block 57: step 8 share 8/16
-    {15, 8, 16},  // rank 7 block 57: step 15 share 8/16
-    {16, 8, 16},  // rank 7 block 57: step 16 share 8/16
-    {7, 9, 16},  // rank 7 block 58: step 7 share 9/16
-    {8, 9, 16},  // rank 7 block 58: step 8 share 9/16
-    {15, 9, 16},  // rank 7 block 58: step 15 share 9/16
-    {16, 9, 16},  // rank 7 block 58: step 16 share 9/16
-    {7, 10, 16},  // rank 7 block 59: step 7 share 10/16
-    {8, 10, 16},  // rank 7 block 59: step 8 share 10/16
-    {15, 10, 16},  // rank 7 block 59: step 15 share 10/16
-    {16, 10, 16},  // rank 7 block 59: step 16 share 10/16
-    {7, 11, 16},  // rank 7 block 60: step 7 share 11/16
-    {8, 11, 16},  // rank 7 block 60: step 8 share 11/16
-    {15, 11, 16},  // rank 7 block 60: step 15 share 11/16
-    {16, 11, 16},  // rank 7 block 60: step 16 share 11/16
-    {7, 12, 16},  // rank 7 block 61: step 7 share 12/16
-    {8, 12, 16},  // rank 7 block 61: step 8 share 12/16
-    {15, 12, 16},  // rank 7 block 61: step 15 share 12/16
-    {16, 12, 16},  // rank 7 block 61: step 16 share 12/16
-    {7, 13, 16},  // rank 7 block 62: step 7 share 13/16
-    {8, 13, 16},  // rank 7 block 62: step 8 share 13/16
-    {15, 13, 16},  // rank 7 block 62: step 15 share 13/16
-    {16, 13, 16},  // rank 7 block 62: step 16 share 13/16
-    {7, 14, 16},  // rank 7 block 63: step 7 share 14/16
-    {8, 14, 16},  // rank 7 block 63: step 8 share 14/16
-    {15, 14, 16},  // rank 7 block 63: step 15 share 14/16
-    {16, 14, 16},  // rank 7 block 63: step 16 share 14/16
+    // rank 0 block 0: shares 0..4 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 0 block 1: shares 5..8 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 0 block 2: shares 9..12 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 0 block 3: shares 13..16 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 0 block 4: shares 17..20 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 0 block 5: shares 21..24 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 0 block 6: shares 25..28 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 0 block 7: shares 29..32 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 0 block 8: shares 33..36 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 0 block 9: shares 37..40 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 0 block 10: shares 41..44 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 0 block 11: shares 45..48 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 0 block 12: shares 49..52 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 0 block 13: shares 53..56 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 0 block 14: shares 57..60 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 0 block 15: shares 61..64 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 0 block 16: shares 65..68 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 0 block 17: shares 69..72 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 0 block 18: shares 73..76 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 0 block 19: shares 77..80 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 0 block 20: shares 81..84 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 0 block 21: shares 85..88 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 0 block 22: shares 89..92 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 0 block 23: shares 93..96 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 0 block 24: shares 97..100 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 0 block 25: shares 101..104 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 0 block 26: shares 105..108 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 0 block 27: shares 109..112 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 0 block 28: shares 113..116 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 0 block 29: shares 117..120 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 0 block 30: shares 121..124 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 0 block 31: shares 125..128 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 0 block 32: shares 129..132 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 0 block 33: shares 133..136 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 0 block 34: shares 137..140 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 0 block 35: shares 141..144 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 0 block 36: shares 145..148 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 0 block 37: shares 149..152 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 0 block 38: shares 153..156 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 0 block 39: shares 157..160 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 0 block 40: shares 161..164 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 0 block 41: shares 165..168 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 0 block 42: shares 169..172 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 0 block 43: shares 173..176 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 0 block 44: shares 177..180 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 0 block 45: shares 181..184 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 0 block 46: shares 185..188 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 0 block 47: shares 189..192 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 0 block 48: shares 193..196 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 0 block 49: shares 197..200 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 0 block 50: shares 201..204 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 0 block 51: shares 205..208 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 0 block 52: shares 209..212 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 0 block 53: shares 213..216 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 0 block 54: shares 217..220 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 0 block 55: shares 221..224 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 0 block 56: shares 225..228 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 0 block 57: shares 229..232 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 0 block 58: shares 233..236 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 0 block 59: shares 237..240 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 0 block 60: shares 241..244 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 0 block 61: shares 245..248 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 0 block 62: shares 249..252 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 0 block 63: shares 253..256 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 1 block 0: shares 257..261 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 1 block 1: shares 262..265 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 1 block 2: shares 266..269 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 1 block 3: shares 270..273 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 1 block 4: shares 274..277 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 1 block 5: shares 278..281 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 1 block 6: shares 282..285 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 1 block 7: shares 286..289 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 1 block 8: shares 290..293 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 1 block 9: shares 294..297 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 1 block 10: shares 298..301 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 1 block 11: shares 302..305 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 1 block 12: shares 306..309 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 1 block 13: shares 310..313 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 1 block 14: shares 314..317 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 1 block 15: shares 318..321 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 1 block 16: shares 322..325 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 1 block 17: shares 326..329 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 1 block 18: shares 330..333 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 1 block 19: shares 334..337 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 1 block 20: shares 338..341 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 1 block 21: shares 342..345 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 1 block 22: shares 346..349 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 1 block 23: shares 350..353 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 1 block 24: shares 354..357 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 1 block 25: shares 358..361 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 1 block 26: shares 362..365 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 1 block 27: shares 366..369 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 1 block 28: shares 370..373 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 1 block 29: shares 374..377 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 1 block 30: shares 378..381 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 1 block 31: shares 382..385 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 1 block 32: shares 386..389 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 1 block 33: shares 390..393 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 1 block 34: shares 394..397 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 1 block 35: shares 398..401 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 1 block 36: shares 402..405 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 1 block 37: shares 406..409 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 1 block 38: shares 410..413 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 1 block 39: shares 414..417 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 1 block 40: shares 418..421 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 1 block 41: shares 422..425 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 1 block 42: shares 426..429 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 1 block 43: shares 430..433 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 1 block 44: shares 434..437 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 1 block 45: shares 438..441 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 1 block 46: shares 442..445 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 1 block 47: shares 446..449 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 1 block 48: shares 450..453 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 1 block 49: shares 454..457 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 1 block 50: shares 458..461 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 1 block 51: shares 462..465 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 1 block 52: shares 466..469 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 1 block 53: shares 470..473 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 1 block 54: shares 474..477 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 1 block 55: shares 478..481 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 1 block 56: shares 482..485 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 1 block 57: shares 486..489 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 1 block 58: shares 490..493 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 1 block 59: shares 494..497 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 1 block 60: shares 498..501 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 1 block 61: shares 502..505 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 1 block 62: shares 506..509 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 1 block 63: shares 510..513 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 2 block 0: shares 514..518 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 2 block 1: shares 519..522 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 2 block 2: shares 523..526 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 2 block 3: shares 527..530 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 2 block 4: shares 531..534 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 2 block 5: shares 535..538 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 2 block 6: shares 539..542 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 2 block 7: shares 543..546 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 2 block 8: shares 547..550 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 2 block 9: shares 551..554 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 2 block 10: shares 555..558 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 2 block 11: shares 559..562 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 2 block 12: shares 563..566 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 2 block 13: shares 567..570 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 2 block 14: shares 571..574 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 2 block 15: shares 575..578 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 2 block 16: shares 579..582 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 2 block 17: shares 583..586 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 2 block 18: shares 587..590 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 2 block 19: shares 591..594 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 2 block 20: shares 595..598 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 2 block 21: shares 599..602 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 2 block 22: shares 603..606 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 2 block 23: shares 607..610 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 2 block 24: shares 611..614 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 2 block 25: shares 615..618 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 2 block 26: shares 619..622 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 2 block 27: shares 623..626 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 2 block 28: shares 627..630 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 2 block 29: shares 631..634 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 2 block 30: shares 635..638 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 2 block 31: shares 639..642 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 2 block 32: shares 643..646 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 2 block 33: shares 647..650 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 2 block 34: shares 651..654 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 2 block 35: shares 655..658 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 2 block 36: shares 659..662 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 2 block 37: shares 663..666 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 2 block 38: shares 667..670 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 2 block 39: shares 671..674 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 2 block 40: shares 675..678 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 2 block 41: shares 679..682 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 2 block 42: shares 683..686 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 2 block 43: shares 687..690 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 2 block 44: shares 691..694 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 2 block 45: shares 695..698 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 2 block 46: shares 699..702 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 2 block 47: shares 703..706 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 2 block 48: shares 707..710 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 2 block 49: shares 711..714 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 2 block 50: shares 715..718 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 2 block 51: shares 719..722 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 2 block 52: shares 723..726 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 2 block 53: shares 727..730 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 2 block 54: shares 731..734 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 2 block 55: shares 735..738 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 2 block 56: shares 739..742 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 2 block 57: shares 743..746 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 2 block 58: shares 747..750 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 2 block 59: shares 751..754 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 2 block 60: shares 755..758 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 2 block 61: shares 759..762 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 2 block 62: shares 763..766 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 2 block 63: shares 767..770 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 3 block 0: shares 771..775 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 3 block 1: shares 776..779 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 3 block 2: shares 780..783 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 3 block 3: shares 784..787 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 3 block 4: shares 788..791 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 3 block 5: shares 792..795 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 3 block 6: shares 796..799 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 3 block 7: shares 800..803 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 3 block 8: shares 804..807 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 3 block 9: shares 808..811 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 3 block 10: shares 812..815 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 3 block 11: shares 816..819 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 3 block 12: shares 820..823 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 3 block 13: shares 824..827 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 3 block 14: shares 828..831 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 3 block 15: shares 832..835 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 3 block 16: shares 836..839 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 3 block 17: shares 840..843 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 3 block 18: shares 844..847 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 3 block 19: shares 848..851 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 3 block 20: shares 852..855 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 3 block 21: shares 856..859 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 3 block 22: shares 860..863 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 3 block 23: shares 864..867 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 3 block 24: shares 868..871 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 3 block 25: shares 872..875 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 3 block 26: shares 876..879 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 3 block 27: shares 880..883 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 3 block 28: shares 884..887 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 3 block 29: shares 888..891 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 3 block 30: shares 892..895 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 3 block 31: shares 896..899 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 3 block 32: shares 900..903 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 3 block 33: shares 904..907 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 3 block 34: shares 908..911 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 3 block 35: shares 912..915 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 3 block 36: shares 916..919 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 3 block 37: shares 920..923 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 3 block 38: shares 924..927 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 3 block 39: shares 928..931 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 3 block 40: shares 932..935 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 3 block 41: shares 936..939 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 3 block 42: shares 940..943 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 3 block 43: shares 944..947 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 3 block 44: shares 948..951 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 3 block 45: shares 952..955 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 3 block 46: shares 956..959 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 3 block 47: shares 960..963 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 3 block 48: shares 964..967 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 3 block 49: shares 968..971 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 3 block 50: shares 972..975 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 3 block 51: shares 976..979 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 3 block 52: shares 980..983 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 3 block 53: shares 984..987 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 3 block 54: shares 988..991 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 3 block 55: shares 992..995 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 3 block 56: shares 996..999 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 3 block 57: shares 1000..1003 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 3 block 58: shares 1004..1007 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 3 block 59: shares 1008..1011 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 3 block 60: shares 1012..1015 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 3 block 61: shares 1016..1019 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 3 block 62: shares 1020..1023 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 3 block 63: shares 1024..1027 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 4 block 0: shares 1028..1032 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 4 block 1: shares 1033..1036 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 4 block 2: shares 1037..1040 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 4 block 3: shares 1041..1044 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 4 block 4: shares 1045..1048 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 4 block 5: shares 1049..1052 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 4 block 6: shares 1053..1056 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 4 block 7: shares 1057..1060 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 4 block 8: shares 1061..1064 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 4 block 9: shares 1065..1068 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 4 block 10: shares 1069..1072 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 4 block 11: shares 1073..1076 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 4 block 12: shares 1077..1080 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 4 block 13: shares 1081..1084 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 4 block 14: shares 1085..1088 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 4 block 15: shares 1089..1092 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 4 block 16: shares 1093..1096 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 4 block 17: shares 1097..1100 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 4 block 18: shares 1101..1104 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 4 block 19: shares 1105..1108 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 4 block 20: shares 1109..1112 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 4 block 21: shares 1113..1116 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 4 block 22: shares 1117..1120 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 4 block 23: shares 1121..1124 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 4 block 24: shares 1125..1128 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 4 block 25: shares 1129..1132 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 4 block 26: shares 1133..1136 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 4 block 27: shares 1137..1140 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 4 block 28: shares 1141..1144 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 4 block 29: shares 1145..1148 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 4 block 30: shares 1149..1152 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 4 block 31: shares 1153..1156 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 4 block 32: shares 1157..1160 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 4 block 33: shares 1161..1164 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 4 block 34: shares 1165..1168 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 4 block 35: shares 1169..1172 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 4 block 36: shares 1173..1176 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 4 block 37: shares 1177..1180 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 4 block 38: shares 1181..1184 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 4 block 39: shares 1185..1188 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 4 block 40: shares 1189..1192 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 4 block 41: shares 1193..1196 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 4 block 42: shares 1197..1200 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 4 block 43: shares 1201..1204 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 4 block 44: shares 1205..1208 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 4 block 45: shares 1209..1212 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 4 block 46: shares 1213..1216 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 4 block 47: shares 1217..1220 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 4 block 48: shares 1221..1224 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 4 block 49: shares 1225..1228 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 4 block 50: shares 1229..1232 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 4 block 51: shares 1233..1236 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 4 block 52: shares 1237..1240 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 4 block 53: shares 1241..1244 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 4 block 54: shares 1245..1248 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 4 block 55: shares 1249..1252 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 4 block 56: shares 1253..1256 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 4 block 57: shares 1257..1260 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 4 block 58: shares 1261..1264 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 4 block 59: shares 1265..1268 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 4 block 60: shares 1269..1272 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 4 block 61: shares 1273..1276 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 4 block 62: shares 1277..1280 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 4 block 63: shares 1281..1284 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 5 block 0: shares 1285..1289 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 5 block 1: shares 1290..1293 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 5 block 2: shares 1294..1297 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 5 block 3: shares 1298..1301 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 5 block 4: shares 1302..1305 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 5 block 5: shares 1306..1309 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 5 block 6: shares 1310..1313 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 5 block 7: shares 1314..1317 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 5 block 8: shares 1318..1321 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 5 block 9: shares 1322..1325 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 5 block 10: shares 1326..1329 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 5 block 11: shares 1330..1333 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 5 block 12: shares 1334..1337 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 5 block 13: shares 1338..1341 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 5 block 14: shares 1342..1345 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 5 block 15: shares 1346..1349 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 5 block 16: shares 1350..1353 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 5 block 17: shares 1354..1357 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 5 block 18: shares 1358..1361 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 5 block 19: shares 1362..1365 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 5 block 20: shares 1366..1369 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 5 block 21: shares 1370..1373 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 5 block 22: shares 1374..1377 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 5 block 23: shares 1378..1381 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 5 block 24: shares 1382..1385 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 5 block 25: shares 1386..1389 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 5 block 26: shares 1390..1393 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 5 block 27: shares 1394..1397 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 5 block 28: shares 1398..1401 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 5 block 29: shares 1402..1405 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 5 block 30: shares 1406..1409 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 5 block 31: shares 1410..1413 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 5 block 32: shares 1414..1417 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 5 block 33: shares 1418..1421 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 5 block 34: shares 1422..1425 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 5 block 35: shares 1426..1429 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 5 block 36: shares 1430..1433 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 5 block 37: shares 1434..1437 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 5 block 38: shares 1438..1441 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 5 block 39: shares 1442..1445 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 5 block 40: shares 1446..1449 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 5 block 41: shares 1450..1453 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 5 block 42: shares 1454..1457 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 5 block 43: shares 1458..1461 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 5 block 44: shares 1462..1465 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 5 block 45: shares 1466..1469 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 5 block 46: shares 1470..1473 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 5 block 47: shares 1474..1477 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 5 block 48: shares 1478..1481 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 5 block 49: shares 1482..1485 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 5 block 50: shares 1486..1489 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 5 block 51: shares 1490..1493 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 5 block 52: shares 1494..1497 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 5 block 53: shares 1498..1501 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 5 block 54: shares 1502..1505 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 5 block 55: shares 1506..1509 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 5 block 56: shares 1510..1513 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 5 block 57: shares 1514..1517 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 5 block 58: shares 1518..1521 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 5 block 59: shares 1522..1525 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 5 block 60: shares 1526..1529 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 5 block 61: shares 1530..1533 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 5 block 62: shares 1534..1537 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 5 block 63: shares 1538..1541 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 6 block 0: shares 1542..1546 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 6 block 1: shares 1547..1550 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 6 block 2: shares 1551..1554 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 6 block 3: shares 1555..1558 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 6 block 4: shares 1559..1562 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 6 block 5: shares 1563..1566 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 6 block 6: shares 1567..1570 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 6 block 7: shares 1571..1574 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 6 block 8: shares 1575..1578 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 6 block 9: shares 1579..1582 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 6 block 10: shares 1583..1586 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 6 block 11: shares 1587..1590 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 6 block 12: shares 1591..1594 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 6 block 13: shares 1595..1598 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 6 block 14: shares 1599..1602 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 6 block 15: shares 1603..1606 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 6 block 16: shares 1607..1610 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 6 block 17: shares 1611..1614 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 6 block 18: shares 1615..1618 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 6 block 19: shares 1619..1622 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 6 block 20: shares 1623..1626 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 6 block 21: shares 1627..1630 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 6 block 22: shares 1631..1634 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 6 block 23: shares 1635..1638 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 6 block 24: shares 1639..1642 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 6 block 25: shares 1643..1646 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 6 block 26: shares 1647..1650 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 6 block 27: shares 1651..1654 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 6 block 28: shares 1655..1658 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 6 block 29: shares 1659..1662 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 6 block 30: shares 1663..1666 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 6 block 31: shares 1667..1670 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 6 block 32: shares 1671..1674 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 6 block 33: shares 1675..1678 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 6 block 34: shares 1679..1682 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 6 block 35: shares 1683..1686 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 6 block 36: shares 1687..1690 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 6 block 37: shares 1691..1694 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 6 block 38: shares 1695..1698 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 6 block 39: shares 1699..1702 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 6 block 40: shares 1703..1706 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 6 block 41: shares 1707..1710 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 6 block 42: shares 1711..1714 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 6 block 43: shares 1715..1718 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 6 block 44: shares 1719..1722 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 6 block 45: shares 1723..1726 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 6 block 46: shares 1727..1730 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 6 block 47: shares 1731..1734 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 6 block 48: shares 1735..1738 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 6 block 49: shares 1739..1742 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 6 block 50: shares 1743..1746 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 6 block 51: shares 1747..1750 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 6 block 52: shares 1751..1754 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 6 block 53: shares 1755..1758 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 6 block 54: shares 1759..1762 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 6 block 55: shares 1763..1766 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 6 block 56: shares 1767..1770 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 6 block 57: shares 1771..1774 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 6 block 58: shares 1775..1778 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 6 block 59: shares 1779..1782 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 6 block 60: shares 1783..1786 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 6 block 61: shares 1787..1790 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 6 block 62: shares 1791..1794 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 6 block 63: shares 1795..1798 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
+    // rank 7 block 0: shares 1799..1803 ({step, share, of})
+    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 7 block 1: shares 1804..1807 ({step, share, of})
+    {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
+    // rank 7 block 2: shares 1808..1811 ({step, share, of})
+    {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
+    // rank 7 block 3: shares 1812..1815 ({step, share, of})
+    {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
+    // rank 7 block 4: shares 1816..1819 ({step, share, of})
+    {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
+    // rank 7 block 5: shares 1820..1823 ({step, share, of})
+    {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
+    // rank 7 block 6: shares 1824..1827 ({step, share, of})
+    {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
+    // rank 7 block 7: shares 1828..1831 ({step, share, of})
+    {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
+    // rank 7 block 8: shares 1832..1835 ({step, share, of})
+    {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
+    // rank 7 block 9: shares 1836..1839 ({step, share, of})
+    {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
+    // rank 7 block 10: shares 1840..1843 ({step, share, of})
+    {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
+    // rank 7 block 11: shares 1844..1847 ({step, share, of})
+    {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
+    // rank 7 block 12: shares 1848..1851 ({step, share, of})
+    {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
+    // rank 7 block 13: shares 1852..1855 ({step, share, of})
+    {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
+    // rank 7 block 14: shares 1856..1859 ({step, share, of})
+    {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
+    // rank 7 block 15: shares 1860..1863 ({step, share, of})
+    {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
+    // rank 7 block 16: shares 1864..1867 ({step, share, of})
+    {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
+    // rank 7 block 17: shares 1868..1871 ({step, share, of})
+    {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
+    // rank 7 block 18: shares 1872..1875 ({step, share, of})
+    {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
+    // rank 7 block 19: shares 1876..1879 ({step, share, of})
+    {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
+    // rank 7 block 20: shares 1880..1883 ({step, share, of})
+    {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
+    // rank 7 block 21: shares 1884..1887 ({step, share, of})
+    {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
+    // rank 7 block 22: shares 1888..1891 ({step, share, of})
+    {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
+    // rank 7 block 23: shares 1892..1895 ({step, share, of})
+    {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
+    // rank 7 block 24: shares 1896..1899 ({step, share, of})
+    {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
+    // rank 7 block 25: shares 1900..1903 ({step, share, of})
+    {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
+    // rank 7 block 26: shares 1904..1907 ({step, share, of})
+    {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
+    // rank 7 block 27: shares 1908..1911 ({step, share, of})
+    {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
+    // rank 7 block 28: shares 1912..1915 ({step, share, of})
+    {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
+    // rank 7 block 29: shares 1916..1919 ({step, share, of})
+    {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
+    // rank 7 block 30: shares 1920..1923 ({step, share, of})
+    {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
+    // rank 7 block 31: shares 1924..1927 ({step, share, of})
+    {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
+    // rank 7 block 32: shares 1928..1931 ({step, share, of})
+    {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
+    // rank 7 block 33: shares 1932..1935 ({step, share, of})
+    {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
+    // rank 7 block 34: shares 1936..1939 ({step, share, of})
+    {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
+    // rank 7 block 35: shares 1940..1943 ({step, share, of})
+    {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
+    // rank 7 block 36: shares 1944..1947 ({step, share, of})
+    {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
+    // rank 7 block 37: shares 1948..1951 ({step, share, of})
+    {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
+    // rank 7 block 38: shares 1952..1955 ({step, share, of})
+    {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
+    // rank 7 block 39: shares 1956..1959 ({step, share, of})
+    {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
+    // rank 7 block 40: shares 1960..1963 ({step, share, of})
+    {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
+    // rank 7 block 41: shares 1964..1967 ({step, share, of})
+    {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
+    // rank 7 block 42: shares 1968..1971 ({step, share, of})
+    {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
+    // rank 7 block 43: shares 1972..1975 ({step, share, of})
+    {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
+    // rank 7 block 44: shares 1976..1979 ({step, share, of})
+    {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
+    // rank 7 block 45: shares 1980..1983 ({step, share, of})
+    {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
+    // rank 7 block 46: shares 1984..1987 ({step, share, of})
+    {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
+    // rank 7 block 47: shares 1988..1991 ({step, share, of})
+    {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
+    // rank 7 block 48: shares 1992..1995 ({step, share, of})
+    {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
+    // rank 7 block 49: shares 1996..1999 ({step, share, of})
+    {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
+    // rank 7 block 50: shares 2000..2003 ({step, share, of})
+    {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
+    // rank 7 block 51: shares 2004..2007 ({step, share, of})
+    {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
+    // rank 7 block 52: shares 2008..2011 ({step, share, of})
+    {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
+    // rank 7 block 53: shares 2012..2015 ({step, share, of})
+    {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
+    // rank 7 block 54: shares 2016..2019 ({step, share, of})
+    {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
+    // rank 7 block 55: shares 2020..2023 ({step, share, of})
+    {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
+    // rank 7 block 56: shares 2024..2027 ({step, share, of})
+    {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
+    // rank 7 block 57: shares 2028..2031 ({step, share, of})
+    {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
+    // rank 7 block 58: shares 2032..2035 ({step, share, of})
+    {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
+    // rank 7 block 59: shares 2036..2039 ({step, share, of})
+    {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
+    // rank 7 block 60: shares 2040..2043 ({step, share, of})
+    {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
+    // rank 7 block 61: shares 2044..2047 ({step, share, of})
+    {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
+    // rank 7 block 62: shares 2048..2051 ({step, share, of})
+    {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
+    // rank 7 block 63: shares 2052..2055 ({step, share, of})
+    {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {

@@ -1354,24 +1354,18 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 9 };
 static __device__ const tsgen_share shares_w2[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 0: shares 9..9 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 10..13 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 14..17 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][4] = {
@@ -1465,45 +1459,30 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 13, 26 };
 static __device__ const tsgen_share shares_w3[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 0: shares 13..13 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 14..17 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 18..21 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 22..25 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 0: shares 26..26 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 27..30 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 31..34 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 35..38 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][5] = {
@@ -1656,74 +1635,46 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 17, 34, 51 };
 static __device__ const tsgen_share shares_w4[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 0 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 0 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 0 block 4: step 16 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 1 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 1 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 1 block 4: step 16 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 2 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 2 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 2 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 2 block 4: step 16 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 3 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 3 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 3 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 3 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 3 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 3 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 3 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 3 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 3 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 3 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 3 block 4: step 16 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 1 block 0: shares 17..17 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 18..21 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 22..25 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 26..29 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 30..33 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 2 block 0: shares 34..34 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 35..38 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 39..42 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 43..46 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 4: shares 47..50 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 3 block 0: shares 51..51 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 52..55 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 3 block 2: shares 56..59 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 3 block 3: shares 60..63 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 3 block 4: shares 64..67 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][6] = {
@@ -2269,270 +2220,150 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
 static __device__ const tsgen_share shares_w8[] = {
-    {0, 0, 1},  // rank 0 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 0 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 0 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 0 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 0 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 0 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 0 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 0 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 0 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 0 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 0 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 0 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 0 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 0 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 0 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 0 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 0 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 0 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 0 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 0 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 0 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 0 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 0 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 0 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 0 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 0 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 0 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 0 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 0 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 0 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 0 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 0 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 0 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 1 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 1 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 1 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 1 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 1 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 1 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 1 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 1 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 1 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 1 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 1 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 1 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 1 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 1 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 1 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 1 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 1 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 1 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 1 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 1 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 1 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 1 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 1 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 1 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 1 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 1 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 1 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 1 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 1 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 1 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 1 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 1 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 1 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 2 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 2 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 2 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 2 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 2 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 2 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 2 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 2 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 2 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 2 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 2 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 2 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 2 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 2 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 2 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 2 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 2 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 2 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 2 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 2 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 2 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 2 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 2 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 2 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 2 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 2 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 2 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 2 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 2 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 2 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 2 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 2 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 2 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 3 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 3 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 3 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 3 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 3 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 3 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 3 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 3 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 3 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 3 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 3 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 3 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 3 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 3 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 3 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 3 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 3 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 3 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 3 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 3 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 3 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 3 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 3 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 3 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 3 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 3 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 3 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 3 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 3 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 3 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 3 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 3 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 3 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 4 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 4 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 4 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 4 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 4 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 4 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 4 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 4 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 4 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 4 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 4 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 4 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 4 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 4 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 4 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 4 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 4 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 4 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 4 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 4 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 4 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 4 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 4 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 4 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 4 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 4 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 4 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 4 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 4 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 4 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 4 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 4 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 4 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 5 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 5 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 5 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 5 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 5 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 5 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 5 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 5 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 5 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 5 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 5 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 5 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 5 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 5 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 5 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 5 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 5 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 5 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 5 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 5 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 5 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 5 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 5 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 5 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 5 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 5 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 5 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 5 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 5 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 5 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 5 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 5 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 5 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 6 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 6 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 6 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 6 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 6 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 6 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 6 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 6 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 6 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 6 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 6 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 6 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 6 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 6 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 6 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 6 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 6 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 6 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 6 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 6 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 6 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 6 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 6 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 6 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 6 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 6 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 6 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 6 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 6 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 6 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 6 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 6 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 6 block 8: step 32 share 0/1
-    {0, 0, 1},  // rank 7 block 0: step 0 share 0/1
-    {1, 0, 1},  // rank 7 block 1: step 1 share 0/1
-    {2, 0, 1},  // rank 7 block 1: step 2 share 0/1
-    {3, 0, 1},  // rank 7 block 1: step 3 share 0/1
-    {4, 0, 1},  // rank 7 block 1: step 4 share 0/1
-    {5, 0, 1},  // rank 7 block 2: step 5 share 0/1
-    {6, 0, 1},  // rank 7 block 2: step 6 share 0/1
-    {7, 0, 1},  // rank 7 block 2: step 7 share 0/1
-    {8, 0, 1},  // rank 7 block 2: step 8 share 0/1
-    {9, 0, 1},  // rank 7 block 3: step 9 share 0/1
-    {10, 0, 1},  // rank 7 block 3: step 10 share 0/1
-    {11, 0, 1},  // rank 7 block 3: step 11 share 0/1
-    {12, 0, 1},  // rank 7 block 3: step 12 share 0/1
-    {13, 0, 1},  // rank 7 block 4: step 13 share 0/1
-    {14, 0, 1},  // rank 7 block 4: step 14 share 0/1
-    {15, 0, 1},  // rank 7 block 4: step 15 share 0/1
-    {16, 0, 1},  // rank 7 block 4: step 16 share 0/1
-    {17, 0, 1},  // rank 7 block 5: step 17 share 0/1
-    {18, 0, 1},  // rank 7 block 5: step 18 share 0/1
-    {19, 0, 1},  // rank 7 block 5: step 19 share 0/1
-    {20, 0, 1},  // rank 7 block 5: step 20 share 0/1
-    {21, 0, 1},  // rank 7 block 6: step 21 share 0/1
-    {22, 0, 1},  // rank 7 block 6: step 22 share 0/1
-    {23, 0, 1},  // rank 7 block 6: step 23 share 0/1
-    {24, 0, 1},  // rank 7 block 6: step 24 share 0/1
-    {25, 0, 1},  // rank 7 block 7: step 25 share 0/1
-    {26, 0, 1},  // rank 7 block 7: step 26 share 0/1
-    {27, 0, 1},  // rank 7 block 7: step 27 share 0/1
-    {28, 0, 1},  // rank 7 block 7: step 28 share 0/1
-    {29, 0, 1},  // rank 7 block 8: step 29 share 0/1
-    {30, 0, 1},  // rank 7 block 8: step 30 share 0/1
-    {31, 0, 1},  // rank 7 block 8: step 31 share 0/1
-    {32, 0, 1},  // rank 7 block 8: step 32 share 0/1
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {0, 0, 1},
+    // rank 0 block 1: shares 1..4 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 0 block 2: shares 5..8 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 0 block 3: shares 9..12 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 0 block 4: shares 13..16 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 0 block 5: shares 17..20 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 0 block 6: shares 21..24 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 0 block 7: shares 25..28 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 0 block 8: shares 29..32 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 1 block 0: shares 33..33 ({step, share, of})
+    {0, 0, 1},
+    // rank 1 block 1: shares 34..37 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 1 block 2: shares 38..41 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 1 block 3: shares 42..45 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 1 block 4: shares 46..49 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 1 block 5: shares 50..53 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 1 block 6: shares 54..57 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 1 block 7: shares 58..61 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 1 block 8: shares 62..65 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 2 block 0: shares 66..66 ({step, share, of})
+    {0, 0, 1},
+    // rank 2 block 1: shares 67..70 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 2 block 2: shares 71..74 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 2 block 3: shares 75..78 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 2 block 4: shares 79..82 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 2 block 5: shares 83..86 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 2 block 6: shares 87..90 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 2 block 7: shares 91..94 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 2 block 8: shares 95..98 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 3 block 0: shares 99..99 ({step, share, of})
+    {0, 0, 1},
+    // rank 3 block 1: shares 100..103 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 3 block 2: shares 104..107 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 3 block 3: shares 108..111 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 3 block 4: shares 112..115 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 3 block 5: shares 116..119 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 3 block 6: shares 120..123 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 3 block 7: shares 124..127 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 3 block 8: shares 128..131 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 4 block 0: shares 132..132 ({step, share, of})
+    {0, 0, 1},
+    // rank 4 block 1: shares 133..136 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 4 block 2: shares 137..140 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 4 block 3: shares 141..144 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 4 block 4: shares 145..148 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 4 block 5: shares 149..152 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 4 block 6: shares 153..156 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 4 block 7: shares 157..160 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 4 block 8: shares 161..164 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 5 block 0: shares 165..165 ({step, share, of})
+    {0, 0, 1},
+    // rank 5 block 1: shares 166..169 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 5 block 2: shares 170..173 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 5 block 3: shares 174..177 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 5 block 4: shares 178..181 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 5 block 5: shares 182..185 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 5 block 6: shares 186..189 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 5 block 7: shares 190..193 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 5 block 8: shares 194..197 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 6 block 0: shares 198..198 ({step, share, of})
+    {0, 0, 1},
+    // rank 6 block 1: shares 199..202 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 6 block 2: shares 203..206 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 6 block 3: shares 207..210 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 6 block 4: shares 211..214 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 6 block 5: shares 215..218 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 6 block 6: shares 219..222 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 6 block 7: shares 223..226 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 6 block 8: shares 227..230 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
+    // rank 7 block 0: shares 231..231 ({step, share, of})
+    {0, 0, 1},
+    // rank 7 block 1: shares 232..235 ({step, share, of})
+    {1, 0, 1}, {2, 0, 1}, {3, 0, 1}, {4, 0, 1},
+    // rank 7 block 2: shares 236..239 ({step, share, of})
+    {5, 0, 1}, {6, 0, 1}, {7, 0, 1}, {8, 0, 1},
+    // rank 7 block 3: shares 240..243 ({step, share, of})
+    {9, 0, 1}, {10, 0, 1}, {11, 0, 1}, {12, 0, 1},
+    // rank 7 block 4: shares 244..247 ({step, share, of})
+    {13, 0, 1}, {14, 0, 1}, {15, 0, 1}, {16, 0, 1},
+    // rank 7 block 5: shares 248..251 ({step, share, of})
+    {17, 0, 1}, {18, 0, 1}, {19, 0, 1}, {20, 0, 1},
+    // rank 7 block 6: shares 252..255 ({step, share, of})
+    {21, 0, 1}, {22, 0, 1}, {23, 0, 1}, {24, 0, 1},
+    // rank 7 block 7: shares 256..259 ({step, share, of})
+    {25, 0, 1}, {26, 0, 1}, {27, 0, 1}, {28, 0, 1},
+    // rank 7 block 8: shares 260..263 ({step, share, of})
+    {29, 0, 1}, {30, 0, 1}, {31, 0, 1}, {32, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][10] = {

@@ -432,13 +432,19 @@ def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int,
     return f"{{{rank}, {buffer_index[s.buffer]}, {ro}, {s.pieces}, {s.unit}, {s.piece}}}"
 
 
+SHARES_PER_LINE = 8
+
+
 def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
-    """Initializer text of the step / share / block tables, one commented line per entry."""
+    """Initializer text of the step / share / block tables: one commented line per step;
+    the shares of each block under one comment, SHARES_PER_LINE {step, share, shares}
+    entries a line (a ring plan has tens of thousands). `nshares` counts the entries."""
 
     def sl(rank_slice: tuple[int, Slice] | None) -> str:
         return c_slice(plan, buffer_index, rank_slice)
 
     steps, step_base, shares, first = [], [], [], []
+    nshares = 0
     for r, rp in enumerate(plan.ranks):
         step_base.append(len(steps))
         for i, st in enumerate(rp.steps):
@@ -450,12 +456,16 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
                           f"{{{srcs}}}, {{{waits}}}, {{{sigs}}}}}", f"rank {r} step {i}: {what}"))
         row = []
         for b, lst in enumerate(rp.blocks):
-            row.append(len(shares))
-            for sh in lst:
-                shares.append((f"{{{sh.step}, {sh.share}, {sh.shares}}}", f"rank {r} block {b}: step {sh.step} share {sh.share}/{sh.shares}"))
-        row.append(len(shares))
+            row.append(nshares)
+            entries = [f"{{{sh.step}, {sh.share}, {sh.shares}}}" for sh in lst]
+            lines = [", ".join(entries[i:i + SHARES_PER_LINE]) for i in range(0, len(entries), SHARES_PER_LINE)]
+            if lines:
+                shares.append((f"rank {r} block {b}: shares {nshares}..{nshares + len(lst) - 1} ({{step, share, of}})",
+                               lines))
+            nshares += len(lst)
+        row.append(nshares)
         first.append(row)
-    return {"steps": steps, "step_base": step_base, "shares": shares, "first": first}
+    return {"steps": steps, "step_base": step_base, "shares": shares, "nshares": nshares, "first": first}
 
 
 def _describe(r: int, st: Step) -> str:
