@@ -1214,6 +1214,14 @@ template <class H, class = void>
 struct HasKBlock : std::false_type {};
 template <class H>
 struct HasKBlock<H, std::void_t<decltype(std::declval<H&>().k_block(0))>> : std::true_type {};
+//   c_map(c_map, batch, z)   a consumer thread, before it stores a tile of `batch`: the tensor
+//                            map to store it through and its z coordinate (gemm_reduce_scatter
+//                            push: the owner's memory); without it: c_map, z = batch
+template <class H, class = void>
+struct HasCMap : std::false_type {};
+template <class H>
+struct HasCMap<H, std::void_t<decltype(std::declval<H&>().c_map(nullptr, 0u, std::declval<int&>()))>>
+    : std::true_type {};
 
 template <class C>
 struct Layout {
@@ -1423,7 +1431,7 @@ static __device__ __forceinline__ void release_stage(uint32_t empty) {
 template <class C>
 static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
                                                   const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
-                                                  uint32_t m0, uint32_t n0, uint32_t batch, uint32_t rows,
+                                                  uint32_t m0, uint32_t n0, int z, uint32_t rows,
                                                   uint32_t& chunks) {
   using L = Layout<C>;
   const uint32_t t = threadIdx.x % 128, lane = t % 32;
@@ -1452,7 +1460,7 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
       named_barrier_sync(1 + cw, 128);
       if (t == 0) {
         if constexpr (L::BATCHES > 1) {
-          tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, (int)batch);
+          tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
         } else {
           tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
         }
@@ -1506,7 +1514,10 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     for (int mb = 0; mb < L::M_BLOCKS; ++mb)
 #pragma unroll
       for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
-    store_tile<C>(acc, c_map, buffers, cw, m0, n0, batch, rows, chunks);
+    int z = (int)batch;  // the batch's place in C (3-D maps), or the hook's choice of map and place
+    const CUtensorMap* to = c_map;
+    if constexpr (HasCMap<Hook>::value) to = hook.c_map(c_map, batch, z);
+    store_tile<C>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
     hook.stored(batch, leader);
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
@@ -1804,9 +1815,18 @@ struct GatherHook {
 // toward the generic proxy and counts the tile in sig[TILES + q]; the arrival that
 // completes block q resets the counter and raises sig[READY + rank] = epoch at rank q.
 // Without OVERLAP (plain) the launcher orders the GEMM between two signal exchanges.
+// PushHook: the tiles of block q go straight into rank q's `partial`, at slot `rank`
+// (push[q]: a tensor map of q's partial as this rank addresses it), so READY[rank] at q
+// says the data is already there; ScatterHook stores them in this rank's own partial.
 // ---------------------------------------------------------------------------
 constexpr int TILES = 2 * MAX_WORLD;  // sig[TILES + q]: tiles of block q stored in this call
 constexpr int RS_SIGNALS = 3 * MAX_WORLD;
+
+// push: every owner's partial as a 3-D tensor map (a kernel parameter, __grid_constant__)
+template <int WORLD>
+struct PushMaps {
+  CUtensorMap to[WORLD];
+};
 
 template <bool OVERLAP>
 struct ScatterHook {
@@ -1834,7 +1854,8 @@ struct ScatterHook {
     if constexpr (OVERLAP) {
       // our own block is read after the GEMM, in stream order: nobody waits for it
       if (!leader || batch == rank) return;
-      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done
+      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done (written,
+                                             // in the owner's memory with PUSH)
       tsgen_gemm::fence_proxy_async_global();  // ... and ordered before what follows (generic proxy)
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
@@ -1845,6 +1866,16 @@ struct ScatterHook {
         st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
       }
     }
+  }
+};
+
+// push: the overlapped hook whose tiles of block q are stored into rank q's partial
+struct PushHook : ScatterHook<true> {
+  const CUtensorMap* push;  // world maps: push[q] = rank q's partial (3-D, slot = source rank)
+
+  __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) const {
+    z = (int)rank;  // our slot in the owner's partial
+    return push + batch;
   }
 };
 
@@ -1899,6 +1930,7 @@ enum ReduceMode : int {
   PULL_ALL = 0,  // plain: c = sum over every rank s of s's partial block `rank` (all in place)
   PULL_PEER = 1, // overlapped, one source at a time as its READY arrives: acc (=|+=) s's block
   FINISH = 2,    // overlapped, after the GEMM: c = acc + our own block
+  SUM_PUSHED = 3, // push, after the GEMM: wait for every READY, c = sum of our partial's slots (local)
 };
 
 // One pass over the row block: f = (ACC_IN ? acc : 0) + sum of the NSRC sources' vectors,
@@ -1953,6 +1985,16 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
   } else if (mode == FINISH) {
     const T* src[1] = {partial + (uint64_t)rank * elems};
     reduce_pass<T, 1, UNROLL, true, false>(src, acc, c, vectors);
+  } else if (mode == SUM_PUSHED) {
+    // slot s of our partial = source s's part of our block, stored there by s's GEMM
+    if (threadIdx.x < WORLD && threadIdx.x != rank)
+      wait_ge_acquire_sys(sig + READY + threadIdx.x, epoch,
+                          tsgen_make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
+    __syncthreads();
+    const T* src[WORLD];
+#pragma unroll
+    for (int i = 0; i < WORLD; ++i) src[i] = partial + (uint64_t)((rank + i) % WORLD) * elems;
+    reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
   } else {
     // sources in the order they compute our block: rank - 1 first (its first batch), ...
     for (int j = 1; j < WORLD; ++j) {

@@ -1206,6 +1206,14 @@ template <class H, class = void>
 struct HasKBlock : std::false_type {};
 template <class H>
 struct HasKBlock<H, std::void_t<decltype(std::declval<H&>().k_block(0))>> : std::true_type {};
+//   c_map(c_map, batch, z)   a consumer thread, before it stores a tile of `batch`: the tensor
+//                            map to store it through and its z coordinate (gemm_reduce_scatter
+//                            push: the owner's memory); without it: c_map, z = batch
+template <class H, class = void>
+struct HasCMap : std::false_type {};
+template <class H>
+struct HasCMap<H, std::void_t<decltype(std::declval<H&>().c_map(nullptr, 0u, std::declval<int&>()))>>
+    : std::true_type {};
 
 template <class C>
 struct Layout {
@@ -1415,7 +1423,7 @@ static __device__ __forceinline__ void release_stage(uint32_t empty) {
 template <class C>
 static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOCKS][Layout<C>::ACC],
                                                   const CUtensorMap* c_map, uint32_t buffers, uint32_t cw,
-                                                  uint32_t m0, uint32_t n0, uint32_t batch, uint32_t rows,
+                                                  uint32_t m0, uint32_t n0, int z, uint32_t rows,
                                                   uint32_t& chunks) {
   using L = Layout<C>;
   const uint32_t t = threadIdx.x % 128, lane = t % 32;
@@ -1444,7 +1452,7 @@ static __device__ __forceinline__ void store_tile(float (&acc)[Layout<C>::M_BLOC
       named_barrier_sync(1 + cw, 128);
       if (t == 0) {
         if constexpr (L::BATCHES > 1) {
-          tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, (int)batch);
+          tma_store_3d(c_map, buf, (int)(n0 + 64 * j), (int)r0, z);
         } else {
           tma_store_2d(c_map, buf, (int)(n0 + 64 * j), (int)r0);
         }
@@ -1498,7 +1506,10 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     for (int mb = 0; mb < L::M_BLOCKS; ++mb)
 #pragma unroll
       for (int i = 0; i < L::ACC; ++i) fence_operand(acc[mb][i]);
-    store_tile<C>(acc, c_map, buffers, cw, m0, n0, batch, rows, chunks);
+    int z = (int)batch;  // the batch's place in C (3-D maps), or the hook's choice of map and place
+    const CUtensorMap* to = c_map;
+    if constexpr (HasCMap<Hook>::value) to = hook.c_map(c_map, batch, z);
+    store_tile<C>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
     hook.stored(batch, leader);
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes

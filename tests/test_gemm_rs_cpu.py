@@ -21,7 +21,9 @@ from tsgen.render import render
 from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
-SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml"]
+SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
+         ROOT / "specs" / "gemm_reduce_scatter_push.yaml"]
+OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "gemm_reduce_scatter_push": "push"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def variant(tmp, name, **changes):
     ({"params": {"k": 4096 + 64}}, "params.k"),
     ({"params": {"n": 2000}}, "not a multiple of tile.n"),
     ({"params": {"reserve_sms": 15}}, "reserve_sms"),
-    ({"params": {"overlap": "push"}}, "overlap"),
+    ({"params": {"overlap": "scatter"}}, "overlap"),
     ({"world_sizes": [1]}, "world_sizes"),
     ({"world_sizes": [16]}, "world_sizes"),
     ({"params": {"stages": 6}}, "shared"),
@@ -63,6 +65,13 @@ def variant(tmp, name, **changes):
 def test_bad_spec(tmp_path, changes, expected):
     with pytest.raises(SpecError, match=expected):
         load_spec(variant(tmp_path, "bad", **changes))
+
+
+def test_reserve_sms_matters_to_pull_only(tmp_path):
+    """push and none leave no SMs to a side kernel: an odd reserve_sms is not their problem."""
+    assert load_spec(variant(tmp_path, "push15", params={"overlap": "push", "reserve_sms": 15})).model
+    with pytest.raises(SpecError, match="reserve_sms"):
+        load_spec(variant(tmp_path, "pull15", params={"overlap": "pull", "reserve_sms": 15}))
 
 
 def test_world_3_when_k_divides(tmp_path):
@@ -74,19 +83,30 @@ def test_world_3_when_k_divides(tmp_path):
 def test_render_and_manifest(path):
     r = render(load_spec(path), base=ROOT)
     m = json.loads(r.manifest)
-    overlapped = "plain" not in path.stem
+    mode = OVERLAP[path.stem]
+    overlapped = mode != "none"
     assert m["host_launch"] and m["world_sizes"] == [2, 4] and m["count_unit"] == "rows"
     k = m["kernels"][0]
-    assert [a["role"] for a in k["launcher_args"]][:4] == ["peers", "rank", "calls", "count"]
-    names = ["calls", "a", "b", "c", "partial"] + (["acc"] if overlapped else []) + ["sig"]
+    # push encodes a tensor map of every owner's partial: the host copy of the peer table
+    leading = ["peers"] + (["peers_host"] if mode == "push" else []) + ["rank", "calls", "count"]
+    assert [a["role"] for a in k["launcher_args"]][:len(leading)] == leading
+    names = ["calls", "a", "b", "c", "partial"] + (["acc"] if mode == "pull" else []) + ["sig"]
     assert [b["name"] for b in m["buffers"]] == names
     bufs = {b["name"]: b for b in m["buffers"]}
     assert bufs["a"]["elems"] == {"per_count": 8192, "per_world_count": 0, "fixed": 0}
     assert bufs["partial"]["elems"] == {"per_count": 0, "per_world_count": 8192, "fixed": 0}
     assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 24
-    assert "ScatterHook<gemm_reduce_scatter" in r.source and "K = gemm_reduce_scatter" in r.source
+    assert "K = gemm_reduce_scatter" in r.source
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
-    assert ("PULL_PEER);" in r.source) == overlapped and ("PULL_ALL);" in r.source) != overlapped
+    assert ("PULL_PEER);" in r.source) == (mode == "pull") and ("PULL_ALL);" in r.source) == (mode == "none")
+    assert ("SUM_PUSHED);" in r.source) == (mode == "push")
+    if mode == "push":  # stores through per-owner tensor maps; no reserved SMs, no side stream
+        assert "tsgen_fused::PushHook hook" in r.source and "tsgen_fused::PushMaps<4> push" in r.source
+        assert "host_peer_ptr(partial, peers_host, rank, q)" in r.source
+        launchers = r.source.split("// ---- world size 2 ----")[1]
+        assert "constexpr int RESERVE_SMS = 0;" in r.source and "l->signal" not in launchers
+    else:
+        assert "ScatterHook<gemm_reduce_scatter" in r.source
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
     assert "cudaMemcpy" not in r.source.split("// ---- world size 2 ----")[1]
 
@@ -144,8 +164,9 @@ def test_compiles_without_spills(cache, tmp_path, path, mode):
 
 
 @needs_sass
-def test_sass(cache, tmp_path):
-    r = render(load_spec(SPECS[0]), base=ROOT)
+@pytest.mark.parametrize("path", [SPECS[0], SPECS[2]], ids=lambda p: p.stem)
+def test_sass(cache, tmp_path, path):
+    r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
     sass = dump_sass(compile_source(src).output)

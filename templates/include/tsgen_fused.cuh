@@ -76,9 +76,18 @@ struct GatherHook {
 // toward the generic proxy and counts the tile in sig[TILES + q]; the arrival that
 // completes block q resets the counter and raises sig[READY + rank] = epoch at rank q.
 // Without OVERLAP (plain) the launcher orders the GEMM between two signal exchanges.
+// PushHook: the tiles of block q go straight into rank q's `partial`, at slot `rank`
+// (push[q]: a tensor map of q's partial as this rank addresses it), so READY[rank] at q
+// says the data is already there; ScatterHook stores them in this rank's own partial.
 // ---------------------------------------------------------------------------
 constexpr int TILES = 2 * MAX_WORLD;  // sig[TILES + q]: tiles of block q stored in this call
 constexpr int RS_SIGNALS = 3 * MAX_WORLD;
+
+// push: every owner's partial as a 3-D tensor map (a kernel parameter, __grid_constant__)
+template <int WORLD>
+struct PushMaps {
+  CUtensorMap to[WORLD];
+};
 
 template <bool OVERLAP>
 struct ScatterHook {
@@ -106,7 +115,8 @@ struct ScatterHook {
     if constexpr (OVERLAP) {
       // our own block is read after the GEMM, in stream order: nobody waits for it
       if (!leader || batch == rank) return;
-      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done
+      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done (written,
+                                             // in the owner's memory with PUSH)
       tsgen_gemm::fence_proxy_async_global();  // ... and ordered before what follows (generic proxy)
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
@@ -117,6 +127,16 @@ struct ScatterHook {
         st_release_sys_global_u64(tsgen_peer_ptr(sig, peers, (int)rank, (int)batch) + READY + rank, epoch);
       }
     }
+  }
+};
+
+// push: the overlapped hook whose tiles of block q are stored into rank q's partial
+struct PushHook : ScatterHook<true> {
+  const CUtensorMap* push;  // world maps: push[q] = rank q's partial (3-D, slot = source rank)
+
+  __device__ __forceinline__ const CUtensorMap* c_map(const CUtensorMap*, uint32_t batch, int& z) const {
+    z = (int)rank;  // our slot in the owner's partial
+    return push + batch;
   }
 };
 
@@ -171,6 +191,7 @@ enum ReduceMode : int {
   PULL_ALL = 0,  // plain: c = sum over every rank s of s's partial block `rank` (all in place)
   PULL_PEER = 1, // overlapped, one source at a time as its READY arrives: acc (=|+=) s's block
   FINISH = 2,    // overlapped, after the GEMM: c = acc + our own block
+  SUM_PUSHED = 3, // push, after the GEMM: wait for every READY, c = sum of our partial's slots (local)
 };
 
 // One pass over the row block: f = (ACC_IN ? acc : 0) + sum of the NSRC sources' vectors,
@@ -225,6 +246,16 @@ static __device__ __forceinline__ void reduce_body(char* const* peers, int rank,
   } else if (mode == FINISH) {
     const T* src[1] = {partial + (uint64_t)rank * elems};
     reduce_pass<T, 1, UNROLL, true, false>(src, acc, c, vectors);
+  } else if (mode == SUM_PUSHED) {
+    // slot s of our partial = source s's part of our block, stored there by s's GEMM
+    if (threadIdx.x < WORLD && threadIdx.x != rank)
+      wait_ge_acquire_sys(sig + READY + threadIdx.x, epoch,
+                          tsgen_make_site("sig.ready", rank, rank, READY + (int)threadIdx.x));
+    __syncthreads();
+    const T* src[WORLD];
+#pragma unroll
+    for (int i = 0; i < WORLD; ++i) src[i] = partial + (uint64_t)((rank + i) % WORLD) * elems;
+    reduce_pass<T, WORLD, UNROLL, false, false>(src, acc, c, vectors);
   } else {
     // sources in the order they compute our block: rank - 1 first (its first batch), ...
     for (int j = 1; j < WORLD; ++j) {

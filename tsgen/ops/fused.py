@@ -158,12 +158,14 @@ class GemmReduceScatterParams(GemmParams):
     k: int = Field(8192, ge=64, le=1 << 20,
                    description="the full K (compile-time): rank r holds columns [r K/world, (r + 1) K/world) of "
                    "A and those rows of B; K/world must be whole tile.k blocks for every world size")
-    overlap: Literal["none", "pull"] = Field(
+    overlap: Literal["none", "pull", "push"] = Field(
         "pull", description="none: GEMM, signal exchange, then each rank pulls and sums its row block from "
         "every rank; pull: the GEMM computes the row blocks peers own first and signals each one to its owner "
-        "when its last tile is stored, while a reduce kernel on reserved SMs pulls and accumulates them")
+        "when its last tile is stored, while a reduce kernel on reserved SMs pulls and accumulates them; push: "
+        "the GEMM stores each row block's tiles straight into its owner's memory (TMA stores over NVLink) and "
+        "signals it; after the GEMM each rank sums the slots it received, locally, on every SM")
     reserve_sms: int = Field(16, ge=2, le=64, description="pull: SMs the GEMM leaves to the reduce kernel "
-                             "(clusters of 2 CTAs, one per SM): an even number")
+                             "(clusters of 2 CTAs, one per SM): an even number; unused by none and push")
 
 
 class GemmReduceScatterSpec(SpecBase):
@@ -195,6 +197,11 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
                      stream, clusters of 2) accumulates each source's block into fp32 `acc` as
                      it is announced (source rank - 1 first: it computes our block first);
                      after the GEMM, c = acc + own block (all SMs, local).
+      overlap: push  the same walk, but the epilogue's TMA stores of block q go to rank q's
+                     `partial`, slot `rank` (a tensor map per owner, encoded from the host copy
+                     of the peer table); the last tile of block q raises READY at q once
+                     written; after the GEMM (all SMs) each rank waits for every READY and
+                     writes c = the fp32 sum of its partial's slots, all local reads.
     Cross-call hazard: a rank writes block q of `partial` only after rank q entered the call
     (FREE[q], raised by q's entry kernel after q's previous reduce ended, in stream order).
     """
@@ -216,10 +223,10 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
                 problems.append((("params", "k"),
                                  f"K = {p.k} over {w} ranks is not whole tile.k = {p.tile.k} blocks per rank: "
                                  f"K must be a multiple of {w} x {p.tile.k} = {w * p.tile.k} for world size {w}"))
-        if p.overlap != "none" and p.reserve_sms % 2:
+        if p.overlap == "pull" and p.reserve_sms % 2:
             problems.append((("params", "reserve_sms"),
                              f"{p.reserve_sms} is odd: the reduce kernel runs in clusters of 2 CTAs"))
-        if p.overlap != "none" and p.reserve_sms % p.cluster.size:
+        if p.overlap == "pull" and p.reserve_sms % p.cluster.size:
             problems.append((("params", "reserve_sms"),
                              f"{p.reserve_sms} is not a multiple of the cluster size {p.cluster.size}"))
         return problems
@@ -233,7 +240,7 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
             Buffer("c", spec.dtype, "output", per_count=p.n),  # count x N
             Buffer("partial", spec.dtype, "scratch", per_count=0, per_world_count=p.n),  # (world x count) x N
         ]
-        if p.overlap != "none":
+        if p.overlap == "pull":
             bufs.append(Buffer("acc", "float32", "scratch", per_count=p.n))  # count x N, fp32
         bufs.append(Buffer("sig", "uint64", "signal", per_count=0, fixed=RS_SIGNALS))
         return tuple(bufs)
@@ -243,15 +250,18 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
         buffers = (CALLS,) + self.buffers(spec)
         args = tuple(Arg(n, t, r) for n, t, r in LEADING_ARGS) + tuple(
             Arg(b.name, f"{b.ctype}*", "buffer") for b in buffers if b is not CALLS)
+        # push: the launcher encodes a tensor map of every owner's partial: the host copy of the table
+        launcher_args = (args[:1] + (Arg("peers_host", "char* const*", "peers_host"),) + args[1:]
+                         if spec.params.overlap == "push" else None)
         kernels = tuple(
             Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
-                   smem=smem_bytes(spec), args=args)
+                   smem=smem_bytes(spec), args=args, launcher_args=launcher_args)
             for w in spec.world_sizes)
         return Plan(self, spec, buffers, kernels, self.constants(spec))
 
     def template_vars(self, spec):
-        args = self.plan(spec).kernels[0].args
-        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in args)}
+        k = self.plan(spec).kernels[0]
+        return {"launcher_params": ", ".join(f"{a.ctype} {a.name}" for a in (k.launcher_args or k.args))}
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
