@@ -293,3 +293,12 @@ def test_cuda_home_is_searched(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_HOME", str(home))
     monkeypatch.setattr(toolchain, "_wheel_bin_dirs", lambda: [])
     assert find_nvcc() == fake
+
+
+@needs_nvcc
+def test_experiment_kernels_compile(cache):
+    """tools/exp_bulk_put.cu (a device experiment, NOTES session 4) builds for sm_90a: the
+    device run should not be the first to find a typo in its PTX."""
+    report = compile_source(ROOT / "tools" / "exp_bulk_put.cu").report
+    assert set(report) >= {"put_v4", "put_bulk"}
+    assert all(e["spill_stores"] == 0 and e["spill_loads"] == 0 for e in report.values()), report
