@@ -236,7 +236,7 @@ def test_a_rank_that_announced_its_free_gives_up_when_a_peer_aborts_instead():
 
         waited = together(backends, rank)
         assert all(w < 3 for w in waited), waited
-        assert all(f"free 512" not in job.of(pe) for pe in range(2))
+        assert all("free 512" not in job.of(pe) for pe in range(2))
     finally:
         close_ranks(rvs)
 

@@ -103,8 +103,6 @@ class _Server(socketserver.ThreadingTCPServer):
                     pass
 
 
-
-
 def main(argv: list[str]) -> int:
     host, port = argv[0], int(argv[1])
     try:
