@@ -148,11 +148,12 @@ def _env(base, **launcher):
     return env
 
 
-def test_ipc_without_a_launcher(no_cupy_env):
-    p = tsgen("test", "specs/put_block.yaml", "--backend", "ipc", env=_env(no_cupy_env))
+@pytest.mark.parametrize("backend", ["ipc", "nvshmem"])
+def test_per_process_backend_without_a_launcher(no_cupy_env, backend):
+    p = tsgen("test", "specs/put_block.yaml", "--backend", backend, env=_env(no_cupy_env))
     assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.startswith("tsgen: the ipc backend runs one process per GPU, but no launcher set this "
-                               "process's rank: none of RANK/WORLD_SIZE (torchrun),"), p.stderr
+    assert p.stderr.startswith("tsgen: the ipc and nvshmem backends run one process per GPU, but no launcher set "
+                               "this process's rank: none of RANK/WORLD_SIZE (torchrun),"), p.stderr
     assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr
 
 
@@ -174,8 +175,9 @@ def test_ipc_world_size_checked_before_cupy(no_cupy_env, args, launcher, message
     (("test", "specs/put_block.yaml"), "--gpus N is required with --backend single"),
     (("bench", "specs/allgather.yaml"), "--gpus N is required with --backend single"),
     (("test", "specs/barrier_all.yaml", "--backend", "ipc", "--probe-timeout"), "--probe-timeout runs with --backend single"),
-    (("test", "specs/put_block.yaml", "--backend", "nvshmem"), "Invalid value for '--backend'"),
+    (("test", "specs/put_block.yaml", "--backend", "shmem"), "Invalid value for '--backend'"),
     (("bench", "specs/put_block.yaml", "--backend", "ipc"), "--backend ipc times collectives"),
+    (("bench", "specs/put_block.yaml", "--backend", "nvshmem"), "--backend nvshmem times collectives"),
 ])
 def test_backend_option_errors(args, message):
     r = run_cli(*args)

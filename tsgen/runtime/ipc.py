@@ -78,7 +78,7 @@ def process_env(env: Mapping[str, str]) -> ProcessInfo:
         return ProcessInfo(rank, size, local_rank, env.get("MASTER_ADDR") or "127.0.0.1", port, launcher, size_var)
     names = ", ".join(f"{r}/{s} ({launcher})" for launcher, r, s, _ in LAUNCHERS)
     raise RuntimeSetupError(
-        f"the ipc backend runs one process per GPU, but no launcher set this process's rank: none of {names} "
+        f"the ipc and nvshmem backends run one process per GPU, but no launcher set this process's rank: none of {names} "
         "is set. Start the ranks with `tsgen launch --nproc N -- ...`, torchrun, mpirun or srun"
     )
 
