@@ -147,7 +147,7 @@ def nvshmem_world(size, job=None, machine=None, timeout=10.0, hosts=None, **lib_
 
 @pytest.fixture(autouse=True)
 def _per_rank_hostname(monkeypatch):
-    monkeypatch.setattr(nv.socket, "gethostname", lambda: getattr(_host, "name", "node0"))
+    monkeypatch.setattr("socket.gethostname", lambda: getattr(_host, "name", "node0"))
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1G")
     yield
     for session in nv._SESSIONS.values():  # fake PEs a test left up (a "dead" rank)

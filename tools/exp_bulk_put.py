@@ -30,10 +30,15 @@ CHUNK, STAGES = 32 * 1024, 4  # as in exp_bulk_put.cu
 VARIANTS = [("put_v4", c, 512) for c in (8, 16, 32, 44)] + [("put_bulk", c, 32) for c in (2, 4, 8, 16, 32, 44)]
 
 
+def view(cp, world, addr, size):
+    """`size` bytes at device address `addr` as a CuPy uint8 array (no copy)."""
+    return cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(addr, size, world), 0))
+
+
 def summary(cp, world, rank, addr, size):
     """(sum of the 64-bit words mod 2^64, first MiB, last MiB) of `size` bytes at `addr` on `rank`."""
     with cp.cuda.Device(world.devices[rank]):
-        arr = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(addr, size, world), 0))
+        arr = view(cp, world, addr, size)
         edge = min(size, 1 << 20)
         return int(arr.view(cp.uint64).sum()), arr[:edge].get().tobytes(), arr[-edge:].get().tobytes()
 
@@ -58,7 +63,7 @@ def main() -> int:
                 fns[r] = {n: mod.get_function(n) for n in ("put_v4", "put_bulk")}
                 fns[r]["put_bulk"].max_dynamic_shared_size_bytes = STAGES * CHUNK
                 streams[r] = cp.cuda.Stream(non_blocking=True)
-                src = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(bases[r], heap, world), 0))
+                src = view(cp, world, bases[r], size)
                 src[...] = cp.random.default_rng(r).integers(0, 256, size, dtype=cp.uint8)
         world.synchronize()
         try:

@@ -129,6 +129,29 @@ def join_problem(members: list[dict], size: int, one_host: bool = True) -> str |
     return None
 
 
+def join(store: store_mod.Rendezvous, rank: int, size: int, bus: str, one_host: bool = True) -> list[dict]:
+    """Every rank's host and GPU (PCI bus id), in rank order, checked by `join_problem`."""
+    me = {"rank": rank, "size": size, "host": socket.gethostname(), "bus": bus}
+    members = [json.loads(m) for m in store.all_gather("join: host and GPU of every rank", json.dumps(me).encode())]
+    problem = join_problem(members, size, one_host)
+    if problem:
+        raise RuntimeSetupError(problem)
+    return members
+
+
+def context_lost(cp, device: int, where: str, leaving: str) -> bool:
+    """True (with a message) when `device`'s CUDA context is gone: after a kernel trap
+    nothing may be freed or waited for; `leaving` says what is left to the driver."""
+    rt = cp.cuda.runtime
+    with cp.cuda.Device(device):
+        try:
+            rt.deviceSynchronize()
+            return False
+        except rt.CUDARuntimeError as e:
+            print(f"tsgen: {where}: CUDA context lost ({e}); leaving {leaving}", file=sys.stderr)
+            return True
+
+
 @dataclass
 class _Heap:
     id: int  # the same on every rank: ranks allocate heaps in the same order
@@ -151,13 +174,7 @@ class IpcBackend:
         self._heaps: dict[int, _Heap] = {}  # by own base address
         self._next_id = 0
         try:
-            me = {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
-                  "bus": rt.deviceGetPCIBusId(self.device)}
-            members = [json.loads(m) for m in self.store.all_gather("join: host and GPU of every rank",
-                                                                    json.dumps(me).encode())]
-            problem = join_problem(members, self.size)
-            if problem:
-                raise RuntimeSetupError(problem)
+            members = join(self.store, self.rank, self.size, rt.deviceGetPCIBusId(self.device))
             self.bus_ids = [m["bus"] for m in members]
             self._check_peer_access()
         except Exception as e:
@@ -246,13 +263,10 @@ class IpcBackend:
         heap = self._heaps.pop(bases[self.rank], None)
         if heap is None:
             return
+        # nothing of ours may still use the heap; fails if the context is lost
+        if context_lost(self.cp, self.device, self._where(), f"heap {heap.id} to the driver"):
+            return
         with self.cp.cuda.Device(self.device):
-            try:
-                rt.deviceSynchronize()  # nothing of ours may still use the heap; fails if the context is lost
-            except rt.CUDARuntimeError as e:
-                print(f"tsgen: {self._where()}: CUDA context lost ({e}); leaving heap {heap.id} to the driver",
-                      file=sys.stderr)
-                return
             problems = self._close_mappings(heap)
             try:
                 self.store.barrier(f"heap {heap.id}: every rank closed its mappings")

@@ -35,15 +35,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import json
 import os
-import socket
 import sys
 from typing import Any, Callable, Mapping, NamedTuple
 
 from ..errors import RuntimeSetupError
 from . import store as store_mod
-from .ipc import join_problem, launcher_world, pick_device
+from .ipc import context_lost, join, launcher_world, pick_device
 
 # NVSHMEM reserves its symmetric heap at init; tsgen's heaps hold a module's
 # buffers for one count (a 1 GiB allgather at 4 ranks needs 1.25 GiB). Users
@@ -127,14 +125,7 @@ _SESSIONS: dict[int, _Session] = {}  # by id(nvshmem.core): one in a real proces
 
 
 def _context_lost(cp, device: int, where: str) -> bool:
-    rt = cp.cuda.runtime
-    with cp.cuda.Device(device):
-        try:
-            rt.deviceSynchronize()
-            return False
-        except rt.CUDARuntimeError as e:
-            print(f"tsgen: {where}: CUDA context lost ({e}); leaving NVSHMEM to the process's exit", file=sys.stderr)
-            return True
+    return context_lost(cp, device, where, "NVSHMEM to the process's exit")
 
 
 class NvshmemBackend:
@@ -157,13 +148,7 @@ class NvshmemBackend:
         self._modules: list[int] = []  # CUmodule handles registered with nvshmemx_cumodule_init
         self._session: _Session | None = None
         try:
-            me = {"rank": self.rank, "size": self.size, "host": socket.gethostname(),
-                  "bus": rt.deviceGetPCIBusId(self.device)}
-            members = [json.loads(m) for m in self.store.all_gather("join: host and GPU of every rank",
-                                                                    json.dumps(me).encode())]
-            problem = join_problem(members, self.size, one_host=False)
-            if problem:
-                raise RuntimeSetupError(problem)
+            members = join(self.store, self.rank, self.size, rt.deviceGetPCIBusId(self.device), one_host=False)
             hosts = sorted({m["host"] for m in members})
             # p2p kernels (peer loads and stores) need every rank on this host; nvshmem ones do not
             self.mesh_problem = None if len(hosts) == 1 else (
