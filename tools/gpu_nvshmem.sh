@@ -20,9 +20,12 @@ BUDGET=${BUDGET:-540}
 source tools/steps.sh
 PART=${PART:-tests}
 TSGEN="python3 -m tsgen"
+# TEST_SPECS / WORLDS narrow the tests part (default: all specs below, at 4 and 2 ranks)
 PRIMS="put_block signal_wait_eq_peer barrier_all simple_shift"
 COLLS="allgather reduce_scatter all_to_all all_reduce_one_shot all_reduce_two_shot_pull"
 NVSH="allgather_nvshmem all_to_all_nvshmem put_warp_nvshmem get_block_nvshmem simple_shift_nvshmem barrier_all_nvshmem"
+TEST_SPECS=${TEST_SPECS:-"$NVSH $COLLS $PRIMS"}
+WORLDS=${WORLDS:-"4 2"}
 export TSGEN_STORE=${TSGEN_STORE:-tsgen} TSGEN_STORE_TIMEOUT=${TSGEN_STORE_TIMEOUT:-60}
 # One host: NVSHMEM's bootstrap over loopback, no network transport (a multi-node run sets
 # these to its NIC and transport instead: README "Deployments").
@@ -48,10 +51,10 @@ import nvshmem.core  # noqa: F401
 PY
 
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  step "compile" 240 python3 tools/ipc_checks.py warm $PRIMS $COLLS $NVSH
+  step "compile" 240 python3 tools/ipc_checks.py warm $TEST_SPECS
   step "smoke nvshmem w2 allgather" 90 $TSGEN launch --nproc 2 -- $TSGEN test specs/allgather.yaml --backend nvshmem --iters 3
-  for n in 4 2; do
-    for s in $NVSH $COLLS $PRIMS; do
+  for n in $WORLDS; do
+    for s in $TEST_SPECS; do
       step "test nvshmem w$n $s" 50 $TSGEN launch --nproc $n -- $TSGEN test specs/$s.yaml --backend nvshmem --iters 20
     done
   done
