@@ -1324,30 +1324,30 @@ static __device__ const tsgen_step steps_w3[] = {
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 2, 0}, {2, 2, 0}}},
     // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2]; r0:dst@0[0/3] = r0:dst@0[0/3] + r1:dst@0[0/3] + r2:dst@0[0/3]; 32 blocks
     {TSGEN_OP_REDUCE, 3, 2, 0, {0, 1, 0, 3, 0, 0}, {{0, 1, 0, 3, 0, 0}, {1, 1, 0, 3, 0, 0}, {2, 1, 0, 3, 0, 0}}, {{2, 0, 1, 1}, {2, 0, 2, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/3] = r0:dst@0[0/3]; signal r1:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 3, 0, 0}, {{0, 1, 0, 3, 0, 0}}, {}, {{1, 3, 0}}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/3] = r0:dst@0[0/3]; signal r2:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 3, 0, 0}, {{0, 1, 0, 3, 0, 0}}, {}, {{2, 3, 0}}},
+    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/3] = r0:dst@0[0/3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 3, 0, 0}, {{0, 1, 0, 3, 0, 0}}, {}, {}},
+    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/3] = r0:dst@0[0/3]; signal r1:gathered[0], r2:gathered[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 2, {2, 1, 0, 3, 0, 0}, {{0, 1, 0, 3, 0, 0}}, {}, {{1, 3, 0}, {2, 3, 0}}},
     // rank 0 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2]
     {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 1, 32}, {3, 0, 2, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 1}, {2, 2, 1}}},
     // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2]; r1:dst@0[1/3] = r1:dst@0[1/3] + r2:dst@0[1/3] + r0:dst@0[1/3]; 32 blocks
     {TSGEN_OP_REDUCE, 3, 2, 0, {1, 1, 0, 3, 0, 1}, {{1, 1, 0, 3, 0, 1}, {2, 1, 0, 3, 0, 1}, {0, 1, 0, 3, 0, 1}}, {{2, 0, 0, 1}, {2, 0, 2, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/3] = r1:dst@0[1/3]; signal r2:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 3, 0, 1}, {{1, 1, 0, 3, 0, 1}}, {}, {{2, 3, 1}}},
-    // rank 1 step 3: the same share of piece 0 to rank 0; r0:dst@0[1/3] = r1:dst@0[1/3]; signal r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 3, 0, 1}, {{1, 1, 0, 3, 0, 1}}, {}, {{0, 3, 1}}},
+    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/3] = r1:dst@0[1/3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 3, 0, 1}, {{1, 1, 0, 3, 0, 1}}, {}, {}},
+    // rank 1 step 3: the same share of piece 0 to rank 0; r0:dst@0[1/3] = r1:dst@0[1/3]; signal r2:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 2, {0, 1, 0, 3, 0, 1}, {{1, 1, 0, 3, 0, 1}}, {}, {{2, 3, 1}, {0, 3, 1}}},
     // rank 1 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2]
     {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 2, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
     {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 2}, {1, 2, 2}}},
     // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1]; r2:dst@0[2/3] = r2:dst@0[2/3] + r0:dst@0[2/3] + r1:dst@0[2/3]; 32 blocks
     {TSGEN_OP_REDUCE, 3, 2, 0, {2, 1, 0, 3, 0, 2}, {{2, 1, 0, 3, 0, 2}, {0, 1, 0, 3, 0, 2}, {1, 1, 0, 3, 0, 2}}, {{2, 0, 0, 1}, {2, 0, 1, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 0; r0:dst@0[2/3] = r2:dst@0[2/3]; signal r0:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 3, 0, 2}, {{2, 1, 0, 3, 0, 2}}, {}, {{0, 3, 2}}},
-    // rank 2 step 3: the same share of piece 0 to rank 1; r1:dst@0[2/3] = r2:dst@0[2/3]; signal r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 3, 0, 2}, {{2, 1, 0, 3, 0, 2}}, {}, {{1, 3, 2}}},
+    // rank 2 step 2: the same share of piece 0 to rank 0; r0:dst@0[2/3] = r2:dst@0[2/3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 3, 0, 2}, {{2, 1, 0, 3, 0, 2}}, {}, {}},
+    // rank 2 step 3: the same share of piece 0 to rank 1; r1:dst@0[2/3] = r2:dst@0[2/3]; signal r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 2, {1, 1, 0, 3, 0, 2}, {{2, 1, 0, 3, 0, 2}}, {}, {{0, 3, 2}, {1, 3, 2}}},
     // rank 2 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1]
     {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}}, {}},
 };
@@ -1574,48 +1574,48 @@ static __device__ const tsgen_step steps_w4[] = {
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 2, 0}, {2, 2, 0}, {3, 2, 0}}},
     // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2], entry[3]; r0:dst@0[0/4] = r0:dst@0[0/4] + r1:dst@0[0/4] + r2:dst@0[0/4] + r3:dst@0[0/4]; 32 blocks
     {TSGEN_OP_REDUCE, 4, 3, 0, {0, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}, {1, 1, 0, 4, 0, 0}, {2, 1, 0, 4, 0, 0}, {3, 1, 0, 4, 0, 0}}, {{2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{1, 3, 0}}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/4] = r0:dst@0[0/4]; signal r2:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{2, 3, 0}}},
-    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/4] = r0:dst@0[0/4]; signal r3:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{3, 3, 0}}},
+    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/4] = r0:dst@0[0/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {}},
+    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/4] = r0:dst@0[0/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {}},
+    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 3, {3, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
     // rank 0 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3]
     {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 1}, {2, 2, 1}, {3, 2, 1}}},
     // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2], entry[3]; r1:dst@0[1/4] = r1:dst@0[1/4] + r2:dst@0[1/4] + r3:dst@0[1/4] + r0:dst@0[1/4]; 32 blocks
     {TSGEN_OP_REDUCE, 4, 3, 0, {1, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}, {2, 1, 0, 4, 0, 1}, {3, 1, 0, 4, 0, 1}, {0, 1, 0, 4, 0, 1}}, {{2, 0, 0, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{2, 3, 1}}},
-    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/4] = r1:dst@0[1/4]; signal r3:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{3, 3, 1}}},
-    // rank 1 step 4: the same share of piece 0 to rank 0; r0:dst@0[1/4] = r1:dst@0[1/4]; signal r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{0, 3, 1}}},
+    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/4] = r1:dst@0[1/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {}},
+    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/4] = r1:dst@0[1/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {}},
+    // rank 1 step 4: the same share of piece 0 to rank 0; r0:dst@0[1/4] = r1:dst@0[1/4]; signal r2:gathered[1], r3:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 3, {0, 1, 0, 4, 0, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{2, 3, 1}, {3, 3, 1}, {0, 3, 1}}},
     // rank 1 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3]
     {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 2}, {1, 2, 2}, {3, 2, 2}}},
     // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[3]; r2:dst@0[2/4] = r2:dst@0[2/4] + r3:dst@0[2/4] + r0:dst@0[2/4] + r1:dst@0[2/4]; 32 blocks
     {TSGEN_OP_REDUCE, 4, 3, 0, {2, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}, {3, 1, 0, 4, 0, 2}, {0, 1, 0, 4, 0, 2}, {1, 1, 0, 4, 0, 2}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 3, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {{3, 3, 2}}},
-    // rank 2 step 3: the same share of piece 0 to rank 0; r0:dst@0[2/4] = r2:dst@0[2/4]; signal r0:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {{0, 3, 2}}},
-    // rank 2 step 4: the same share of piece 0 to rank 1; r1:dst@0[2/4] = r2:dst@0[2/4]; signal r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {{1, 3, 2}}},
+    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/4] = r2:dst@0[2/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {}},
+    // rank 2 step 3: the same share of piece 0 to rank 0; r0:dst@0[2/4] = r2:dst@0[2/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {}},
+    // rank 2 step 4: the same share of piece 0 to rank 1; r1:dst@0[2/4] = r2:dst@0[2/4]; signal r3:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 3, {1, 1, 0, 4, 0, 2}, {{2, 1, 0, 4, 0, 2}}, {}, {{3, 3, 2}, {0, 3, 2}, {1, 3, 2}}},
     // rank 2 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3]
     {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 3, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
     {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 3}, {1, 2, 3}, {2, 2, 3}}},
     // rank 3 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2]; r3:dst@0[3/4] = r3:dst@0[3/4] + r0:dst@0[3/4] + r1:dst@0[3/4] + r2:dst@0[3/4]; 32 blocks
     {TSGEN_OP_REDUCE, 4, 3, 0, {3, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}, {0, 1, 0, 4, 0, 3}, {1, 1, 0, 4, 0, 3}, {2, 1, 0, 4, 0, 3}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}}, {}},
-    // rank 3 step 2: the same share of piece 0 to rank 0; r0:dst@0[3/4] = r3:dst@0[3/4]; signal r0:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {{0, 3, 3}}},
-    // rank 3 step 3: the same share of piece 0 to rank 1; r1:dst@0[3/4] = r3:dst@0[3/4]; signal r1:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {{1, 3, 3}}},
-    // rank 3 step 4: the same share of piece 0 to rank 2; r2:dst@0[3/4] = r3:dst@0[3/4]; signal r2:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {{2, 3, 3}}},
+    // rank 3 step 2: the same share of piece 0 to rank 0; r0:dst@0[3/4] = r3:dst@0[3/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {}},
+    // rank 3 step 3: the same share of piece 0 to rank 1; r1:dst@0[3/4] = r3:dst@0[3/4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {}},
+    // rank 3 step 4: the same share of piece 0 to rank 2; r2:dst@0[3/4] = r3:dst@0[3/4]; signal r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 3, {2, 1, 0, 4, 0, 3}, {{3, 1, 0, 4, 0, 3}}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
     // rank 3 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2]
     {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}}, {}},
 };
@@ -1911,160 +1911,160 @@ static __device__ const tsgen_step steps_w8[] = {
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 2, 0}, {2, 2, 0}, {3, 2, 0}, {4, 2, 0}, {5, 2, 0}, {6, 2, 0}, {7, 2, 0}}},
     // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r0:dst@0[0/8] = r0:dst@0[0/8] + r1:dst@0[0/8] + r2:dst@0[0/8] + r3:dst@0[0/8] + r4:dst@0[0/8] + r5:dst@0[0/8] + r6:dst@0[0/8] + r7:dst@0[0/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {0, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}, {1, 1, 0, 8, 0, 0}, {2, 1, 0, 8, 0, 0}, {3, 1, 0, 8, 0, 0}, {4, 1, 0, 8, 0, 0}, {5, 1, 0, 8, 0, 0}, {6, 1, 0, 8, 0, 0}, {7, 1, 0, 8, 0, 0}}, {{2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{1, 3, 0}}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{2, 3, 0}}},
-    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{3, 3, 0}}},
-    // rank 0 step 5: the same share of piece 0 to rank 4; r4:dst@0[0/8] = r0:dst@0[0/8]; signal r4:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{4, 3, 0}}},
-    // rank 0 step 6: the same share of piece 0 to rank 5; r5:dst@0[0/8] = r0:dst@0[0/8]; signal r5:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 3, 0}}},
-    // rank 0 step 7: the same share of piece 0 to rank 6; r6:dst@0[0/8] = r0:dst@0[0/8]; signal r6:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{6, 3, 0}}},
-    // rank 0 step 8: the same share of piece 0 to rank 7; r7:dst@0[0/8] = r0:dst@0[0/8]; signal r7:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{7, 3, 0}}},
+    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 5: the same share of piece 0 to rank 4; r4:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 6: the same share of piece 0 to rank 5; r5:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 7: the same share of piece 0 to rank 6; r6:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {}},
+    // rank 0 step 8: the same share of piece 0 to rank 7; r7:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0], r4:gathered[0], r5:gathered[0], r6:gathered[0], r7:gathered[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {7, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
     // rank 0 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 1}, {2, 2, 1}, {3, 2, 1}, {4, 2, 1}, {5, 2, 1}, {6, 2, 1}, {7, 2, 1}}},
     // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r1:dst@0[1/8] = r1:dst@0[1/8] + r2:dst@0[1/8] + r3:dst@0[1/8] + r4:dst@0[1/8] + r5:dst@0[1/8] + r6:dst@0[1/8] + r7:dst@0[1/8] + r0:dst@0[1/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {1, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}, {2, 1, 0, 8, 0, 1}, {3, 1, 0, 8, 0, 1}, {4, 1, 0, 8, 0, 1}, {5, 1, 0, 8, 0, 1}, {6, 1, 0, 8, 0, 1}, {7, 1, 0, 8, 0, 1}, {0, 1, 0, 8, 0, 1}}, {{2, 0, 0, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/8] = r1:dst@0[1/8]; signal r2:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{2, 3, 1}}},
-    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/8] = r1:dst@0[1/8]; signal r3:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{3, 3, 1}}},
-    // rank 1 step 4: the same share of piece 0 to rank 4; r4:dst@0[1/8] = r1:dst@0[1/8]; signal r4:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{4, 3, 1}}},
-    // rank 1 step 5: the same share of piece 0 to rank 5; r5:dst@0[1/8] = r1:dst@0[1/8]; signal r5:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{5, 3, 1}}},
-    // rank 1 step 6: the same share of piece 0 to rank 6; r6:dst@0[1/8] = r1:dst@0[1/8]; signal r6:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{6, 3, 1}}},
-    // rank 1 step 7: the same share of piece 0 to rank 7; r7:dst@0[1/8] = r1:dst@0[1/8]; signal r7:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{7, 3, 1}}},
-    // rank 1 step 8: the same share of piece 0 to rank 0; r0:dst@0[1/8] = r1:dst@0[1/8]; signal r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{0, 3, 1}}},
+    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 4: the same share of piece 0 to rank 4; r4:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 5: the same share of piece 0 to rank 5; r5:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 6: the same share of piece 0 to rank 6; r6:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 7: the same share of piece 0 to rank 7; r7:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {}},
+    // rank 1 step 8: the same share of piece 0 to rank 0; r0:dst@0[1/8] = r1:dst@0[1/8]; signal r2:gathered[1], r3:gathered[1], r4:gathered[1], r5:gathered[1], r6:gathered[1], r7:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {0, 1, 0, 8, 0, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}, {0, 3, 1}}},
     // rank 1 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 2}, {1, 2, 2}, {3, 2, 2}, {4, 2, 2}, {5, 2, 2}, {6, 2, 2}, {7, 2, 2}}},
     // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[3], entry[4], entry[5], entry[6], entry[7]; r2:dst@0[2/8] = r2:dst@0[2/8] + r3:dst@0[2/8] + r4:dst@0[2/8] + r5:dst@0[2/8] + r6:dst@0[2/8] + r7:dst@0[2/8] + r0:dst@0[2/8] + r1:dst@0[2/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {2, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}, {3, 1, 0, 8, 0, 2}, {4, 1, 0, 8, 0, 2}, {5, 1, 0, 8, 0, 2}, {6, 1, 0, 8, 0, 2}, {7, 1, 0, 8, 0, 2}, {0, 1, 0, 8, 0, 2}, {1, 1, 0, 8, 0, 2}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/8] = r2:dst@0[2/8]; signal r3:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{3, 3, 2}}},
-    // rank 2 step 3: the same share of piece 0 to rank 4; r4:dst@0[2/8] = r2:dst@0[2/8]; signal r4:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{4, 3, 2}}},
-    // rank 2 step 4: the same share of piece 0 to rank 5; r5:dst@0[2/8] = r2:dst@0[2/8]; signal r5:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{5, 3, 2}}},
-    // rank 2 step 5: the same share of piece 0 to rank 6; r6:dst@0[2/8] = r2:dst@0[2/8]; signal r6:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{6, 3, 2}}},
-    // rank 2 step 6: the same share of piece 0 to rank 7; r7:dst@0[2/8] = r2:dst@0[2/8]; signal r7:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{7, 3, 2}}},
-    // rank 2 step 7: the same share of piece 0 to rank 0; r0:dst@0[2/8] = r2:dst@0[2/8]; signal r0:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{0, 3, 2}}},
-    // rank 2 step 8: the same share of piece 0 to rank 1; r1:dst@0[2/8] = r2:dst@0[2/8]; signal r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{1, 3, 2}}},
+    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 3: the same share of piece 0 to rank 4; r4:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 4: the same share of piece 0 to rank 5; r5:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 5: the same share of piece 0 to rank 6; r6:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 6: the same share of piece 0 to rank 7; r7:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 7: the same share of piece 0 to rank 0; r0:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {}},
+    // rank 2 step 8: the same share of piece 0 to rank 1; r1:dst@0[2/8] = r2:dst@0[2/8]; signal r3:gathered[2], r4:gathered[2], r5:gathered[2], r6:gathered[2], r7:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {1, 1, 0, 8, 0, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}, {0, 3, 2}, {1, 3, 2}}},
     // rank 2 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 3}, {1, 2, 3}, {2, 2, 3}, {4, 2, 3}, {5, 2, 3}, {6, 2, 3}, {7, 2, 3}}},
     // rank 3 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[4], entry[5], entry[6], entry[7]; r3:dst@0[3/8] = r3:dst@0[3/8] + r4:dst@0[3/8] + r5:dst@0[3/8] + r6:dst@0[3/8] + r7:dst@0[3/8] + r0:dst@0[3/8] + r1:dst@0[3/8] + r2:dst@0[3/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {3, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}, {4, 1, 0, 8, 0, 3}, {5, 1, 0, 8, 0, 3}, {6, 1, 0, 8, 0, 3}, {7, 1, 0, 8, 0, 3}, {0, 1, 0, 8, 0, 3}, {1, 1, 0, 8, 0, 3}, {2, 1, 0, 8, 0, 3}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 3 step 2: the same share of piece 0 to rank 4; r4:dst@0[3/8] = r3:dst@0[3/8]; signal r4:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{4, 3, 3}}},
-    // rank 3 step 3: the same share of piece 0 to rank 5; r5:dst@0[3/8] = r3:dst@0[3/8]; signal r5:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{5, 3, 3}}},
-    // rank 3 step 4: the same share of piece 0 to rank 6; r6:dst@0[3/8] = r3:dst@0[3/8]; signal r6:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{6, 3, 3}}},
-    // rank 3 step 5: the same share of piece 0 to rank 7; r7:dst@0[3/8] = r3:dst@0[3/8]; signal r7:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{7, 3, 3}}},
-    // rank 3 step 6: the same share of piece 0 to rank 0; r0:dst@0[3/8] = r3:dst@0[3/8]; signal r0:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{0, 3, 3}}},
-    // rank 3 step 7: the same share of piece 0 to rank 1; r1:dst@0[3/8] = r3:dst@0[3/8]; signal r1:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{1, 3, 3}}},
-    // rank 3 step 8: the same share of piece 0 to rank 2; r2:dst@0[3/8] = r3:dst@0[3/8]; signal r2:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{2, 3, 3}}},
+    // rank 3 step 2: the same share of piece 0 to rank 4; r4:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 3: the same share of piece 0 to rank 5; r5:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 4: the same share of piece 0 to rank 6; r6:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 5: the same share of piece 0 to rank 7; r7:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 6: the same share of piece 0 to rank 0; r0:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 7: the same share of piece 0 to rank 1; r1:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {}},
+    // rank 3 step 8: the same share of piece 0 to rank 2; r2:dst@0[3/8] = r3:dst@0[3/8]; signal r4:gathered[3], r5:gathered[3], r6:gathered[3], r7:gathered[3], r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {2, 1, 0, 8, 0, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}, {0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
     // rank 3 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[4], gathered[5], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 4}, {1, 2, 4}, {2, 2, 4}, {3, 2, 4}, {5, 2, 4}, {6, 2, 4}, {7, 2, 4}}},
     // rank 4 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[5], entry[6], entry[7]; r4:dst@0[4/8] = r4:dst@0[4/8] + r5:dst@0[4/8] + r6:dst@0[4/8] + r7:dst@0[4/8] + r0:dst@0[4/8] + r1:dst@0[4/8] + r2:dst@0[4/8] + r3:dst@0[4/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {4, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}, {5, 1, 0, 8, 0, 4}, {6, 1, 0, 8, 0, 4}, {7, 1, 0, 8, 0, 4}, {0, 1, 0, 8, 0, 4}, {1, 1, 0, 8, 0, 4}, {2, 1, 0, 8, 0, 4}, {3, 1, 0, 8, 0, 4}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 4 step 2: the same share of piece 0 to rank 5; r5:dst@0[4/8] = r4:dst@0[4/8]; signal r5:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{5, 3, 4}}},
-    // rank 4 step 3: the same share of piece 0 to rank 6; r6:dst@0[4/8] = r4:dst@0[4/8]; signal r6:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{6, 3, 4}}},
-    // rank 4 step 4: the same share of piece 0 to rank 7; r7:dst@0[4/8] = r4:dst@0[4/8]; signal r7:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{7, 3, 4}}},
-    // rank 4 step 5: the same share of piece 0 to rank 0; r0:dst@0[4/8] = r4:dst@0[4/8]; signal r0:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{0, 3, 4}}},
-    // rank 4 step 6: the same share of piece 0 to rank 1; r1:dst@0[4/8] = r4:dst@0[4/8]; signal r1:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{1, 3, 4}}},
-    // rank 4 step 7: the same share of piece 0 to rank 2; r2:dst@0[4/8] = r4:dst@0[4/8]; signal r2:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{2, 3, 4}}},
-    // rank 4 step 8: the same share of piece 0 to rank 3; r3:dst@0[4/8] = r4:dst@0[4/8]; signal r3:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{3, 3, 4}}},
+    // rank 4 step 2: the same share of piece 0 to rank 5; r5:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 3: the same share of piece 0 to rank 6; r6:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 4: the same share of piece 0 to rank 7; r7:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 5: the same share of piece 0 to rank 0; r0:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 6: the same share of piece 0 to rank 1; r1:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 7: the same share of piece 0 to rank 2; r2:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {}},
+    // rank 4 step 8: the same share of piece 0 to rank 3; r3:dst@0[4/8] = r4:dst@0[4/8]; signal r5:gathered[4], r6:gathered[4], r7:gathered[4], r0:gathered[4], r1:gathered[4], r2:gathered[4], r3:gathered[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {3, 1, 0, 8, 0, 4}, {{4, 1, 0, 8, 0, 4}}, {}, {{5, 3, 4}, {6, 3, 4}, {7, 3, 4}, {0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}}},
     // rank 4 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[5], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 5}, {1, 2, 5}, {2, 2, 5}, {3, 2, 5}, {4, 2, 5}, {6, 2, 5}, {7, 2, 5}}},
     // rank 5 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[6], entry[7]; r5:dst@0[5/8] = r5:dst@0[5/8] + r6:dst@0[5/8] + r7:dst@0[5/8] + r0:dst@0[5/8] + r1:dst@0[5/8] + r2:dst@0[5/8] + r3:dst@0[5/8] + r4:dst@0[5/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {5, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}, {6, 1, 0, 8, 0, 5}, {7, 1, 0, 8, 0, 5}, {0, 1, 0, 8, 0, 5}, {1, 1, 0, 8, 0, 5}, {2, 1, 0, 8, 0, 5}, {3, 1, 0, 8, 0, 5}, {4, 1, 0, 8, 0, 5}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 6, 1}, {2, 0, 7, 1}}, {}},
-    // rank 5 step 2: the same share of piece 0 to rank 6; r6:dst@0[5/8] = r5:dst@0[5/8]; signal r6:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{6, 3, 5}}},
-    // rank 5 step 3: the same share of piece 0 to rank 7; r7:dst@0[5/8] = r5:dst@0[5/8]; signal r7:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{7, 3, 5}}},
-    // rank 5 step 4: the same share of piece 0 to rank 0; r0:dst@0[5/8] = r5:dst@0[5/8]; signal r0:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{0, 3, 5}}},
-    // rank 5 step 5: the same share of piece 0 to rank 1; r1:dst@0[5/8] = r5:dst@0[5/8]; signal r1:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{1, 3, 5}}},
-    // rank 5 step 6: the same share of piece 0 to rank 2; r2:dst@0[5/8] = r5:dst@0[5/8]; signal r2:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{2, 3, 5}}},
-    // rank 5 step 7: the same share of piece 0 to rank 3; r3:dst@0[5/8] = r5:dst@0[5/8]; signal r3:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{3, 3, 5}}},
-    // rank 5 step 8: the same share of piece 0 to rank 4; r4:dst@0[5/8] = r5:dst@0[5/8]; signal r4:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{4, 3, 5}}},
+    // rank 5 step 2: the same share of piece 0 to rank 6; r6:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {6, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 3: the same share of piece 0 to rank 7; r7:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 4: the same share of piece 0 to rank 0; r0:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 5: the same share of piece 0 to rank 1; r1:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 6: the same share of piece 0 to rank 2; r2:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 7: the same share of piece 0 to rank 3; r3:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {}},
+    // rank 5 step 8: the same share of piece 0 to rank 4; r4:dst@0[5/8] = r5:dst@0[5/8]; signal r6:gathered[5], r7:gathered[5], r0:gathered[5], r1:gathered[5], r2:gathered[5], r3:gathered[5], r4:gathered[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {4, 1, 0, 8, 0, 5}, {{5, 1, 0, 8, 0, 5}}, {}, {{6, 3, 5}, {7, 3, 5}, {0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}}},
     // rank 5 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[6], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 6, 32}, {3, 0, 7, 32}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 6}, {1, 2, 6}, {2, 2, 6}, {3, 2, 6}, {4, 2, 6}, {5, 2, 6}, {7, 2, 6}}},
     // rank 6 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[7]; r6:dst@0[6/8] = r6:dst@0[6/8] + r7:dst@0[6/8] + r0:dst@0[6/8] + r1:dst@0[6/8] + r2:dst@0[6/8] + r3:dst@0[6/8] + r4:dst@0[6/8] + r5:dst@0[6/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {6, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}, {7, 1, 0, 8, 0, 6}, {0, 1, 0, 8, 0, 6}, {1, 1, 0, 8, 0, 6}, {2, 1, 0, 8, 0, 6}, {3, 1, 0, 8, 0, 6}, {4, 1, 0, 8, 0, 6}, {5, 1, 0, 8, 0, 6}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 7, 1}}, {}},
-    // rank 6 step 2: the same share of piece 0 to rank 7; r7:dst@0[6/8] = r6:dst@0[6/8]; signal r7:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {7, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{7, 3, 6}}},
-    // rank 6 step 3: the same share of piece 0 to rank 0; r0:dst@0[6/8] = r6:dst@0[6/8]; signal r0:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{0, 3, 6}}},
-    // rank 6 step 4: the same share of piece 0 to rank 1; r1:dst@0[6/8] = r6:dst@0[6/8]; signal r1:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{1, 3, 6}}},
-    // rank 6 step 5: the same share of piece 0 to rank 2; r2:dst@0[6/8] = r6:dst@0[6/8]; signal r2:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{2, 3, 6}}},
-    // rank 6 step 6: the same share of piece 0 to rank 3; r3:dst@0[6/8] = r6:dst@0[6/8]; signal r3:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{3, 3, 6}}},
-    // rank 6 step 7: the same share of piece 0 to rank 4; r4:dst@0[6/8] = r6:dst@0[6/8]; signal r4:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{4, 3, 6}}},
-    // rank 6 step 8: the same share of piece 0 to rank 5; r5:dst@0[6/8] = r6:dst@0[6/8]; signal r5:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{5, 3, 6}}},
+    // rank 6 step 2: the same share of piece 0 to rank 7; r7:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {7, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 3: the same share of piece 0 to rank 0; r0:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 4: the same share of piece 0 to rank 1; r1:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 5: the same share of piece 0 to rank 2; r2:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 6: the same share of piece 0 to rank 3; r3:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 7: the same share of piece 0 to rank 4; r4:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {}},
+    // rank 6 step 8: the same share of piece 0 to rank 5; r5:dst@0[6/8] = r6:dst@0[6/8]; signal r7:gathered[6], r0:gathered[6], r1:gathered[6], r2:gathered[6], r3:gathered[6], r4:gathered[6], r5:gathered[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {5, 1, 0, 8, 0, 6}, {{6, 1, 0, 8, 0, 6}}, {}, {{7, 3, 6}, {0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}}},
     // rank 6 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[7]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 7, 32}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
     {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 2, 7}, {1, 2, 7}, {2, 2, 7}, {3, 2, 7}, {4, 2, 7}, {5, 2, 7}, {6, 2, 7}}},
     // rank 7 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[6]; r7:dst@0[7/8] = r7:dst@0[7/8] + r0:dst@0[7/8] + r1:dst@0[7/8] + r2:dst@0[7/8] + r3:dst@0[7/8] + r4:dst@0[7/8] + r5:dst@0[7/8] + r6:dst@0[7/8]; 32 blocks
     {TSGEN_OP_REDUCE, 8, 7, 0, {7, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}, {0, 1, 0, 8, 0, 7}, {1, 1, 0, 8, 0, 7}, {2, 1, 0, 8, 0, 7}, {3, 1, 0, 8, 0, 7}, {4, 1, 0, 8, 0, 7}, {5, 1, 0, 8, 0, 7}, {6, 1, 0, 8, 0, 7}}, {{2, 0, 0, 1}, {2, 0, 1, 1}, {2, 0, 2, 1}, {2, 0, 3, 1}, {2, 0, 4, 1}, {2, 0, 5, 1}, {2, 0, 6, 1}}, {}},
-    // rank 7 step 2: the same share of piece 0 to rank 0; r0:dst@0[7/8] = r7:dst@0[7/8]; signal r0:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{0, 3, 7}}},
-    // rank 7 step 3: the same share of piece 0 to rank 1; r1:dst@0[7/8] = r7:dst@0[7/8]; signal r1:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{1, 3, 7}}},
-    // rank 7 step 4: the same share of piece 0 to rank 2; r2:dst@0[7/8] = r7:dst@0[7/8]; signal r2:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {2, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{2, 3, 7}}},
-    // rank 7 step 5: the same share of piece 0 to rank 3; r3:dst@0[7/8] = r7:dst@0[7/8]; signal r3:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {3, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{3, 3, 7}}},
-    // rank 7 step 6: the same share of piece 0 to rank 4; r4:dst@0[7/8] = r7:dst@0[7/8]; signal r4:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {4, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{4, 3, 7}}},
-    // rank 7 step 7: the same share of piece 0 to rank 5; r5:dst@0[7/8] = r7:dst@0[7/8]; signal r5:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {5, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{5, 3, 7}}},
-    // rank 7 step 8: the same share of piece 0 to rank 6; r6:dst@0[7/8] = r7:dst@0[7/8]; signal r6:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {6, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{6, 3, 7}}},
+    // rank 7 step 2: the same share of piece 0 to rank 0; r0:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {0, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 3: the same share of piece 0 to rank 1; r1:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {1, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 4: the same share of piece 0 to rank 2; r2:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {2, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 5: the same share of piece 0 to rank 3; r3:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {3, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 6: the same share of piece 0 to rank 4; r4:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {4, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 7: the same share of piece 0 to rank 5; r5:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, {5, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {}},
+    // rank 7 step 8: the same share of piece 0 to rank 6; r6:dst@0[7/8] = r7:dst@0[7/8]; signal r0:gathered[7], r1:gathered[7], r2:gathered[7], r3:gathered[7], r4:gathered[7], r5:gathered[7], r6:gathered[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 0, 7, {6, 1, 0, 8, 0, 7}, {{7, 1, 0, 8, 0, 7}}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
     // rank 7 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6]
     {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{3, 0, 0, 32}, {3, 0, 1, 32}, {3, 0, 2, 32}, {3, 0, 3, 32}, {3, 0, 4, 32}, {3, 0, 5, 32}, {3, 0, 6, 32}}, {}},
 };

@@ -1078,6 +1078,19 @@ static __device__ __forceinline__ void bulk_wait_group_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// Wait until at most `n` (a run-time value, n <= MAX) of this thread's most recent bulk
+// groups are incomplete: every older group's writes are done.
+template <int MAX>
+static __device__ __forceinline__ void bulk_wait_group_at_most(uint32_t n) {
+  if constexpr (MAX == 0) {
+    bulk_wait_group_all();
+  } else if (n >= (uint32_t)MAX) {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(MAX) : "memory");
+  } else {
+    bulk_wait_group_at_most<MAX - 1>(n);
+  }
+}
+
 static __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
@@ -1189,14 +1202,9 @@ struct BatchesOf<C, std::void_t<decltype(C::BATCHES)>> {
 //   first_batch()            the batch the schedule starts with (then first + 1, ... mod BATCHES)
 //   wait(batch)              the producer thread, before it loads A rows of `batch`
 //   a_map(a_map, batch, z)   the tensor map to load A of `batch` from, and its z coordinate
-//   stored(batch, leader)    every thread of a consumer warpgroup, after it issued the TMA
-//                            stores of its part of a tile of `batch` (leader: the thread
-//                            that issued them; a tile wholly past M stores nothing but
-//                            still calls it): per-tile completion signals (gemm_reduce_scatter)
 struct NoHook {
   __device__ __forceinline__ uint32_t first_batch() const { return 0; }
   __device__ __forceinline__ void wait(uint32_t) {}
-  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
     z = (int)batch;
     return a;
@@ -1219,6 +1227,19 @@ struct HasCMap : std::false_type {};
 template <class H>
 struct HasCMap<H, std::void_t<decltype(std::declval<H&>().c_map(nullptr, 0u, std::declval<int&>()))>>
     : std::true_type {};
+//   stored(batch, leader)    every thread of a consumer warpgroup, once the TMA stores of
+//                            its part of a tile of `batch` are complete (written: in a peer's
+//                            memory too when c_map points there; leader: the thread that
+//                            issued them; a tile wholly past M stores nothing but still
+//                            counts): per-tile completion signals (gemm_reduce_scatter).
+//                            The consumer checks a tile's stores only after it issued the
+//                            next tile's, so it never stalls on the round trip of its own
+//                            writes (remote ones take microseconds); the last tile's are
+//                            checked at the end.
+template <class H, class = void>
+struct HasStored : std::false_type {};
+template <class H>
+struct HasStored<H, std::void_t<decltype(std::declval<H&>().stored(0u, true))>> : std::true_type {};
 
 template <class C>
 struct Layout {
@@ -1272,6 +1293,15 @@ struct Layout {
 // both CTAs of a cluster (they walk cluster tiles in lockstep).
 // ---------------------------------------------------------------------------
 
+// A Config with INTERLEAVE_BATCHES = true deals its tiles round-robin over the batches
+// (tile i of the walk belongs to batch first + i mod BATCHES), so the grid works on every
+// batch at once; without it the batches are walked one after the other.
+template <class C, class = void>
+struct InterleavesBatches : std::false_type {};
+template <class C>
+struct InterleavesBatches<C, std::void_t<decltype(C::INTERLEAVE_BATCHES)>>
+    : std::integral_constant<bool, C::INTERLEAVE_BATCHES> {};
+
 template <class C>
 struct Scheduler {
   using L = Layout<C>;
@@ -1292,7 +1322,7 @@ struct Scheduler {
   __host__ __device__ static uint32_t cluster_tiles(uint32_t rows) { return batch_tiles(rows) * L::BATCHES; }
 
   // Host and device (tests walk the schedule on the CPU): cluster `cluster` of `clusters`.
-  // Batches are visited one after the other, starting with `first_batch`.
+  // Batches are visited one after the other (or interleaved), starting with `first_batch`.
   __host__ __device__ Scheduler(uint32_t rows, uint32_t cluster, uint32_t clusters, uint32_t cta_rank,
                                 uint32_t first_batch = 0)
       : cluster_rows(((rows + C::TILE_M - 1) / C::TILE_M + L::CM - 1) / L::CM),
@@ -1315,8 +1345,14 @@ struct Scheduler {
     if (index >= total) return false;
     uint32_t local = index;
     if constexpr (L::BATCHES > 1) {
-      const uint32_t b = index / per_batch;
-      local = index - b * per_batch;
+      uint32_t b;
+      if constexpr (InterleavesBatches<C>::value) {
+        b = index % (uint32_t)L::BATCHES;
+        local = index / (uint32_t)L::BATCHES;
+      } else {
+        b = index / per_batch;
+        local = index - b * per_batch;
+      }
       batch = (first + b) % (uint32_t)L::BATCHES;
     } else {
       batch = 0;
@@ -1484,6 +1520,8 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
   const uint64_t b_desc = sw128_descriptor(smem + L::B_OFF, L::B_BOX, 1024);
   const uint32_t buffers = smem + L::EPI_OFF + cw * 2 * L::CHUNK;
   uint32_t stage = 0, phase = 0, chunks = 0, m0, n0, batch;
+  bool pending = false;        // a tile whose stores are issued but not yet counted (HasStored)
+  uint32_t pending_batch = 0;
   while (tiles.next(m0, n0, batch)) {
     uint32_t previous = 0;
     for (int kb = 0; kb < L::K_BLOCKS; ++kb) {
@@ -1514,10 +1552,21 @@ static __device__ __forceinline__ void consume(const CUtensorMap* c_map, uint32_
     int z = (int)batch;  // the batch's place in C (3-D maps), or the hook's choice of map and place
     const CUtensorMap* to = c_map;
     if constexpr (HasCMap<Hook>::value) to = hook.c_map(c_map, batch, z);
+    const uint32_t before = chunks;
     store_tile<C>(acc, to, buffers, cw, m0, n0, z, rows, chunks);
-    hook.stored(batch, leader);
+    if constexpr (HasStored<Hook>::value) {
+      if (pending) {  // the previous tile's stores are done once at most this tile's are in flight
+        if (leader) bulk_wait_group_at_most<L::M_BLOCKS * (C::TILE_N / 64)>(chunks - before);
+        hook.stored(pending_batch, leader);
+      }
+      pending = true;
+      pending_batch = batch;
+    }
   }
   if (leader) bulk_wait_group_all();  // C is written before the CTA (and its shared memory) goes
+  if constexpr (HasStored<Hook>::value) {
+    if (pending) hook.stored(pending_batch, leader);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -1791,7 +1840,6 @@ struct GatherHook {
       }
     }
   }
-  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* full, uint32_t batch, int& z) const {
     if (batch == rank) {
       z = 0;
@@ -1851,9 +1899,9 @@ struct ScatterHook {
     if constexpr (OVERLAP) {
       // our own block is read after the GEMM, in stream order: nobody waits for it
       if (!leader || batch == rank) return;
-      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done (written,
-                                             // in the owner's memory with PUSH)
-      tsgen_gemm::fence_proxy_async_global();  // ... and ordered before what follows (generic proxy)
+      // this warpgroup's TMA stores of the tile are done (written, in the owner's memory with
+      // push: the consumer waited for them); order them before what follows (generic proxy)
+      tsgen_gemm::fence_proxy_async_global();
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
         // every tile of block q is stored (acquired through the counter): reset it for the

@@ -22,8 +22,9 @@ from tsgen.spec import load_spec
 from tsgen.toolchain import compile_source, dump_sass, find_nvcc, gencode_flags
 
 SPECS = [ROOT / "specs" / "gemm_reduce_scatter.yaml", ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
-         ROOT / "specs" / "gemm_reduce_scatter_push.yaml"]
-OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "gemm_reduce_scatter_push": "push"}
+         ROOT / "specs" / "gemm_reduce_scatter_push.yaml", ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml"]
+OVERLAP = {"gemm_reduce_scatter": "pull", "gemm_reduce_scatter_plain": "none", "gemm_reduce_scatter_push": "push",
+           "gemm_reduce_scatter_push_interleaved": "push"}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,8 @@ def variant(tmp, name, **changes):
     ({"params": {"n": 2000}}, "not a multiple of tile.n"),
     ({"params": {"reserve_sms": 15}}, "reserve_sms"),
     ({"params": {"overlap": "scatter"}}, "overlap"),
+    ({"params": {"batch_order": "interleaved"}}, "interleaved needs overlap: push"),
+    ({"params": {"batch_order": "striped"}}, "batch_order"),
     ({"world_sizes": [1]}, "world_sizes"),
     ({"world_sizes": [16]}, "world_sizes"),
     ({"params": {"stages": 6}}, "shared"),
@@ -192,10 +195,13 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-def test_schedule_own_block_last(tmp_path):
-    """Every CTA walks row blocks rank + 1, ..., rank (own last); the arrivals the hook counts
-    per block (CTA tiles x consumer warpgroups) match the tiles the schedule hands out."""
-    path = variant(tmp_path, "w", params={"n": 512, "k": 512})
+@pytest.mark.parametrize("order", ["blocked", "interleaved"])
+def test_schedule_own_block_last(tmp_path, order):
+    """blocked: every CTA walks row blocks rank + 1, ..., rank (own last); interleaved: the
+    walk deals tiles over the blocks in turn. Either way the arrivals the hook counts per
+    block (CTA tiles x consumer warpgroups) match the tiles the schedule hands out."""
+    overlap = "push" if order == "interleaved" else "pull"
+    path = variant(tmp_path, "w", params={"n": 512, "k": 512, "overlap": overlap, "batch_order": order})
     spec = load_spec(path).model
     src = tmp_path / "w.cu"
     src.write_text(render(load_spec(path), base=tmp_path).source)
@@ -219,6 +225,12 @@ def test_schedule_own_block_last(tmp_path):
                 stored = sorted((b, m0, n0) for _, b, m0, n0 in walk if m0 < rows)
                 want = sorted((b, m0, n0) for b in range(4) for m0 in range(0, rows, tm) for n0 in range(0, 512, tn))
                 assert stored == want
+                if order == "interleaved":  # tile i of the whole walk belongs to block first + i mod 4
+                    clusters = ctas // 2
+                    for cta in range(ctas):
+                        seq = [b for c, b, _, _ in walk if c == cta]
+                        assert seq == [(first + (cta // 2 + j * clusters) % 4) % 4 for j in range(len(seq))]
+                    continue
                 for cta in range(ctas):
                     seq = [(b - first) % 4 for c, b, _, _ in walk if c == cta]
                     assert seq == sorted(seq)

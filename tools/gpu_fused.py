@@ -477,7 +477,8 @@ def run_allgather_gemm(out: Path, gpus: int, device: str) -> bool:
 OPS = ["allgather_gemm", "gemm_reduce_scatter", "cannon", "summa"]
 RS_SPECS = {"overlapped": ROOT / "specs" / "gemm_reduce_scatter.yaml",
             "plain": ROOT / "specs" / "gemm_reduce_scatter_plain.yaml",
-            "push": ROOT / "specs" / "gemm_reduce_scatter_push.yaml"}
+            "push": ROOT / "specs" / "gemm_reduce_scatter_push.yaml",
+            "push interleaved": ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml"}
 RS_WORLDS = [2, 4]
 RS_CHECK_COUNT = 129  # rows of C per rank: a full row tile and a tail per block
 RS_CALLS = 20

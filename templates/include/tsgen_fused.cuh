@@ -55,7 +55,6 @@ struct GatherHook {
       }
     }
   }
-  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* full, uint32_t batch, int& z) const {
     if (batch == rank) {
       z = 0;
@@ -115,9 +114,9 @@ struct ScatterHook {
     if constexpr (OVERLAP) {
       // our own block is read after the GEMM, in stream order: nobody waits for it
       if (!leader || batch == rank) return;
-      tsgen_gemm::bulk_wait_group_all();     // this warpgroup's TMA stores of the tile are done (written,
-                                             // in the owner's memory with PUSH)
-      tsgen_gemm::fence_proxy_async_global();  // ... and ordered before what follows (generic proxy)
+      // this warpgroup's TMA stores of the tile are done (written, in the owner's memory with
+      // push: the consumer waited for them); order them before what follows (generic proxy)
+      tsgen_gemm::fence_proxy_async_global();
       const uint64_t before = atom_add_acq_rel_gpu_global_u64(sig + TILES + batch, 1ull);
       if (before + 1 == (uint64_t)expected) {
         // every tile of block q is stored (acquired through the counter): reset it for the

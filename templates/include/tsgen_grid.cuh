@@ -53,7 +53,6 @@ struct PanelHook {
 
   __device__ __forceinline__ uint32_t first_batch() const { return 0; }
   __device__ __forceinline__ void wait(uint32_t) {}
-  __device__ __forceinline__ void stored(uint32_t, bool) {}
   __device__ __forceinline__ const CUtensorMap* a_map(const CUtensorMap* a, uint32_t batch, int& z) const {
     z = (int)batch;
     return a;

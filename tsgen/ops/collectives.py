@@ -690,14 +690,17 @@ class AllReduceFamily(CollectiveFamily):
             for i in range(P):
                 # One lane: each block reduces its share of our part, then pushes that same
                 # share to every peer -- it wrote it itself, so no signal is needed between.
+                # Every peer's signal is raised after the last push: one round of release
+                # fences per share instead of one after each push (fences wait for the stores).
                 mine = r * P + i
                 s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)),
                               srcs=tuple((q, Slice(buf, 0, mine, n)) for q in [r] + _ring(r, w)),
                               waits=tuple(("entry", q) for q in range(w) if q != r),
                               blocks=nb, lane="part", note=f"reduce our part, piece {i}, reading every rank"))
                 for q in _ring(r, w):
+                    last = q == _ring(r, w)[-1]
                     s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
-                                  signals=(SignalRef(q, "gathered", mine),),
+                                  signals=tuple(SignalRef(t, "gathered", mine) for t in _ring(r, w)) if last else (),
                                   blocks=nb, lane="part", note=f"the same share of piece {i} to rank {q}"))
             s += _final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                         "wait for every peer's reduced parts (and their reads of our input)")

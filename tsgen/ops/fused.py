@@ -166,6 +166,10 @@ class GemmReduceScatterParams(GemmParams):
         "signals it; after the GEMM each rank sums the slots it received, locally, on every SM")
     reserve_sms: int = Field(16, ge=2, le=64, description="pull: SMs the GEMM leaves to the reduce kernel "
                              "(clusters of 2 CTAs, one per SM): an even number; unused by none and push")
+    batch_order: Literal["blocked", "interleaved"] = Field(
+        "blocked", description="push: blocked walks the row blocks one after the other (all pushes go to one "
+        "owner at a time); interleaved deals tiles round-robin over the owners, so the pushes spread over every "
+        "link for the whole GEMM (pull and none: blocked only, their reduce waits for whole blocks in order)")
 
 
 class GemmReduceScatterSpec(SpecBase):
@@ -223,6 +227,10 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
                 problems.append((("params", "k"),
                                  f"K = {p.k} over {w} ranks is not whole tile.k = {p.tile.k} blocks per rank: "
                                  f"K must be a multiple of {w} x {p.tile.k} = {w * p.tile.k} for world size {w}"))
+        if p.batch_order == "interleaved" and p.overlap != "push":
+            problems.append((("params", "batch_order"),
+                             f"interleaved needs overlap: push (overlap: {p.overlap} reduces whole row blocks in "
+                             "the order they finish)"))
         if p.overlap == "pull" and p.reserve_sms % 2:
             problems.append((("params", "reserve_sms"),
                              f"{p.reserve_sms} is odd: the reduce kernel runs in clusters of 2 CTAs"))
