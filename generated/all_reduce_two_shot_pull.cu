@@ -1080,11 +1080,9 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// Each share's element ranges and pointers are computed before its waits, so that work
-// (table loads, 64-bit divisions) overlaps the wait instead of following it. The block's first share, when it only signals (the entry step), raises
-// its counters relaxed: no write of this kernel precedes it in the block, and what the
-// signal stands for -- this rank's input, written before this kernel in stream order --
-// is already complete.
+// The block's first share, when it only signals (the entry step), raises its counters
+// relaxed: no write of this kernel precedes it in the block, and what the signal stands
+// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1095,40 +1093,42 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
   for (int k = first; k < last; ++k) {
     const tsgen_share sh = shares[k];
     const tsgen_step& st = steps[sh.step];
-    const int op = st.op, nsrc = st.nsrc;
-    uint64_t lo = 0, hi = 0;
-    T* dst = nullptr;
-    T* srcs[TSGEN_MAX_SRCS];
-    bool read_only = false;
-    if (op != TSGEN_OP_NONE) {
-      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
-      dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank) + lo;
-      read_only = st.src[0].read_only;
-      TSGEN_FOR_SRC(j, nsrc) {
-        uint64_t slo, shi;
-        tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
-        srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
-      }
-    }
     if (threadIdx.x < st.nwait) {  // one thread per counter
       const tsgen_wait w = st.wait[threadIdx.x];
       wait_ge_acquire_sys((const uint64_t*)bufs[w.buf] + w.index, epoch * w.per_call,
                           tsgen_make_site(names[w.buf], rank, rank, w.index));
     }
     __syncthreads();
-    if (hi > lo) {
-      if (op == TSGEN_OP_COPY)
-        tsgen_copy_elems<T, UNROLL>(dst, srcs[0], hi - lo, read_only, threadIdx.x, blockDim.x);
-      else
-        tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst, srcs, nsrc, hi - lo, threadIdx.x, blockDim.x);
+    if (st.op != TSGEN_OP_NONE) {
+      uint64_t lo, hi;
+      tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
+      T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      if (hi > lo) {
+        if (st.op == TSGEN_OP_COPY) {
+          uint64_t slo, shi;
+          tsgen_share_range<T>(st.src[0], count, sh.share, sh.shares, &slo, &shi);
+          const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
+          tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
+                                      threadIdx.x, blockDim.x);
+        } else {
+          T* srcs[TSGEN_MAX_SRCS];
+          TSGEN_FOR_SRC(j, st.nsrc) {
+            uint64_t slo, shi;
+            tsgen_share_range<T>(st.src[j], count, sh.share, sh.shares, &slo, &shi);
+            srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
+          }
+          tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
+                                        blockDim.x);
+        }
+      }
     }
     __syncthreads();
     if (threadIdx.x < st.nsignal) {  // one thread per counter
-      const tsgen_signal sig = st.signal[threadIdx.x];
-      uint64_t* c = (uint64_t*)bufs[sig.buf] + sig.index;
-      uint64_t* signal = sig.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, sig.rank);
-      if (k == first && op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);
+      const tsgen_signal s = st.signal[threadIdx.x];
+      uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
+      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
+      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
+        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
       else
         red_add_release_sys_global_u64(signal, 1ull);
     }

@@ -296,9 +296,11 @@ def test_cuda_home_is_searched(tmp_path, monkeypatch):
 
 
 @needs_nvcc
-def test_experiment_kernels_compile(cache):
-    """tools/exp_bulk_put.cu (a device experiment, NOTES session 4) builds for sm_90a: the
-    device run should not be the first to find a typo in its PTX."""
-    report = compile_source(ROOT / "tools" / "exp_bulk_put.cu").report
-    assert set(report) >= {"put_v4", "put_bulk"}
+@pytest.mark.parametrize("name,kernels", [("exp_bulk_put", {"put_v4", "put_bulk"}),
+                                          ("exp_sync_latency", {"empty", "epoch", "hops", "hops_fenced"})])
+def test_experiment_kernels_compile(cache, name, kernels):
+    """The device experiments' kernels (tools/exp_*.cu, NOTES sessions 4-5) build for sm_90a:
+    the device run should not be the first to find a typo in their PTX."""
+    report = compile_source(ROOT / "tools" / f"{name}.cu").report
+    assert set(report) >= kernels
     assert all(e["spill_stores"] == 0 and e["spill_loads"] == 0 for e in report.values()), report
