@@ -1076,12 +1076,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1125,11 +1133,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1157,7 +1162,7 @@ typedef __half T;
 static __device__ const char* const buffer_names[] = { "calls", "dst", "scratch", "entry", "done", "reduced" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 6 steps, 130 block shares over 64 blocks.
+// Plan for world size 2: 6 steps, 128 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1176,271 +1181,271 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 0 block 1: shares 2..2 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {2, 31, 32},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
     {1, 0, 32},
-    // rank 0 block 2: shares 3..3 ({step, share, of})
+    // rank 0 block 2: shares 2..2 ({step, share, of})
     {1, 1, 32},
-    // rank 0 block 3: shares 4..4 ({step, share, of})
+    // rank 0 block 3: shares 3..3 ({step, share, of})
     {1, 2, 32},
-    // rank 0 block 4: shares 5..5 ({step, share, of})
+    // rank 0 block 4: shares 4..4 ({step, share, of})
     {1, 3, 32},
-    // rank 0 block 5: shares 6..6 ({step, share, of})
+    // rank 0 block 5: shares 5..5 ({step, share, of})
     {1, 4, 32},
-    // rank 0 block 6: shares 7..7 ({step, share, of})
+    // rank 0 block 6: shares 6..6 ({step, share, of})
     {1, 5, 32},
-    // rank 0 block 7: shares 8..8 ({step, share, of})
+    // rank 0 block 7: shares 7..7 ({step, share, of})
     {1, 6, 32},
-    // rank 0 block 8: shares 9..9 ({step, share, of})
+    // rank 0 block 8: shares 8..8 ({step, share, of})
     {1, 7, 32},
-    // rank 0 block 9: shares 10..10 ({step, share, of})
+    // rank 0 block 9: shares 9..9 ({step, share, of})
     {1, 8, 32},
-    // rank 0 block 10: shares 11..11 ({step, share, of})
+    // rank 0 block 10: shares 10..10 ({step, share, of})
     {1, 9, 32},
-    // rank 0 block 11: shares 12..12 ({step, share, of})
+    // rank 0 block 11: shares 11..11 ({step, share, of})
     {1, 10, 32},
-    // rank 0 block 12: shares 13..13 ({step, share, of})
+    // rank 0 block 12: shares 12..12 ({step, share, of})
     {1, 11, 32},
-    // rank 0 block 13: shares 14..14 ({step, share, of})
+    // rank 0 block 13: shares 13..13 ({step, share, of})
     {1, 12, 32},
-    // rank 0 block 14: shares 15..15 ({step, share, of})
+    // rank 0 block 14: shares 14..14 ({step, share, of})
     {1, 13, 32},
-    // rank 0 block 15: shares 16..16 ({step, share, of})
+    // rank 0 block 15: shares 15..15 ({step, share, of})
     {1, 14, 32},
-    // rank 0 block 16: shares 17..17 ({step, share, of})
+    // rank 0 block 16: shares 16..16 ({step, share, of})
     {1, 15, 32},
-    // rank 0 block 17: shares 18..18 ({step, share, of})
+    // rank 0 block 17: shares 17..17 ({step, share, of})
     {1, 16, 32},
-    // rank 0 block 18: shares 19..19 ({step, share, of})
+    // rank 0 block 18: shares 18..18 ({step, share, of})
     {1, 17, 32},
-    // rank 0 block 19: shares 20..20 ({step, share, of})
+    // rank 0 block 19: shares 19..19 ({step, share, of})
     {1, 18, 32},
-    // rank 0 block 20: shares 21..21 ({step, share, of})
+    // rank 0 block 20: shares 20..20 ({step, share, of})
     {1, 19, 32},
-    // rank 0 block 21: shares 22..22 ({step, share, of})
+    // rank 0 block 21: shares 21..21 ({step, share, of})
     {1, 20, 32},
-    // rank 0 block 22: shares 23..23 ({step, share, of})
+    // rank 0 block 22: shares 22..22 ({step, share, of})
     {1, 21, 32},
-    // rank 0 block 23: shares 24..24 ({step, share, of})
+    // rank 0 block 23: shares 23..23 ({step, share, of})
     {1, 22, 32},
-    // rank 0 block 24: shares 25..25 ({step, share, of})
+    // rank 0 block 24: shares 24..24 ({step, share, of})
     {1, 23, 32},
-    // rank 0 block 25: shares 26..26 ({step, share, of})
+    // rank 0 block 25: shares 25..25 ({step, share, of})
     {1, 24, 32},
-    // rank 0 block 26: shares 27..27 ({step, share, of})
+    // rank 0 block 26: shares 26..26 ({step, share, of})
     {1, 25, 32},
-    // rank 0 block 27: shares 28..28 ({step, share, of})
+    // rank 0 block 27: shares 27..27 ({step, share, of})
     {1, 26, 32},
-    // rank 0 block 28: shares 29..29 ({step, share, of})
+    // rank 0 block 28: shares 28..28 ({step, share, of})
     {1, 27, 32},
-    // rank 0 block 29: shares 30..30 ({step, share, of})
+    // rank 0 block 29: shares 29..29 ({step, share, of})
     {1, 28, 32},
-    // rank 0 block 30: shares 31..31 ({step, share, of})
+    // rank 0 block 30: shares 30..30 ({step, share, of})
     {1, 29, 32},
-    // rank 0 block 31: shares 32..32 ({step, share, of})
+    // rank 0 block 31: shares 31..31 ({step, share, of})
     {1, 30, 32},
-    // rank 0 block 32: shares 33..33 ({step, share, of})
+    // rank 0 block 32: shares 32..32 ({step, share, of})
     {1, 31, 32},
-    // rank 0 block 33: shares 34..34 ({step, share, of})
+    // rank 0 block 33: shares 33..33 ({step, share, of})
     {2, 0, 32},
-    // rank 0 block 34: shares 35..35 ({step, share, of})
+    // rank 0 block 34: shares 34..34 ({step, share, of})
     {2, 1, 32},
-    // rank 0 block 35: shares 36..36 ({step, share, of})
+    // rank 0 block 35: shares 35..35 ({step, share, of})
     {2, 2, 32},
-    // rank 0 block 36: shares 37..37 ({step, share, of})
+    // rank 0 block 36: shares 36..36 ({step, share, of})
     {2, 3, 32},
-    // rank 0 block 37: shares 38..38 ({step, share, of})
+    // rank 0 block 37: shares 37..37 ({step, share, of})
     {2, 4, 32},
-    // rank 0 block 38: shares 39..39 ({step, share, of})
+    // rank 0 block 38: shares 38..38 ({step, share, of})
     {2, 5, 32},
-    // rank 0 block 39: shares 40..40 ({step, share, of})
+    // rank 0 block 39: shares 39..39 ({step, share, of})
     {2, 6, 32},
-    // rank 0 block 40: shares 41..41 ({step, share, of})
+    // rank 0 block 40: shares 40..40 ({step, share, of})
     {2, 7, 32},
-    // rank 0 block 41: shares 42..42 ({step, share, of})
+    // rank 0 block 41: shares 41..41 ({step, share, of})
     {2, 8, 32},
-    // rank 0 block 42: shares 43..43 ({step, share, of})
+    // rank 0 block 42: shares 42..42 ({step, share, of})
     {2, 9, 32},
-    // rank 0 block 43: shares 44..44 ({step, share, of})
+    // rank 0 block 43: shares 43..43 ({step, share, of})
     {2, 10, 32},
-    // rank 0 block 44: shares 45..45 ({step, share, of})
+    // rank 0 block 44: shares 44..44 ({step, share, of})
     {2, 11, 32},
-    // rank 0 block 45: shares 46..46 ({step, share, of})
+    // rank 0 block 45: shares 45..45 ({step, share, of})
     {2, 12, 32},
-    // rank 0 block 46: shares 47..47 ({step, share, of})
+    // rank 0 block 46: shares 46..46 ({step, share, of})
     {2, 13, 32},
-    // rank 0 block 47: shares 48..48 ({step, share, of})
+    // rank 0 block 47: shares 47..47 ({step, share, of})
     {2, 14, 32},
-    // rank 0 block 48: shares 49..49 ({step, share, of})
+    // rank 0 block 48: shares 48..48 ({step, share, of})
     {2, 15, 32},
-    // rank 0 block 49: shares 50..50 ({step, share, of})
+    // rank 0 block 49: shares 49..49 ({step, share, of})
     {2, 16, 32},
-    // rank 0 block 50: shares 51..51 ({step, share, of})
+    // rank 0 block 50: shares 50..50 ({step, share, of})
     {2, 17, 32},
-    // rank 0 block 51: shares 52..52 ({step, share, of})
+    // rank 0 block 51: shares 51..51 ({step, share, of})
     {2, 18, 32},
-    // rank 0 block 52: shares 53..53 ({step, share, of})
+    // rank 0 block 52: shares 52..52 ({step, share, of})
     {2, 19, 32},
-    // rank 0 block 53: shares 54..54 ({step, share, of})
+    // rank 0 block 53: shares 53..53 ({step, share, of})
     {2, 20, 32},
-    // rank 0 block 54: shares 55..55 ({step, share, of})
+    // rank 0 block 54: shares 54..54 ({step, share, of})
     {2, 21, 32},
-    // rank 0 block 55: shares 56..56 ({step, share, of})
+    // rank 0 block 55: shares 55..55 ({step, share, of})
     {2, 22, 32},
-    // rank 0 block 56: shares 57..57 ({step, share, of})
+    // rank 0 block 56: shares 56..56 ({step, share, of})
     {2, 23, 32},
-    // rank 0 block 57: shares 58..58 ({step, share, of})
+    // rank 0 block 57: shares 57..57 ({step, share, of})
     {2, 24, 32},
-    // rank 0 block 58: shares 59..59 ({step, share, of})
+    // rank 0 block 58: shares 58..58 ({step, share, of})
     {2, 25, 32},
-    // rank 0 block 59: shares 60..60 ({step, share, of})
+    // rank 0 block 59: shares 59..59 ({step, share, of})
     {2, 26, 32},
-    // rank 0 block 60: shares 61..61 ({step, share, of})
+    // rank 0 block 60: shares 60..60 ({step, share, of})
     {2, 27, 32},
-    // rank 0 block 61: shares 62..62 ({step, share, of})
+    // rank 0 block 61: shares 61..61 ({step, share, of})
     {2, 28, 32},
-    // rank 0 block 62: shares 63..63 ({step, share, of})
+    // rank 0 block 62: shares 62..62 ({step, share, of})
     {2, 29, 32},
-    // rank 0 block 63: shares 64..64 ({step, share, of})
+    // rank 0 block 63: shares 63..63 ({step, share, of})
     {2, 30, 32},
-    // rank 1 block 0: shares 65..66 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 1 block 1: shares 67..67 ({step, share, of})
+    // rank 1 block 0: shares 64..64 ({step, share, of})
+    {2, 31, 32},
+    // rank 1 block 1: shares 65..65 ({step, share, of})
     {1, 0, 32},
-    // rank 1 block 2: shares 68..68 ({step, share, of})
+    // rank 1 block 2: shares 66..66 ({step, share, of})
     {1, 1, 32},
-    // rank 1 block 3: shares 69..69 ({step, share, of})
+    // rank 1 block 3: shares 67..67 ({step, share, of})
     {1, 2, 32},
-    // rank 1 block 4: shares 70..70 ({step, share, of})
+    // rank 1 block 4: shares 68..68 ({step, share, of})
     {1, 3, 32},
-    // rank 1 block 5: shares 71..71 ({step, share, of})
+    // rank 1 block 5: shares 69..69 ({step, share, of})
     {1, 4, 32},
-    // rank 1 block 6: shares 72..72 ({step, share, of})
+    // rank 1 block 6: shares 70..70 ({step, share, of})
     {1, 5, 32},
-    // rank 1 block 7: shares 73..73 ({step, share, of})
+    // rank 1 block 7: shares 71..71 ({step, share, of})
     {1, 6, 32},
-    // rank 1 block 8: shares 74..74 ({step, share, of})
+    // rank 1 block 8: shares 72..72 ({step, share, of})
     {1, 7, 32},
-    // rank 1 block 9: shares 75..75 ({step, share, of})
+    // rank 1 block 9: shares 73..73 ({step, share, of})
     {1, 8, 32},
-    // rank 1 block 10: shares 76..76 ({step, share, of})
+    // rank 1 block 10: shares 74..74 ({step, share, of})
     {1, 9, 32},
-    // rank 1 block 11: shares 77..77 ({step, share, of})
+    // rank 1 block 11: shares 75..75 ({step, share, of})
     {1, 10, 32},
-    // rank 1 block 12: shares 78..78 ({step, share, of})
+    // rank 1 block 12: shares 76..76 ({step, share, of})
     {1, 11, 32},
-    // rank 1 block 13: shares 79..79 ({step, share, of})
+    // rank 1 block 13: shares 77..77 ({step, share, of})
     {1, 12, 32},
-    // rank 1 block 14: shares 80..80 ({step, share, of})
+    // rank 1 block 14: shares 78..78 ({step, share, of})
     {1, 13, 32},
-    // rank 1 block 15: shares 81..81 ({step, share, of})
+    // rank 1 block 15: shares 79..79 ({step, share, of})
     {1, 14, 32},
-    // rank 1 block 16: shares 82..82 ({step, share, of})
+    // rank 1 block 16: shares 80..80 ({step, share, of})
     {1, 15, 32},
-    // rank 1 block 17: shares 83..83 ({step, share, of})
+    // rank 1 block 17: shares 81..81 ({step, share, of})
     {1, 16, 32},
-    // rank 1 block 18: shares 84..84 ({step, share, of})
+    // rank 1 block 18: shares 82..82 ({step, share, of})
     {1, 17, 32},
-    // rank 1 block 19: shares 85..85 ({step, share, of})
+    // rank 1 block 19: shares 83..83 ({step, share, of})
     {1, 18, 32},
-    // rank 1 block 20: shares 86..86 ({step, share, of})
+    // rank 1 block 20: shares 84..84 ({step, share, of})
     {1, 19, 32},
-    // rank 1 block 21: shares 87..87 ({step, share, of})
+    // rank 1 block 21: shares 85..85 ({step, share, of})
     {1, 20, 32},
-    // rank 1 block 22: shares 88..88 ({step, share, of})
+    // rank 1 block 22: shares 86..86 ({step, share, of})
     {1, 21, 32},
-    // rank 1 block 23: shares 89..89 ({step, share, of})
+    // rank 1 block 23: shares 87..87 ({step, share, of})
     {1, 22, 32},
-    // rank 1 block 24: shares 90..90 ({step, share, of})
+    // rank 1 block 24: shares 88..88 ({step, share, of})
     {1, 23, 32},
-    // rank 1 block 25: shares 91..91 ({step, share, of})
+    // rank 1 block 25: shares 89..89 ({step, share, of})
     {1, 24, 32},
-    // rank 1 block 26: shares 92..92 ({step, share, of})
+    // rank 1 block 26: shares 90..90 ({step, share, of})
     {1, 25, 32},
-    // rank 1 block 27: shares 93..93 ({step, share, of})
+    // rank 1 block 27: shares 91..91 ({step, share, of})
     {1, 26, 32},
-    // rank 1 block 28: shares 94..94 ({step, share, of})
+    // rank 1 block 28: shares 92..92 ({step, share, of})
     {1, 27, 32},
-    // rank 1 block 29: shares 95..95 ({step, share, of})
+    // rank 1 block 29: shares 93..93 ({step, share, of})
     {1, 28, 32},
-    // rank 1 block 30: shares 96..96 ({step, share, of})
+    // rank 1 block 30: shares 94..94 ({step, share, of})
     {1, 29, 32},
-    // rank 1 block 31: shares 97..97 ({step, share, of})
+    // rank 1 block 31: shares 95..95 ({step, share, of})
     {1, 30, 32},
-    // rank 1 block 32: shares 98..98 ({step, share, of})
+    // rank 1 block 32: shares 96..96 ({step, share, of})
     {1, 31, 32},
-    // rank 1 block 33: shares 99..99 ({step, share, of})
+    // rank 1 block 33: shares 97..97 ({step, share, of})
     {2, 0, 32},
-    // rank 1 block 34: shares 100..100 ({step, share, of})
+    // rank 1 block 34: shares 98..98 ({step, share, of})
     {2, 1, 32},
-    // rank 1 block 35: shares 101..101 ({step, share, of})
+    // rank 1 block 35: shares 99..99 ({step, share, of})
     {2, 2, 32},
-    // rank 1 block 36: shares 102..102 ({step, share, of})
+    // rank 1 block 36: shares 100..100 ({step, share, of})
     {2, 3, 32},
-    // rank 1 block 37: shares 103..103 ({step, share, of})
+    // rank 1 block 37: shares 101..101 ({step, share, of})
     {2, 4, 32},
-    // rank 1 block 38: shares 104..104 ({step, share, of})
+    // rank 1 block 38: shares 102..102 ({step, share, of})
     {2, 5, 32},
-    // rank 1 block 39: shares 105..105 ({step, share, of})
+    // rank 1 block 39: shares 103..103 ({step, share, of})
     {2, 6, 32},
-    // rank 1 block 40: shares 106..106 ({step, share, of})
+    // rank 1 block 40: shares 104..104 ({step, share, of})
     {2, 7, 32},
-    // rank 1 block 41: shares 107..107 ({step, share, of})
+    // rank 1 block 41: shares 105..105 ({step, share, of})
     {2, 8, 32},
-    // rank 1 block 42: shares 108..108 ({step, share, of})
+    // rank 1 block 42: shares 106..106 ({step, share, of})
     {2, 9, 32},
-    // rank 1 block 43: shares 109..109 ({step, share, of})
+    // rank 1 block 43: shares 107..107 ({step, share, of})
     {2, 10, 32},
-    // rank 1 block 44: shares 110..110 ({step, share, of})
+    // rank 1 block 44: shares 108..108 ({step, share, of})
     {2, 11, 32},
-    // rank 1 block 45: shares 111..111 ({step, share, of})
+    // rank 1 block 45: shares 109..109 ({step, share, of})
     {2, 12, 32},
-    // rank 1 block 46: shares 112..112 ({step, share, of})
+    // rank 1 block 46: shares 110..110 ({step, share, of})
     {2, 13, 32},
-    // rank 1 block 47: shares 113..113 ({step, share, of})
+    // rank 1 block 47: shares 111..111 ({step, share, of})
     {2, 14, 32},
-    // rank 1 block 48: shares 114..114 ({step, share, of})
+    // rank 1 block 48: shares 112..112 ({step, share, of})
     {2, 15, 32},
-    // rank 1 block 49: shares 115..115 ({step, share, of})
+    // rank 1 block 49: shares 113..113 ({step, share, of})
     {2, 16, 32},
-    // rank 1 block 50: shares 116..116 ({step, share, of})
+    // rank 1 block 50: shares 114..114 ({step, share, of})
     {2, 17, 32},
-    // rank 1 block 51: shares 117..117 ({step, share, of})
+    // rank 1 block 51: shares 115..115 ({step, share, of})
     {2, 18, 32},
-    // rank 1 block 52: shares 118..118 ({step, share, of})
+    // rank 1 block 52: shares 116..116 ({step, share, of})
     {2, 19, 32},
-    // rank 1 block 53: shares 119..119 ({step, share, of})
+    // rank 1 block 53: shares 117..117 ({step, share, of})
     {2, 20, 32},
-    // rank 1 block 54: shares 120..120 ({step, share, of})
+    // rank 1 block 54: shares 118..118 ({step, share, of})
     {2, 21, 32},
-    // rank 1 block 55: shares 121..121 ({step, share, of})
+    // rank 1 block 55: shares 119..119 ({step, share, of})
     {2, 22, 32},
-    // rank 1 block 56: shares 122..122 ({step, share, of})
+    // rank 1 block 56: shares 120..120 ({step, share, of})
     {2, 23, 32},
-    // rank 1 block 57: shares 123..123 ({step, share, of})
+    // rank 1 block 57: shares 121..121 ({step, share, of})
     {2, 24, 32},
-    // rank 1 block 58: shares 124..124 ({step, share, of})
+    // rank 1 block 58: shares 122..122 ({step, share, of})
     {2, 25, 32},
-    // rank 1 block 59: shares 125..125 ({step, share, of})
+    // rank 1 block 59: shares 123..123 ({step, share, of})
     {2, 26, 32},
-    // rank 1 block 60: shares 126..126 ({step, share, of})
+    // rank 1 block 60: shares 124..124 ({step, share, of})
     {2, 27, 32},
-    // rank 1 block 61: shares 127..127 ({step, share, of})
+    // rank 1 block 61: shares 125..125 ({step, share, of})
     {2, 28, 32},
-    // rank 1 block 62: shares 128..128 ({step, share, of})
+    // rank 1 block 62: shares 126..126 ({step, share, of})
     {2, 29, 32},
-    // rank 1 block 63: shares 129..129 ({step, share, of})
+    // rank 1 block 63: shares 127..127 ({step, share, of})
     {2, 30, 32},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
+    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64 },
+    { 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 9 steps, 195 block shares over 64 blocks.
+// Plan for world size 3: 9 steps, 192 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1465,400 +1470,400 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 3, 6 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 0 block 1: shares 2..2 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {2, 31, 32},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
     {1, 0, 32},
-    // rank 0 block 2: shares 3..3 ({step, share, of})
+    // rank 0 block 2: shares 2..2 ({step, share, of})
     {1, 1, 32},
-    // rank 0 block 3: shares 4..4 ({step, share, of})
+    // rank 0 block 3: shares 3..3 ({step, share, of})
     {1, 2, 32},
-    // rank 0 block 4: shares 5..5 ({step, share, of})
+    // rank 0 block 4: shares 4..4 ({step, share, of})
     {1, 3, 32},
-    // rank 0 block 5: shares 6..6 ({step, share, of})
+    // rank 0 block 5: shares 5..5 ({step, share, of})
     {1, 4, 32},
-    // rank 0 block 6: shares 7..7 ({step, share, of})
+    // rank 0 block 6: shares 6..6 ({step, share, of})
     {1, 5, 32},
-    // rank 0 block 7: shares 8..8 ({step, share, of})
+    // rank 0 block 7: shares 7..7 ({step, share, of})
     {1, 6, 32},
-    // rank 0 block 8: shares 9..9 ({step, share, of})
+    // rank 0 block 8: shares 8..8 ({step, share, of})
     {1, 7, 32},
-    // rank 0 block 9: shares 10..10 ({step, share, of})
+    // rank 0 block 9: shares 9..9 ({step, share, of})
     {1, 8, 32},
-    // rank 0 block 10: shares 11..11 ({step, share, of})
+    // rank 0 block 10: shares 10..10 ({step, share, of})
     {1, 9, 32},
-    // rank 0 block 11: shares 12..12 ({step, share, of})
+    // rank 0 block 11: shares 11..11 ({step, share, of})
     {1, 10, 32},
-    // rank 0 block 12: shares 13..13 ({step, share, of})
+    // rank 0 block 12: shares 12..12 ({step, share, of})
     {1, 11, 32},
-    // rank 0 block 13: shares 14..14 ({step, share, of})
+    // rank 0 block 13: shares 13..13 ({step, share, of})
     {1, 12, 32},
-    // rank 0 block 14: shares 15..15 ({step, share, of})
+    // rank 0 block 14: shares 14..14 ({step, share, of})
     {1, 13, 32},
-    // rank 0 block 15: shares 16..16 ({step, share, of})
+    // rank 0 block 15: shares 15..15 ({step, share, of})
     {1, 14, 32},
-    // rank 0 block 16: shares 17..17 ({step, share, of})
+    // rank 0 block 16: shares 16..16 ({step, share, of})
     {1, 15, 32},
-    // rank 0 block 17: shares 18..18 ({step, share, of})
+    // rank 0 block 17: shares 17..17 ({step, share, of})
     {1, 16, 32},
-    // rank 0 block 18: shares 19..19 ({step, share, of})
+    // rank 0 block 18: shares 18..18 ({step, share, of})
     {1, 17, 32},
-    // rank 0 block 19: shares 20..20 ({step, share, of})
+    // rank 0 block 19: shares 19..19 ({step, share, of})
     {1, 18, 32},
-    // rank 0 block 20: shares 21..21 ({step, share, of})
+    // rank 0 block 20: shares 20..20 ({step, share, of})
     {1, 19, 32},
-    // rank 0 block 21: shares 22..22 ({step, share, of})
+    // rank 0 block 21: shares 21..21 ({step, share, of})
     {1, 20, 32},
-    // rank 0 block 22: shares 23..23 ({step, share, of})
+    // rank 0 block 22: shares 22..22 ({step, share, of})
     {1, 21, 32},
-    // rank 0 block 23: shares 24..24 ({step, share, of})
+    // rank 0 block 23: shares 23..23 ({step, share, of})
     {1, 22, 32},
-    // rank 0 block 24: shares 25..25 ({step, share, of})
+    // rank 0 block 24: shares 24..24 ({step, share, of})
     {1, 23, 32},
-    // rank 0 block 25: shares 26..26 ({step, share, of})
+    // rank 0 block 25: shares 25..25 ({step, share, of})
     {1, 24, 32},
-    // rank 0 block 26: shares 27..27 ({step, share, of})
+    // rank 0 block 26: shares 26..26 ({step, share, of})
     {1, 25, 32},
-    // rank 0 block 27: shares 28..28 ({step, share, of})
+    // rank 0 block 27: shares 27..27 ({step, share, of})
     {1, 26, 32},
-    // rank 0 block 28: shares 29..29 ({step, share, of})
+    // rank 0 block 28: shares 28..28 ({step, share, of})
     {1, 27, 32},
-    // rank 0 block 29: shares 30..30 ({step, share, of})
+    // rank 0 block 29: shares 29..29 ({step, share, of})
     {1, 28, 32},
-    // rank 0 block 30: shares 31..31 ({step, share, of})
+    // rank 0 block 30: shares 30..30 ({step, share, of})
     {1, 29, 32},
-    // rank 0 block 31: shares 32..32 ({step, share, of})
+    // rank 0 block 31: shares 31..31 ({step, share, of})
     {1, 30, 32},
-    // rank 0 block 32: shares 33..33 ({step, share, of})
+    // rank 0 block 32: shares 32..32 ({step, share, of})
     {1, 31, 32},
-    // rank 0 block 33: shares 34..34 ({step, share, of})
+    // rank 0 block 33: shares 33..33 ({step, share, of})
     {2, 0, 32},
-    // rank 0 block 34: shares 35..35 ({step, share, of})
+    // rank 0 block 34: shares 34..34 ({step, share, of})
     {2, 1, 32},
-    // rank 0 block 35: shares 36..36 ({step, share, of})
+    // rank 0 block 35: shares 35..35 ({step, share, of})
     {2, 2, 32},
-    // rank 0 block 36: shares 37..37 ({step, share, of})
+    // rank 0 block 36: shares 36..36 ({step, share, of})
     {2, 3, 32},
-    // rank 0 block 37: shares 38..38 ({step, share, of})
+    // rank 0 block 37: shares 37..37 ({step, share, of})
     {2, 4, 32},
-    // rank 0 block 38: shares 39..39 ({step, share, of})
+    // rank 0 block 38: shares 38..38 ({step, share, of})
     {2, 5, 32},
-    // rank 0 block 39: shares 40..40 ({step, share, of})
+    // rank 0 block 39: shares 39..39 ({step, share, of})
     {2, 6, 32},
-    // rank 0 block 40: shares 41..41 ({step, share, of})
+    // rank 0 block 40: shares 40..40 ({step, share, of})
     {2, 7, 32},
-    // rank 0 block 41: shares 42..42 ({step, share, of})
+    // rank 0 block 41: shares 41..41 ({step, share, of})
     {2, 8, 32},
-    // rank 0 block 42: shares 43..43 ({step, share, of})
+    // rank 0 block 42: shares 42..42 ({step, share, of})
     {2, 9, 32},
-    // rank 0 block 43: shares 44..44 ({step, share, of})
+    // rank 0 block 43: shares 43..43 ({step, share, of})
     {2, 10, 32},
-    // rank 0 block 44: shares 45..45 ({step, share, of})
+    // rank 0 block 44: shares 44..44 ({step, share, of})
     {2, 11, 32},
-    // rank 0 block 45: shares 46..46 ({step, share, of})
+    // rank 0 block 45: shares 45..45 ({step, share, of})
     {2, 12, 32},
-    // rank 0 block 46: shares 47..47 ({step, share, of})
+    // rank 0 block 46: shares 46..46 ({step, share, of})
     {2, 13, 32},
-    // rank 0 block 47: shares 48..48 ({step, share, of})
+    // rank 0 block 47: shares 47..47 ({step, share, of})
     {2, 14, 32},
-    // rank 0 block 48: shares 49..49 ({step, share, of})
+    // rank 0 block 48: shares 48..48 ({step, share, of})
     {2, 15, 32},
-    // rank 0 block 49: shares 50..50 ({step, share, of})
+    // rank 0 block 49: shares 49..49 ({step, share, of})
     {2, 16, 32},
-    // rank 0 block 50: shares 51..51 ({step, share, of})
+    // rank 0 block 50: shares 50..50 ({step, share, of})
     {2, 17, 32},
-    // rank 0 block 51: shares 52..52 ({step, share, of})
+    // rank 0 block 51: shares 51..51 ({step, share, of})
     {2, 18, 32},
-    // rank 0 block 52: shares 53..53 ({step, share, of})
+    // rank 0 block 52: shares 52..52 ({step, share, of})
     {2, 19, 32},
-    // rank 0 block 53: shares 54..54 ({step, share, of})
+    // rank 0 block 53: shares 53..53 ({step, share, of})
     {2, 20, 32},
-    // rank 0 block 54: shares 55..55 ({step, share, of})
+    // rank 0 block 54: shares 54..54 ({step, share, of})
     {2, 21, 32},
-    // rank 0 block 55: shares 56..56 ({step, share, of})
+    // rank 0 block 55: shares 55..55 ({step, share, of})
     {2, 22, 32},
-    // rank 0 block 56: shares 57..57 ({step, share, of})
+    // rank 0 block 56: shares 56..56 ({step, share, of})
     {2, 23, 32},
-    // rank 0 block 57: shares 58..58 ({step, share, of})
+    // rank 0 block 57: shares 57..57 ({step, share, of})
     {2, 24, 32},
-    // rank 0 block 58: shares 59..59 ({step, share, of})
+    // rank 0 block 58: shares 58..58 ({step, share, of})
     {2, 25, 32},
-    // rank 0 block 59: shares 60..60 ({step, share, of})
+    // rank 0 block 59: shares 59..59 ({step, share, of})
     {2, 26, 32},
-    // rank 0 block 60: shares 61..61 ({step, share, of})
+    // rank 0 block 60: shares 60..60 ({step, share, of})
     {2, 27, 32},
-    // rank 0 block 61: shares 62..62 ({step, share, of})
+    // rank 0 block 61: shares 61..61 ({step, share, of})
     {2, 28, 32},
-    // rank 0 block 62: shares 63..63 ({step, share, of})
+    // rank 0 block 62: shares 62..62 ({step, share, of})
     {2, 29, 32},
-    // rank 0 block 63: shares 64..64 ({step, share, of})
+    // rank 0 block 63: shares 63..63 ({step, share, of})
     {2, 30, 32},
-    // rank 1 block 0: shares 65..66 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 1 block 1: shares 67..67 ({step, share, of})
+    // rank 1 block 0: shares 64..64 ({step, share, of})
+    {2, 31, 32},
+    // rank 1 block 1: shares 65..65 ({step, share, of})
     {1, 0, 32},
-    // rank 1 block 2: shares 68..68 ({step, share, of})
+    // rank 1 block 2: shares 66..66 ({step, share, of})
     {1, 1, 32},
-    // rank 1 block 3: shares 69..69 ({step, share, of})
+    // rank 1 block 3: shares 67..67 ({step, share, of})
     {1, 2, 32},
-    // rank 1 block 4: shares 70..70 ({step, share, of})
+    // rank 1 block 4: shares 68..68 ({step, share, of})
     {1, 3, 32},
-    // rank 1 block 5: shares 71..71 ({step, share, of})
+    // rank 1 block 5: shares 69..69 ({step, share, of})
     {1, 4, 32},
-    // rank 1 block 6: shares 72..72 ({step, share, of})
+    // rank 1 block 6: shares 70..70 ({step, share, of})
     {1, 5, 32},
-    // rank 1 block 7: shares 73..73 ({step, share, of})
+    // rank 1 block 7: shares 71..71 ({step, share, of})
     {1, 6, 32},
-    // rank 1 block 8: shares 74..74 ({step, share, of})
+    // rank 1 block 8: shares 72..72 ({step, share, of})
     {1, 7, 32},
-    // rank 1 block 9: shares 75..75 ({step, share, of})
+    // rank 1 block 9: shares 73..73 ({step, share, of})
     {1, 8, 32},
-    // rank 1 block 10: shares 76..76 ({step, share, of})
+    // rank 1 block 10: shares 74..74 ({step, share, of})
     {1, 9, 32},
-    // rank 1 block 11: shares 77..77 ({step, share, of})
+    // rank 1 block 11: shares 75..75 ({step, share, of})
     {1, 10, 32},
-    // rank 1 block 12: shares 78..78 ({step, share, of})
+    // rank 1 block 12: shares 76..76 ({step, share, of})
     {1, 11, 32},
-    // rank 1 block 13: shares 79..79 ({step, share, of})
+    // rank 1 block 13: shares 77..77 ({step, share, of})
     {1, 12, 32},
-    // rank 1 block 14: shares 80..80 ({step, share, of})
+    // rank 1 block 14: shares 78..78 ({step, share, of})
     {1, 13, 32},
-    // rank 1 block 15: shares 81..81 ({step, share, of})
+    // rank 1 block 15: shares 79..79 ({step, share, of})
     {1, 14, 32},
-    // rank 1 block 16: shares 82..82 ({step, share, of})
+    // rank 1 block 16: shares 80..80 ({step, share, of})
     {1, 15, 32},
-    // rank 1 block 17: shares 83..83 ({step, share, of})
+    // rank 1 block 17: shares 81..81 ({step, share, of})
     {1, 16, 32},
-    // rank 1 block 18: shares 84..84 ({step, share, of})
+    // rank 1 block 18: shares 82..82 ({step, share, of})
     {1, 17, 32},
-    // rank 1 block 19: shares 85..85 ({step, share, of})
+    // rank 1 block 19: shares 83..83 ({step, share, of})
     {1, 18, 32},
-    // rank 1 block 20: shares 86..86 ({step, share, of})
+    // rank 1 block 20: shares 84..84 ({step, share, of})
     {1, 19, 32},
-    // rank 1 block 21: shares 87..87 ({step, share, of})
+    // rank 1 block 21: shares 85..85 ({step, share, of})
     {1, 20, 32},
-    // rank 1 block 22: shares 88..88 ({step, share, of})
+    // rank 1 block 22: shares 86..86 ({step, share, of})
     {1, 21, 32},
-    // rank 1 block 23: shares 89..89 ({step, share, of})
+    // rank 1 block 23: shares 87..87 ({step, share, of})
     {1, 22, 32},
-    // rank 1 block 24: shares 90..90 ({step, share, of})
+    // rank 1 block 24: shares 88..88 ({step, share, of})
     {1, 23, 32},
-    // rank 1 block 25: shares 91..91 ({step, share, of})
+    // rank 1 block 25: shares 89..89 ({step, share, of})
     {1, 24, 32},
-    // rank 1 block 26: shares 92..92 ({step, share, of})
+    // rank 1 block 26: shares 90..90 ({step, share, of})
     {1, 25, 32},
-    // rank 1 block 27: shares 93..93 ({step, share, of})
+    // rank 1 block 27: shares 91..91 ({step, share, of})
     {1, 26, 32},
-    // rank 1 block 28: shares 94..94 ({step, share, of})
+    // rank 1 block 28: shares 92..92 ({step, share, of})
     {1, 27, 32},
-    // rank 1 block 29: shares 95..95 ({step, share, of})
+    // rank 1 block 29: shares 93..93 ({step, share, of})
     {1, 28, 32},
-    // rank 1 block 30: shares 96..96 ({step, share, of})
+    // rank 1 block 30: shares 94..94 ({step, share, of})
     {1, 29, 32},
-    // rank 1 block 31: shares 97..97 ({step, share, of})
+    // rank 1 block 31: shares 95..95 ({step, share, of})
     {1, 30, 32},
-    // rank 1 block 32: shares 98..98 ({step, share, of})
+    // rank 1 block 32: shares 96..96 ({step, share, of})
     {1, 31, 32},
-    // rank 1 block 33: shares 99..99 ({step, share, of})
+    // rank 1 block 33: shares 97..97 ({step, share, of})
     {2, 0, 32},
-    // rank 1 block 34: shares 100..100 ({step, share, of})
+    // rank 1 block 34: shares 98..98 ({step, share, of})
     {2, 1, 32},
-    // rank 1 block 35: shares 101..101 ({step, share, of})
+    // rank 1 block 35: shares 99..99 ({step, share, of})
     {2, 2, 32},
-    // rank 1 block 36: shares 102..102 ({step, share, of})
+    // rank 1 block 36: shares 100..100 ({step, share, of})
     {2, 3, 32},
-    // rank 1 block 37: shares 103..103 ({step, share, of})
+    // rank 1 block 37: shares 101..101 ({step, share, of})
     {2, 4, 32},
-    // rank 1 block 38: shares 104..104 ({step, share, of})
+    // rank 1 block 38: shares 102..102 ({step, share, of})
     {2, 5, 32},
-    // rank 1 block 39: shares 105..105 ({step, share, of})
+    // rank 1 block 39: shares 103..103 ({step, share, of})
     {2, 6, 32},
-    // rank 1 block 40: shares 106..106 ({step, share, of})
+    // rank 1 block 40: shares 104..104 ({step, share, of})
     {2, 7, 32},
-    // rank 1 block 41: shares 107..107 ({step, share, of})
+    // rank 1 block 41: shares 105..105 ({step, share, of})
     {2, 8, 32},
-    // rank 1 block 42: shares 108..108 ({step, share, of})
+    // rank 1 block 42: shares 106..106 ({step, share, of})
     {2, 9, 32},
-    // rank 1 block 43: shares 109..109 ({step, share, of})
+    // rank 1 block 43: shares 107..107 ({step, share, of})
     {2, 10, 32},
-    // rank 1 block 44: shares 110..110 ({step, share, of})
+    // rank 1 block 44: shares 108..108 ({step, share, of})
     {2, 11, 32},
-    // rank 1 block 45: shares 111..111 ({step, share, of})
+    // rank 1 block 45: shares 109..109 ({step, share, of})
     {2, 12, 32},
-    // rank 1 block 46: shares 112..112 ({step, share, of})
+    // rank 1 block 46: shares 110..110 ({step, share, of})
     {2, 13, 32},
-    // rank 1 block 47: shares 113..113 ({step, share, of})
+    // rank 1 block 47: shares 111..111 ({step, share, of})
     {2, 14, 32},
-    // rank 1 block 48: shares 114..114 ({step, share, of})
+    // rank 1 block 48: shares 112..112 ({step, share, of})
     {2, 15, 32},
-    // rank 1 block 49: shares 115..115 ({step, share, of})
+    // rank 1 block 49: shares 113..113 ({step, share, of})
     {2, 16, 32},
-    // rank 1 block 50: shares 116..116 ({step, share, of})
+    // rank 1 block 50: shares 114..114 ({step, share, of})
     {2, 17, 32},
-    // rank 1 block 51: shares 117..117 ({step, share, of})
+    // rank 1 block 51: shares 115..115 ({step, share, of})
     {2, 18, 32},
-    // rank 1 block 52: shares 118..118 ({step, share, of})
+    // rank 1 block 52: shares 116..116 ({step, share, of})
     {2, 19, 32},
-    // rank 1 block 53: shares 119..119 ({step, share, of})
+    // rank 1 block 53: shares 117..117 ({step, share, of})
     {2, 20, 32},
-    // rank 1 block 54: shares 120..120 ({step, share, of})
+    // rank 1 block 54: shares 118..118 ({step, share, of})
     {2, 21, 32},
-    // rank 1 block 55: shares 121..121 ({step, share, of})
+    // rank 1 block 55: shares 119..119 ({step, share, of})
     {2, 22, 32},
-    // rank 1 block 56: shares 122..122 ({step, share, of})
+    // rank 1 block 56: shares 120..120 ({step, share, of})
     {2, 23, 32},
-    // rank 1 block 57: shares 123..123 ({step, share, of})
+    // rank 1 block 57: shares 121..121 ({step, share, of})
     {2, 24, 32},
-    // rank 1 block 58: shares 124..124 ({step, share, of})
+    // rank 1 block 58: shares 122..122 ({step, share, of})
     {2, 25, 32},
-    // rank 1 block 59: shares 125..125 ({step, share, of})
+    // rank 1 block 59: shares 123..123 ({step, share, of})
     {2, 26, 32},
-    // rank 1 block 60: shares 126..126 ({step, share, of})
+    // rank 1 block 60: shares 124..124 ({step, share, of})
     {2, 27, 32},
-    // rank 1 block 61: shares 127..127 ({step, share, of})
+    // rank 1 block 61: shares 125..125 ({step, share, of})
     {2, 28, 32},
-    // rank 1 block 62: shares 128..128 ({step, share, of})
+    // rank 1 block 62: shares 126..126 ({step, share, of})
     {2, 29, 32},
-    // rank 1 block 63: shares 129..129 ({step, share, of})
+    // rank 1 block 63: shares 127..127 ({step, share, of})
     {2, 30, 32},
-    // rank 2 block 0: shares 130..131 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 2 block 1: shares 132..132 ({step, share, of})
+    // rank 2 block 0: shares 128..128 ({step, share, of})
+    {2, 31, 32},
+    // rank 2 block 1: shares 129..129 ({step, share, of})
     {1, 0, 32},
-    // rank 2 block 2: shares 133..133 ({step, share, of})
+    // rank 2 block 2: shares 130..130 ({step, share, of})
     {1, 1, 32},
-    // rank 2 block 3: shares 134..134 ({step, share, of})
+    // rank 2 block 3: shares 131..131 ({step, share, of})
     {1, 2, 32},
-    // rank 2 block 4: shares 135..135 ({step, share, of})
+    // rank 2 block 4: shares 132..132 ({step, share, of})
     {1, 3, 32},
-    // rank 2 block 5: shares 136..136 ({step, share, of})
+    // rank 2 block 5: shares 133..133 ({step, share, of})
     {1, 4, 32},
-    // rank 2 block 6: shares 137..137 ({step, share, of})
+    // rank 2 block 6: shares 134..134 ({step, share, of})
     {1, 5, 32},
-    // rank 2 block 7: shares 138..138 ({step, share, of})
+    // rank 2 block 7: shares 135..135 ({step, share, of})
     {1, 6, 32},
-    // rank 2 block 8: shares 139..139 ({step, share, of})
+    // rank 2 block 8: shares 136..136 ({step, share, of})
     {1, 7, 32},
-    // rank 2 block 9: shares 140..140 ({step, share, of})
+    // rank 2 block 9: shares 137..137 ({step, share, of})
     {1, 8, 32},
-    // rank 2 block 10: shares 141..141 ({step, share, of})
+    // rank 2 block 10: shares 138..138 ({step, share, of})
     {1, 9, 32},
-    // rank 2 block 11: shares 142..142 ({step, share, of})
+    // rank 2 block 11: shares 139..139 ({step, share, of})
     {1, 10, 32},
-    // rank 2 block 12: shares 143..143 ({step, share, of})
+    // rank 2 block 12: shares 140..140 ({step, share, of})
     {1, 11, 32},
-    // rank 2 block 13: shares 144..144 ({step, share, of})
+    // rank 2 block 13: shares 141..141 ({step, share, of})
     {1, 12, 32},
-    // rank 2 block 14: shares 145..145 ({step, share, of})
+    // rank 2 block 14: shares 142..142 ({step, share, of})
     {1, 13, 32},
-    // rank 2 block 15: shares 146..146 ({step, share, of})
+    // rank 2 block 15: shares 143..143 ({step, share, of})
     {1, 14, 32},
-    // rank 2 block 16: shares 147..147 ({step, share, of})
+    // rank 2 block 16: shares 144..144 ({step, share, of})
     {1, 15, 32},
-    // rank 2 block 17: shares 148..148 ({step, share, of})
+    // rank 2 block 17: shares 145..145 ({step, share, of})
     {1, 16, 32},
-    // rank 2 block 18: shares 149..149 ({step, share, of})
+    // rank 2 block 18: shares 146..146 ({step, share, of})
     {1, 17, 32},
-    // rank 2 block 19: shares 150..150 ({step, share, of})
+    // rank 2 block 19: shares 147..147 ({step, share, of})
     {1, 18, 32},
-    // rank 2 block 20: shares 151..151 ({step, share, of})
+    // rank 2 block 20: shares 148..148 ({step, share, of})
     {1, 19, 32},
-    // rank 2 block 21: shares 152..152 ({step, share, of})
+    // rank 2 block 21: shares 149..149 ({step, share, of})
     {1, 20, 32},
-    // rank 2 block 22: shares 153..153 ({step, share, of})
+    // rank 2 block 22: shares 150..150 ({step, share, of})
     {1, 21, 32},
-    // rank 2 block 23: shares 154..154 ({step, share, of})
+    // rank 2 block 23: shares 151..151 ({step, share, of})
     {1, 22, 32},
-    // rank 2 block 24: shares 155..155 ({step, share, of})
+    // rank 2 block 24: shares 152..152 ({step, share, of})
     {1, 23, 32},
-    // rank 2 block 25: shares 156..156 ({step, share, of})
+    // rank 2 block 25: shares 153..153 ({step, share, of})
     {1, 24, 32},
-    // rank 2 block 26: shares 157..157 ({step, share, of})
+    // rank 2 block 26: shares 154..154 ({step, share, of})
     {1, 25, 32},
-    // rank 2 block 27: shares 158..158 ({step, share, of})
+    // rank 2 block 27: shares 155..155 ({step, share, of})
     {1, 26, 32},
-    // rank 2 block 28: shares 159..159 ({step, share, of})
+    // rank 2 block 28: shares 156..156 ({step, share, of})
     {1, 27, 32},
-    // rank 2 block 29: shares 160..160 ({step, share, of})
+    // rank 2 block 29: shares 157..157 ({step, share, of})
     {1, 28, 32},
-    // rank 2 block 30: shares 161..161 ({step, share, of})
+    // rank 2 block 30: shares 158..158 ({step, share, of})
     {1, 29, 32},
-    // rank 2 block 31: shares 162..162 ({step, share, of})
+    // rank 2 block 31: shares 159..159 ({step, share, of})
     {1, 30, 32},
-    // rank 2 block 32: shares 163..163 ({step, share, of})
+    // rank 2 block 32: shares 160..160 ({step, share, of})
     {1, 31, 32},
-    // rank 2 block 33: shares 164..164 ({step, share, of})
+    // rank 2 block 33: shares 161..161 ({step, share, of})
     {2, 0, 32},
-    // rank 2 block 34: shares 165..165 ({step, share, of})
+    // rank 2 block 34: shares 162..162 ({step, share, of})
     {2, 1, 32},
-    // rank 2 block 35: shares 166..166 ({step, share, of})
+    // rank 2 block 35: shares 163..163 ({step, share, of})
     {2, 2, 32},
-    // rank 2 block 36: shares 167..167 ({step, share, of})
+    // rank 2 block 36: shares 164..164 ({step, share, of})
     {2, 3, 32},
-    // rank 2 block 37: shares 168..168 ({step, share, of})
+    // rank 2 block 37: shares 165..165 ({step, share, of})
     {2, 4, 32},
-    // rank 2 block 38: shares 169..169 ({step, share, of})
+    // rank 2 block 38: shares 166..166 ({step, share, of})
     {2, 5, 32},
-    // rank 2 block 39: shares 170..170 ({step, share, of})
+    // rank 2 block 39: shares 167..167 ({step, share, of})
     {2, 6, 32},
-    // rank 2 block 40: shares 171..171 ({step, share, of})
+    // rank 2 block 40: shares 168..168 ({step, share, of})
     {2, 7, 32},
-    // rank 2 block 41: shares 172..172 ({step, share, of})
+    // rank 2 block 41: shares 169..169 ({step, share, of})
     {2, 8, 32},
-    // rank 2 block 42: shares 173..173 ({step, share, of})
+    // rank 2 block 42: shares 170..170 ({step, share, of})
     {2, 9, 32},
-    // rank 2 block 43: shares 174..174 ({step, share, of})
+    // rank 2 block 43: shares 171..171 ({step, share, of})
     {2, 10, 32},
-    // rank 2 block 44: shares 175..175 ({step, share, of})
+    // rank 2 block 44: shares 172..172 ({step, share, of})
     {2, 11, 32},
-    // rank 2 block 45: shares 176..176 ({step, share, of})
+    // rank 2 block 45: shares 173..173 ({step, share, of})
     {2, 12, 32},
-    // rank 2 block 46: shares 177..177 ({step, share, of})
+    // rank 2 block 46: shares 174..174 ({step, share, of})
     {2, 13, 32},
-    // rank 2 block 47: shares 178..178 ({step, share, of})
+    // rank 2 block 47: shares 175..175 ({step, share, of})
     {2, 14, 32},
-    // rank 2 block 48: shares 179..179 ({step, share, of})
+    // rank 2 block 48: shares 176..176 ({step, share, of})
     {2, 15, 32},
-    // rank 2 block 49: shares 180..180 ({step, share, of})
+    // rank 2 block 49: shares 177..177 ({step, share, of})
     {2, 16, 32},
-    // rank 2 block 50: shares 181..181 ({step, share, of})
+    // rank 2 block 50: shares 178..178 ({step, share, of})
     {2, 17, 32},
-    // rank 2 block 51: shares 182..182 ({step, share, of})
+    // rank 2 block 51: shares 179..179 ({step, share, of})
     {2, 18, 32},
-    // rank 2 block 52: shares 183..183 ({step, share, of})
+    // rank 2 block 52: shares 180..180 ({step, share, of})
     {2, 19, 32},
-    // rank 2 block 53: shares 184..184 ({step, share, of})
+    // rank 2 block 53: shares 181..181 ({step, share, of})
     {2, 20, 32},
-    // rank 2 block 54: shares 185..185 ({step, share, of})
+    // rank 2 block 54: shares 182..182 ({step, share, of})
     {2, 21, 32},
-    // rank 2 block 55: shares 186..186 ({step, share, of})
+    // rank 2 block 55: shares 183..183 ({step, share, of})
     {2, 22, 32},
-    // rank 2 block 56: shares 187..187 ({step, share, of})
+    // rank 2 block 56: shares 184..184 ({step, share, of})
     {2, 23, 32},
-    // rank 2 block 57: shares 188..188 ({step, share, of})
+    // rank 2 block 57: shares 185..185 ({step, share, of})
     {2, 24, 32},
-    // rank 2 block 58: shares 189..189 ({step, share, of})
+    // rank 2 block 58: shares 186..186 ({step, share, of})
     {2, 25, 32},
-    // rank 2 block 59: shares 190..190 ({step, share, of})
+    // rank 2 block 59: shares 187..187 ({step, share, of})
     {2, 26, 32},
-    // rank 2 block 60: shares 191..191 ({step, share, of})
+    // rank 2 block 60: shares 188..188 ({step, share, of})
     {2, 27, 32},
-    // rank 2 block 61: shares 192..192 ({step, share, of})
+    // rank 2 block 61: shares 189..189 ({step, share, of})
     {2, 28, 32},
-    // rank 2 block 62: shares 193..193 ({step, share, of})
+    // rank 2 block 62: shares 190..190 ({step, share, of})
     {2, 29, 32},
-    // rank 2 block 63: shares 194..194 ({step, share, of})
+    // rank 2 block 63: shares 191..191 ({step, share, of})
     {2, 30, 32},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
-    { 130, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
+    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64 },
+    { 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128 },
+    { 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 12 steps, 260 block shares over 64 blocks.
+// Plan for world size 4: 12 steps, 256 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -1889,529 +1894,529 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 3, 6, 9 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 0 block 1: shares 2..2 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {2, 31, 32},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
     {1, 0, 32},
-    // rank 0 block 2: shares 3..3 ({step, share, of})
+    // rank 0 block 2: shares 2..2 ({step, share, of})
     {1, 1, 32},
-    // rank 0 block 3: shares 4..4 ({step, share, of})
+    // rank 0 block 3: shares 3..3 ({step, share, of})
     {1, 2, 32},
-    // rank 0 block 4: shares 5..5 ({step, share, of})
+    // rank 0 block 4: shares 4..4 ({step, share, of})
     {1, 3, 32},
-    // rank 0 block 5: shares 6..6 ({step, share, of})
+    // rank 0 block 5: shares 5..5 ({step, share, of})
     {1, 4, 32},
-    // rank 0 block 6: shares 7..7 ({step, share, of})
+    // rank 0 block 6: shares 6..6 ({step, share, of})
     {1, 5, 32},
-    // rank 0 block 7: shares 8..8 ({step, share, of})
+    // rank 0 block 7: shares 7..7 ({step, share, of})
     {1, 6, 32},
-    // rank 0 block 8: shares 9..9 ({step, share, of})
+    // rank 0 block 8: shares 8..8 ({step, share, of})
     {1, 7, 32},
-    // rank 0 block 9: shares 10..10 ({step, share, of})
+    // rank 0 block 9: shares 9..9 ({step, share, of})
     {1, 8, 32},
-    // rank 0 block 10: shares 11..11 ({step, share, of})
+    // rank 0 block 10: shares 10..10 ({step, share, of})
     {1, 9, 32},
-    // rank 0 block 11: shares 12..12 ({step, share, of})
+    // rank 0 block 11: shares 11..11 ({step, share, of})
     {1, 10, 32},
-    // rank 0 block 12: shares 13..13 ({step, share, of})
+    // rank 0 block 12: shares 12..12 ({step, share, of})
     {1, 11, 32},
-    // rank 0 block 13: shares 14..14 ({step, share, of})
+    // rank 0 block 13: shares 13..13 ({step, share, of})
     {1, 12, 32},
-    // rank 0 block 14: shares 15..15 ({step, share, of})
+    // rank 0 block 14: shares 14..14 ({step, share, of})
     {1, 13, 32},
-    // rank 0 block 15: shares 16..16 ({step, share, of})
+    // rank 0 block 15: shares 15..15 ({step, share, of})
     {1, 14, 32},
-    // rank 0 block 16: shares 17..17 ({step, share, of})
+    // rank 0 block 16: shares 16..16 ({step, share, of})
     {1, 15, 32},
-    // rank 0 block 17: shares 18..18 ({step, share, of})
+    // rank 0 block 17: shares 17..17 ({step, share, of})
     {1, 16, 32},
-    // rank 0 block 18: shares 19..19 ({step, share, of})
+    // rank 0 block 18: shares 18..18 ({step, share, of})
     {1, 17, 32},
-    // rank 0 block 19: shares 20..20 ({step, share, of})
+    // rank 0 block 19: shares 19..19 ({step, share, of})
     {1, 18, 32},
-    // rank 0 block 20: shares 21..21 ({step, share, of})
+    // rank 0 block 20: shares 20..20 ({step, share, of})
     {1, 19, 32},
-    // rank 0 block 21: shares 22..22 ({step, share, of})
+    // rank 0 block 21: shares 21..21 ({step, share, of})
     {1, 20, 32},
-    // rank 0 block 22: shares 23..23 ({step, share, of})
+    // rank 0 block 22: shares 22..22 ({step, share, of})
     {1, 21, 32},
-    // rank 0 block 23: shares 24..24 ({step, share, of})
+    // rank 0 block 23: shares 23..23 ({step, share, of})
     {1, 22, 32},
-    // rank 0 block 24: shares 25..25 ({step, share, of})
+    // rank 0 block 24: shares 24..24 ({step, share, of})
     {1, 23, 32},
-    // rank 0 block 25: shares 26..26 ({step, share, of})
+    // rank 0 block 25: shares 25..25 ({step, share, of})
     {1, 24, 32},
-    // rank 0 block 26: shares 27..27 ({step, share, of})
+    // rank 0 block 26: shares 26..26 ({step, share, of})
     {1, 25, 32},
-    // rank 0 block 27: shares 28..28 ({step, share, of})
+    // rank 0 block 27: shares 27..27 ({step, share, of})
     {1, 26, 32},
-    // rank 0 block 28: shares 29..29 ({step, share, of})
+    // rank 0 block 28: shares 28..28 ({step, share, of})
     {1, 27, 32},
-    // rank 0 block 29: shares 30..30 ({step, share, of})
+    // rank 0 block 29: shares 29..29 ({step, share, of})
     {1, 28, 32},
-    // rank 0 block 30: shares 31..31 ({step, share, of})
+    // rank 0 block 30: shares 30..30 ({step, share, of})
     {1, 29, 32},
-    // rank 0 block 31: shares 32..32 ({step, share, of})
+    // rank 0 block 31: shares 31..31 ({step, share, of})
     {1, 30, 32},
-    // rank 0 block 32: shares 33..33 ({step, share, of})
+    // rank 0 block 32: shares 32..32 ({step, share, of})
     {1, 31, 32},
-    // rank 0 block 33: shares 34..34 ({step, share, of})
+    // rank 0 block 33: shares 33..33 ({step, share, of})
     {2, 0, 32},
-    // rank 0 block 34: shares 35..35 ({step, share, of})
+    // rank 0 block 34: shares 34..34 ({step, share, of})
     {2, 1, 32},
-    // rank 0 block 35: shares 36..36 ({step, share, of})
+    // rank 0 block 35: shares 35..35 ({step, share, of})
     {2, 2, 32},
-    // rank 0 block 36: shares 37..37 ({step, share, of})
+    // rank 0 block 36: shares 36..36 ({step, share, of})
     {2, 3, 32},
-    // rank 0 block 37: shares 38..38 ({step, share, of})
+    // rank 0 block 37: shares 37..37 ({step, share, of})
     {2, 4, 32},
-    // rank 0 block 38: shares 39..39 ({step, share, of})
+    // rank 0 block 38: shares 38..38 ({step, share, of})
     {2, 5, 32},
-    // rank 0 block 39: shares 40..40 ({step, share, of})
+    // rank 0 block 39: shares 39..39 ({step, share, of})
     {2, 6, 32},
-    // rank 0 block 40: shares 41..41 ({step, share, of})
+    // rank 0 block 40: shares 40..40 ({step, share, of})
     {2, 7, 32},
-    // rank 0 block 41: shares 42..42 ({step, share, of})
+    // rank 0 block 41: shares 41..41 ({step, share, of})
     {2, 8, 32},
-    // rank 0 block 42: shares 43..43 ({step, share, of})
+    // rank 0 block 42: shares 42..42 ({step, share, of})
     {2, 9, 32},
-    // rank 0 block 43: shares 44..44 ({step, share, of})
+    // rank 0 block 43: shares 43..43 ({step, share, of})
     {2, 10, 32},
-    // rank 0 block 44: shares 45..45 ({step, share, of})
+    // rank 0 block 44: shares 44..44 ({step, share, of})
     {2, 11, 32},
-    // rank 0 block 45: shares 46..46 ({step, share, of})
+    // rank 0 block 45: shares 45..45 ({step, share, of})
     {2, 12, 32},
-    // rank 0 block 46: shares 47..47 ({step, share, of})
+    // rank 0 block 46: shares 46..46 ({step, share, of})
     {2, 13, 32},
-    // rank 0 block 47: shares 48..48 ({step, share, of})
+    // rank 0 block 47: shares 47..47 ({step, share, of})
     {2, 14, 32},
-    // rank 0 block 48: shares 49..49 ({step, share, of})
+    // rank 0 block 48: shares 48..48 ({step, share, of})
     {2, 15, 32},
-    // rank 0 block 49: shares 50..50 ({step, share, of})
+    // rank 0 block 49: shares 49..49 ({step, share, of})
     {2, 16, 32},
-    // rank 0 block 50: shares 51..51 ({step, share, of})
+    // rank 0 block 50: shares 50..50 ({step, share, of})
     {2, 17, 32},
-    // rank 0 block 51: shares 52..52 ({step, share, of})
+    // rank 0 block 51: shares 51..51 ({step, share, of})
     {2, 18, 32},
-    // rank 0 block 52: shares 53..53 ({step, share, of})
+    // rank 0 block 52: shares 52..52 ({step, share, of})
     {2, 19, 32},
-    // rank 0 block 53: shares 54..54 ({step, share, of})
+    // rank 0 block 53: shares 53..53 ({step, share, of})
     {2, 20, 32},
-    // rank 0 block 54: shares 55..55 ({step, share, of})
+    // rank 0 block 54: shares 54..54 ({step, share, of})
     {2, 21, 32},
-    // rank 0 block 55: shares 56..56 ({step, share, of})
+    // rank 0 block 55: shares 55..55 ({step, share, of})
     {2, 22, 32},
-    // rank 0 block 56: shares 57..57 ({step, share, of})
+    // rank 0 block 56: shares 56..56 ({step, share, of})
     {2, 23, 32},
-    // rank 0 block 57: shares 58..58 ({step, share, of})
+    // rank 0 block 57: shares 57..57 ({step, share, of})
     {2, 24, 32},
-    // rank 0 block 58: shares 59..59 ({step, share, of})
+    // rank 0 block 58: shares 58..58 ({step, share, of})
     {2, 25, 32},
-    // rank 0 block 59: shares 60..60 ({step, share, of})
+    // rank 0 block 59: shares 59..59 ({step, share, of})
     {2, 26, 32},
-    // rank 0 block 60: shares 61..61 ({step, share, of})
+    // rank 0 block 60: shares 60..60 ({step, share, of})
     {2, 27, 32},
-    // rank 0 block 61: shares 62..62 ({step, share, of})
+    // rank 0 block 61: shares 61..61 ({step, share, of})
     {2, 28, 32},
-    // rank 0 block 62: shares 63..63 ({step, share, of})
+    // rank 0 block 62: shares 62..62 ({step, share, of})
     {2, 29, 32},
-    // rank 0 block 63: shares 64..64 ({step, share, of})
+    // rank 0 block 63: shares 63..63 ({step, share, of})
     {2, 30, 32},
-    // rank 1 block 0: shares 65..66 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 1 block 1: shares 67..67 ({step, share, of})
+    // rank 1 block 0: shares 64..64 ({step, share, of})
+    {2, 31, 32},
+    // rank 1 block 1: shares 65..65 ({step, share, of})
     {1, 0, 32},
-    // rank 1 block 2: shares 68..68 ({step, share, of})
+    // rank 1 block 2: shares 66..66 ({step, share, of})
     {1, 1, 32},
-    // rank 1 block 3: shares 69..69 ({step, share, of})
+    // rank 1 block 3: shares 67..67 ({step, share, of})
     {1, 2, 32},
-    // rank 1 block 4: shares 70..70 ({step, share, of})
+    // rank 1 block 4: shares 68..68 ({step, share, of})
     {1, 3, 32},
-    // rank 1 block 5: shares 71..71 ({step, share, of})
+    // rank 1 block 5: shares 69..69 ({step, share, of})
     {1, 4, 32},
-    // rank 1 block 6: shares 72..72 ({step, share, of})
+    // rank 1 block 6: shares 70..70 ({step, share, of})
     {1, 5, 32},
-    // rank 1 block 7: shares 73..73 ({step, share, of})
+    // rank 1 block 7: shares 71..71 ({step, share, of})
     {1, 6, 32},
-    // rank 1 block 8: shares 74..74 ({step, share, of})
+    // rank 1 block 8: shares 72..72 ({step, share, of})
     {1, 7, 32},
-    // rank 1 block 9: shares 75..75 ({step, share, of})
+    // rank 1 block 9: shares 73..73 ({step, share, of})
     {1, 8, 32},
-    // rank 1 block 10: shares 76..76 ({step, share, of})
+    // rank 1 block 10: shares 74..74 ({step, share, of})
     {1, 9, 32},
-    // rank 1 block 11: shares 77..77 ({step, share, of})
+    // rank 1 block 11: shares 75..75 ({step, share, of})
     {1, 10, 32},
-    // rank 1 block 12: shares 78..78 ({step, share, of})
+    // rank 1 block 12: shares 76..76 ({step, share, of})
     {1, 11, 32},
-    // rank 1 block 13: shares 79..79 ({step, share, of})
+    // rank 1 block 13: shares 77..77 ({step, share, of})
     {1, 12, 32},
-    // rank 1 block 14: shares 80..80 ({step, share, of})
+    // rank 1 block 14: shares 78..78 ({step, share, of})
     {1, 13, 32},
-    // rank 1 block 15: shares 81..81 ({step, share, of})
+    // rank 1 block 15: shares 79..79 ({step, share, of})
     {1, 14, 32},
-    // rank 1 block 16: shares 82..82 ({step, share, of})
+    // rank 1 block 16: shares 80..80 ({step, share, of})
     {1, 15, 32},
-    // rank 1 block 17: shares 83..83 ({step, share, of})
+    // rank 1 block 17: shares 81..81 ({step, share, of})
     {1, 16, 32},
-    // rank 1 block 18: shares 84..84 ({step, share, of})
+    // rank 1 block 18: shares 82..82 ({step, share, of})
     {1, 17, 32},
-    // rank 1 block 19: shares 85..85 ({step, share, of})
+    // rank 1 block 19: shares 83..83 ({step, share, of})
     {1, 18, 32},
-    // rank 1 block 20: shares 86..86 ({step, share, of})
+    // rank 1 block 20: shares 84..84 ({step, share, of})
     {1, 19, 32},
-    // rank 1 block 21: shares 87..87 ({step, share, of})
+    // rank 1 block 21: shares 85..85 ({step, share, of})
     {1, 20, 32},
-    // rank 1 block 22: shares 88..88 ({step, share, of})
+    // rank 1 block 22: shares 86..86 ({step, share, of})
     {1, 21, 32},
-    // rank 1 block 23: shares 89..89 ({step, share, of})
+    // rank 1 block 23: shares 87..87 ({step, share, of})
     {1, 22, 32},
-    // rank 1 block 24: shares 90..90 ({step, share, of})
+    // rank 1 block 24: shares 88..88 ({step, share, of})
     {1, 23, 32},
-    // rank 1 block 25: shares 91..91 ({step, share, of})
+    // rank 1 block 25: shares 89..89 ({step, share, of})
     {1, 24, 32},
-    // rank 1 block 26: shares 92..92 ({step, share, of})
+    // rank 1 block 26: shares 90..90 ({step, share, of})
     {1, 25, 32},
-    // rank 1 block 27: shares 93..93 ({step, share, of})
+    // rank 1 block 27: shares 91..91 ({step, share, of})
     {1, 26, 32},
-    // rank 1 block 28: shares 94..94 ({step, share, of})
+    // rank 1 block 28: shares 92..92 ({step, share, of})
     {1, 27, 32},
-    // rank 1 block 29: shares 95..95 ({step, share, of})
+    // rank 1 block 29: shares 93..93 ({step, share, of})
     {1, 28, 32},
-    // rank 1 block 30: shares 96..96 ({step, share, of})
+    // rank 1 block 30: shares 94..94 ({step, share, of})
     {1, 29, 32},
-    // rank 1 block 31: shares 97..97 ({step, share, of})
+    // rank 1 block 31: shares 95..95 ({step, share, of})
     {1, 30, 32},
-    // rank 1 block 32: shares 98..98 ({step, share, of})
+    // rank 1 block 32: shares 96..96 ({step, share, of})
     {1, 31, 32},
-    // rank 1 block 33: shares 99..99 ({step, share, of})
+    // rank 1 block 33: shares 97..97 ({step, share, of})
     {2, 0, 32},
-    // rank 1 block 34: shares 100..100 ({step, share, of})
+    // rank 1 block 34: shares 98..98 ({step, share, of})
     {2, 1, 32},
-    // rank 1 block 35: shares 101..101 ({step, share, of})
+    // rank 1 block 35: shares 99..99 ({step, share, of})
     {2, 2, 32},
-    // rank 1 block 36: shares 102..102 ({step, share, of})
+    // rank 1 block 36: shares 100..100 ({step, share, of})
     {2, 3, 32},
-    // rank 1 block 37: shares 103..103 ({step, share, of})
+    // rank 1 block 37: shares 101..101 ({step, share, of})
     {2, 4, 32},
-    // rank 1 block 38: shares 104..104 ({step, share, of})
+    // rank 1 block 38: shares 102..102 ({step, share, of})
     {2, 5, 32},
-    // rank 1 block 39: shares 105..105 ({step, share, of})
+    // rank 1 block 39: shares 103..103 ({step, share, of})
     {2, 6, 32},
-    // rank 1 block 40: shares 106..106 ({step, share, of})
+    // rank 1 block 40: shares 104..104 ({step, share, of})
     {2, 7, 32},
-    // rank 1 block 41: shares 107..107 ({step, share, of})
+    // rank 1 block 41: shares 105..105 ({step, share, of})
     {2, 8, 32},
-    // rank 1 block 42: shares 108..108 ({step, share, of})
+    // rank 1 block 42: shares 106..106 ({step, share, of})
     {2, 9, 32},
-    // rank 1 block 43: shares 109..109 ({step, share, of})
+    // rank 1 block 43: shares 107..107 ({step, share, of})
     {2, 10, 32},
-    // rank 1 block 44: shares 110..110 ({step, share, of})
+    // rank 1 block 44: shares 108..108 ({step, share, of})
     {2, 11, 32},
-    // rank 1 block 45: shares 111..111 ({step, share, of})
+    // rank 1 block 45: shares 109..109 ({step, share, of})
     {2, 12, 32},
-    // rank 1 block 46: shares 112..112 ({step, share, of})
+    // rank 1 block 46: shares 110..110 ({step, share, of})
     {2, 13, 32},
-    // rank 1 block 47: shares 113..113 ({step, share, of})
+    // rank 1 block 47: shares 111..111 ({step, share, of})
     {2, 14, 32},
-    // rank 1 block 48: shares 114..114 ({step, share, of})
+    // rank 1 block 48: shares 112..112 ({step, share, of})
     {2, 15, 32},
-    // rank 1 block 49: shares 115..115 ({step, share, of})
+    // rank 1 block 49: shares 113..113 ({step, share, of})
     {2, 16, 32},
-    // rank 1 block 50: shares 116..116 ({step, share, of})
+    // rank 1 block 50: shares 114..114 ({step, share, of})
     {2, 17, 32},
-    // rank 1 block 51: shares 117..117 ({step, share, of})
+    // rank 1 block 51: shares 115..115 ({step, share, of})
     {2, 18, 32},
-    // rank 1 block 52: shares 118..118 ({step, share, of})
+    // rank 1 block 52: shares 116..116 ({step, share, of})
     {2, 19, 32},
-    // rank 1 block 53: shares 119..119 ({step, share, of})
+    // rank 1 block 53: shares 117..117 ({step, share, of})
     {2, 20, 32},
-    // rank 1 block 54: shares 120..120 ({step, share, of})
+    // rank 1 block 54: shares 118..118 ({step, share, of})
     {2, 21, 32},
-    // rank 1 block 55: shares 121..121 ({step, share, of})
+    // rank 1 block 55: shares 119..119 ({step, share, of})
     {2, 22, 32},
-    // rank 1 block 56: shares 122..122 ({step, share, of})
+    // rank 1 block 56: shares 120..120 ({step, share, of})
     {2, 23, 32},
-    // rank 1 block 57: shares 123..123 ({step, share, of})
+    // rank 1 block 57: shares 121..121 ({step, share, of})
     {2, 24, 32},
-    // rank 1 block 58: shares 124..124 ({step, share, of})
+    // rank 1 block 58: shares 122..122 ({step, share, of})
     {2, 25, 32},
-    // rank 1 block 59: shares 125..125 ({step, share, of})
+    // rank 1 block 59: shares 123..123 ({step, share, of})
     {2, 26, 32},
-    // rank 1 block 60: shares 126..126 ({step, share, of})
+    // rank 1 block 60: shares 124..124 ({step, share, of})
     {2, 27, 32},
-    // rank 1 block 61: shares 127..127 ({step, share, of})
+    // rank 1 block 61: shares 125..125 ({step, share, of})
     {2, 28, 32},
-    // rank 1 block 62: shares 128..128 ({step, share, of})
+    // rank 1 block 62: shares 126..126 ({step, share, of})
     {2, 29, 32},
-    // rank 1 block 63: shares 129..129 ({step, share, of})
+    // rank 1 block 63: shares 127..127 ({step, share, of})
     {2, 30, 32},
-    // rank 2 block 0: shares 130..131 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 2 block 1: shares 132..132 ({step, share, of})
+    // rank 2 block 0: shares 128..128 ({step, share, of})
+    {2, 31, 32},
+    // rank 2 block 1: shares 129..129 ({step, share, of})
     {1, 0, 32},
-    // rank 2 block 2: shares 133..133 ({step, share, of})
+    // rank 2 block 2: shares 130..130 ({step, share, of})
     {1, 1, 32},
-    // rank 2 block 3: shares 134..134 ({step, share, of})
+    // rank 2 block 3: shares 131..131 ({step, share, of})
     {1, 2, 32},
-    // rank 2 block 4: shares 135..135 ({step, share, of})
+    // rank 2 block 4: shares 132..132 ({step, share, of})
     {1, 3, 32},
-    // rank 2 block 5: shares 136..136 ({step, share, of})
+    // rank 2 block 5: shares 133..133 ({step, share, of})
     {1, 4, 32},
-    // rank 2 block 6: shares 137..137 ({step, share, of})
+    // rank 2 block 6: shares 134..134 ({step, share, of})
     {1, 5, 32},
-    // rank 2 block 7: shares 138..138 ({step, share, of})
+    // rank 2 block 7: shares 135..135 ({step, share, of})
     {1, 6, 32},
-    // rank 2 block 8: shares 139..139 ({step, share, of})
+    // rank 2 block 8: shares 136..136 ({step, share, of})
     {1, 7, 32},
-    // rank 2 block 9: shares 140..140 ({step, share, of})
+    // rank 2 block 9: shares 137..137 ({step, share, of})
     {1, 8, 32},
-    // rank 2 block 10: shares 141..141 ({step, share, of})
+    // rank 2 block 10: shares 138..138 ({step, share, of})
     {1, 9, 32},
-    // rank 2 block 11: shares 142..142 ({step, share, of})
+    // rank 2 block 11: shares 139..139 ({step, share, of})
     {1, 10, 32},
-    // rank 2 block 12: shares 143..143 ({step, share, of})
+    // rank 2 block 12: shares 140..140 ({step, share, of})
     {1, 11, 32},
-    // rank 2 block 13: shares 144..144 ({step, share, of})
+    // rank 2 block 13: shares 141..141 ({step, share, of})
     {1, 12, 32},
-    // rank 2 block 14: shares 145..145 ({step, share, of})
+    // rank 2 block 14: shares 142..142 ({step, share, of})
     {1, 13, 32},
-    // rank 2 block 15: shares 146..146 ({step, share, of})
+    // rank 2 block 15: shares 143..143 ({step, share, of})
     {1, 14, 32},
-    // rank 2 block 16: shares 147..147 ({step, share, of})
+    // rank 2 block 16: shares 144..144 ({step, share, of})
     {1, 15, 32},
-    // rank 2 block 17: shares 148..148 ({step, share, of})
+    // rank 2 block 17: shares 145..145 ({step, share, of})
     {1, 16, 32},
-    // rank 2 block 18: shares 149..149 ({step, share, of})
+    // rank 2 block 18: shares 146..146 ({step, share, of})
     {1, 17, 32},
-    // rank 2 block 19: shares 150..150 ({step, share, of})
+    // rank 2 block 19: shares 147..147 ({step, share, of})
     {1, 18, 32},
-    // rank 2 block 20: shares 151..151 ({step, share, of})
+    // rank 2 block 20: shares 148..148 ({step, share, of})
     {1, 19, 32},
-    // rank 2 block 21: shares 152..152 ({step, share, of})
+    // rank 2 block 21: shares 149..149 ({step, share, of})
     {1, 20, 32},
-    // rank 2 block 22: shares 153..153 ({step, share, of})
+    // rank 2 block 22: shares 150..150 ({step, share, of})
     {1, 21, 32},
-    // rank 2 block 23: shares 154..154 ({step, share, of})
+    // rank 2 block 23: shares 151..151 ({step, share, of})
     {1, 22, 32},
-    // rank 2 block 24: shares 155..155 ({step, share, of})
+    // rank 2 block 24: shares 152..152 ({step, share, of})
     {1, 23, 32},
-    // rank 2 block 25: shares 156..156 ({step, share, of})
+    // rank 2 block 25: shares 153..153 ({step, share, of})
     {1, 24, 32},
-    // rank 2 block 26: shares 157..157 ({step, share, of})
+    // rank 2 block 26: shares 154..154 ({step, share, of})
     {1, 25, 32},
-    // rank 2 block 27: shares 158..158 ({step, share, of})
+    // rank 2 block 27: shares 155..155 ({step, share, of})
     {1, 26, 32},
-    // rank 2 block 28: shares 159..159 ({step, share, of})
+    // rank 2 block 28: shares 156..156 ({step, share, of})
     {1, 27, 32},
-    // rank 2 block 29: shares 160..160 ({step, share, of})
+    // rank 2 block 29: shares 157..157 ({step, share, of})
     {1, 28, 32},
-    // rank 2 block 30: shares 161..161 ({step, share, of})
+    // rank 2 block 30: shares 158..158 ({step, share, of})
     {1, 29, 32},
-    // rank 2 block 31: shares 162..162 ({step, share, of})
+    // rank 2 block 31: shares 159..159 ({step, share, of})
     {1, 30, 32},
-    // rank 2 block 32: shares 163..163 ({step, share, of})
+    // rank 2 block 32: shares 160..160 ({step, share, of})
     {1, 31, 32},
-    // rank 2 block 33: shares 164..164 ({step, share, of})
+    // rank 2 block 33: shares 161..161 ({step, share, of})
     {2, 0, 32},
-    // rank 2 block 34: shares 165..165 ({step, share, of})
+    // rank 2 block 34: shares 162..162 ({step, share, of})
     {2, 1, 32},
-    // rank 2 block 35: shares 166..166 ({step, share, of})
+    // rank 2 block 35: shares 163..163 ({step, share, of})
     {2, 2, 32},
-    // rank 2 block 36: shares 167..167 ({step, share, of})
+    // rank 2 block 36: shares 164..164 ({step, share, of})
     {2, 3, 32},
-    // rank 2 block 37: shares 168..168 ({step, share, of})
+    // rank 2 block 37: shares 165..165 ({step, share, of})
     {2, 4, 32},
-    // rank 2 block 38: shares 169..169 ({step, share, of})
+    // rank 2 block 38: shares 166..166 ({step, share, of})
     {2, 5, 32},
-    // rank 2 block 39: shares 170..170 ({step, share, of})
+    // rank 2 block 39: shares 167..167 ({step, share, of})
     {2, 6, 32},
-    // rank 2 block 40: shares 171..171 ({step, share, of})
+    // rank 2 block 40: shares 168..168 ({step, share, of})
     {2, 7, 32},
-    // rank 2 block 41: shares 172..172 ({step, share, of})
+    // rank 2 block 41: shares 169..169 ({step, share, of})
     {2, 8, 32},
-    // rank 2 block 42: shares 173..173 ({step, share, of})
+    // rank 2 block 42: shares 170..170 ({step, share, of})
     {2, 9, 32},
-    // rank 2 block 43: shares 174..174 ({step, share, of})
+    // rank 2 block 43: shares 171..171 ({step, share, of})
     {2, 10, 32},
-    // rank 2 block 44: shares 175..175 ({step, share, of})
+    // rank 2 block 44: shares 172..172 ({step, share, of})
     {2, 11, 32},
-    // rank 2 block 45: shares 176..176 ({step, share, of})
+    // rank 2 block 45: shares 173..173 ({step, share, of})
     {2, 12, 32},
-    // rank 2 block 46: shares 177..177 ({step, share, of})
+    // rank 2 block 46: shares 174..174 ({step, share, of})
     {2, 13, 32},
-    // rank 2 block 47: shares 178..178 ({step, share, of})
+    // rank 2 block 47: shares 175..175 ({step, share, of})
     {2, 14, 32},
-    // rank 2 block 48: shares 179..179 ({step, share, of})
+    // rank 2 block 48: shares 176..176 ({step, share, of})
     {2, 15, 32},
-    // rank 2 block 49: shares 180..180 ({step, share, of})
+    // rank 2 block 49: shares 177..177 ({step, share, of})
     {2, 16, 32},
-    // rank 2 block 50: shares 181..181 ({step, share, of})
+    // rank 2 block 50: shares 178..178 ({step, share, of})
     {2, 17, 32},
-    // rank 2 block 51: shares 182..182 ({step, share, of})
+    // rank 2 block 51: shares 179..179 ({step, share, of})
     {2, 18, 32},
-    // rank 2 block 52: shares 183..183 ({step, share, of})
+    // rank 2 block 52: shares 180..180 ({step, share, of})
     {2, 19, 32},
-    // rank 2 block 53: shares 184..184 ({step, share, of})
+    // rank 2 block 53: shares 181..181 ({step, share, of})
     {2, 20, 32},
-    // rank 2 block 54: shares 185..185 ({step, share, of})
+    // rank 2 block 54: shares 182..182 ({step, share, of})
     {2, 21, 32},
-    // rank 2 block 55: shares 186..186 ({step, share, of})
+    // rank 2 block 55: shares 183..183 ({step, share, of})
     {2, 22, 32},
-    // rank 2 block 56: shares 187..187 ({step, share, of})
+    // rank 2 block 56: shares 184..184 ({step, share, of})
     {2, 23, 32},
-    // rank 2 block 57: shares 188..188 ({step, share, of})
+    // rank 2 block 57: shares 185..185 ({step, share, of})
     {2, 24, 32},
-    // rank 2 block 58: shares 189..189 ({step, share, of})
+    // rank 2 block 58: shares 186..186 ({step, share, of})
     {2, 25, 32},
-    // rank 2 block 59: shares 190..190 ({step, share, of})
+    // rank 2 block 59: shares 187..187 ({step, share, of})
     {2, 26, 32},
-    // rank 2 block 60: shares 191..191 ({step, share, of})
+    // rank 2 block 60: shares 188..188 ({step, share, of})
     {2, 27, 32},
-    // rank 2 block 61: shares 192..192 ({step, share, of})
+    // rank 2 block 61: shares 189..189 ({step, share, of})
     {2, 28, 32},
-    // rank 2 block 62: shares 193..193 ({step, share, of})
+    // rank 2 block 62: shares 190..190 ({step, share, of})
     {2, 29, 32},
-    // rank 2 block 63: shares 194..194 ({step, share, of})
+    // rank 2 block 63: shares 191..191 ({step, share, of})
     {2, 30, 32},
-    // rank 3 block 0: shares 195..196 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 3 block 1: shares 197..197 ({step, share, of})
+    // rank 3 block 0: shares 192..192 ({step, share, of})
+    {2, 31, 32},
+    // rank 3 block 1: shares 193..193 ({step, share, of})
     {1, 0, 32},
-    // rank 3 block 2: shares 198..198 ({step, share, of})
+    // rank 3 block 2: shares 194..194 ({step, share, of})
     {1, 1, 32},
-    // rank 3 block 3: shares 199..199 ({step, share, of})
+    // rank 3 block 3: shares 195..195 ({step, share, of})
     {1, 2, 32},
-    // rank 3 block 4: shares 200..200 ({step, share, of})
+    // rank 3 block 4: shares 196..196 ({step, share, of})
     {1, 3, 32},
-    // rank 3 block 5: shares 201..201 ({step, share, of})
+    // rank 3 block 5: shares 197..197 ({step, share, of})
     {1, 4, 32},
-    // rank 3 block 6: shares 202..202 ({step, share, of})
+    // rank 3 block 6: shares 198..198 ({step, share, of})
     {1, 5, 32},
-    // rank 3 block 7: shares 203..203 ({step, share, of})
+    // rank 3 block 7: shares 199..199 ({step, share, of})
     {1, 6, 32},
-    // rank 3 block 8: shares 204..204 ({step, share, of})
+    // rank 3 block 8: shares 200..200 ({step, share, of})
     {1, 7, 32},
-    // rank 3 block 9: shares 205..205 ({step, share, of})
+    // rank 3 block 9: shares 201..201 ({step, share, of})
     {1, 8, 32},
-    // rank 3 block 10: shares 206..206 ({step, share, of})
+    // rank 3 block 10: shares 202..202 ({step, share, of})
     {1, 9, 32},
-    // rank 3 block 11: shares 207..207 ({step, share, of})
+    // rank 3 block 11: shares 203..203 ({step, share, of})
     {1, 10, 32},
-    // rank 3 block 12: shares 208..208 ({step, share, of})
+    // rank 3 block 12: shares 204..204 ({step, share, of})
     {1, 11, 32},
-    // rank 3 block 13: shares 209..209 ({step, share, of})
+    // rank 3 block 13: shares 205..205 ({step, share, of})
     {1, 12, 32},
-    // rank 3 block 14: shares 210..210 ({step, share, of})
+    // rank 3 block 14: shares 206..206 ({step, share, of})
     {1, 13, 32},
-    // rank 3 block 15: shares 211..211 ({step, share, of})
+    // rank 3 block 15: shares 207..207 ({step, share, of})
     {1, 14, 32},
-    // rank 3 block 16: shares 212..212 ({step, share, of})
+    // rank 3 block 16: shares 208..208 ({step, share, of})
     {1, 15, 32},
-    // rank 3 block 17: shares 213..213 ({step, share, of})
+    // rank 3 block 17: shares 209..209 ({step, share, of})
     {1, 16, 32},
-    // rank 3 block 18: shares 214..214 ({step, share, of})
+    // rank 3 block 18: shares 210..210 ({step, share, of})
     {1, 17, 32},
-    // rank 3 block 19: shares 215..215 ({step, share, of})
+    // rank 3 block 19: shares 211..211 ({step, share, of})
     {1, 18, 32},
-    // rank 3 block 20: shares 216..216 ({step, share, of})
+    // rank 3 block 20: shares 212..212 ({step, share, of})
     {1, 19, 32},
-    // rank 3 block 21: shares 217..217 ({step, share, of})
+    // rank 3 block 21: shares 213..213 ({step, share, of})
     {1, 20, 32},
-    // rank 3 block 22: shares 218..218 ({step, share, of})
+    // rank 3 block 22: shares 214..214 ({step, share, of})
     {1, 21, 32},
-    // rank 3 block 23: shares 219..219 ({step, share, of})
+    // rank 3 block 23: shares 215..215 ({step, share, of})
     {1, 22, 32},
-    // rank 3 block 24: shares 220..220 ({step, share, of})
+    // rank 3 block 24: shares 216..216 ({step, share, of})
     {1, 23, 32},
-    // rank 3 block 25: shares 221..221 ({step, share, of})
+    // rank 3 block 25: shares 217..217 ({step, share, of})
     {1, 24, 32},
-    // rank 3 block 26: shares 222..222 ({step, share, of})
+    // rank 3 block 26: shares 218..218 ({step, share, of})
     {1, 25, 32},
-    // rank 3 block 27: shares 223..223 ({step, share, of})
+    // rank 3 block 27: shares 219..219 ({step, share, of})
     {1, 26, 32},
-    // rank 3 block 28: shares 224..224 ({step, share, of})
+    // rank 3 block 28: shares 220..220 ({step, share, of})
     {1, 27, 32},
-    // rank 3 block 29: shares 225..225 ({step, share, of})
+    // rank 3 block 29: shares 221..221 ({step, share, of})
     {1, 28, 32},
-    // rank 3 block 30: shares 226..226 ({step, share, of})
+    // rank 3 block 30: shares 222..222 ({step, share, of})
     {1, 29, 32},
-    // rank 3 block 31: shares 227..227 ({step, share, of})
+    // rank 3 block 31: shares 223..223 ({step, share, of})
     {1, 30, 32},
-    // rank 3 block 32: shares 228..228 ({step, share, of})
+    // rank 3 block 32: shares 224..224 ({step, share, of})
     {1, 31, 32},
-    // rank 3 block 33: shares 229..229 ({step, share, of})
+    // rank 3 block 33: shares 225..225 ({step, share, of})
     {2, 0, 32},
-    // rank 3 block 34: shares 230..230 ({step, share, of})
+    // rank 3 block 34: shares 226..226 ({step, share, of})
     {2, 1, 32},
-    // rank 3 block 35: shares 231..231 ({step, share, of})
+    // rank 3 block 35: shares 227..227 ({step, share, of})
     {2, 2, 32},
-    // rank 3 block 36: shares 232..232 ({step, share, of})
+    // rank 3 block 36: shares 228..228 ({step, share, of})
     {2, 3, 32},
-    // rank 3 block 37: shares 233..233 ({step, share, of})
+    // rank 3 block 37: shares 229..229 ({step, share, of})
     {2, 4, 32},
-    // rank 3 block 38: shares 234..234 ({step, share, of})
+    // rank 3 block 38: shares 230..230 ({step, share, of})
     {2, 5, 32},
-    // rank 3 block 39: shares 235..235 ({step, share, of})
+    // rank 3 block 39: shares 231..231 ({step, share, of})
     {2, 6, 32},
-    // rank 3 block 40: shares 236..236 ({step, share, of})
+    // rank 3 block 40: shares 232..232 ({step, share, of})
     {2, 7, 32},
-    // rank 3 block 41: shares 237..237 ({step, share, of})
+    // rank 3 block 41: shares 233..233 ({step, share, of})
     {2, 8, 32},
-    // rank 3 block 42: shares 238..238 ({step, share, of})
+    // rank 3 block 42: shares 234..234 ({step, share, of})
     {2, 9, 32},
-    // rank 3 block 43: shares 239..239 ({step, share, of})
+    // rank 3 block 43: shares 235..235 ({step, share, of})
     {2, 10, 32},
-    // rank 3 block 44: shares 240..240 ({step, share, of})
+    // rank 3 block 44: shares 236..236 ({step, share, of})
     {2, 11, 32},
-    // rank 3 block 45: shares 241..241 ({step, share, of})
+    // rank 3 block 45: shares 237..237 ({step, share, of})
     {2, 12, 32},
-    // rank 3 block 46: shares 242..242 ({step, share, of})
+    // rank 3 block 46: shares 238..238 ({step, share, of})
     {2, 13, 32},
-    // rank 3 block 47: shares 243..243 ({step, share, of})
+    // rank 3 block 47: shares 239..239 ({step, share, of})
     {2, 14, 32},
-    // rank 3 block 48: shares 244..244 ({step, share, of})
+    // rank 3 block 48: shares 240..240 ({step, share, of})
     {2, 15, 32},
-    // rank 3 block 49: shares 245..245 ({step, share, of})
+    // rank 3 block 49: shares 241..241 ({step, share, of})
     {2, 16, 32},
-    // rank 3 block 50: shares 246..246 ({step, share, of})
+    // rank 3 block 50: shares 242..242 ({step, share, of})
     {2, 17, 32},
-    // rank 3 block 51: shares 247..247 ({step, share, of})
+    // rank 3 block 51: shares 243..243 ({step, share, of})
     {2, 18, 32},
-    // rank 3 block 52: shares 248..248 ({step, share, of})
+    // rank 3 block 52: shares 244..244 ({step, share, of})
     {2, 19, 32},
-    // rank 3 block 53: shares 249..249 ({step, share, of})
+    // rank 3 block 53: shares 245..245 ({step, share, of})
     {2, 20, 32},
-    // rank 3 block 54: shares 250..250 ({step, share, of})
+    // rank 3 block 54: shares 246..246 ({step, share, of})
     {2, 21, 32},
-    // rank 3 block 55: shares 251..251 ({step, share, of})
+    // rank 3 block 55: shares 247..247 ({step, share, of})
     {2, 22, 32},
-    // rank 3 block 56: shares 252..252 ({step, share, of})
+    // rank 3 block 56: shares 248..248 ({step, share, of})
     {2, 23, 32},
-    // rank 3 block 57: shares 253..253 ({step, share, of})
+    // rank 3 block 57: shares 249..249 ({step, share, of})
     {2, 24, 32},
-    // rank 3 block 58: shares 254..254 ({step, share, of})
+    // rank 3 block 58: shares 250..250 ({step, share, of})
     {2, 25, 32},
-    // rank 3 block 59: shares 255..255 ({step, share, of})
+    // rank 3 block 59: shares 251..251 ({step, share, of})
     {2, 26, 32},
-    // rank 3 block 60: shares 256..256 ({step, share, of})
+    // rank 3 block 60: shares 252..252 ({step, share, of})
     {2, 27, 32},
-    // rank 3 block 61: shares 257..257 ({step, share, of})
+    // rank 3 block 61: shares 253..253 ({step, share, of})
     {2, 28, 32},
-    // rank 3 block 62: shares 258..258 ({step, share, of})
+    // rank 3 block 62: shares 254..254 ({step, share, of})
     {2, 29, 32},
-    // rank 3 block 63: shares 259..259 ({step, share, of})
+    // rank 3 block 63: shares 255..255 ({step, share, of})
     {2, 30, 32},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
-    { 130, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
-    { 195, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260 },
+    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64 },
+    { 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128 },
+    { 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192 },
+    { 192, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 24 steps, 520 block shares over 64 blocks.
+// Plan for world size 8: 24 steps, 512 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -2466,1041 +2471,1041 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 3, 6, 9, 12, 15, 18, 21 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 0 block 1: shares 2..2 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {2, 31, 32},
+    // rank 0 block 1: shares 1..1 ({step, share, of})
     {1, 0, 32},
-    // rank 0 block 2: shares 3..3 ({step, share, of})
+    // rank 0 block 2: shares 2..2 ({step, share, of})
     {1, 1, 32},
-    // rank 0 block 3: shares 4..4 ({step, share, of})
+    // rank 0 block 3: shares 3..3 ({step, share, of})
     {1, 2, 32},
-    // rank 0 block 4: shares 5..5 ({step, share, of})
+    // rank 0 block 4: shares 4..4 ({step, share, of})
     {1, 3, 32},
-    // rank 0 block 5: shares 6..6 ({step, share, of})
+    // rank 0 block 5: shares 5..5 ({step, share, of})
     {1, 4, 32},
-    // rank 0 block 6: shares 7..7 ({step, share, of})
+    // rank 0 block 6: shares 6..6 ({step, share, of})
     {1, 5, 32},
-    // rank 0 block 7: shares 8..8 ({step, share, of})
+    // rank 0 block 7: shares 7..7 ({step, share, of})
     {1, 6, 32},
-    // rank 0 block 8: shares 9..9 ({step, share, of})
+    // rank 0 block 8: shares 8..8 ({step, share, of})
     {1, 7, 32},
-    // rank 0 block 9: shares 10..10 ({step, share, of})
+    // rank 0 block 9: shares 9..9 ({step, share, of})
     {1, 8, 32},
-    // rank 0 block 10: shares 11..11 ({step, share, of})
+    // rank 0 block 10: shares 10..10 ({step, share, of})
     {1, 9, 32},
-    // rank 0 block 11: shares 12..12 ({step, share, of})
+    // rank 0 block 11: shares 11..11 ({step, share, of})
     {1, 10, 32},
-    // rank 0 block 12: shares 13..13 ({step, share, of})
+    // rank 0 block 12: shares 12..12 ({step, share, of})
     {1, 11, 32},
-    // rank 0 block 13: shares 14..14 ({step, share, of})
+    // rank 0 block 13: shares 13..13 ({step, share, of})
     {1, 12, 32},
-    // rank 0 block 14: shares 15..15 ({step, share, of})
+    // rank 0 block 14: shares 14..14 ({step, share, of})
     {1, 13, 32},
-    // rank 0 block 15: shares 16..16 ({step, share, of})
+    // rank 0 block 15: shares 15..15 ({step, share, of})
     {1, 14, 32},
-    // rank 0 block 16: shares 17..17 ({step, share, of})
+    // rank 0 block 16: shares 16..16 ({step, share, of})
     {1, 15, 32},
-    // rank 0 block 17: shares 18..18 ({step, share, of})
+    // rank 0 block 17: shares 17..17 ({step, share, of})
     {1, 16, 32},
-    // rank 0 block 18: shares 19..19 ({step, share, of})
+    // rank 0 block 18: shares 18..18 ({step, share, of})
     {1, 17, 32},
-    // rank 0 block 19: shares 20..20 ({step, share, of})
+    // rank 0 block 19: shares 19..19 ({step, share, of})
     {1, 18, 32},
-    // rank 0 block 20: shares 21..21 ({step, share, of})
+    // rank 0 block 20: shares 20..20 ({step, share, of})
     {1, 19, 32},
-    // rank 0 block 21: shares 22..22 ({step, share, of})
+    // rank 0 block 21: shares 21..21 ({step, share, of})
     {1, 20, 32},
-    // rank 0 block 22: shares 23..23 ({step, share, of})
+    // rank 0 block 22: shares 22..22 ({step, share, of})
     {1, 21, 32},
-    // rank 0 block 23: shares 24..24 ({step, share, of})
+    // rank 0 block 23: shares 23..23 ({step, share, of})
     {1, 22, 32},
-    // rank 0 block 24: shares 25..25 ({step, share, of})
+    // rank 0 block 24: shares 24..24 ({step, share, of})
     {1, 23, 32},
-    // rank 0 block 25: shares 26..26 ({step, share, of})
+    // rank 0 block 25: shares 25..25 ({step, share, of})
     {1, 24, 32},
-    // rank 0 block 26: shares 27..27 ({step, share, of})
+    // rank 0 block 26: shares 26..26 ({step, share, of})
     {1, 25, 32},
-    // rank 0 block 27: shares 28..28 ({step, share, of})
+    // rank 0 block 27: shares 27..27 ({step, share, of})
     {1, 26, 32},
-    // rank 0 block 28: shares 29..29 ({step, share, of})
+    // rank 0 block 28: shares 28..28 ({step, share, of})
     {1, 27, 32},
-    // rank 0 block 29: shares 30..30 ({step, share, of})
+    // rank 0 block 29: shares 29..29 ({step, share, of})
     {1, 28, 32},
-    // rank 0 block 30: shares 31..31 ({step, share, of})
+    // rank 0 block 30: shares 30..30 ({step, share, of})
     {1, 29, 32},
-    // rank 0 block 31: shares 32..32 ({step, share, of})
+    // rank 0 block 31: shares 31..31 ({step, share, of})
     {1, 30, 32},
-    // rank 0 block 32: shares 33..33 ({step, share, of})
+    // rank 0 block 32: shares 32..32 ({step, share, of})
     {1, 31, 32},
-    // rank 0 block 33: shares 34..34 ({step, share, of})
+    // rank 0 block 33: shares 33..33 ({step, share, of})
     {2, 0, 32},
-    // rank 0 block 34: shares 35..35 ({step, share, of})
+    // rank 0 block 34: shares 34..34 ({step, share, of})
     {2, 1, 32},
-    // rank 0 block 35: shares 36..36 ({step, share, of})
+    // rank 0 block 35: shares 35..35 ({step, share, of})
     {2, 2, 32},
-    // rank 0 block 36: shares 37..37 ({step, share, of})
+    // rank 0 block 36: shares 36..36 ({step, share, of})
     {2, 3, 32},
-    // rank 0 block 37: shares 38..38 ({step, share, of})
+    // rank 0 block 37: shares 37..37 ({step, share, of})
     {2, 4, 32},
-    // rank 0 block 38: shares 39..39 ({step, share, of})
+    // rank 0 block 38: shares 38..38 ({step, share, of})
     {2, 5, 32},
-    // rank 0 block 39: shares 40..40 ({step, share, of})
+    // rank 0 block 39: shares 39..39 ({step, share, of})
     {2, 6, 32},
-    // rank 0 block 40: shares 41..41 ({step, share, of})
+    // rank 0 block 40: shares 40..40 ({step, share, of})
     {2, 7, 32},
-    // rank 0 block 41: shares 42..42 ({step, share, of})
+    // rank 0 block 41: shares 41..41 ({step, share, of})
     {2, 8, 32},
-    // rank 0 block 42: shares 43..43 ({step, share, of})
+    // rank 0 block 42: shares 42..42 ({step, share, of})
     {2, 9, 32},
-    // rank 0 block 43: shares 44..44 ({step, share, of})
+    // rank 0 block 43: shares 43..43 ({step, share, of})
     {2, 10, 32},
-    // rank 0 block 44: shares 45..45 ({step, share, of})
+    // rank 0 block 44: shares 44..44 ({step, share, of})
     {2, 11, 32},
-    // rank 0 block 45: shares 46..46 ({step, share, of})
+    // rank 0 block 45: shares 45..45 ({step, share, of})
     {2, 12, 32},
-    // rank 0 block 46: shares 47..47 ({step, share, of})
+    // rank 0 block 46: shares 46..46 ({step, share, of})
     {2, 13, 32},
-    // rank 0 block 47: shares 48..48 ({step, share, of})
+    // rank 0 block 47: shares 47..47 ({step, share, of})
     {2, 14, 32},
-    // rank 0 block 48: shares 49..49 ({step, share, of})
+    // rank 0 block 48: shares 48..48 ({step, share, of})
     {2, 15, 32},
-    // rank 0 block 49: shares 50..50 ({step, share, of})
+    // rank 0 block 49: shares 49..49 ({step, share, of})
     {2, 16, 32},
-    // rank 0 block 50: shares 51..51 ({step, share, of})
+    // rank 0 block 50: shares 50..50 ({step, share, of})
     {2, 17, 32},
-    // rank 0 block 51: shares 52..52 ({step, share, of})
+    // rank 0 block 51: shares 51..51 ({step, share, of})
     {2, 18, 32},
-    // rank 0 block 52: shares 53..53 ({step, share, of})
+    // rank 0 block 52: shares 52..52 ({step, share, of})
     {2, 19, 32},
-    // rank 0 block 53: shares 54..54 ({step, share, of})
+    // rank 0 block 53: shares 53..53 ({step, share, of})
     {2, 20, 32},
-    // rank 0 block 54: shares 55..55 ({step, share, of})
+    // rank 0 block 54: shares 54..54 ({step, share, of})
     {2, 21, 32},
-    // rank 0 block 55: shares 56..56 ({step, share, of})
+    // rank 0 block 55: shares 55..55 ({step, share, of})
     {2, 22, 32},
-    // rank 0 block 56: shares 57..57 ({step, share, of})
+    // rank 0 block 56: shares 56..56 ({step, share, of})
     {2, 23, 32},
-    // rank 0 block 57: shares 58..58 ({step, share, of})
+    // rank 0 block 57: shares 57..57 ({step, share, of})
     {2, 24, 32},
-    // rank 0 block 58: shares 59..59 ({step, share, of})
+    // rank 0 block 58: shares 58..58 ({step, share, of})
     {2, 25, 32},
-    // rank 0 block 59: shares 60..60 ({step, share, of})
+    // rank 0 block 59: shares 59..59 ({step, share, of})
     {2, 26, 32},
-    // rank 0 block 60: shares 61..61 ({step, share, of})
+    // rank 0 block 60: shares 60..60 ({step, share, of})
     {2, 27, 32},
-    // rank 0 block 61: shares 62..62 ({step, share, of})
+    // rank 0 block 61: shares 61..61 ({step, share, of})
     {2, 28, 32},
-    // rank 0 block 62: shares 63..63 ({step, share, of})
+    // rank 0 block 62: shares 62..62 ({step, share, of})
     {2, 29, 32},
-    // rank 0 block 63: shares 64..64 ({step, share, of})
+    // rank 0 block 63: shares 63..63 ({step, share, of})
     {2, 30, 32},
-    // rank 1 block 0: shares 65..66 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 1 block 1: shares 67..67 ({step, share, of})
+    // rank 1 block 0: shares 64..64 ({step, share, of})
+    {2, 31, 32},
+    // rank 1 block 1: shares 65..65 ({step, share, of})
     {1, 0, 32},
-    // rank 1 block 2: shares 68..68 ({step, share, of})
+    // rank 1 block 2: shares 66..66 ({step, share, of})
     {1, 1, 32},
-    // rank 1 block 3: shares 69..69 ({step, share, of})
+    // rank 1 block 3: shares 67..67 ({step, share, of})
     {1, 2, 32},
-    // rank 1 block 4: shares 70..70 ({step, share, of})
+    // rank 1 block 4: shares 68..68 ({step, share, of})
     {1, 3, 32},
-    // rank 1 block 5: shares 71..71 ({step, share, of})
+    // rank 1 block 5: shares 69..69 ({step, share, of})
     {1, 4, 32},
-    // rank 1 block 6: shares 72..72 ({step, share, of})
+    // rank 1 block 6: shares 70..70 ({step, share, of})
     {1, 5, 32},
-    // rank 1 block 7: shares 73..73 ({step, share, of})
+    // rank 1 block 7: shares 71..71 ({step, share, of})
     {1, 6, 32},
-    // rank 1 block 8: shares 74..74 ({step, share, of})
+    // rank 1 block 8: shares 72..72 ({step, share, of})
     {1, 7, 32},
-    // rank 1 block 9: shares 75..75 ({step, share, of})
+    // rank 1 block 9: shares 73..73 ({step, share, of})
     {1, 8, 32},
-    // rank 1 block 10: shares 76..76 ({step, share, of})
+    // rank 1 block 10: shares 74..74 ({step, share, of})
     {1, 9, 32},
-    // rank 1 block 11: shares 77..77 ({step, share, of})
+    // rank 1 block 11: shares 75..75 ({step, share, of})
     {1, 10, 32},
-    // rank 1 block 12: shares 78..78 ({step, share, of})
+    // rank 1 block 12: shares 76..76 ({step, share, of})
     {1, 11, 32},
-    // rank 1 block 13: shares 79..79 ({step, share, of})
+    // rank 1 block 13: shares 77..77 ({step, share, of})
     {1, 12, 32},
-    // rank 1 block 14: shares 80..80 ({step, share, of})
+    // rank 1 block 14: shares 78..78 ({step, share, of})
     {1, 13, 32},
-    // rank 1 block 15: shares 81..81 ({step, share, of})
+    // rank 1 block 15: shares 79..79 ({step, share, of})
     {1, 14, 32},
-    // rank 1 block 16: shares 82..82 ({step, share, of})
+    // rank 1 block 16: shares 80..80 ({step, share, of})
     {1, 15, 32},
-    // rank 1 block 17: shares 83..83 ({step, share, of})
+    // rank 1 block 17: shares 81..81 ({step, share, of})
     {1, 16, 32},
-    // rank 1 block 18: shares 84..84 ({step, share, of})
+    // rank 1 block 18: shares 82..82 ({step, share, of})
     {1, 17, 32},
-    // rank 1 block 19: shares 85..85 ({step, share, of})
+    // rank 1 block 19: shares 83..83 ({step, share, of})
     {1, 18, 32},
-    // rank 1 block 20: shares 86..86 ({step, share, of})
+    // rank 1 block 20: shares 84..84 ({step, share, of})
     {1, 19, 32},
-    // rank 1 block 21: shares 87..87 ({step, share, of})
+    // rank 1 block 21: shares 85..85 ({step, share, of})
     {1, 20, 32},
-    // rank 1 block 22: shares 88..88 ({step, share, of})
+    // rank 1 block 22: shares 86..86 ({step, share, of})
     {1, 21, 32},
-    // rank 1 block 23: shares 89..89 ({step, share, of})
+    // rank 1 block 23: shares 87..87 ({step, share, of})
     {1, 22, 32},
-    // rank 1 block 24: shares 90..90 ({step, share, of})
+    // rank 1 block 24: shares 88..88 ({step, share, of})
     {1, 23, 32},
-    // rank 1 block 25: shares 91..91 ({step, share, of})
+    // rank 1 block 25: shares 89..89 ({step, share, of})
     {1, 24, 32},
-    // rank 1 block 26: shares 92..92 ({step, share, of})
+    // rank 1 block 26: shares 90..90 ({step, share, of})
     {1, 25, 32},
-    // rank 1 block 27: shares 93..93 ({step, share, of})
+    // rank 1 block 27: shares 91..91 ({step, share, of})
     {1, 26, 32},
-    // rank 1 block 28: shares 94..94 ({step, share, of})
+    // rank 1 block 28: shares 92..92 ({step, share, of})
     {1, 27, 32},
-    // rank 1 block 29: shares 95..95 ({step, share, of})
+    // rank 1 block 29: shares 93..93 ({step, share, of})
     {1, 28, 32},
-    // rank 1 block 30: shares 96..96 ({step, share, of})
+    // rank 1 block 30: shares 94..94 ({step, share, of})
     {1, 29, 32},
-    // rank 1 block 31: shares 97..97 ({step, share, of})
+    // rank 1 block 31: shares 95..95 ({step, share, of})
     {1, 30, 32},
-    // rank 1 block 32: shares 98..98 ({step, share, of})
+    // rank 1 block 32: shares 96..96 ({step, share, of})
     {1, 31, 32},
-    // rank 1 block 33: shares 99..99 ({step, share, of})
+    // rank 1 block 33: shares 97..97 ({step, share, of})
     {2, 0, 32},
-    // rank 1 block 34: shares 100..100 ({step, share, of})
+    // rank 1 block 34: shares 98..98 ({step, share, of})
     {2, 1, 32},
-    // rank 1 block 35: shares 101..101 ({step, share, of})
+    // rank 1 block 35: shares 99..99 ({step, share, of})
     {2, 2, 32},
-    // rank 1 block 36: shares 102..102 ({step, share, of})
+    // rank 1 block 36: shares 100..100 ({step, share, of})
     {2, 3, 32},
-    // rank 1 block 37: shares 103..103 ({step, share, of})
+    // rank 1 block 37: shares 101..101 ({step, share, of})
     {2, 4, 32},
-    // rank 1 block 38: shares 104..104 ({step, share, of})
+    // rank 1 block 38: shares 102..102 ({step, share, of})
     {2, 5, 32},
-    // rank 1 block 39: shares 105..105 ({step, share, of})
+    // rank 1 block 39: shares 103..103 ({step, share, of})
     {2, 6, 32},
-    // rank 1 block 40: shares 106..106 ({step, share, of})
+    // rank 1 block 40: shares 104..104 ({step, share, of})
     {2, 7, 32},
-    // rank 1 block 41: shares 107..107 ({step, share, of})
+    // rank 1 block 41: shares 105..105 ({step, share, of})
     {2, 8, 32},
-    // rank 1 block 42: shares 108..108 ({step, share, of})
+    // rank 1 block 42: shares 106..106 ({step, share, of})
     {2, 9, 32},
-    // rank 1 block 43: shares 109..109 ({step, share, of})
+    // rank 1 block 43: shares 107..107 ({step, share, of})
     {2, 10, 32},
-    // rank 1 block 44: shares 110..110 ({step, share, of})
+    // rank 1 block 44: shares 108..108 ({step, share, of})
     {2, 11, 32},
-    // rank 1 block 45: shares 111..111 ({step, share, of})
+    // rank 1 block 45: shares 109..109 ({step, share, of})
     {2, 12, 32},
-    // rank 1 block 46: shares 112..112 ({step, share, of})
+    // rank 1 block 46: shares 110..110 ({step, share, of})
     {2, 13, 32},
-    // rank 1 block 47: shares 113..113 ({step, share, of})
+    // rank 1 block 47: shares 111..111 ({step, share, of})
     {2, 14, 32},
-    // rank 1 block 48: shares 114..114 ({step, share, of})
+    // rank 1 block 48: shares 112..112 ({step, share, of})
     {2, 15, 32},
-    // rank 1 block 49: shares 115..115 ({step, share, of})
+    // rank 1 block 49: shares 113..113 ({step, share, of})
     {2, 16, 32},
-    // rank 1 block 50: shares 116..116 ({step, share, of})
+    // rank 1 block 50: shares 114..114 ({step, share, of})
     {2, 17, 32},
-    // rank 1 block 51: shares 117..117 ({step, share, of})
+    // rank 1 block 51: shares 115..115 ({step, share, of})
     {2, 18, 32},
-    // rank 1 block 52: shares 118..118 ({step, share, of})
+    // rank 1 block 52: shares 116..116 ({step, share, of})
     {2, 19, 32},
-    // rank 1 block 53: shares 119..119 ({step, share, of})
+    // rank 1 block 53: shares 117..117 ({step, share, of})
     {2, 20, 32},
-    // rank 1 block 54: shares 120..120 ({step, share, of})
+    // rank 1 block 54: shares 118..118 ({step, share, of})
     {2, 21, 32},
-    // rank 1 block 55: shares 121..121 ({step, share, of})
+    // rank 1 block 55: shares 119..119 ({step, share, of})
     {2, 22, 32},
-    // rank 1 block 56: shares 122..122 ({step, share, of})
+    // rank 1 block 56: shares 120..120 ({step, share, of})
     {2, 23, 32},
-    // rank 1 block 57: shares 123..123 ({step, share, of})
+    // rank 1 block 57: shares 121..121 ({step, share, of})
     {2, 24, 32},
-    // rank 1 block 58: shares 124..124 ({step, share, of})
+    // rank 1 block 58: shares 122..122 ({step, share, of})
     {2, 25, 32},
-    // rank 1 block 59: shares 125..125 ({step, share, of})
+    // rank 1 block 59: shares 123..123 ({step, share, of})
     {2, 26, 32},
-    // rank 1 block 60: shares 126..126 ({step, share, of})
+    // rank 1 block 60: shares 124..124 ({step, share, of})
     {2, 27, 32},
-    // rank 1 block 61: shares 127..127 ({step, share, of})
+    // rank 1 block 61: shares 125..125 ({step, share, of})
     {2, 28, 32},
-    // rank 1 block 62: shares 128..128 ({step, share, of})
+    // rank 1 block 62: shares 126..126 ({step, share, of})
     {2, 29, 32},
-    // rank 1 block 63: shares 129..129 ({step, share, of})
+    // rank 1 block 63: shares 127..127 ({step, share, of})
     {2, 30, 32},
-    // rank 2 block 0: shares 130..131 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 2 block 1: shares 132..132 ({step, share, of})
+    // rank 2 block 0: shares 128..128 ({step, share, of})
+    {2, 31, 32},
+    // rank 2 block 1: shares 129..129 ({step, share, of})
     {1, 0, 32},
-    // rank 2 block 2: shares 133..133 ({step, share, of})
+    // rank 2 block 2: shares 130..130 ({step, share, of})
     {1, 1, 32},
-    // rank 2 block 3: shares 134..134 ({step, share, of})
+    // rank 2 block 3: shares 131..131 ({step, share, of})
     {1, 2, 32},
-    // rank 2 block 4: shares 135..135 ({step, share, of})
+    // rank 2 block 4: shares 132..132 ({step, share, of})
     {1, 3, 32},
-    // rank 2 block 5: shares 136..136 ({step, share, of})
+    // rank 2 block 5: shares 133..133 ({step, share, of})
     {1, 4, 32},
-    // rank 2 block 6: shares 137..137 ({step, share, of})
+    // rank 2 block 6: shares 134..134 ({step, share, of})
     {1, 5, 32},
-    // rank 2 block 7: shares 138..138 ({step, share, of})
+    // rank 2 block 7: shares 135..135 ({step, share, of})
     {1, 6, 32},
-    // rank 2 block 8: shares 139..139 ({step, share, of})
+    // rank 2 block 8: shares 136..136 ({step, share, of})
     {1, 7, 32},
-    // rank 2 block 9: shares 140..140 ({step, share, of})
+    // rank 2 block 9: shares 137..137 ({step, share, of})
     {1, 8, 32},
-    // rank 2 block 10: shares 141..141 ({step, share, of})
+    // rank 2 block 10: shares 138..138 ({step, share, of})
     {1, 9, 32},
-    // rank 2 block 11: shares 142..142 ({step, share, of})
+    // rank 2 block 11: shares 139..139 ({step, share, of})
     {1, 10, 32},
-    // rank 2 block 12: shares 143..143 ({step, share, of})
+    // rank 2 block 12: shares 140..140 ({step, share, of})
     {1, 11, 32},
-    // rank 2 block 13: shares 144..144 ({step, share, of})
+    // rank 2 block 13: shares 141..141 ({step, share, of})
     {1, 12, 32},
-    // rank 2 block 14: shares 145..145 ({step, share, of})
+    // rank 2 block 14: shares 142..142 ({step, share, of})
     {1, 13, 32},
-    // rank 2 block 15: shares 146..146 ({step, share, of})
+    // rank 2 block 15: shares 143..143 ({step, share, of})
     {1, 14, 32},
-    // rank 2 block 16: shares 147..147 ({step, share, of})
+    // rank 2 block 16: shares 144..144 ({step, share, of})
     {1, 15, 32},
-    // rank 2 block 17: shares 148..148 ({step, share, of})
+    // rank 2 block 17: shares 145..145 ({step, share, of})
     {1, 16, 32},
-    // rank 2 block 18: shares 149..149 ({step, share, of})
+    // rank 2 block 18: shares 146..146 ({step, share, of})
     {1, 17, 32},
-    // rank 2 block 19: shares 150..150 ({step, share, of})
+    // rank 2 block 19: shares 147..147 ({step, share, of})
     {1, 18, 32},
-    // rank 2 block 20: shares 151..151 ({step, share, of})
+    // rank 2 block 20: shares 148..148 ({step, share, of})
     {1, 19, 32},
-    // rank 2 block 21: shares 152..152 ({step, share, of})
+    // rank 2 block 21: shares 149..149 ({step, share, of})
     {1, 20, 32},
-    // rank 2 block 22: shares 153..153 ({step, share, of})
+    // rank 2 block 22: shares 150..150 ({step, share, of})
     {1, 21, 32},
-    // rank 2 block 23: shares 154..154 ({step, share, of})
+    // rank 2 block 23: shares 151..151 ({step, share, of})
     {1, 22, 32},
-    // rank 2 block 24: shares 155..155 ({step, share, of})
+    // rank 2 block 24: shares 152..152 ({step, share, of})
     {1, 23, 32},
-    // rank 2 block 25: shares 156..156 ({step, share, of})
+    // rank 2 block 25: shares 153..153 ({step, share, of})
     {1, 24, 32},
-    // rank 2 block 26: shares 157..157 ({step, share, of})
+    // rank 2 block 26: shares 154..154 ({step, share, of})
     {1, 25, 32},
-    // rank 2 block 27: shares 158..158 ({step, share, of})
+    // rank 2 block 27: shares 155..155 ({step, share, of})
     {1, 26, 32},
-    // rank 2 block 28: shares 159..159 ({step, share, of})
+    // rank 2 block 28: shares 156..156 ({step, share, of})
     {1, 27, 32},
-    // rank 2 block 29: shares 160..160 ({step, share, of})
+    // rank 2 block 29: shares 157..157 ({step, share, of})
     {1, 28, 32},
-    // rank 2 block 30: shares 161..161 ({step, share, of})
+    // rank 2 block 30: shares 158..158 ({step, share, of})
     {1, 29, 32},
-    // rank 2 block 31: shares 162..162 ({step, share, of})
+    // rank 2 block 31: shares 159..159 ({step, share, of})
     {1, 30, 32},
-    // rank 2 block 32: shares 163..163 ({step, share, of})
+    // rank 2 block 32: shares 160..160 ({step, share, of})
     {1, 31, 32},
-    // rank 2 block 33: shares 164..164 ({step, share, of})
+    // rank 2 block 33: shares 161..161 ({step, share, of})
     {2, 0, 32},
-    // rank 2 block 34: shares 165..165 ({step, share, of})
+    // rank 2 block 34: shares 162..162 ({step, share, of})
     {2, 1, 32},
-    // rank 2 block 35: shares 166..166 ({step, share, of})
+    // rank 2 block 35: shares 163..163 ({step, share, of})
     {2, 2, 32},
-    // rank 2 block 36: shares 167..167 ({step, share, of})
+    // rank 2 block 36: shares 164..164 ({step, share, of})
     {2, 3, 32},
-    // rank 2 block 37: shares 168..168 ({step, share, of})
+    // rank 2 block 37: shares 165..165 ({step, share, of})
     {2, 4, 32},
-    // rank 2 block 38: shares 169..169 ({step, share, of})
+    // rank 2 block 38: shares 166..166 ({step, share, of})
     {2, 5, 32},
-    // rank 2 block 39: shares 170..170 ({step, share, of})
+    // rank 2 block 39: shares 167..167 ({step, share, of})
     {2, 6, 32},
-    // rank 2 block 40: shares 171..171 ({step, share, of})
+    // rank 2 block 40: shares 168..168 ({step, share, of})
     {2, 7, 32},
-    // rank 2 block 41: shares 172..172 ({step, share, of})
+    // rank 2 block 41: shares 169..169 ({step, share, of})
     {2, 8, 32},
-    // rank 2 block 42: shares 173..173 ({step, share, of})
+    // rank 2 block 42: shares 170..170 ({step, share, of})
     {2, 9, 32},
-    // rank 2 block 43: shares 174..174 ({step, share, of})
+    // rank 2 block 43: shares 171..171 ({step, share, of})
     {2, 10, 32},
-    // rank 2 block 44: shares 175..175 ({step, share, of})
+    // rank 2 block 44: shares 172..172 ({step, share, of})
     {2, 11, 32},
-    // rank 2 block 45: shares 176..176 ({step, share, of})
+    // rank 2 block 45: shares 173..173 ({step, share, of})
     {2, 12, 32},
-    // rank 2 block 46: shares 177..177 ({step, share, of})
+    // rank 2 block 46: shares 174..174 ({step, share, of})
     {2, 13, 32},
-    // rank 2 block 47: shares 178..178 ({step, share, of})
+    // rank 2 block 47: shares 175..175 ({step, share, of})
     {2, 14, 32},
-    // rank 2 block 48: shares 179..179 ({step, share, of})
+    // rank 2 block 48: shares 176..176 ({step, share, of})
     {2, 15, 32},
-    // rank 2 block 49: shares 180..180 ({step, share, of})
+    // rank 2 block 49: shares 177..177 ({step, share, of})
     {2, 16, 32},
-    // rank 2 block 50: shares 181..181 ({step, share, of})
+    // rank 2 block 50: shares 178..178 ({step, share, of})
     {2, 17, 32},
-    // rank 2 block 51: shares 182..182 ({step, share, of})
+    // rank 2 block 51: shares 179..179 ({step, share, of})
     {2, 18, 32},
-    // rank 2 block 52: shares 183..183 ({step, share, of})
+    // rank 2 block 52: shares 180..180 ({step, share, of})
     {2, 19, 32},
-    // rank 2 block 53: shares 184..184 ({step, share, of})
+    // rank 2 block 53: shares 181..181 ({step, share, of})
     {2, 20, 32},
-    // rank 2 block 54: shares 185..185 ({step, share, of})
+    // rank 2 block 54: shares 182..182 ({step, share, of})
     {2, 21, 32},
-    // rank 2 block 55: shares 186..186 ({step, share, of})
+    // rank 2 block 55: shares 183..183 ({step, share, of})
     {2, 22, 32},
-    // rank 2 block 56: shares 187..187 ({step, share, of})
+    // rank 2 block 56: shares 184..184 ({step, share, of})
     {2, 23, 32},
-    // rank 2 block 57: shares 188..188 ({step, share, of})
+    // rank 2 block 57: shares 185..185 ({step, share, of})
     {2, 24, 32},
-    // rank 2 block 58: shares 189..189 ({step, share, of})
+    // rank 2 block 58: shares 186..186 ({step, share, of})
     {2, 25, 32},
-    // rank 2 block 59: shares 190..190 ({step, share, of})
+    // rank 2 block 59: shares 187..187 ({step, share, of})
     {2, 26, 32},
-    // rank 2 block 60: shares 191..191 ({step, share, of})
+    // rank 2 block 60: shares 188..188 ({step, share, of})
     {2, 27, 32},
-    // rank 2 block 61: shares 192..192 ({step, share, of})
+    // rank 2 block 61: shares 189..189 ({step, share, of})
     {2, 28, 32},
-    // rank 2 block 62: shares 193..193 ({step, share, of})
+    // rank 2 block 62: shares 190..190 ({step, share, of})
     {2, 29, 32},
-    // rank 2 block 63: shares 194..194 ({step, share, of})
+    // rank 2 block 63: shares 191..191 ({step, share, of})
     {2, 30, 32},
-    // rank 3 block 0: shares 195..196 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 3 block 1: shares 197..197 ({step, share, of})
+    // rank 3 block 0: shares 192..192 ({step, share, of})
+    {2, 31, 32},
+    // rank 3 block 1: shares 193..193 ({step, share, of})
     {1, 0, 32},
-    // rank 3 block 2: shares 198..198 ({step, share, of})
+    // rank 3 block 2: shares 194..194 ({step, share, of})
     {1, 1, 32},
-    // rank 3 block 3: shares 199..199 ({step, share, of})
+    // rank 3 block 3: shares 195..195 ({step, share, of})
     {1, 2, 32},
-    // rank 3 block 4: shares 200..200 ({step, share, of})
+    // rank 3 block 4: shares 196..196 ({step, share, of})
     {1, 3, 32},
-    // rank 3 block 5: shares 201..201 ({step, share, of})
+    // rank 3 block 5: shares 197..197 ({step, share, of})
     {1, 4, 32},
-    // rank 3 block 6: shares 202..202 ({step, share, of})
+    // rank 3 block 6: shares 198..198 ({step, share, of})
     {1, 5, 32},
-    // rank 3 block 7: shares 203..203 ({step, share, of})
+    // rank 3 block 7: shares 199..199 ({step, share, of})
     {1, 6, 32},
-    // rank 3 block 8: shares 204..204 ({step, share, of})
+    // rank 3 block 8: shares 200..200 ({step, share, of})
     {1, 7, 32},
-    // rank 3 block 9: shares 205..205 ({step, share, of})
+    // rank 3 block 9: shares 201..201 ({step, share, of})
     {1, 8, 32},
-    // rank 3 block 10: shares 206..206 ({step, share, of})
+    // rank 3 block 10: shares 202..202 ({step, share, of})
     {1, 9, 32},
-    // rank 3 block 11: shares 207..207 ({step, share, of})
+    // rank 3 block 11: shares 203..203 ({step, share, of})
     {1, 10, 32},
-    // rank 3 block 12: shares 208..208 ({step, share, of})
+    // rank 3 block 12: shares 204..204 ({step, share, of})
     {1, 11, 32},
-    // rank 3 block 13: shares 209..209 ({step, share, of})
+    // rank 3 block 13: shares 205..205 ({step, share, of})
     {1, 12, 32},
-    // rank 3 block 14: shares 210..210 ({step, share, of})
+    // rank 3 block 14: shares 206..206 ({step, share, of})
     {1, 13, 32},
-    // rank 3 block 15: shares 211..211 ({step, share, of})
+    // rank 3 block 15: shares 207..207 ({step, share, of})
     {1, 14, 32},
-    // rank 3 block 16: shares 212..212 ({step, share, of})
+    // rank 3 block 16: shares 208..208 ({step, share, of})
     {1, 15, 32},
-    // rank 3 block 17: shares 213..213 ({step, share, of})
+    // rank 3 block 17: shares 209..209 ({step, share, of})
     {1, 16, 32},
-    // rank 3 block 18: shares 214..214 ({step, share, of})
+    // rank 3 block 18: shares 210..210 ({step, share, of})
     {1, 17, 32},
-    // rank 3 block 19: shares 215..215 ({step, share, of})
+    // rank 3 block 19: shares 211..211 ({step, share, of})
     {1, 18, 32},
-    // rank 3 block 20: shares 216..216 ({step, share, of})
+    // rank 3 block 20: shares 212..212 ({step, share, of})
     {1, 19, 32},
-    // rank 3 block 21: shares 217..217 ({step, share, of})
+    // rank 3 block 21: shares 213..213 ({step, share, of})
     {1, 20, 32},
-    // rank 3 block 22: shares 218..218 ({step, share, of})
+    // rank 3 block 22: shares 214..214 ({step, share, of})
     {1, 21, 32},
-    // rank 3 block 23: shares 219..219 ({step, share, of})
+    // rank 3 block 23: shares 215..215 ({step, share, of})
     {1, 22, 32},
-    // rank 3 block 24: shares 220..220 ({step, share, of})
+    // rank 3 block 24: shares 216..216 ({step, share, of})
     {1, 23, 32},
-    // rank 3 block 25: shares 221..221 ({step, share, of})
+    // rank 3 block 25: shares 217..217 ({step, share, of})
     {1, 24, 32},
-    // rank 3 block 26: shares 222..222 ({step, share, of})
+    // rank 3 block 26: shares 218..218 ({step, share, of})
     {1, 25, 32},
-    // rank 3 block 27: shares 223..223 ({step, share, of})
+    // rank 3 block 27: shares 219..219 ({step, share, of})
     {1, 26, 32},
-    // rank 3 block 28: shares 224..224 ({step, share, of})
+    // rank 3 block 28: shares 220..220 ({step, share, of})
     {1, 27, 32},
-    // rank 3 block 29: shares 225..225 ({step, share, of})
+    // rank 3 block 29: shares 221..221 ({step, share, of})
     {1, 28, 32},
-    // rank 3 block 30: shares 226..226 ({step, share, of})
+    // rank 3 block 30: shares 222..222 ({step, share, of})
     {1, 29, 32},
-    // rank 3 block 31: shares 227..227 ({step, share, of})
+    // rank 3 block 31: shares 223..223 ({step, share, of})
     {1, 30, 32},
-    // rank 3 block 32: shares 228..228 ({step, share, of})
+    // rank 3 block 32: shares 224..224 ({step, share, of})
     {1, 31, 32},
-    // rank 3 block 33: shares 229..229 ({step, share, of})
+    // rank 3 block 33: shares 225..225 ({step, share, of})
     {2, 0, 32},
-    // rank 3 block 34: shares 230..230 ({step, share, of})
+    // rank 3 block 34: shares 226..226 ({step, share, of})
     {2, 1, 32},
-    // rank 3 block 35: shares 231..231 ({step, share, of})
+    // rank 3 block 35: shares 227..227 ({step, share, of})
     {2, 2, 32},
-    // rank 3 block 36: shares 232..232 ({step, share, of})
+    // rank 3 block 36: shares 228..228 ({step, share, of})
     {2, 3, 32},
-    // rank 3 block 37: shares 233..233 ({step, share, of})
+    // rank 3 block 37: shares 229..229 ({step, share, of})
     {2, 4, 32},
-    // rank 3 block 38: shares 234..234 ({step, share, of})
+    // rank 3 block 38: shares 230..230 ({step, share, of})
     {2, 5, 32},
-    // rank 3 block 39: shares 235..235 ({step, share, of})
+    // rank 3 block 39: shares 231..231 ({step, share, of})
     {2, 6, 32},
-    // rank 3 block 40: shares 236..236 ({step, share, of})
+    // rank 3 block 40: shares 232..232 ({step, share, of})
     {2, 7, 32},
-    // rank 3 block 41: shares 237..237 ({step, share, of})
+    // rank 3 block 41: shares 233..233 ({step, share, of})
     {2, 8, 32},
-    // rank 3 block 42: shares 238..238 ({step, share, of})
+    // rank 3 block 42: shares 234..234 ({step, share, of})
     {2, 9, 32},
-    // rank 3 block 43: shares 239..239 ({step, share, of})
+    // rank 3 block 43: shares 235..235 ({step, share, of})
     {2, 10, 32},
-    // rank 3 block 44: shares 240..240 ({step, share, of})
+    // rank 3 block 44: shares 236..236 ({step, share, of})
     {2, 11, 32},
-    // rank 3 block 45: shares 241..241 ({step, share, of})
+    // rank 3 block 45: shares 237..237 ({step, share, of})
     {2, 12, 32},
-    // rank 3 block 46: shares 242..242 ({step, share, of})
+    // rank 3 block 46: shares 238..238 ({step, share, of})
     {2, 13, 32},
-    // rank 3 block 47: shares 243..243 ({step, share, of})
+    // rank 3 block 47: shares 239..239 ({step, share, of})
     {2, 14, 32},
-    // rank 3 block 48: shares 244..244 ({step, share, of})
+    // rank 3 block 48: shares 240..240 ({step, share, of})
     {2, 15, 32},
-    // rank 3 block 49: shares 245..245 ({step, share, of})
+    // rank 3 block 49: shares 241..241 ({step, share, of})
     {2, 16, 32},
-    // rank 3 block 50: shares 246..246 ({step, share, of})
+    // rank 3 block 50: shares 242..242 ({step, share, of})
     {2, 17, 32},
-    // rank 3 block 51: shares 247..247 ({step, share, of})
+    // rank 3 block 51: shares 243..243 ({step, share, of})
     {2, 18, 32},
-    // rank 3 block 52: shares 248..248 ({step, share, of})
+    // rank 3 block 52: shares 244..244 ({step, share, of})
     {2, 19, 32},
-    // rank 3 block 53: shares 249..249 ({step, share, of})
+    // rank 3 block 53: shares 245..245 ({step, share, of})
     {2, 20, 32},
-    // rank 3 block 54: shares 250..250 ({step, share, of})
+    // rank 3 block 54: shares 246..246 ({step, share, of})
     {2, 21, 32},
-    // rank 3 block 55: shares 251..251 ({step, share, of})
+    // rank 3 block 55: shares 247..247 ({step, share, of})
     {2, 22, 32},
-    // rank 3 block 56: shares 252..252 ({step, share, of})
+    // rank 3 block 56: shares 248..248 ({step, share, of})
     {2, 23, 32},
-    // rank 3 block 57: shares 253..253 ({step, share, of})
+    // rank 3 block 57: shares 249..249 ({step, share, of})
     {2, 24, 32},
-    // rank 3 block 58: shares 254..254 ({step, share, of})
+    // rank 3 block 58: shares 250..250 ({step, share, of})
     {2, 25, 32},
-    // rank 3 block 59: shares 255..255 ({step, share, of})
+    // rank 3 block 59: shares 251..251 ({step, share, of})
     {2, 26, 32},
-    // rank 3 block 60: shares 256..256 ({step, share, of})
+    // rank 3 block 60: shares 252..252 ({step, share, of})
     {2, 27, 32},
-    // rank 3 block 61: shares 257..257 ({step, share, of})
+    // rank 3 block 61: shares 253..253 ({step, share, of})
     {2, 28, 32},
-    // rank 3 block 62: shares 258..258 ({step, share, of})
+    // rank 3 block 62: shares 254..254 ({step, share, of})
     {2, 29, 32},
-    // rank 3 block 63: shares 259..259 ({step, share, of})
+    // rank 3 block 63: shares 255..255 ({step, share, of})
     {2, 30, 32},
-    // rank 4 block 0: shares 260..261 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 4 block 1: shares 262..262 ({step, share, of})
+    // rank 4 block 0: shares 256..256 ({step, share, of})
+    {2, 31, 32},
+    // rank 4 block 1: shares 257..257 ({step, share, of})
     {1, 0, 32},
-    // rank 4 block 2: shares 263..263 ({step, share, of})
+    // rank 4 block 2: shares 258..258 ({step, share, of})
     {1, 1, 32},
-    // rank 4 block 3: shares 264..264 ({step, share, of})
+    // rank 4 block 3: shares 259..259 ({step, share, of})
     {1, 2, 32},
-    // rank 4 block 4: shares 265..265 ({step, share, of})
+    // rank 4 block 4: shares 260..260 ({step, share, of})
     {1, 3, 32},
-    // rank 4 block 5: shares 266..266 ({step, share, of})
+    // rank 4 block 5: shares 261..261 ({step, share, of})
     {1, 4, 32},
-    // rank 4 block 6: shares 267..267 ({step, share, of})
+    // rank 4 block 6: shares 262..262 ({step, share, of})
     {1, 5, 32},
-    // rank 4 block 7: shares 268..268 ({step, share, of})
+    // rank 4 block 7: shares 263..263 ({step, share, of})
     {1, 6, 32},
-    // rank 4 block 8: shares 269..269 ({step, share, of})
+    // rank 4 block 8: shares 264..264 ({step, share, of})
     {1, 7, 32},
-    // rank 4 block 9: shares 270..270 ({step, share, of})
+    // rank 4 block 9: shares 265..265 ({step, share, of})
     {1, 8, 32},
-    // rank 4 block 10: shares 271..271 ({step, share, of})
+    // rank 4 block 10: shares 266..266 ({step, share, of})
     {1, 9, 32},
-    // rank 4 block 11: shares 272..272 ({step, share, of})
+    // rank 4 block 11: shares 267..267 ({step, share, of})
     {1, 10, 32},
-    // rank 4 block 12: shares 273..273 ({step, share, of})
+    // rank 4 block 12: shares 268..268 ({step, share, of})
     {1, 11, 32},
-    // rank 4 block 13: shares 274..274 ({step, share, of})
+    // rank 4 block 13: shares 269..269 ({step, share, of})
     {1, 12, 32},
-    // rank 4 block 14: shares 275..275 ({step, share, of})
+    // rank 4 block 14: shares 270..270 ({step, share, of})
     {1, 13, 32},
-    // rank 4 block 15: shares 276..276 ({step, share, of})
+    // rank 4 block 15: shares 271..271 ({step, share, of})
     {1, 14, 32},
-    // rank 4 block 16: shares 277..277 ({step, share, of})
+    // rank 4 block 16: shares 272..272 ({step, share, of})
     {1, 15, 32},
-    // rank 4 block 17: shares 278..278 ({step, share, of})
+    // rank 4 block 17: shares 273..273 ({step, share, of})
     {1, 16, 32},
-    // rank 4 block 18: shares 279..279 ({step, share, of})
+    // rank 4 block 18: shares 274..274 ({step, share, of})
     {1, 17, 32},
-    // rank 4 block 19: shares 280..280 ({step, share, of})
+    // rank 4 block 19: shares 275..275 ({step, share, of})
     {1, 18, 32},
-    // rank 4 block 20: shares 281..281 ({step, share, of})
+    // rank 4 block 20: shares 276..276 ({step, share, of})
     {1, 19, 32},
-    // rank 4 block 21: shares 282..282 ({step, share, of})
+    // rank 4 block 21: shares 277..277 ({step, share, of})
     {1, 20, 32},
-    // rank 4 block 22: shares 283..283 ({step, share, of})
+    // rank 4 block 22: shares 278..278 ({step, share, of})
     {1, 21, 32},
-    // rank 4 block 23: shares 284..284 ({step, share, of})
+    // rank 4 block 23: shares 279..279 ({step, share, of})
     {1, 22, 32},
-    // rank 4 block 24: shares 285..285 ({step, share, of})
+    // rank 4 block 24: shares 280..280 ({step, share, of})
     {1, 23, 32},
-    // rank 4 block 25: shares 286..286 ({step, share, of})
+    // rank 4 block 25: shares 281..281 ({step, share, of})
     {1, 24, 32},
-    // rank 4 block 26: shares 287..287 ({step, share, of})
+    // rank 4 block 26: shares 282..282 ({step, share, of})
     {1, 25, 32},
-    // rank 4 block 27: shares 288..288 ({step, share, of})
+    // rank 4 block 27: shares 283..283 ({step, share, of})
     {1, 26, 32},
-    // rank 4 block 28: shares 289..289 ({step, share, of})
+    // rank 4 block 28: shares 284..284 ({step, share, of})
     {1, 27, 32},
-    // rank 4 block 29: shares 290..290 ({step, share, of})
+    // rank 4 block 29: shares 285..285 ({step, share, of})
     {1, 28, 32},
-    // rank 4 block 30: shares 291..291 ({step, share, of})
+    // rank 4 block 30: shares 286..286 ({step, share, of})
     {1, 29, 32},
-    // rank 4 block 31: shares 292..292 ({step, share, of})
+    // rank 4 block 31: shares 287..287 ({step, share, of})
     {1, 30, 32},
-    // rank 4 block 32: shares 293..293 ({step, share, of})
+    // rank 4 block 32: shares 288..288 ({step, share, of})
     {1, 31, 32},
-    // rank 4 block 33: shares 294..294 ({step, share, of})
+    // rank 4 block 33: shares 289..289 ({step, share, of})
     {2, 0, 32},
-    // rank 4 block 34: shares 295..295 ({step, share, of})
+    // rank 4 block 34: shares 290..290 ({step, share, of})
     {2, 1, 32},
-    // rank 4 block 35: shares 296..296 ({step, share, of})
+    // rank 4 block 35: shares 291..291 ({step, share, of})
     {2, 2, 32},
-    // rank 4 block 36: shares 297..297 ({step, share, of})
+    // rank 4 block 36: shares 292..292 ({step, share, of})
     {2, 3, 32},
-    // rank 4 block 37: shares 298..298 ({step, share, of})
+    // rank 4 block 37: shares 293..293 ({step, share, of})
     {2, 4, 32},
-    // rank 4 block 38: shares 299..299 ({step, share, of})
+    // rank 4 block 38: shares 294..294 ({step, share, of})
     {2, 5, 32},
-    // rank 4 block 39: shares 300..300 ({step, share, of})
+    // rank 4 block 39: shares 295..295 ({step, share, of})
     {2, 6, 32},
-    // rank 4 block 40: shares 301..301 ({step, share, of})
+    // rank 4 block 40: shares 296..296 ({step, share, of})
     {2, 7, 32},
-    // rank 4 block 41: shares 302..302 ({step, share, of})
+    // rank 4 block 41: shares 297..297 ({step, share, of})
     {2, 8, 32},
-    // rank 4 block 42: shares 303..303 ({step, share, of})
+    // rank 4 block 42: shares 298..298 ({step, share, of})
     {2, 9, 32},
-    // rank 4 block 43: shares 304..304 ({step, share, of})
+    // rank 4 block 43: shares 299..299 ({step, share, of})
     {2, 10, 32},
-    // rank 4 block 44: shares 305..305 ({step, share, of})
+    // rank 4 block 44: shares 300..300 ({step, share, of})
     {2, 11, 32},
-    // rank 4 block 45: shares 306..306 ({step, share, of})
+    // rank 4 block 45: shares 301..301 ({step, share, of})
     {2, 12, 32},
-    // rank 4 block 46: shares 307..307 ({step, share, of})
+    // rank 4 block 46: shares 302..302 ({step, share, of})
     {2, 13, 32},
-    // rank 4 block 47: shares 308..308 ({step, share, of})
+    // rank 4 block 47: shares 303..303 ({step, share, of})
     {2, 14, 32},
-    // rank 4 block 48: shares 309..309 ({step, share, of})
+    // rank 4 block 48: shares 304..304 ({step, share, of})
     {2, 15, 32},
-    // rank 4 block 49: shares 310..310 ({step, share, of})
+    // rank 4 block 49: shares 305..305 ({step, share, of})
     {2, 16, 32},
-    // rank 4 block 50: shares 311..311 ({step, share, of})
+    // rank 4 block 50: shares 306..306 ({step, share, of})
     {2, 17, 32},
-    // rank 4 block 51: shares 312..312 ({step, share, of})
+    // rank 4 block 51: shares 307..307 ({step, share, of})
     {2, 18, 32},
-    // rank 4 block 52: shares 313..313 ({step, share, of})
+    // rank 4 block 52: shares 308..308 ({step, share, of})
     {2, 19, 32},
-    // rank 4 block 53: shares 314..314 ({step, share, of})
+    // rank 4 block 53: shares 309..309 ({step, share, of})
     {2, 20, 32},
-    // rank 4 block 54: shares 315..315 ({step, share, of})
+    // rank 4 block 54: shares 310..310 ({step, share, of})
     {2, 21, 32},
-    // rank 4 block 55: shares 316..316 ({step, share, of})
+    // rank 4 block 55: shares 311..311 ({step, share, of})
     {2, 22, 32},
-    // rank 4 block 56: shares 317..317 ({step, share, of})
+    // rank 4 block 56: shares 312..312 ({step, share, of})
     {2, 23, 32},
-    // rank 4 block 57: shares 318..318 ({step, share, of})
+    // rank 4 block 57: shares 313..313 ({step, share, of})
     {2, 24, 32},
-    // rank 4 block 58: shares 319..319 ({step, share, of})
+    // rank 4 block 58: shares 314..314 ({step, share, of})
     {2, 25, 32},
-    // rank 4 block 59: shares 320..320 ({step, share, of})
+    // rank 4 block 59: shares 315..315 ({step, share, of})
     {2, 26, 32},
-    // rank 4 block 60: shares 321..321 ({step, share, of})
+    // rank 4 block 60: shares 316..316 ({step, share, of})
     {2, 27, 32},
-    // rank 4 block 61: shares 322..322 ({step, share, of})
+    // rank 4 block 61: shares 317..317 ({step, share, of})
     {2, 28, 32},
-    // rank 4 block 62: shares 323..323 ({step, share, of})
+    // rank 4 block 62: shares 318..318 ({step, share, of})
     {2, 29, 32},
-    // rank 4 block 63: shares 324..324 ({step, share, of})
+    // rank 4 block 63: shares 319..319 ({step, share, of})
     {2, 30, 32},
-    // rank 5 block 0: shares 325..326 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 5 block 1: shares 327..327 ({step, share, of})
+    // rank 5 block 0: shares 320..320 ({step, share, of})
+    {2, 31, 32},
+    // rank 5 block 1: shares 321..321 ({step, share, of})
     {1, 0, 32},
-    // rank 5 block 2: shares 328..328 ({step, share, of})
+    // rank 5 block 2: shares 322..322 ({step, share, of})
     {1, 1, 32},
-    // rank 5 block 3: shares 329..329 ({step, share, of})
+    // rank 5 block 3: shares 323..323 ({step, share, of})
     {1, 2, 32},
-    // rank 5 block 4: shares 330..330 ({step, share, of})
+    // rank 5 block 4: shares 324..324 ({step, share, of})
     {1, 3, 32},
-    // rank 5 block 5: shares 331..331 ({step, share, of})
+    // rank 5 block 5: shares 325..325 ({step, share, of})
     {1, 4, 32},
-    // rank 5 block 6: shares 332..332 ({step, share, of})
+    // rank 5 block 6: shares 326..326 ({step, share, of})
     {1, 5, 32},
-    // rank 5 block 7: shares 333..333 ({step, share, of})
+    // rank 5 block 7: shares 327..327 ({step, share, of})
     {1, 6, 32},
-    // rank 5 block 8: shares 334..334 ({step, share, of})
+    // rank 5 block 8: shares 328..328 ({step, share, of})
     {1, 7, 32},
-    // rank 5 block 9: shares 335..335 ({step, share, of})
+    // rank 5 block 9: shares 329..329 ({step, share, of})
     {1, 8, 32},
-    // rank 5 block 10: shares 336..336 ({step, share, of})
+    // rank 5 block 10: shares 330..330 ({step, share, of})
     {1, 9, 32},
-    // rank 5 block 11: shares 337..337 ({step, share, of})
+    // rank 5 block 11: shares 331..331 ({step, share, of})
     {1, 10, 32},
-    // rank 5 block 12: shares 338..338 ({step, share, of})
+    // rank 5 block 12: shares 332..332 ({step, share, of})
     {1, 11, 32},
-    // rank 5 block 13: shares 339..339 ({step, share, of})
+    // rank 5 block 13: shares 333..333 ({step, share, of})
     {1, 12, 32},
-    // rank 5 block 14: shares 340..340 ({step, share, of})
+    // rank 5 block 14: shares 334..334 ({step, share, of})
     {1, 13, 32},
-    // rank 5 block 15: shares 341..341 ({step, share, of})
+    // rank 5 block 15: shares 335..335 ({step, share, of})
     {1, 14, 32},
-    // rank 5 block 16: shares 342..342 ({step, share, of})
+    // rank 5 block 16: shares 336..336 ({step, share, of})
     {1, 15, 32},
-    // rank 5 block 17: shares 343..343 ({step, share, of})
+    // rank 5 block 17: shares 337..337 ({step, share, of})
     {1, 16, 32},
-    // rank 5 block 18: shares 344..344 ({step, share, of})
+    // rank 5 block 18: shares 338..338 ({step, share, of})
     {1, 17, 32},
-    // rank 5 block 19: shares 345..345 ({step, share, of})
+    // rank 5 block 19: shares 339..339 ({step, share, of})
     {1, 18, 32},
-    // rank 5 block 20: shares 346..346 ({step, share, of})
+    // rank 5 block 20: shares 340..340 ({step, share, of})
     {1, 19, 32},
-    // rank 5 block 21: shares 347..347 ({step, share, of})
+    // rank 5 block 21: shares 341..341 ({step, share, of})
     {1, 20, 32},
-    // rank 5 block 22: shares 348..348 ({step, share, of})
+    // rank 5 block 22: shares 342..342 ({step, share, of})
     {1, 21, 32},
-    // rank 5 block 23: shares 349..349 ({step, share, of})
+    // rank 5 block 23: shares 343..343 ({step, share, of})
     {1, 22, 32},
-    // rank 5 block 24: shares 350..350 ({step, share, of})
+    // rank 5 block 24: shares 344..344 ({step, share, of})
     {1, 23, 32},
-    // rank 5 block 25: shares 351..351 ({step, share, of})
+    // rank 5 block 25: shares 345..345 ({step, share, of})
     {1, 24, 32},
-    // rank 5 block 26: shares 352..352 ({step, share, of})
+    // rank 5 block 26: shares 346..346 ({step, share, of})
     {1, 25, 32},
-    // rank 5 block 27: shares 353..353 ({step, share, of})
+    // rank 5 block 27: shares 347..347 ({step, share, of})
     {1, 26, 32},
-    // rank 5 block 28: shares 354..354 ({step, share, of})
+    // rank 5 block 28: shares 348..348 ({step, share, of})
     {1, 27, 32},
-    // rank 5 block 29: shares 355..355 ({step, share, of})
+    // rank 5 block 29: shares 349..349 ({step, share, of})
     {1, 28, 32},
-    // rank 5 block 30: shares 356..356 ({step, share, of})
+    // rank 5 block 30: shares 350..350 ({step, share, of})
     {1, 29, 32},
-    // rank 5 block 31: shares 357..357 ({step, share, of})
+    // rank 5 block 31: shares 351..351 ({step, share, of})
     {1, 30, 32},
-    // rank 5 block 32: shares 358..358 ({step, share, of})
+    // rank 5 block 32: shares 352..352 ({step, share, of})
     {1, 31, 32},
-    // rank 5 block 33: shares 359..359 ({step, share, of})
+    // rank 5 block 33: shares 353..353 ({step, share, of})
     {2, 0, 32},
-    // rank 5 block 34: shares 360..360 ({step, share, of})
+    // rank 5 block 34: shares 354..354 ({step, share, of})
     {2, 1, 32},
-    // rank 5 block 35: shares 361..361 ({step, share, of})
+    // rank 5 block 35: shares 355..355 ({step, share, of})
     {2, 2, 32},
-    // rank 5 block 36: shares 362..362 ({step, share, of})
+    // rank 5 block 36: shares 356..356 ({step, share, of})
     {2, 3, 32},
-    // rank 5 block 37: shares 363..363 ({step, share, of})
+    // rank 5 block 37: shares 357..357 ({step, share, of})
     {2, 4, 32},
-    // rank 5 block 38: shares 364..364 ({step, share, of})
+    // rank 5 block 38: shares 358..358 ({step, share, of})
     {2, 5, 32},
-    // rank 5 block 39: shares 365..365 ({step, share, of})
+    // rank 5 block 39: shares 359..359 ({step, share, of})
     {2, 6, 32},
-    // rank 5 block 40: shares 366..366 ({step, share, of})
+    // rank 5 block 40: shares 360..360 ({step, share, of})
     {2, 7, 32},
-    // rank 5 block 41: shares 367..367 ({step, share, of})
+    // rank 5 block 41: shares 361..361 ({step, share, of})
     {2, 8, 32},
-    // rank 5 block 42: shares 368..368 ({step, share, of})
+    // rank 5 block 42: shares 362..362 ({step, share, of})
     {2, 9, 32},
-    // rank 5 block 43: shares 369..369 ({step, share, of})
+    // rank 5 block 43: shares 363..363 ({step, share, of})
     {2, 10, 32},
-    // rank 5 block 44: shares 370..370 ({step, share, of})
+    // rank 5 block 44: shares 364..364 ({step, share, of})
     {2, 11, 32},
-    // rank 5 block 45: shares 371..371 ({step, share, of})
+    // rank 5 block 45: shares 365..365 ({step, share, of})
     {2, 12, 32},
-    // rank 5 block 46: shares 372..372 ({step, share, of})
+    // rank 5 block 46: shares 366..366 ({step, share, of})
     {2, 13, 32},
-    // rank 5 block 47: shares 373..373 ({step, share, of})
+    // rank 5 block 47: shares 367..367 ({step, share, of})
     {2, 14, 32},
-    // rank 5 block 48: shares 374..374 ({step, share, of})
+    // rank 5 block 48: shares 368..368 ({step, share, of})
     {2, 15, 32},
-    // rank 5 block 49: shares 375..375 ({step, share, of})
+    // rank 5 block 49: shares 369..369 ({step, share, of})
     {2, 16, 32},
-    // rank 5 block 50: shares 376..376 ({step, share, of})
+    // rank 5 block 50: shares 370..370 ({step, share, of})
     {2, 17, 32},
-    // rank 5 block 51: shares 377..377 ({step, share, of})
+    // rank 5 block 51: shares 371..371 ({step, share, of})
     {2, 18, 32},
-    // rank 5 block 52: shares 378..378 ({step, share, of})
+    // rank 5 block 52: shares 372..372 ({step, share, of})
     {2, 19, 32},
-    // rank 5 block 53: shares 379..379 ({step, share, of})
+    // rank 5 block 53: shares 373..373 ({step, share, of})
     {2, 20, 32},
-    // rank 5 block 54: shares 380..380 ({step, share, of})
+    // rank 5 block 54: shares 374..374 ({step, share, of})
     {2, 21, 32},
-    // rank 5 block 55: shares 381..381 ({step, share, of})
+    // rank 5 block 55: shares 375..375 ({step, share, of})
     {2, 22, 32},
-    // rank 5 block 56: shares 382..382 ({step, share, of})
+    // rank 5 block 56: shares 376..376 ({step, share, of})
     {2, 23, 32},
-    // rank 5 block 57: shares 383..383 ({step, share, of})
+    // rank 5 block 57: shares 377..377 ({step, share, of})
     {2, 24, 32},
-    // rank 5 block 58: shares 384..384 ({step, share, of})
+    // rank 5 block 58: shares 378..378 ({step, share, of})
     {2, 25, 32},
-    // rank 5 block 59: shares 385..385 ({step, share, of})
+    // rank 5 block 59: shares 379..379 ({step, share, of})
     {2, 26, 32},
-    // rank 5 block 60: shares 386..386 ({step, share, of})
+    // rank 5 block 60: shares 380..380 ({step, share, of})
     {2, 27, 32},
-    // rank 5 block 61: shares 387..387 ({step, share, of})
+    // rank 5 block 61: shares 381..381 ({step, share, of})
     {2, 28, 32},
-    // rank 5 block 62: shares 388..388 ({step, share, of})
+    // rank 5 block 62: shares 382..382 ({step, share, of})
     {2, 29, 32},
-    // rank 5 block 63: shares 389..389 ({step, share, of})
+    // rank 5 block 63: shares 383..383 ({step, share, of})
     {2, 30, 32},
-    // rank 6 block 0: shares 390..391 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 6 block 1: shares 392..392 ({step, share, of})
+    // rank 6 block 0: shares 384..384 ({step, share, of})
+    {2, 31, 32},
+    // rank 6 block 1: shares 385..385 ({step, share, of})
     {1, 0, 32},
-    // rank 6 block 2: shares 393..393 ({step, share, of})
+    // rank 6 block 2: shares 386..386 ({step, share, of})
     {1, 1, 32},
-    // rank 6 block 3: shares 394..394 ({step, share, of})
+    // rank 6 block 3: shares 387..387 ({step, share, of})
     {1, 2, 32},
-    // rank 6 block 4: shares 395..395 ({step, share, of})
+    // rank 6 block 4: shares 388..388 ({step, share, of})
     {1, 3, 32},
-    // rank 6 block 5: shares 396..396 ({step, share, of})
+    // rank 6 block 5: shares 389..389 ({step, share, of})
     {1, 4, 32},
-    // rank 6 block 6: shares 397..397 ({step, share, of})
+    // rank 6 block 6: shares 390..390 ({step, share, of})
     {1, 5, 32},
-    // rank 6 block 7: shares 398..398 ({step, share, of})
+    // rank 6 block 7: shares 391..391 ({step, share, of})
     {1, 6, 32},
-    // rank 6 block 8: shares 399..399 ({step, share, of})
+    // rank 6 block 8: shares 392..392 ({step, share, of})
     {1, 7, 32},
-    // rank 6 block 9: shares 400..400 ({step, share, of})
+    // rank 6 block 9: shares 393..393 ({step, share, of})
     {1, 8, 32},
-    // rank 6 block 10: shares 401..401 ({step, share, of})
+    // rank 6 block 10: shares 394..394 ({step, share, of})
     {1, 9, 32},
-    // rank 6 block 11: shares 402..402 ({step, share, of})
+    // rank 6 block 11: shares 395..395 ({step, share, of})
     {1, 10, 32},
-    // rank 6 block 12: shares 403..403 ({step, share, of})
+    // rank 6 block 12: shares 396..396 ({step, share, of})
     {1, 11, 32},
-    // rank 6 block 13: shares 404..404 ({step, share, of})
+    // rank 6 block 13: shares 397..397 ({step, share, of})
     {1, 12, 32},
-    // rank 6 block 14: shares 405..405 ({step, share, of})
+    // rank 6 block 14: shares 398..398 ({step, share, of})
     {1, 13, 32},
-    // rank 6 block 15: shares 406..406 ({step, share, of})
+    // rank 6 block 15: shares 399..399 ({step, share, of})
     {1, 14, 32},
-    // rank 6 block 16: shares 407..407 ({step, share, of})
+    // rank 6 block 16: shares 400..400 ({step, share, of})
     {1, 15, 32},
-    // rank 6 block 17: shares 408..408 ({step, share, of})
+    // rank 6 block 17: shares 401..401 ({step, share, of})
     {1, 16, 32},
-    // rank 6 block 18: shares 409..409 ({step, share, of})
+    // rank 6 block 18: shares 402..402 ({step, share, of})
     {1, 17, 32},
-    // rank 6 block 19: shares 410..410 ({step, share, of})
+    // rank 6 block 19: shares 403..403 ({step, share, of})
     {1, 18, 32},
-    // rank 6 block 20: shares 411..411 ({step, share, of})
+    // rank 6 block 20: shares 404..404 ({step, share, of})
     {1, 19, 32},
-    // rank 6 block 21: shares 412..412 ({step, share, of})
+    // rank 6 block 21: shares 405..405 ({step, share, of})
     {1, 20, 32},
-    // rank 6 block 22: shares 413..413 ({step, share, of})
+    // rank 6 block 22: shares 406..406 ({step, share, of})
     {1, 21, 32},
-    // rank 6 block 23: shares 414..414 ({step, share, of})
+    // rank 6 block 23: shares 407..407 ({step, share, of})
     {1, 22, 32},
-    // rank 6 block 24: shares 415..415 ({step, share, of})
+    // rank 6 block 24: shares 408..408 ({step, share, of})
     {1, 23, 32},
-    // rank 6 block 25: shares 416..416 ({step, share, of})
+    // rank 6 block 25: shares 409..409 ({step, share, of})
     {1, 24, 32},
-    // rank 6 block 26: shares 417..417 ({step, share, of})
+    // rank 6 block 26: shares 410..410 ({step, share, of})
     {1, 25, 32},
-    // rank 6 block 27: shares 418..418 ({step, share, of})
+    // rank 6 block 27: shares 411..411 ({step, share, of})
     {1, 26, 32},
-    // rank 6 block 28: shares 419..419 ({step, share, of})
+    // rank 6 block 28: shares 412..412 ({step, share, of})
     {1, 27, 32},
-    // rank 6 block 29: shares 420..420 ({step, share, of})
+    // rank 6 block 29: shares 413..413 ({step, share, of})
     {1, 28, 32},
-    // rank 6 block 30: shares 421..421 ({step, share, of})
+    // rank 6 block 30: shares 414..414 ({step, share, of})
     {1, 29, 32},
-    // rank 6 block 31: shares 422..422 ({step, share, of})
+    // rank 6 block 31: shares 415..415 ({step, share, of})
     {1, 30, 32},
-    // rank 6 block 32: shares 423..423 ({step, share, of})
+    // rank 6 block 32: shares 416..416 ({step, share, of})
     {1, 31, 32},
-    // rank 6 block 33: shares 424..424 ({step, share, of})
+    // rank 6 block 33: shares 417..417 ({step, share, of})
     {2, 0, 32},
-    // rank 6 block 34: shares 425..425 ({step, share, of})
+    // rank 6 block 34: shares 418..418 ({step, share, of})
     {2, 1, 32},
-    // rank 6 block 35: shares 426..426 ({step, share, of})
+    // rank 6 block 35: shares 419..419 ({step, share, of})
     {2, 2, 32},
-    // rank 6 block 36: shares 427..427 ({step, share, of})
+    // rank 6 block 36: shares 420..420 ({step, share, of})
     {2, 3, 32},
-    // rank 6 block 37: shares 428..428 ({step, share, of})
+    // rank 6 block 37: shares 421..421 ({step, share, of})
     {2, 4, 32},
-    // rank 6 block 38: shares 429..429 ({step, share, of})
+    // rank 6 block 38: shares 422..422 ({step, share, of})
     {2, 5, 32},
-    // rank 6 block 39: shares 430..430 ({step, share, of})
+    // rank 6 block 39: shares 423..423 ({step, share, of})
     {2, 6, 32},
-    // rank 6 block 40: shares 431..431 ({step, share, of})
+    // rank 6 block 40: shares 424..424 ({step, share, of})
     {2, 7, 32},
-    // rank 6 block 41: shares 432..432 ({step, share, of})
+    // rank 6 block 41: shares 425..425 ({step, share, of})
     {2, 8, 32},
-    // rank 6 block 42: shares 433..433 ({step, share, of})
+    // rank 6 block 42: shares 426..426 ({step, share, of})
     {2, 9, 32},
-    // rank 6 block 43: shares 434..434 ({step, share, of})
+    // rank 6 block 43: shares 427..427 ({step, share, of})
     {2, 10, 32},
-    // rank 6 block 44: shares 435..435 ({step, share, of})
+    // rank 6 block 44: shares 428..428 ({step, share, of})
     {2, 11, 32},
-    // rank 6 block 45: shares 436..436 ({step, share, of})
+    // rank 6 block 45: shares 429..429 ({step, share, of})
     {2, 12, 32},
-    // rank 6 block 46: shares 437..437 ({step, share, of})
+    // rank 6 block 46: shares 430..430 ({step, share, of})
     {2, 13, 32},
-    // rank 6 block 47: shares 438..438 ({step, share, of})
+    // rank 6 block 47: shares 431..431 ({step, share, of})
     {2, 14, 32},
-    // rank 6 block 48: shares 439..439 ({step, share, of})
+    // rank 6 block 48: shares 432..432 ({step, share, of})
     {2, 15, 32},
-    // rank 6 block 49: shares 440..440 ({step, share, of})
+    // rank 6 block 49: shares 433..433 ({step, share, of})
     {2, 16, 32},
-    // rank 6 block 50: shares 441..441 ({step, share, of})
+    // rank 6 block 50: shares 434..434 ({step, share, of})
     {2, 17, 32},
-    // rank 6 block 51: shares 442..442 ({step, share, of})
+    // rank 6 block 51: shares 435..435 ({step, share, of})
     {2, 18, 32},
-    // rank 6 block 52: shares 443..443 ({step, share, of})
+    // rank 6 block 52: shares 436..436 ({step, share, of})
     {2, 19, 32},
-    // rank 6 block 53: shares 444..444 ({step, share, of})
+    // rank 6 block 53: shares 437..437 ({step, share, of})
     {2, 20, 32},
-    // rank 6 block 54: shares 445..445 ({step, share, of})
+    // rank 6 block 54: shares 438..438 ({step, share, of})
     {2, 21, 32},
-    // rank 6 block 55: shares 446..446 ({step, share, of})
+    // rank 6 block 55: shares 439..439 ({step, share, of})
     {2, 22, 32},
-    // rank 6 block 56: shares 447..447 ({step, share, of})
+    // rank 6 block 56: shares 440..440 ({step, share, of})
     {2, 23, 32},
-    // rank 6 block 57: shares 448..448 ({step, share, of})
+    // rank 6 block 57: shares 441..441 ({step, share, of})
     {2, 24, 32},
-    // rank 6 block 58: shares 449..449 ({step, share, of})
+    // rank 6 block 58: shares 442..442 ({step, share, of})
     {2, 25, 32},
-    // rank 6 block 59: shares 450..450 ({step, share, of})
+    // rank 6 block 59: shares 443..443 ({step, share, of})
     {2, 26, 32},
-    // rank 6 block 60: shares 451..451 ({step, share, of})
+    // rank 6 block 60: shares 444..444 ({step, share, of})
     {2, 27, 32},
-    // rank 6 block 61: shares 452..452 ({step, share, of})
+    // rank 6 block 61: shares 445..445 ({step, share, of})
     {2, 28, 32},
-    // rank 6 block 62: shares 453..453 ({step, share, of})
+    // rank 6 block 62: shares 446..446 ({step, share, of})
     {2, 29, 32},
-    // rank 6 block 63: shares 454..454 ({step, share, of})
+    // rank 6 block 63: shares 447..447 ({step, share, of})
     {2, 30, 32},
-    // rank 7 block 0: shares 455..456 ({step, share, of})
-    {0, 0, 1}, {2, 31, 32},
-    // rank 7 block 1: shares 457..457 ({step, share, of})
+    // rank 7 block 0: shares 448..448 ({step, share, of})
+    {2, 31, 32},
+    // rank 7 block 1: shares 449..449 ({step, share, of})
     {1, 0, 32},
-    // rank 7 block 2: shares 458..458 ({step, share, of})
+    // rank 7 block 2: shares 450..450 ({step, share, of})
     {1, 1, 32},
-    // rank 7 block 3: shares 459..459 ({step, share, of})
+    // rank 7 block 3: shares 451..451 ({step, share, of})
     {1, 2, 32},
-    // rank 7 block 4: shares 460..460 ({step, share, of})
+    // rank 7 block 4: shares 452..452 ({step, share, of})
     {1, 3, 32},
-    // rank 7 block 5: shares 461..461 ({step, share, of})
+    // rank 7 block 5: shares 453..453 ({step, share, of})
     {1, 4, 32},
-    // rank 7 block 6: shares 462..462 ({step, share, of})
+    // rank 7 block 6: shares 454..454 ({step, share, of})
     {1, 5, 32},
-    // rank 7 block 7: shares 463..463 ({step, share, of})
+    // rank 7 block 7: shares 455..455 ({step, share, of})
     {1, 6, 32},
-    // rank 7 block 8: shares 464..464 ({step, share, of})
+    // rank 7 block 8: shares 456..456 ({step, share, of})
     {1, 7, 32},
-    // rank 7 block 9: shares 465..465 ({step, share, of})
+    // rank 7 block 9: shares 457..457 ({step, share, of})
     {1, 8, 32},
-    // rank 7 block 10: shares 466..466 ({step, share, of})
+    // rank 7 block 10: shares 458..458 ({step, share, of})
     {1, 9, 32},
-    // rank 7 block 11: shares 467..467 ({step, share, of})
+    // rank 7 block 11: shares 459..459 ({step, share, of})
     {1, 10, 32},
-    // rank 7 block 12: shares 468..468 ({step, share, of})
+    // rank 7 block 12: shares 460..460 ({step, share, of})
     {1, 11, 32},
-    // rank 7 block 13: shares 469..469 ({step, share, of})
+    // rank 7 block 13: shares 461..461 ({step, share, of})
     {1, 12, 32},
-    // rank 7 block 14: shares 470..470 ({step, share, of})
+    // rank 7 block 14: shares 462..462 ({step, share, of})
     {1, 13, 32},
-    // rank 7 block 15: shares 471..471 ({step, share, of})
+    // rank 7 block 15: shares 463..463 ({step, share, of})
     {1, 14, 32},
-    // rank 7 block 16: shares 472..472 ({step, share, of})
+    // rank 7 block 16: shares 464..464 ({step, share, of})
     {1, 15, 32},
-    // rank 7 block 17: shares 473..473 ({step, share, of})
+    // rank 7 block 17: shares 465..465 ({step, share, of})
     {1, 16, 32},
-    // rank 7 block 18: shares 474..474 ({step, share, of})
+    // rank 7 block 18: shares 466..466 ({step, share, of})
     {1, 17, 32},
-    // rank 7 block 19: shares 475..475 ({step, share, of})
+    // rank 7 block 19: shares 467..467 ({step, share, of})
     {1, 18, 32},
-    // rank 7 block 20: shares 476..476 ({step, share, of})
+    // rank 7 block 20: shares 468..468 ({step, share, of})
     {1, 19, 32},
-    // rank 7 block 21: shares 477..477 ({step, share, of})
+    // rank 7 block 21: shares 469..469 ({step, share, of})
     {1, 20, 32},
-    // rank 7 block 22: shares 478..478 ({step, share, of})
+    // rank 7 block 22: shares 470..470 ({step, share, of})
     {1, 21, 32},
-    // rank 7 block 23: shares 479..479 ({step, share, of})
+    // rank 7 block 23: shares 471..471 ({step, share, of})
     {1, 22, 32},
-    // rank 7 block 24: shares 480..480 ({step, share, of})
+    // rank 7 block 24: shares 472..472 ({step, share, of})
     {1, 23, 32},
-    // rank 7 block 25: shares 481..481 ({step, share, of})
+    // rank 7 block 25: shares 473..473 ({step, share, of})
     {1, 24, 32},
-    // rank 7 block 26: shares 482..482 ({step, share, of})
+    // rank 7 block 26: shares 474..474 ({step, share, of})
     {1, 25, 32},
-    // rank 7 block 27: shares 483..483 ({step, share, of})
+    // rank 7 block 27: shares 475..475 ({step, share, of})
     {1, 26, 32},
-    // rank 7 block 28: shares 484..484 ({step, share, of})
+    // rank 7 block 28: shares 476..476 ({step, share, of})
     {1, 27, 32},
-    // rank 7 block 29: shares 485..485 ({step, share, of})
+    // rank 7 block 29: shares 477..477 ({step, share, of})
     {1, 28, 32},
-    // rank 7 block 30: shares 486..486 ({step, share, of})
+    // rank 7 block 30: shares 478..478 ({step, share, of})
     {1, 29, 32},
-    // rank 7 block 31: shares 487..487 ({step, share, of})
+    // rank 7 block 31: shares 479..479 ({step, share, of})
     {1, 30, 32},
-    // rank 7 block 32: shares 488..488 ({step, share, of})
+    // rank 7 block 32: shares 480..480 ({step, share, of})
     {1, 31, 32},
-    // rank 7 block 33: shares 489..489 ({step, share, of})
+    // rank 7 block 33: shares 481..481 ({step, share, of})
     {2, 0, 32},
-    // rank 7 block 34: shares 490..490 ({step, share, of})
+    // rank 7 block 34: shares 482..482 ({step, share, of})
     {2, 1, 32},
-    // rank 7 block 35: shares 491..491 ({step, share, of})
+    // rank 7 block 35: shares 483..483 ({step, share, of})
     {2, 2, 32},
-    // rank 7 block 36: shares 492..492 ({step, share, of})
+    // rank 7 block 36: shares 484..484 ({step, share, of})
     {2, 3, 32},
-    // rank 7 block 37: shares 493..493 ({step, share, of})
+    // rank 7 block 37: shares 485..485 ({step, share, of})
     {2, 4, 32},
-    // rank 7 block 38: shares 494..494 ({step, share, of})
+    // rank 7 block 38: shares 486..486 ({step, share, of})
     {2, 5, 32},
-    // rank 7 block 39: shares 495..495 ({step, share, of})
+    // rank 7 block 39: shares 487..487 ({step, share, of})
     {2, 6, 32},
-    // rank 7 block 40: shares 496..496 ({step, share, of})
+    // rank 7 block 40: shares 488..488 ({step, share, of})
     {2, 7, 32},
-    // rank 7 block 41: shares 497..497 ({step, share, of})
+    // rank 7 block 41: shares 489..489 ({step, share, of})
     {2, 8, 32},
-    // rank 7 block 42: shares 498..498 ({step, share, of})
+    // rank 7 block 42: shares 490..490 ({step, share, of})
     {2, 9, 32},
-    // rank 7 block 43: shares 499..499 ({step, share, of})
+    // rank 7 block 43: shares 491..491 ({step, share, of})
     {2, 10, 32},
-    // rank 7 block 44: shares 500..500 ({step, share, of})
+    // rank 7 block 44: shares 492..492 ({step, share, of})
     {2, 11, 32},
-    // rank 7 block 45: shares 501..501 ({step, share, of})
+    // rank 7 block 45: shares 493..493 ({step, share, of})
     {2, 12, 32},
-    // rank 7 block 46: shares 502..502 ({step, share, of})
+    // rank 7 block 46: shares 494..494 ({step, share, of})
     {2, 13, 32},
-    // rank 7 block 47: shares 503..503 ({step, share, of})
+    // rank 7 block 47: shares 495..495 ({step, share, of})
     {2, 14, 32},
-    // rank 7 block 48: shares 504..504 ({step, share, of})
+    // rank 7 block 48: shares 496..496 ({step, share, of})
     {2, 15, 32},
-    // rank 7 block 49: shares 505..505 ({step, share, of})
+    // rank 7 block 49: shares 497..497 ({step, share, of})
     {2, 16, 32},
-    // rank 7 block 50: shares 506..506 ({step, share, of})
+    // rank 7 block 50: shares 498..498 ({step, share, of})
     {2, 17, 32},
-    // rank 7 block 51: shares 507..507 ({step, share, of})
+    // rank 7 block 51: shares 499..499 ({step, share, of})
     {2, 18, 32},
-    // rank 7 block 52: shares 508..508 ({step, share, of})
+    // rank 7 block 52: shares 500..500 ({step, share, of})
     {2, 19, 32},
-    // rank 7 block 53: shares 509..509 ({step, share, of})
+    // rank 7 block 53: shares 501..501 ({step, share, of})
     {2, 20, 32},
-    // rank 7 block 54: shares 510..510 ({step, share, of})
+    // rank 7 block 54: shares 502..502 ({step, share, of})
     {2, 21, 32},
-    // rank 7 block 55: shares 511..511 ({step, share, of})
+    // rank 7 block 55: shares 503..503 ({step, share, of})
     {2, 22, 32},
-    // rank 7 block 56: shares 512..512 ({step, share, of})
+    // rank 7 block 56: shares 504..504 ({step, share, of})
     {2, 23, 32},
-    // rank 7 block 57: shares 513..513 ({step, share, of})
+    // rank 7 block 57: shares 505..505 ({step, share, of})
     {2, 24, 32},
-    // rank 7 block 58: shares 514..514 ({step, share, of})
+    // rank 7 block 58: shares 506..506 ({step, share, of})
     {2, 25, 32},
-    // rank 7 block 59: shares 515..515 ({step, share, of})
+    // rank 7 block 59: shares 507..507 ({step, share, of})
     {2, 26, 32},
-    // rank 7 block 60: shares 516..516 ({step, share, of})
+    // rank 7 block 60: shares 508..508 ({step, share, of})
     {2, 27, 32},
-    // rank 7 block 61: shares 517..517 ({step, share, of})
+    // rank 7 block 61: shares 509..509 ({step, share, of})
     {2, 28, 32},
-    // rank 7 block 62: shares 518..518 ({step, share, of})
+    // rank 7 block 62: shares 510..510 ({step, share, of})
     {2, 29, 32},
-    // rank 7 block 63: shares 519..519 ({step, share, of})
+    // rank 7 block 63: shares 511..511 ({step, share, of})
     {2, 30, 32},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
-    { 65, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
-    { 130, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
-    { 195, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260 },
-    { 260, 262, 263, 264, 265, 266, 267, 268, 269, 270, 271, 272, 273, 274, 275, 276, 277, 278, 279, 280, 281, 282, 283, 284, 285, 286, 287, 288, 289, 290, 291, 292, 293, 294, 295, 296, 297, 298, 299, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316, 317, 318, 319, 320, 321, 322, 323, 324, 325 },
-    { 325, 327, 328, 329, 330, 331, 332, 333, 334, 335, 336, 337, 338, 339, 340, 341, 342, 343, 344, 345, 346, 347, 348, 349, 350, 351, 352, 353, 354, 355, 356, 357, 358, 359, 360, 361, 362, 363, 364, 365, 366, 367, 368, 369, 370, 371, 372, 373, 374, 375, 376, 377, 378, 379, 380, 381, 382, 383, 384, 385, 386, 387, 388, 389, 390 },
-    { 390, 392, 393, 394, 395, 396, 397, 398, 399, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413, 414, 415, 416, 417, 418, 419, 420, 421, 422, 423, 424, 425, 426, 427, 428, 429, 430, 431, 432, 433, 434, 435, 436, 437, 438, 439, 440, 441, 442, 443, 444, 445, 446, 447, 448, 449, 450, 451, 452, 453, 454, 455 },
-    { 455, 457, 458, 459, 460, 461, 462, 463, 464, 465, 466, 467, 468, 469, 470, 471, 472, 473, 474, 475, 476, 477, 478, 479, 480, 481, 482, 483, 484, 485, 486, 487, 488, 489, 490, 491, 492, 493, 494, 495, 496, 497, 498, 499, 500, 501, 502, 503, 504, 505, 506, 507, 508, 509, 510, 511, 512, 513, 514, 515, 516, 517, 518, 519, 520 },
+    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64 },
+    { 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128 },
+    { 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192 },
+    { 192, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256 },
+    { 256, 257, 258, 259, 260, 261, 262, 263, 264, 265, 266, 267, 268, 269, 270, 271, 272, 273, 274, 275, 276, 277, 278, 279, 280, 281, 282, 283, 284, 285, 286, 287, 288, 289, 290, 291, 292, 293, 294, 295, 296, 297, 298, 299, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312, 313, 314, 315, 316, 317, 318, 319, 320 },
+    { 320, 321, 322, 323, 324, 325, 326, 327, 328, 329, 330, 331, 332, 333, 334, 335, 336, 337, 338, 339, 340, 341, 342, 343, 344, 345, 346, 347, 348, 349, 350, 351, 352, 353, 354, 355, 356, 357, 358, 359, 360, 361, 362, 363, 364, 365, 366, 367, 368, 369, 370, 371, 372, 373, 374, 375, 376, 377, 378, 379, 380, 381, 382, 383, 384 },
+    { 384, 385, 386, 387, 388, 389, 390, 391, 392, 393, 394, 395, 396, 397, 398, 399, 400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411, 412, 413, 414, 415, 416, 417, 418, 419, 420, 421, 422, 423, 424, 425, 426, 427, 428, 429, 430, 431, 432, 433, 434, 435, 436, 437, 438, 439, 440, 441, 442, 443, 444, 445, 446, 447, 448 },
+    { 448, 449, 450, 451, 452, 453, 454, 455, 456, 457, 458, 459, 460, 461, 462, 463, 464, 465, 466, 467, 468, 469, 470, 471, 472, 473, 474, 475, 476, 477, 478, 479, 480, 481, 482, 483, 484, 485, 486, 487, 488, 489, 490, 491, 492, 493, 494, 495, 496, 497, 498, 499, 500, 501, 502, 503, 504, 505, 506, 507, 508, 509, 510, 511, 512 },
 };
 
 template <int WORLD> struct plan;
@@ -3508,27 +3513,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __half* dst, __half* scratch, uint64_t* entry, uint64_t* done, uint64_t* reduced) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)scratch, (char*)entry, (char*)done, (char*)reduced };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1081,12 +1081,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1130,11 +1138,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1163,7 +1168,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 28 steps, 1540 block shares over 128 blocks.
+// Plan for world size 2: 28 steps, 1538 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1226,529 +1231,527 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..8 ({step, share, of})
-    {0, 0, 1}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64},
-    {12, 63, 64},
-    // rank 0 block 1: shares 9..13 ({step, share, of})
+    // rank 0 block 0: shares 0..7 ({step, share, of})
+    {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
+    // rank 0 block 1: shares 8..12 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {13, 0, 1},
-    // rank 0 block 2: shares 14..17 ({step, share, of})
+    // rank 0 block 2: shares 13..16 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64},
-    // rank 0 block 3: shares 18..21 ({step, share, of})
+    // rank 0 block 3: shares 17..20 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64},
-    // rank 0 block 4: shares 22..25 ({step, share, of})
+    // rank 0 block 4: shares 21..24 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64},
-    // rank 0 block 5: shares 26..29 ({step, share, of})
+    // rank 0 block 5: shares 25..28 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64},
-    // rank 0 block 6: shares 30..33 ({step, share, of})
+    // rank 0 block 6: shares 29..32 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64},
-    // rank 0 block 7: shares 34..37 ({step, share, of})
+    // rank 0 block 7: shares 33..36 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64},
-    // rank 0 block 8: shares 38..41 ({step, share, of})
+    // rank 0 block 8: shares 37..40 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64},
-    // rank 0 block 9: shares 42..45 ({step, share, of})
+    // rank 0 block 9: shares 41..44 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64},
-    // rank 0 block 10: shares 46..49 ({step, share, of})
+    // rank 0 block 10: shares 45..48 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64},
-    // rank 0 block 11: shares 50..53 ({step, share, of})
+    // rank 0 block 11: shares 49..52 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64},
-    // rank 0 block 12: shares 54..57 ({step, share, of})
+    // rank 0 block 12: shares 53..56 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64},
-    // rank 0 block 13: shares 58..61 ({step, share, of})
+    // rank 0 block 13: shares 57..60 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64},
-    // rank 0 block 14: shares 62..65 ({step, share, of})
+    // rank 0 block 14: shares 61..64 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64},
-    // rank 0 block 15: shares 66..69 ({step, share, of})
+    // rank 0 block 15: shares 65..68 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64},
-    // rank 0 block 16: shares 70..73 ({step, share, of})
+    // rank 0 block 16: shares 69..72 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64},
-    // rank 0 block 17: shares 74..77 ({step, share, of})
+    // rank 0 block 17: shares 73..76 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64},
-    // rank 0 block 18: shares 78..81 ({step, share, of})
+    // rank 0 block 18: shares 77..80 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64},
-    // rank 0 block 19: shares 82..85 ({step, share, of})
+    // rank 0 block 19: shares 81..84 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64},
-    // rank 0 block 20: shares 86..89 ({step, share, of})
+    // rank 0 block 20: shares 85..88 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64},
-    // rank 0 block 21: shares 90..93 ({step, share, of})
+    // rank 0 block 21: shares 89..92 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64},
-    // rank 0 block 22: shares 94..97 ({step, share, of})
+    // rank 0 block 22: shares 93..96 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64},
-    // rank 0 block 23: shares 98..101 ({step, share, of})
+    // rank 0 block 23: shares 97..100 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64},
-    // rank 0 block 24: shares 102..105 ({step, share, of})
+    // rank 0 block 24: shares 101..104 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64},
-    // rank 0 block 25: shares 106..109 ({step, share, of})
+    // rank 0 block 25: shares 105..108 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64},
-    // rank 0 block 26: shares 110..113 ({step, share, of})
+    // rank 0 block 26: shares 109..112 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64},
-    // rank 0 block 27: shares 114..117 ({step, share, of})
+    // rank 0 block 27: shares 113..116 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64},
-    // rank 0 block 28: shares 118..121 ({step, share, of})
+    // rank 0 block 28: shares 117..120 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64},
-    // rank 0 block 29: shares 122..125 ({step, share, of})
+    // rank 0 block 29: shares 121..124 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64},
-    // rank 0 block 30: shares 126..129 ({step, share, of})
+    // rank 0 block 30: shares 125..128 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64},
-    // rank 0 block 31: shares 130..133 ({step, share, of})
+    // rank 0 block 31: shares 129..132 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64},
-    // rank 0 block 32: shares 134..137 ({step, share, of})
+    // rank 0 block 32: shares 133..136 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64},
-    // rank 0 block 33: shares 138..141 ({step, share, of})
+    // rank 0 block 33: shares 137..140 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64},
-    // rank 0 block 34: shares 142..145 ({step, share, of})
+    // rank 0 block 34: shares 141..144 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64},
-    // rank 0 block 35: shares 146..149 ({step, share, of})
+    // rank 0 block 35: shares 145..148 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64},
-    // rank 0 block 36: shares 150..153 ({step, share, of})
+    // rank 0 block 36: shares 149..152 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64},
-    // rank 0 block 37: shares 154..157 ({step, share, of})
+    // rank 0 block 37: shares 153..156 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64},
-    // rank 0 block 38: shares 158..161 ({step, share, of})
+    // rank 0 block 38: shares 157..160 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64},
-    // rank 0 block 39: shares 162..165 ({step, share, of})
+    // rank 0 block 39: shares 161..164 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64},
-    // rank 0 block 40: shares 166..169 ({step, share, of})
+    // rank 0 block 40: shares 165..168 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64},
-    // rank 0 block 41: shares 170..173 ({step, share, of})
+    // rank 0 block 41: shares 169..172 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64},
-    // rank 0 block 42: shares 174..177 ({step, share, of})
+    // rank 0 block 42: shares 173..176 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64},
-    // rank 0 block 43: shares 178..181 ({step, share, of})
+    // rank 0 block 43: shares 177..180 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64},
-    // rank 0 block 44: shares 182..185 ({step, share, of})
+    // rank 0 block 44: shares 181..184 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64},
-    // rank 0 block 45: shares 186..189 ({step, share, of})
+    // rank 0 block 45: shares 185..188 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64},
-    // rank 0 block 46: shares 190..193 ({step, share, of})
+    // rank 0 block 46: shares 189..192 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64},
-    // rank 0 block 47: shares 194..197 ({step, share, of})
+    // rank 0 block 47: shares 193..196 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64},
-    // rank 0 block 48: shares 198..201 ({step, share, of})
+    // rank 0 block 48: shares 197..200 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64},
-    // rank 0 block 49: shares 202..205 ({step, share, of})
+    // rank 0 block 49: shares 201..204 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64},
-    // rank 0 block 50: shares 206..209 ({step, share, of})
+    // rank 0 block 50: shares 205..208 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64},
-    // rank 0 block 51: shares 210..213 ({step, share, of})
+    // rank 0 block 51: shares 209..212 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64},
-    // rank 0 block 52: shares 214..217 ({step, share, of})
+    // rank 0 block 52: shares 213..216 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64},
-    // rank 0 block 53: shares 218..221 ({step, share, of})
+    // rank 0 block 53: shares 217..220 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64},
-    // rank 0 block 54: shares 222..225 ({step, share, of})
+    // rank 0 block 54: shares 221..224 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64},
-    // rank 0 block 55: shares 226..229 ({step, share, of})
+    // rank 0 block 55: shares 225..228 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64},
-    // rank 0 block 56: shares 230..233 ({step, share, of})
+    // rank 0 block 56: shares 229..232 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64},
-    // rank 0 block 57: shares 234..237 ({step, share, of})
+    // rank 0 block 57: shares 233..236 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64},
-    // rank 0 block 58: shares 238..241 ({step, share, of})
+    // rank 0 block 58: shares 237..240 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64},
-    // rank 0 block 59: shares 242..245 ({step, share, of})
+    // rank 0 block 59: shares 241..244 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64},
-    // rank 0 block 60: shares 246..249 ({step, share, of})
+    // rank 0 block 60: shares 245..248 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64},
-    // rank 0 block 61: shares 250..253 ({step, share, of})
+    // rank 0 block 61: shares 249..252 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64},
-    // rank 0 block 62: shares 254..257 ({step, share, of})
+    // rank 0 block 62: shares 253..256 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64},
-    // rank 0 block 63: shares 258..261 ({step, share, of})
+    // rank 0 block 63: shares 257..260 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64},
-    // rank 0 block 64: shares 262..265 ({step, share, of})
+    // rank 0 block 64: shares 261..264 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64},
-    // rank 0 block 65: shares 266..273 ({step, share, of})
+    // rank 0 block 65: shares 265..272 ({step, share, of})
     {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64}, {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64},
-    // rank 0 block 66: shares 274..281 ({step, share, of})
+    // rank 0 block 66: shares 273..280 ({step, share, of})
     {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64}, {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64},
-    // rank 0 block 67: shares 282..289 ({step, share, of})
+    // rank 0 block 67: shares 281..288 ({step, share, of})
     {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64}, {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 0 block 68: shares 290..297 ({step, share, of})
+    // rank 0 block 68: shares 289..296 ({step, share, of})
     {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64}, {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 0 block 69: shares 298..305 ({step, share, of})
+    // rank 0 block 69: shares 297..304 ({step, share, of})
     {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64}, {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 0 block 70: shares 306..313 ({step, share, of})
+    // rank 0 block 70: shares 305..312 ({step, share, of})
     {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64}, {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 0 block 71: shares 314..321 ({step, share, of})
+    // rank 0 block 71: shares 313..320 ({step, share, of})
     {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64}, {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 0 block 72: shares 322..329 ({step, share, of})
+    // rank 0 block 72: shares 321..328 ({step, share, of})
     {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64}, {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 0 block 73: shares 330..337 ({step, share, of})
+    // rank 0 block 73: shares 329..336 ({step, share, of})
     {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64}, {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 0 block 74: shares 338..345 ({step, share, of})
+    // rank 0 block 74: shares 337..344 ({step, share, of})
     {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64}, {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 0 block 75: shares 346..353 ({step, share, of})
+    // rank 0 block 75: shares 345..352 ({step, share, of})
     {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64}, {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 0 block 76: shares 354..361 ({step, share, of})
+    // rank 0 block 76: shares 353..360 ({step, share, of})
     {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64}, {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 0 block 77: shares 362..369 ({step, share, of})
+    // rank 0 block 77: shares 361..368 ({step, share, of})
     {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64}, {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 0 block 78: shares 370..377 ({step, share, of})
+    // rank 0 block 78: shares 369..376 ({step, share, of})
     {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64}, {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 0 block 79: shares 378..385 ({step, share, of})
+    // rank 0 block 79: shares 377..384 ({step, share, of})
     {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64}, {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 0 block 80: shares 386..393 ({step, share, of})
+    // rank 0 block 80: shares 385..392 ({step, share, of})
     {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64}, {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 0 block 81: shares 394..401 ({step, share, of})
+    // rank 0 block 81: shares 393..400 ({step, share, of})
     {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64}, {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 0 block 82: shares 402..409 ({step, share, of})
+    // rank 0 block 82: shares 401..408 ({step, share, of})
     {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64}, {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 0 block 83: shares 410..417 ({step, share, of})
+    // rank 0 block 83: shares 409..416 ({step, share, of})
     {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64}, {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 0 block 84: shares 418..425 ({step, share, of})
+    // rank 0 block 84: shares 417..424 ({step, share, of})
     {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64}, {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 0 block 85: shares 426..433 ({step, share, of})
+    // rank 0 block 85: shares 425..432 ({step, share, of})
     {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64}, {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 0 block 86: shares 434..441 ({step, share, of})
+    // rank 0 block 86: shares 433..440 ({step, share, of})
     {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64}, {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 0 block 87: shares 442..449 ({step, share, of})
+    // rank 0 block 87: shares 441..448 ({step, share, of})
     {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64}, {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 0 block 88: shares 450..457 ({step, share, of})
+    // rank 0 block 88: shares 449..456 ({step, share, of})
     {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64}, {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 0 block 89: shares 458..465 ({step, share, of})
+    // rank 0 block 89: shares 457..464 ({step, share, of})
     {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64}, {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 0 block 90: shares 466..473 ({step, share, of})
+    // rank 0 block 90: shares 465..472 ({step, share, of})
     {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64}, {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 0 block 91: shares 474..481 ({step, share, of})
+    // rank 0 block 91: shares 473..480 ({step, share, of})
     {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64}, {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 0 block 92: shares 482..489 ({step, share, of})
+    // rank 0 block 92: shares 481..488 ({step, share, of})
     {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64}, {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 0 block 93: shares 490..497 ({step, share, of})
+    // rank 0 block 93: shares 489..496 ({step, share, of})
     {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64}, {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 0 block 94: shares 498..505 ({step, share, of})
+    // rank 0 block 94: shares 497..504 ({step, share, of})
     {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64}, {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 0 block 95: shares 506..513 ({step, share, of})
+    // rank 0 block 95: shares 505..512 ({step, share, of})
     {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64}, {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 0 block 96: shares 514..521 ({step, share, of})
+    // rank 0 block 96: shares 513..520 ({step, share, of})
     {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64}, {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 0 block 97: shares 522..529 ({step, share, of})
+    // rank 0 block 97: shares 521..528 ({step, share, of})
     {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64}, {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 0 block 98: shares 530..537 ({step, share, of})
+    // rank 0 block 98: shares 529..536 ({step, share, of})
     {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64}, {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 0 block 99: shares 538..545 ({step, share, of})
+    // rank 0 block 99: shares 537..544 ({step, share, of})
     {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64}, {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 0 block 100: shares 546..553 ({step, share, of})
+    // rank 0 block 100: shares 545..552 ({step, share, of})
     {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64}, {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 0 block 101: shares 554..561 ({step, share, of})
+    // rank 0 block 101: shares 553..560 ({step, share, of})
     {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64}, {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 0 block 102: shares 562..569 ({step, share, of})
+    // rank 0 block 102: shares 561..568 ({step, share, of})
     {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64}, {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 0 block 103: shares 570..577 ({step, share, of})
+    // rank 0 block 103: shares 569..576 ({step, share, of})
     {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64}, {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 0 block 104: shares 578..585 ({step, share, of})
+    // rank 0 block 104: shares 577..584 ({step, share, of})
     {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64}, {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 0 block 105: shares 586..593 ({step, share, of})
+    // rank 0 block 105: shares 585..592 ({step, share, of})
     {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64}, {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 0 block 106: shares 594..601 ({step, share, of})
+    // rank 0 block 106: shares 593..600 ({step, share, of})
     {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64}, {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 0 block 107: shares 602..609 ({step, share, of})
+    // rank 0 block 107: shares 601..608 ({step, share, of})
     {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64}, {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 0 block 108: shares 610..617 ({step, share, of})
+    // rank 0 block 108: shares 609..616 ({step, share, of})
     {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64}, {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 0 block 109: shares 618..625 ({step, share, of})
+    // rank 0 block 109: shares 617..624 ({step, share, of})
     {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64}, {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 0 block 110: shares 626..633 ({step, share, of})
+    // rank 0 block 110: shares 625..632 ({step, share, of})
     {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64}, {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 0 block 111: shares 634..641 ({step, share, of})
+    // rank 0 block 111: shares 633..640 ({step, share, of})
     {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64}, {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 0 block 112: shares 642..649 ({step, share, of})
+    // rank 0 block 112: shares 641..648 ({step, share, of})
     {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64}, {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 0 block 113: shares 650..657 ({step, share, of})
+    // rank 0 block 113: shares 649..656 ({step, share, of})
     {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64}, {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 0 block 114: shares 658..665 ({step, share, of})
+    // rank 0 block 114: shares 657..664 ({step, share, of})
     {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64}, {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 0 block 115: shares 666..673 ({step, share, of})
+    // rank 0 block 115: shares 665..672 ({step, share, of})
     {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64}, {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 0 block 116: shares 674..681 ({step, share, of})
+    // rank 0 block 116: shares 673..680 ({step, share, of})
     {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64}, {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 0 block 117: shares 682..689 ({step, share, of})
+    // rank 0 block 117: shares 681..688 ({step, share, of})
     {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64}, {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 0 block 118: shares 690..697 ({step, share, of})
+    // rank 0 block 118: shares 689..696 ({step, share, of})
     {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64}, {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 0 block 119: shares 698..705 ({step, share, of})
+    // rank 0 block 119: shares 697..704 ({step, share, of})
     {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64}, {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 0 block 120: shares 706..713 ({step, share, of})
+    // rank 0 block 120: shares 705..712 ({step, share, of})
     {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64}, {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 0 block 121: shares 714..721 ({step, share, of})
+    // rank 0 block 121: shares 713..720 ({step, share, of})
     {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64}, {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 0 block 122: shares 722..729 ({step, share, of})
+    // rank 0 block 122: shares 721..728 ({step, share, of})
     {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64}, {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 0 block 123: shares 730..737 ({step, share, of})
+    // rank 0 block 123: shares 729..736 ({step, share, of})
     {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64}, {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 0 block 124: shares 738..745 ({step, share, of})
+    // rank 0 block 124: shares 737..744 ({step, share, of})
     {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64}, {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 0 block 125: shares 746..753 ({step, share, of})
+    // rank 0 block 125: shares 745..752 ({step, share, of})
     {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64}, {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 0 block 126: shares 754..761 ({step, share, of})
+    // rank 0 block 126: shares 753..760 ({step, share, of})
     {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64}, {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 0 block 127: shares 762..769 ({step, share, of})
+    // rank 0 block 127: shares 761..768 ({step, share, of})
     {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64}, {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 1 block 0: shares 770..778 ({step, share, of})
-    {0, 0, 1}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64},
-    {12, 63, 64},
-    // rank 1 block 1: shares 779..783 ({step, share, of})
+    // rank 1 block 0: shares 769..776 ({step, share, of})
+    {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
+    // rank 1 block 1: shares 777..781 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {13, 0, 1},
-    // rank 1 block 2: shares 784..787 ({step, share, of})
+    // rank 1 block 2: shares 782..785 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64},
-    // rank 1 block 3: shares 788..791 ({step, share, of})
+    // rank 1 block 3: shares 786..789 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64},
-    // rank 1 block 4: shares 792..795 ({step, share, of})
+    // rank 1 block 4: shares 790..793 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64},
-    // rank 1 block 5: shares 796..799 ({step, share, of})
+    // rank 1 block 5: shares 794..797 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64},
-    // rank 1 block 6: shares 800..803 ({step, share, of})
+    // rank 1 block 6: shares 798..801 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64},
-    // rank 1 block 7: shares 804..807 ({step, share, of})
+    // rank 1 block 7: shares 802..805 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64},
-    // rank 1 block 8: shares 808..811 ({step, share, of})
+    // rank 1 block 8: shares 806..809 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64},
-    // rank 1 block 9: shares 812..815 ({step, share, of})
+    // rank 1 block 9: shares 810..813 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64},
-    // rank 1 block 10: shares 816..819 ({step, share, of})
+    // rank 1 block 10: shares 814..817 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64},
-    // rank 1 block 11: shares 820..823 ({step, share, of})
+    // rank 1 block 11: shares 818..821 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64},
-    // rank 1 block 12: shares 824..827 ({step, share, of})
+    // rank 1 block 12: shares 822..825 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64},
-    // rank 1 block 13: shares 828..831 ({step, share, of})
+    // rank 1 block 13: shares 826..829 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64},
-    // rank 1 block 14: shares 832..835 ({step, share, of})
+    // rank 1 block 14: shares 830..833 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64},
-    // rank 1 block 15: shares 836..839 ({step, share, of})
+    // rank 1 block 15: shares 834..837 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64},
-    // rank 1 block 16: shares 840..843 ({step, share, of})
+    // rank 1 block 16: shares 838..841 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64},
-    // rank 1 block 17: shares 844..847 ({step, share, of})
+    // rank 1 block 17: shares 842..845 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64},
-    // rank 1 block 18: shares 848..851 ({step, share, of})
+    // rank 1 block 18: shares 846..849 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64},
-    // rank 1 block 19: shares 852..855 ({step, share, of})
+    // rank 1 block 19: shares 850..853 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64},
-    // rank 1 block 20: shares 856..859 ({step, share, of})
+    // rank 1 block 20: shares 854..857 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64},
-    // rank 1 block 21: shares 860..863 ({step, share, of})
+    // rank 1 block 21: shares 858..861 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64},
-    // rank 1 block 22: shares 864..867 ({step, share, of})
+    // rank 1 block 22: shares 862..865 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64},
-    // rank 1 block 23: shares 868..871 ({step, share, of})
+    // rank 1 block 23: shares 866..869 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64},
-    // rank 1 block 24: shares 872..875 ({step, share, of})
+    // rank 1 block 24: shares 870..873 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64},
-    // rank 1 block 25: shares 876..879 ({step, share, of})
+    // rank 1 block 25: shares 874..877 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64},
-    // rank 1 block 26: shares 880..883 ({step, share, of})
+    // rank 1 block 26: shares 878..881 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64},
-    // rank 1 block 27: shares 884..887 ({step, share, of})
+    // rank 1 block 27: shares 882..885 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64},
-    // rank 1 block 28: shares 888..891 ({step, share, of})
+    // rank 1 block 28: shares 886..889 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64},
-    // rank 1 block 29: shares 892..895 ({step, share, of})
+    // rank 1 block 29: shares 890..893 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64},
-    // rank 1 block 30: shares 896..899 ({step, share, of})
+    // rank 1 block 30: shares 894..897 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64},
-    // rank 1 block 31: shares 900..903 ({step, share, of})
+    // rank 1 block 31: shares 898..901 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64},
-    // rank 1 block 32: shares 904..907 ({step, share, of})
+    // rank 1 block 32: shares 902..905 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64},
-    // rank 1 block 33: shares 908..911 ({step, share, of})
+    // rank 1 block 33: shares 906..909 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64},
-    // rank 1 block 34: shares 912..915 ({step, share, of})
+    // rank 1 block 34: shares 910..913 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64},
-    // rank 1 block 35: shares 916..919 ({step, share, of})
+    // rank 1 block 35: shares 914..917 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64},
-    // rank 1 block 36: shares 920..923 ({step, share, of})
+    // rank 1 block 36: shares 918..921 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64},
-    // rank 1 block 37: shares 924..927 ({step, share, of})
+    // rank 1 block 37: shares 922..925 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64},
-    // rank 1 block 38: shares 928..931 ({step, share, of})
+    // rank 1 block 38: shares 926..929 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64},
-    // rank 1 block 39: shares 932..935 ({step, share, of})
+    // rank 1 block 39: shares 930..933 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64},
-    // rank 1 block 40: shares 936..939 ({step, share, of})
+    // rank 1 block 40: shares 934..937 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64},
-    // rank 1 block 41: shares 940..943 ({step, share, of})
+    // rank 1 block 41: shares 938..941 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64},
-    // rank 1 block 42: shares 944..947 ({step, share, of})
+    // rank 1 block 42: shares 942..945 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64},
-    // rank 1 block 43: shares 948..951 ({step, share, of})
+    // rank 1 block 43: shares 946..949 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64},
-    // rank 1 block 44: shares 952..955 ({step, share, of})
+    // rank 1 block 44: shares 950..953 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64},
-    // rank 1 block 45: shares 956..959 ({step, share, of})
+    // rank 1 block 45: shares 954..957 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64},
-    // rank 1 block 46: shares 960..963 ({step, share, of})
+    // rank 1 block 46: shares 958..961 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64},
-    // rank 1 block 47: shares 964..967 ({step, share, of})
+    // rank 1 block 47: shares 962..965 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64},
-    // rank 1 block 48: shares 968..971 ({step, share, of})
+    // rank 1 block 48: shares 966..969 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64},
-    // rank 1 block 49: shares 972..975 ({step, share, of})
+    // rank 1 block 49: shares 970..973 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64},
-    // rank 1 block 50: shares 976..979 ({step, share, of})
+    // rank 1 block 50: shares 974..977 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64},
-    // rank 1 block 51: shares 980..983 ({step, share, of})
+    // rank 1 block 51: shares 978..981 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64},
-    // rank 1 block 52: shares 984..987 ({step, share, of})
+    // rank 1 block 52: shares 982..985 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64},
-    // rank 1 block 53: shares 988..991 ({step, share, of})
+    // rank 1 block 53: shares 986..989 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64},
-    // rank 1 block 54: shares 992..995 ({step, share, of})
+    // rank 1 block 54: shares 990..993 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64},
-    // rank 1 block 55: shares 996..999 ({step, share, of})
+    // rank 1 block 55: shares 994..997 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64},
-    // rank 1 block 56: shares 1000..1003 ({step, share, of})
+    // rank 1 block 56: shares 998..1001 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64},
-    // rank 1 block 57: shares 1004..1007 ({step, share, of})
+    // rank 1 block 57: shares 1002..1005 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64},
-    // rank 1 block 58: shares 1008..1011 ({step, share, of})
+    // rank 1 block 58: shares 1006..1009 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64},
-    // rank 1 block 59: shares 1012..1015 ({step, share, of})
+    // rank 1 block 59: shares 1010..1013 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64},
-    // rank 1 block 60: shares 1016..1019 ({step, share, of})
+    // rank 1 block 60: shares 1014..1017 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64},
-    // rank 1 block 61: shares 1020..1023 ({step, share, of})
+    // rank 1 block 61: shares 1018..1021 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64},
-    // rank 1 block 62: shares 1024..1027 ({step, share, of})
+    // rank 1 block 62: shares 1022..1025 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64},
-    // rank 1 block 63: shares 1028..1031 ({step, share, of})
+    // rank 1 block 63: shares 1026..1029 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64},
-    // rank 1 block 64: shares 1032..1035 ({step, share, of})
+    // rank 1 block 64: shares 1030..1033 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64},
-    // rank 1 block 65: shares 1036..1043 ({step, share, of})
+    // rank 1 block 65: shares 1034..1041 ({step, share, of})
     {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64}, {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64},
-    // rank 1 block 66: shares 1044..1051 ({step, share, of})
+    // rank 1 block 66: shares 1042..1049 ({step, share, of})
     {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64}, {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64},
-    // rank 1 block 67: shares 1052..1059 ({step, share, of})
+    // rank 1 block 67: shares 1050..1057 ({step, share, of})
     {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64}, {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 1 block 68: shares 1060..1067 ({step, share, of})
+    // rank 1 block 68: shares 1058..1065 ({step, share, of})
     {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64}, {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 1 block 69: shares 1068..1075 ({step, share, of})
+    // rank 1 block 69: shares 1066..1073 ({step, share, of})
     {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64}, {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 1 block 70: shares 1076..1083 ({step, share, of})
+    // rank 1 block 70: shares 1074..1081 ({step, share, of})
     {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64}, {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 1 block 71: shares 1084..1091 ({step, share, of})
+    // rank 1 block 71: shares 1082..1089 ({step, share, of})
     {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64}, {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 1 block 72: shares 1092..1099 ({step, share, of})
+    // rank 1 block 72: shares 1090..1097 ({step, share, of})
     {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64}, {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 1 block 73: shares 1100..1107 ({step, share, of})
+    // rank 1 block 73: shares 1098..1105 ({step, share, of})
     {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64}, {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 1 block 74: shares 1108..1115 ({step, share, of})
+    // rank 1 block 74: shares 1106..1113 ({step, share, of})
     {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64}, {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 1 block 75: shares 1116..1123 ({step, share, of})
+    // rank 1 block 75: shares 1114..1121 ({step, share, of})
     {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64}, {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 1 block 76: shares 1124..1131 ({step, share, of})
+    // rank 1 block 76: shares 1122..1129 ({step, share, of})
     {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64}, {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 1 block 77: shares 1132..1139 ({step, share, of})
+    // rank 1 block 77: shares 1130..1137 ({step, share, of})
     {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64}, {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 1 block 78: shares 1140..1147 ({step, share, of})
+    // rank 1 block 78: shares 1138..1145 ({step, share, of})
     {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64}, {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 1 block 79: shares 1148..1155 ({step, share, of})
+    // rank 1 block 79: shares 1146..1153 ({step, share, of})
     {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64}, {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 1 block 80: shares 1156..1163 ({step, share, of})
+    // rank 1 block 80: shares 1154..1161 ({step, share, of})
     {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64}, {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 1 block 81: shares 1164..1171 ({step, share, of})
+    // rank 1 block 81: shares 1162..1169 ({step, share, of})
     {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64}, {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 1 block 82: shares 1172..1179 ({step, share, of})
+    // rank 1 block 82: shares 1170..1177 ({step, share, of})
     {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64}, {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 1 block 83: shares 1180..1187 ({step, share, of})
+    // rank 1 block 83: shares 1178..1185 ({step, share, of})
     {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64}, {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 1 block 84: shares 1188..1195 ({step, share, of})
+    // rank 1 block 84: shares 1186..1193 ({step, share, of})
     {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64}, {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 1 block 85: shares 1196..1203 ({step, share, of})
+    // rank 1 block 85: shares 1194..1201 ({step, share, of})
     {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64}, {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 1 block 86: shares 1204..1211 ({step, share, of})
+    // rank 1 block 86: shares 1202..1209 ({step, share, of})
     {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64}, {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 1 block 87: shares 1212..1219 ({step, share, of})
+    // rank 1 block 87: shares 1210..1217 ({step, share, of})
     {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64}, {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 1 block 88: shares 1220..1227 ({step, share, of})
+    // rank 1 block 88: shares 1218..1225 ({step, share, of})
     {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64}, {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 1 block 89: shares 1228..1235 ({step, share, of})
+    // rank 1 block 89: shares 1226..1233 ({step, share, of})
     {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64}, {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 1 block 90: shares 1236..1243 ({step, share, of})
+    // rank 1 block 90: shares 1234..1241 ({step, share, of})
     {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64}, {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 1 block 91: shares 1244..1251 ({step, share, of})
+    // rank 1 block 91: shares 1242..1249 ({step, share, of})
     {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64}, {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 1 block 92: shares 1252..1259 ({step, share, of})
+    // rank 1 block 92: shares 1250..1257 ({step, share, of})
     {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64}, {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 1 block 93: shares 1260..1267 ({step, share, of})
+    // rank 1 block 93: shares 1258..1265 ({step, share, of})
     {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64}, {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 1 block 94: shares 1268..1275 ({step, share, of})
+    // rank 1 block 94: shares 1266..1273 ({step, share, of})
     {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64}, {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 1 block 95: shares 1276..1283 ({step, share, of})
+    // rank 1 block 95: shares 1274..1281 ({step, share, of})
     {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64}, {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 1 block 96: shares 1284..1291 ({step, share, of})
+    // rank 1 block 96: shares 1282..1289 ({step, share, of})
     {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64}, {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 1 block 97: shares 1292..1299 ({step, share, of})
+    // rank 1 block 97: shares 1290..1297 ({step, share, of})
     {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64}, {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 1 block 98: shares 1300..1307 ({step, share, of})
+    // rank 1 block 98: shares 1298..1305 ({step, share, of})
     {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64}, {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 1 block 99: shares 1308..1315 ({step, share, of})
+    // rank 1 block 99: shares 1306..1313 ({step, share, of})
     {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64}, {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 1 block 100: shares 1316..1323 ({step, share, of})
+    // rank 1 block 100: shares 1314..1321 ({step, share, of})
     {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64}, {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 1 block 101: shares 1324..1331 ({step, share, of})
+    // rank 1 block 101: shares 1322..1329 ({step, share, of})
     {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64}, {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 1 block 102: shares 1332..1339 ({step, share, of})
+    // rank 1 block 102: shares 1330..1337 ({step, share, of})
     {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64}, {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 1 block 103: shares 1340..1347 ({step, share, of})
+    // rank 1 block 103: shares 1338..1345 ({step, share, of})
     {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64}, {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 1 block 104: shares 1348..1355 ({step, share, of})
+    // rank 1 block 104: shares 1346..1353 ({step, share, of})
     {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64}, {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 1 block 105: shares 1356..1363 ({step, share, of})
+    // rank 1 block 105: shares 1354..1361 ({step, share, of})
     {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64}, {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 1 block 106: shares 1364..1371 ({step, share, of})
+    // rank 1 block 106: shares 1362..1369 ({step, share, of})
     {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64}, {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 1 block 107: shares 1372..1379 ({step, share, of})
+    // rank 1 block 107: shares 1370..1377 ({step, share, of})
     {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64}, {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 1 block 108: shares 1380..1387 ({step, share, of})
+    // rank 1 block 108: shares 1378..1385 ({step, share, of})
     {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64}, {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 1 block 109: shares 1388..1395 ({step, share, of})
+    // rank 1 block 109: shares 1386..1393 ({step, share, of})
     {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64}, {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 1 block 110: shares 1396..1403 ({step, share, of})
+    // rank 1 block 110: shares 1394..1401 ({step, share, of})
     {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64}, {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 1 block 111: shares 1404..1411 ({step, share, of})
+    // rank 1 block 111: shares 1402..1409 ({step, share, of})
     {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64}, {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 1 block 112: shares 1412..1419 ({step, share, of})
+    // rank 1 block 112: shares 1410..1417 ({step, share, of})
     {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64}, {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 1 block 113: shares 1420..1427 ({step, share, of})
+    // rank 1 block 113: shares 1418..1425 ({step, share, of})
     {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64}, {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 1 block 114: shares 1428..1435 ({step, share, of})
+    // rank 1 block 114: shares 1426..1433 ({step, share, of})
     {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64}, {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 1 block 115: shares 1436..1443 ({step, share, of})
+    // rank 1 block 115: shares 1434..1441 ({step, share, of})
     {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64}, {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 1 block 116: shares 1444..1451 ({step, share, of})
+    // rank 1 block 116: shares 1442..1449 ({step, share, of})
     {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64}, {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 1 block 117: shares 1452..1459 ({step, share, of})
+    // rank 1 block 117: shares 1450..1457 ({step, share, of})
     {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64}, {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 1 block 118: shares 1460..1467 ({step, share, of})
+    // rank 1 block 118: shares 1458..1465 ({step, share, of})
     {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64}, {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 1 block 119: shares 1468..1475 ({step, share, of})
+    // rank 1 block 119: shares 1466..1473 ({step, share, of})
     {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64}, {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 1 block 120: shares 1476..1483 ({step, share, of})
+    // rank 1 block 120: shares 1474..1481 ({step, share, of})
     {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64}, {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 1 block 121: shares 1484..1491 ({step, share, of})
+    // rank 1 block 121: shares 1482..1489 ({step, share, of})
     {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64}, {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 1 block 122: shares 1492..1499 ({step, share, of})
+    // rank 1 block 122: shares 1490..1497 ({step, share, of})
     {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64}, {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 1 block 123: shares 1500..1507 ({step, share, of})
+    // rank 1 block 123: shares 1498..1505 ({step, share, of})
     {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64}, {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 1 block 124: shares 1508..1515 ({step, share, of})
+    // rank 1 block 124: shares 1506..1513 ({step, share, of})
     {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64}, {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 1 block 125: shares 1516..1523 ({step, share, of})
+    // rank 1 block 125: shares 1514..1521 ({step, share, of})
     {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64}, {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 1 block 126: shares 1524..1531 ({step, share, of})
+    // rank 1 block 126: shares 1522..1529 ({step, share, of})
     {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64}, {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 1 block 127: shares 1532..1539 ({step, share, of})
+    // rank 1 block 127: shares 1530..1537 ({step, share, of})
     {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64}, {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][129] = {
-    { 0, 9, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74, 78, 82, 86, 90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 130, 134, 138, 142, 146, 150, 154, 158, 162, 166, 170, 174, 178, 182, 186, 190, 194, 198, 202, 206, 210, 214, 218, 222, 226, 230, 234, 238, 242, 246, 250, 254, 258, 262, 266, 274, 282, 290, 298, 306, 314, 322, 330, 338, 346, 354, 362, 370, 378, 386, 394, 402, 410, 418, 426, 434, 442, 450, 458, 466, 474, 482, 490, 498, 506, 514, 522, 530, 538, 546, 554, 562, 570, 578, 586, 594, 602, 610, 618, 626, 634, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770 },
-    { 770, 779, 784, 788, 792, 796, 800, 804, 808, 812, 816, 820, 824, 828, 832, 836, 840, 844, 848, 852, 856, 860, 864, 868, 872, 876, 880, 884, 888, 892, 896, 900, 904, 908, 912, 916, 920, 924, 928, 932, 936, 940, 944, 948, 952, 956, 960, 964, 968, 972, 976, 980, 984, 988, 992, 996, 1000, 1004, 1008, 1012, 1016, 1020, 1024, 1028, 1032, 1036, 1044, 1052, 1060, 1068, 1076, 1084, 1092, 1100, 1108, 1116, 1124, 1132, 1140, 1148, 1156, 1164, 1172, 1180, 1188, 1196, 1204, 1212, 1220, 1228, 1236, 1244, 1252, 1260, 1268, 1276, 1284, 1292, 1300, 1308, 1316, 1324, 1332, 1340, 1348, 1356, 1364, 1372, 1380, 1388, 1396, 1404, 1412, 1420, 1428, 1436, 1444, 1452, 1460, 1468, 1476, 1484, 1492, 1500, 1508, 1516, 1524, 1532, 1540 },
+    { 0, 8, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117, 121, 125, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257, 261, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 521, 529, 537, 545, 553, 561, 569, 577, 585, 593, 601, 609, 617, 625, 633, 641, 649, 657, 665, 673, 681, 689, 697, 705, 713, 721, 729, 737, 745, 753, 761, 769 },
+    { 769, 777, 782, 786, 790, 794, 798, 802, 806, 810, 814, 818, 822, 826, 830, 834, 838, 842, 846, 850, 854, 858, 862, 866, 870, 874, 878, 882, 886, 890, 894, 898, 902, 906, 910, 914, 918, 922, 926, 930, 934, 938, 942, 946, 950, 954, 958, 962, 966, 970, 974, 978, 982, 986, 990, 994, 998, 1002, 1006, 1010, 1014, 1018, 1022, 1026, 1030, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1290, 1298, 1306, 1314, 1322, 1330, 1338, 1346, 1354, 1362, 1370, 1378, 1386, 1394, 1402, 1410, 1418, 1426, 1434, 1442, 1450, 1458, 1466, 1474, 1482, 1490, 1498, 1506, 1514, 1522, 1530, 1538 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 66 steps, 3846 block shares over 128 blocks.
+// Plan for world size 3: 66 steps, 3843 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1887,979 +1890,979 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..12 ({step, share, of})
-    {0, 0, 1}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64},
-    {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
-    // rank 0 block 1: shares 13..21 ({step, share, of})
+    // rank 0 block 0: shares 0..11 ({step, share, of})
+    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    // rank 0 block 1: shares 12..20 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {21, 0, 1},
-    // rank 0 block 2: shares 22..29 ({step, share, of})
+    // rank 0 block 2: shares 21..28 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 0 block 3: shares 30..37 ({step, share, of})
+    // rank 0 block 3: shares 29..36 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 0 block 4: shares 38..45 ({step, share, of})
+    // rank 0 block 4: shares 37..44 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 0 block 5: shares 46..53 ({step, share, of})
+    // rank 0 block 5: shares 45..52 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 0 block 6: shares 54..61 ({step, share, of})
+    // rank 0 block 6: shares 53..60 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 0 block 7: shares 62..69 ({step, share, of})
+    // rank 0 block 7: shares 61..68 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 0 block 8: shares 70..77 ({step, share, of})
+    // rank 0 block 8: shares 69..76 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 0 block 9: shares 78..85 ({step, share, of})
+    // rank 0 block 9: shares 77..84 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 0 block 10: shares 86..93 ({step, share, of})
+    // rank 0 block 10: shares 85..92 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 0 block 11: shares 94..101 ({step, share, of})
+    // rank 0 block 11: shares 93..100 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 0 block 12: shares 102..109 ({step, share, of})
+    // rank 0 block 12: shares 101..108 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 0 block 13: shares 110..117 ({step, share, of})
+    // rank 0 block 13: shares 109..116 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 0 block 14: shares 118..125 ({step, share, of})
+    // rank 0 block 14: shares 117..124 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 0 block 15: shares 126..133 ({step, share, of})
+    // rank 0 block 15: shares 125..132 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 0 block 16: shares 134..141 ({step, share, of})
+    // rank 0 block 16: shares 133..140 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 0 block 17: shares 142..149 ({step, share, of})
+    // rank 0 block 17: shares 141..148 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 0 block 18: shares 150..157 ({step, share, of})
+    // rank 0 block 18: shares 149..156 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 0 block 19: shares 158..165 ({step, share, of})
+    // rank 0 block 19: shares 157..164 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 0 block 20: shares 166..173 ({step, share, of})
+    // rank 0 block 20: shares 165..172 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 0 block 21: shares 174..181 ({step, share, of})
+    // rank 0 block 21: shares 173..180 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 0 block 22: shares 182..189 ({step, share, of})
+    // rank 0 block 22: shares 181..188 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 0 block 23: shares 190..197 ({step, share, of})
+    // rank 0 block 23: shares 189..196 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 0 block 24: shares 198..205 ({step, share, of})
+    // rank 0 block 24: shares 197..204 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 0 block 25: shares 206..213 ({step, share, of})
+    // rank 0 block 25: shares 205..212 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 0 block 26: shares 214..221 ({step, share, of})
+    // rank 0 block 26: shares 213..220 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 0 block 27: shares 222..229 ({step, share, of})
+    // rank 0 block 27: shares 221..228 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 0 block 28: shares 230..237 ({step, share, of})
+    // rank 0 block 28: shares 229..236 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 0 block 29: shares 238..245 ({step, share, of})
+    // rank 0 block 29: shares 237..244 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 0 block 30: shares 246..253 ({step, share, of})
+    // rank 0 block 30: shares 245..252 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 0 block 31: shares 254..261 ({step, share, of})
+    // rank 0 block 31: shares 253..260 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 0 block 32: shares 262..269 ({step, share, of})
+    // rank 0 block 32: shares 261..268 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 0 block 33: shares 270..277 ({step, share, of})
+    // rank 0 block 33: shares 269..276 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 0 block 34: shares 278..285 ({step, share, of})
+    // rank 0 block 34: shares 277..284 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 0 block 35: shares 286..293 ({step, share, of})
+    // rank 0 block 35: shares 285..292 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 0 block 36: shares 294..301 ({step, share, of})
+    // rank 0 block 36: shares 293..300 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 0 block 37: shares 302..309 ({step, share, of})
+    // rank 0 block 37: shares 301..308 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 0 block 38: shares 310..317 ({step, share, of})
+    // rank 0 block 38: shares 309..316 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 0 block 39: shares 318..325 ({step, share, of})
+    // rank 0 block 39: shares 317..324 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 0 block 40: shares 326..333 ({step, share, of})
+    // rank 0 block 40: shares 325..332 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 0 block 41: shares 334..341 ({step, share, of})
+    // rank 0 block 41: shares 333..340 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 0 block 42: shares 342..349 ({step, share, of})
+    // rank 0 block 42: shares 341..348 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 0 block 43: shares 350..357 ({step, share, of})
+    // rank 0 block 43: shares 349..356 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 0 block 44: shares 358..365 ({step, share, of})
+    // rank 0 block 44: shares 357..364 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 0 block 45: shares 366..373 ({step, share, of})
+    // rank 0 block 45: shares 365..372 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 0 block 46: shares 374..381 ({step, share, of})
+    // rank 0 block 46: shares 373..380 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 0 block 47: shares 382..389 ({step, share, of})
+    // rank 0 block 47: shares 381..388 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 0 block 48: shares 390..397 ({step, share, of})
+    // rank 0 block 48: shares 389..396 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 0 block 49: shares 398..405 ({step, share, of})
+    // rank 0 block 49: shares 397..404 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 0 block 50: shares 406..413 ({step, share, of})
+    // rank 0 block 50: shares 405..412 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 0 block 51: shares 414..421 ({step, share, of})
+    // rank 0 block 51: shares 413..420 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 0 block 52: shares 422..429 ({step, share, of})
+    // rank 0 block 52: shares 421..428 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 0 block 53: shares 430..437 ({step, share, of})
+    // rank 0 block 53: shares 429..436 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 0 block 54: shares 438..445 ({step, share, of})
+    // rank 0 block 54: shares 437..444 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 0 block 55: shares 446..453 ({step, share, of})
+    // rank 0 block 55: shares 445..452 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 0 block 56: shares 454..461 ({step, share, of})
+    // rank 0 block 56: shares 453..460 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 0 block 57: shares 462..469 ({step, share, of})
+    // rank 0 block 57: shares 461..468 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 0 block 58: shares 470..477 ({step, share, of})
+    // rank 0 block 58: shares 469..476 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 0 block 59: shares 478..485 ({step, share, of})
+    // rank 0 block 59: shares 477..484 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 0 block 60: shares 486..493 ({step, share, of})
+    // rank 0 block 60: shares 485..492 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 0 block 61: shares 494..501 ({step, share, of})
+    // rank 0 block 61: shares 493..500 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 0 block 62: shares 502..509 ({step, share, of})
+    // rank 0 block 62: shares 501..508 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 0 block 63: shares 510..517 ({step, share, of})
+    // rank 0 block 63: shares 509..516 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 0 block 64: shares 518..525 ({step, share, of})
+    // rank 0 block 64: shares 517..524 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 0 block 65: shares 526..537 ({step, share, of})
+    // rank 0 block 65: shares 525..536 ({step, share, of})
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
-    // rank 0 block 66: shares 538..549 ({step, share, of})
+    // rank 0 block 66: shares 537..548 ({step, share, of})
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
-    // rank 0 block 67: shares 550..561 ({step, share, of})
+    // rank 0 block 67: shares 549..560 ({step, share, of})
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
-    // rank 0 block 68: shares 562..573 ({step, share, of})
+    // rank 0 block 68: shares 561..572 ({step, share, of})
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
-    // rank 0 block 69: shares 574..585 ({step, share, of})
+    // rank 0 block 69: shares 573..584 ({step, share, of})
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
-    // rank 0 block 70: shares 586..597 ({step, share, of})
+    // rank 0 block 70: shares 585..596 ({step, share, of})
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
-    // rank 0 block 71: shares 598..609 ({step, share, of})
+    // rank 0 block 71: shares 597..608 ({step, share, of})
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
-    // rank 0 block 72: shares 610..621 ({step, share, of})
+    // rank 0 block 72: shares 609..620 ({step, share, of})
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
-    // rank 0 block 73: shares 622..633 ({step, share, of})
+    // rank 0 block 73: shares 621..632 ({step, share, of})
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
-    // rank 0 block 74: shares 634..645 ({step, share, of})
+    // rank 0 block 74: shares 633..644 ({step, share, of})
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
-    // rank 0 block 75: shares 646..657 ({step, share, of})
+    // rank 0 block 75: shares 645..656 ({step, share, of})
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
-    // rank 0 block 76: shares 658..669 ({step, share, of})
+    // rank 0 block 76: shares 657..668 ({step, share, of})
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
-    // rank 0 block 77: shares 670..681 ({step, share, of})
+    // rank 0 block 77: shares 669..680 ({step, share, of})
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
-    // rank 0 block 78: shares 682..693 ({step, share, of})
+    // rank 0 block 78: shares 681..692 ({step, share, of})
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
-    // rank 0 block 79: shares 694..705 ({step, share, of})
+    // rank 0 block 79: shares 693..704 ({step, share, of})
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
-    // rank 0 block 80: shares 706..717 ({step, share, of})
+    // rank 0 block 80: shares 705..716 ({step, share, of})
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
-    // rank 0 block 81: shares 718..729 ({step, share, of})
+    // rank 0 block 81: shares 717..728 ({step, share, of})
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
-    // rank 0 block 82: shares 730..741 ({step, share, of})
+    // rank 0 block 82: shares 729..740 ({step, share, of})
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
-    // rank 0 block 83: shares 742..753 ({step, share, of})
+    // rank 0 block 83: shares 741..752 ({step, share, of})
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
-    // rank 0 block 84: shares 754..765 ({step, share, of})
+    // rank 0 block 84: shares 753..764 ({step, share, of})
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
-    // rank 0 block 85: shares 766..777 ({step, share, of})
+    // rank 0 block 85: shares 765..776 ({step, share, of})
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
-    // rank 0 block 86: shares 778..789 ({step, share, of})
+    // rank 0 block 86: shares 777..788 ({step, share, of})
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
-    // rank 0 block 87: shares 790..801 ({step, share, of})
+    // rank 0 block 87: shares 789..800 ({step, share, of})
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
-    // rank 0 block 88: shares 802..813 ({step, share, of})
+    // rank 0 block 88: shares 801..812 ({step, share, of})
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
-    // rank 0 block 89: shares 814..825 ({step, share, of})
+    // rank 0 block 89: shares 813..824 ({step, share, of})
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
-    // rank 0 block 90: shares 826..837 ({step, share, of})
+    // rank 0 block 90: shares 825..836 ({step, share, of})
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
-    // rank 0 block 91: shares 838..849 ({step, share, of})
+    // rank 0 block 91: shares 837..848 ({step, share, of})
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
-    // rank 0 block 92: shares 850..861 ({step, share, of})
+    // rank 0 block 92: shares 849..860 ({step, share, of})
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
-    // rank 0 block 93: shares 862..873 ({step, share, of})
+    // rank 0 block 93: shares 861..872 ({step, share, of})
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
-    // rank 0 block 94: shares 874..885 ({step, share, of})
+    // rank 0 block 94: shares 873..884 ({step, share, of})
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
-    // rank 0 block 95: shares 886..897 ({step, share, of})
+    // rank 0 block 95: shares 885..896 ({step, share, of})
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
-    // rank 0 block 96: shares 898..909 ({step, share, of})
+    // rank 0 block 96: shares 897..908 ({step, share, of})
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
-    // rank 0 block 97: shares 910..921 ({step, share, of})
+    // rank 0 block 97: shares 909..920 ({step, share, of})
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
-    // rank 0 block 98: shares 922..933 ({step, share, of})
+    // rank 0 block 98: shares 921..932 ({step, share, of})
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
-    // rank 0 block 99: shares 934..945 ({step, share, of})
+    // rank 0 block 99: shares 933..944 ({step, share, of})
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
-    // rank 0 block 100: shares 946..957 ({step, share, of})
+    // rank 0 block 100: shares 945..956 ({step, share, of})
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
-    // rank 0 block 101: shares 958..969 ({step, share, of})
+    // rank 0 block 101: shares 957..968 ({step, share, of})
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
-    // rank 0 block 102: shares 970..981 ({step, share, of})
+    // rank 0 block 102: shares 969..980 ({step, share, of})
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
-    // rank 0 block 103: shares 982..993 ({step, share, of})
+    // rank 0 block 103: shares 981..992 ({step, share, of})
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
-    // rank 0 block 104: shares 994..1005 ({step, share, of})
+    // rank 0 block 104: shares 993..1004 ({step, share, of})
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
-    // rank 0 block 105: shares 1006..1017 ({step, share, of})
+    // rank 0 block 105: shares 1005..1016 ({step, share, of})
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
-    // rank 0 block 106: shares 1018..1029 ({step, share, of})
+    // rank 0 block 106: shares 1017..1028 ({step, share, of})
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
-    // rank 0 block 107: shares 1030..1041 ({step, share, of})
+    // rank 0 block 107: shares 1029..1040 ({step, share, of})
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
-    // rank 0 block 108: shares 1042..1053 ({step, share, of})
+    // rank 0 block 108: shares 1041..1052 ({step, share, of})
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
-    // rank 0 block 109: shares 1054..1065 ({step, share, of})
+    // rank 0 block 109: shares 1053..1064 ({step, share, of})
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
-    // rank 0 block 110: shares 1066..1077 ({step, share, of})
+    // rank 0 block 110: shares 1065..1076 ({step, share, of})
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
-    // rank 0 block 111: shares 1078..1089 ({step, share, of})
+    // rank 0 block 111: shares 1077..1088 ({step, share, of})
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
-    // rank 0 block 112: shares 1090..1101 ({step, share, of})
+    // rank 0 block 112: shares 1089..1100 ({step, share, of})
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
-    // rank 0 block 113: shares 1102..1113 ({step, share, of})
+    // rank 0 block 113: shares 1101..1112 ({step, share, of})
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
-    // rank 0 block 114: shares 1114..1125 ({step, share, of})
+    // rank 0 block 114: shares 1113..1124 ({step, share, of})
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
-    // rank 0 block 115: shares 1126..1137 ({step, share, of})
+    // rank 0 block 115: shares 1125..1136 ({step, share, of})
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
-    // rank 0 block 116: shares 1138..1149 ({step, share, of})
+    // rank 0 block 116: shares 1137..1148 ({step, share, of})
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
-    // rank 0 block 117: shares 1150..1161 ({step, share, of})
+    // rank 0 block 117: shares 1149..1160 ({step, share, of})
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
-    // rank 0 block 118: shares 1162..1173 ({step, share, of})
+    // rank 0 block 118: shares 1161..1172 ({step, share, of})
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
-    // rank 0 block 119: shares 1174..1185 ({step, share, of})
+    // rank 0 block 119: shares 1173..1184 ({step, share, of})
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
-    // rank 0 block 120: shares 1186..1197 ({step, share, of})
+    // rank 0 block 120: shares 1185..1196 ({step, share, of})
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
-    // rank 0 block 121: shares 1198..1209 ({step, share, of})
+    // rank 0 block 121: shares 1197..1208 ({step, share, of})
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
-    // rank 0 block 122: shares 1210..1221 ({step, share, of})
+    // rank 0 block 122: shares 1209..1220 ({step, share, of})
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
-    // rank 0 block 123: shares 1222..1233 ({step, share, of})
+    // rank 0 block 123: shares 1221..1232 ({step, share, of})
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
-    // rank 0 block 124: shares 1234..1245 ({step, share, of})
+    // rank 0 block 124: shares 1233..1244 ({step, share, of})
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
-    // rank 0 block 125: shares 1246..1257 ({step, share, of})
+    // rank 0 block 125: shares 1245..1256 ({step, share, of})
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
-    // rank 0 block 126: shares 1258..1269 ({step, share, of})
+    // rank 0 block 126: shares 1257..1268 ({step, share, of})
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
-    // rank 0 block 127: shares 1270..1281 ({step, share, of})
+    // rank 0 block 127: shares 1269..1280 ({step, share, of})
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
-    // rank 1 block 0: shares 1282..1294 ({step, share, of})
-    {0, 0, 1}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64},
-    {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
-    // rank 1 block 1: shares 1295..1303 ({step, share, of})
+    // rank 1 block 0: shares 1281..1292 ({step, share, of})
+    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    // rank 1 block 1: shares 1293..1301 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {21, 0, 1},
-    // rank 1 block 2: shares 1304..1311 ({step, share, of})
+    // rank 1 block 2: shares 1302..1309 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 1 block 3: shares 1312..1319 ({step, share, of})
+    // rank 1 block 3: shares 1310..1317 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 1 block 4: shares 1320..1327 ({step, share, of})
+    // rank 1 block 4: shares 1318..1325 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 1 block 5: shares 1328..1335 ({step, share, of})
+    // rank 1 block 5: shares 1326..1333 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 1 block 6: shares 1336..1343 ({step, share, of})
+    // rank 1 block 6: shares 1334..1341 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 1 block 7: shares 1344..1351 ({step, share, of})
+    // rank 1 block 7: shares 1342..1349 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 1 block 8: shares 1352..1359 ({step, share, of})
+    // rank 1 block 8: shares 1350..1357 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 1 block 9: shares 1360..1367 ({step, share, of})
+    // rank 1 block 9: shares 1358..1365 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 1 block 10: shares 1368..1375 ({step, share, of})
+    // rank 1 block 10: shares 1366..1373 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 1 block 11: shares 1376..1383 ({step, share, of})
+    // rank 1 block 11: shares 1374..1381 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 1 block 12: shares 1384..1391 ({step, share, of})
+    // rank 1 block 12: shares 1382..1389 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 1 block 13: shares 1392..1399 ({step, share, of})
+    // rank 1 block 13: shares 1390..1397 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 1 block 14: shares 1400..1407 ({step, share, of})
+    // rank 1 block 14: shares 1398..1405 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 1 block 15: shares 1408..1415 ({step, share, of})
+    // rank 1 block 15: shares 1406..1413 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 1 block 16: shares 1416..1423 ({step, share, of})
+    // rank 1 block 16: shares 1414..1421 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 1 block 17: shares 1424..1431 ({step, share, of})
+    // rank 1 block 17: shares 1422..1429 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 1 block 18: shares 1432..1439 ({step, share, of})
+    // rank 1 block 18: shares 1430..1437 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 1 block 19: shares 1440..1447 ({step, share, of})
+    // rank 1 block 19: shares 1438..1445 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 1 block 20: shares 1448..1455 ({step, share, of})
+    // rank 1 block 20: shares 1446..1453 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 1 block 21: shares 1456..1463 ({step, share, of})
+    // rank 1 block 21: shares 1454..1461 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 1 block 22: shares 1464..1471 ({step, share, of})
+    // rank 1 block 22: shares 1462..1469 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 1 block 23: shares 1472..1479 ({step, share, of})
+    // rank 1 block 23: shares 1470..1477 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 1 block 24: shares 1480..1487 ({step, share, of})
+    // rank 1 block 24: shares 1478..1485 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 1 block 25: shares 1488..1495 ({step, share, of})
+    // rank 1 block 25: shares 1486..1493 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 1 block 26: shares 1496..1503 ({step, share, of})
+    // rank 1 block 26: shares 1494..1501 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 1 block 27: shares 1504..1511 ({step, share, of})
+    // rank 1 block 27: shares 1502..1509 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 1 block 28: shares 1512..1519 ({step, share, of})
+    // rank 1 block 28: shares 1510..1517 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 1 block 29: shares 1520..1527 ({step, share, of})
+    // rank 1 block 29: shares 1518..1525 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 1 block 30: shares 1528..1535 ({step, share, of})
+    // rank 1 block 30: shares 1526..1533 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 1 block 31: shares 1536..1543 ({step, share, of})
+    // rank 1 block 31: shares 1534..1541 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 1 block 32: shares 1544..1551 ({step, share, of})
+    // rank 1 block 32: shares 1542..1549 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 1 block 33: shares 1552..1559 ({step, share, of})
+    // rank 1 block 33: shares 1550..1557 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 1 block 34: shares 1560..1567 ({step, share, of})
+    // rank 1 block 34: shares 1558..1565 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 1 block 35: shares 1568..1575 ({step, share, of})
+    // rank 1 block 35: shares 1566..1573 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 1 block 36: shares 1576..1583 ({step, share, of})
+    // rank 1 block 36: shares 1574..1581 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 1 block 37: shares 1584..1591 ({step, share, of})
+    // rank 1 block 37: shares 1582..1589 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 1 block 38: shares 1592..1599 ({step, share, of})
+    // rank 1 block 38: shares 1590..1597 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 1 block 39: shares 1600..1607 ({step, share, of})
+    // rank 1 block 39: shares 1598..1605 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 1 block 40: shares 1608..1615 ({step, share, of})
+    // rank 1 block 40: shares 1606..1613 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 1 block 41: shares 1616..1623 ({step, share, of})
+    // rank 1 block 41: shares 1614..1621 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 1 block 42: shares 1624..1631 ({step, share, of})
+    // rank 1 block 42: shares 1622..1629 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 1 block 43: shares 1632..1639 ({step, share, of})
+    // rank 1 block 43: shares 1630..1637 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 1 block 44: shares 1640..1647 ({step, share, of})
+    // rank 1 block 44: shares 1638..1645 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 1 block 45: shares 1648..1655 ({step, share, of})
+    // rank 1 block 45: shares 1646..1653 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 1 block 46: shares 1656..1663 ({step, share, of})
+    // rank 1 block 46: shares 1654..1661 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 1 block 47: shares 1664..1671 ({step, share, of})
+    // rank 1 block 47: shares 1662..1669 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 1 block 48: shares 1672..1679 ({step, share, of})
+    // rank 1 block 48: shares 1670..1677 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 1 block 49: shares 1680..1687 ({step, share, of})
+    // rank 1 block 49: shares 1678..1685 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 1 block 50: shares 1688..1695 ({step, share, of})
+    // rank 1 block 50: shares 1686..1693 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 1 block 51: shares 1696..1703 ({step, share, of})
+    // rank 1 block 51: shares 1694..1701 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 1 block 52: shares 1704..1711 ({step, share, of})
+    // rank 1 block 52: shares 1702..1709 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 1 block 53: shares 1712..1719 ({step, share, of})
+    // rank 1 block 53: shares 1710..1717 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 1 block 54: shares 1720..1727 ({step, share, of})
+    // rank 1 block 54: shares 1718..1725 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 1 block 55: shares 1728..1735 ({step, share, of})
+    // rank 1 block 55: shares 1726..1733 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 1 block 56: shares 1736..1743 ({step, share, of})
+    // rank 1 block 56: shares 1734..1741 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 1 block 57: shares 1744..1751 ({step, share, of})
+    // rank 1 block 57: shares 1742..1749 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 1 block 58: shares 1752..1759 ({step, share, of})
+    // rank 1 block 58: shares 1750..1757 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 1 block 59: shares 1760..1767 ({step, share, of})
+    // rank 1 block 59: shares 1758..1765 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 1 block 60: shares 1768..1775 ({step, share, of})
+    // rank 1 block 60: shares 1766..1773 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 1 block 61: shares 1776..1783 ({step, share, of})
+    // rank 1 block 61: shares 1774..1781 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 1 block 62: shares 1784..1791 ({step, share, of})
+    // rank 1 block 62: shares 1782..1789 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 1 block 63: shares 1792..1799 ({step, share, of})
+    // rank 1 block 63: shares 1790..1797 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 1 block 64: shares 1800..1807 ({step, share, of})
+    // rank 1 block 64: shares 1798..1805 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 1 block 65: shares 1808..1819 ({step, share, of})
+    // rank 1 block 65: shares 1806..1817 ({step, share, of})
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
-    // rank 1 block 66: shares 1820..1831 ({step, share, of})
+    // rank 1 block 66: shares 1818..1829 ({step, share, of})
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
-    // rank 1 block 67: shares 1832..1843 ({step, share, of})
+    // rank 1 block 67: shares 1830..1841 ({step, share, of})
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
-    // rank 1 block 68: shares 1844..1855 ({step, share, of})
+    // rank 1 block 68: shares 1842..1853 ({step, share, of})
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
-    // rank 1 block 69: shares 1856..1867 ({step, share, of})
+    // rank 1 block 69: shares 1854..1865 ({step, share, of})
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
-    // rank 1 block 70: shares 1868..1879 ({step, share, of})
+    // rank 1 block 70: shares 1866..1877 ({step, share, of})
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
-    // rank 1 block 71: shares 1880..1891 ({step, share, of})
+    // rank 1 block 71: shares 1878..1889 ({step, share, of})
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
-    // rank 1 block 72: shares 1892..1903 ({step, share, of})
+    // rank 1 block 72: shares 1890..1901 ({step, share, of})
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
-    // rank 1 block 73: shares 1904..1915 ({step, share, of})
+    // rank 1 block 73: shares 1902..1913 ({step, share, of})
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
-    // rank 1 block 74: shares 1916..1927 ({step, share, of})
+    // rank 1 block 74: shares 1914..1925 ({step, share, of})
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
-    // rank 1 block 75: shares 1928..1939 ({step, share, of})
+    // rank 1 block 75: shares 1926..1937 ({step, share, of})
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
-    // rank 1 block 76: shares 1940..1951 ({step, share, of})
+    // rank 1 block 76: shares 1938..1949 ({step, share, of})
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
-    // rank 1 block 77: shares 1952..1963 ({step, share, of})
+    // rank 1 block 77: shares 1950..1961 ({step, share, of})
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
-    // rank 1 block 78: shares 1964..1975 ({step, share, of})
+    // rank 1 block 78: shares 1962..1973 ({step, share, of})
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
-    // rank 1 block 79: shares 1976..1987 ({step, share, of})
+    // rank 1 block 79: shares 1974..1985 ({step, share, of})
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
-    // rank 1 block 80: shares 1988..1999 ({step, share, of})
+    // rank 1 block 80: shares 1986..1997 ({step, share, of})
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
-    // rank 1 block 81: shares 2000..2011 ({step, share, of})
+    // rank 1 block 81: shares 1998..2009 ({step, share, of})
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
-    // rank 1 block 82: shares 2012..2023 ({step, share, of})
+    // rank 1 block 82: shares 2010..2021 ({step, share, of})
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
-    // rank 1 block 83: shares 2024..2035 ({step, share, of})
+    // rank 1 block 83: shares 2022..2033 ({step, share, of})
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
-    // rank 1 block 84: shares 2036..2047 ({step, share, of})
+    // rank 1 block 84: shares 2034..2045 ({step, share, of})
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
-    // rank 1 block 85: shares 2048..2059 ({step, share, of})
+    // rank 1 block 85: shares 2046..2057 ({step, share, of})
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
-    // rank 1 block 86: shares 2060..2071 ({step, share, of})
+    // rank 1 block 86: shares 2058..2069 ({step, share, of})
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
-    // rank 1 block 87: shares 2072..2083 ({step, share, of})
+    // rank 1 block 87: shares 2070..2081 ({step, share, of})
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
-    // rank 1 block 88: shares 2084..2095 ({step, share, of})
+    // rank 1 block 88: shares 2082..2093 ({step, share, of})
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
-    // rank 1 block 89: shares 2096..2107 ({step, share, of})
+    // rank 1 block 89: shares 2094..2105 ({step, share, of})
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
-    // rank 1 block 90: shares 2108..2119 ({step, share, of})
+    // rank 1 block 90: shares 2106..2117 ({step, share, of})
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
-    // rank 1 block 91: shares 2120..2131 ({step, share, of})
+    // rank 1 block 91: shares 2118..2129 ({step, share, of})
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
-    // rank 1 block 92: shares 2132..2143 ({step, share, of})
+    // rank 1 block 92: shares 2130..2141 ({step, share, of})
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
-    // rank 1 block 93: shares 2144..2155 ({step, share, of})
+    // rank 1 block 93: shares 2142..2153 ({step, share, of})
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
-    // rank 1 block 94: shares 2156..2167 ({step, share, of})
+    // rank 1 block 94: shares 2154..2165 ({step, share, of})
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
-    // rank 1 block 95: shares 2168..2179 ({step, share, of})
+    // rank 1 block 95: shares 2166..2177 ({step, share, of})
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
-    // rank 1 block 96: shares 2180..2191 ({step, share, of})
+    // rank 1 block 96: shares 2178..2189 ({step, share, of})
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
-    // rank 1 block 97: shares 2192..2203 ({step, share, of})
+    // rank 1 block 97: shares 2190..2201 ({step, share, of})
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
-    // rank 1 block 98: shares 2204..2215 ({step, share, of})
+    // rank 1 block 98: shares 2202..2213 ({step, share, of})
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
-    // rank 1 block 99: shares 2216..2227 ({step, share, of})
+    // rank 1 block 99: shares 2214..2225 ({step, share, of})
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
-    // rank 1 block 100: shares 2228..2239 ({step, share, of})
+    // rank 1 block 100: shares 2226..2237 ({step, share, of})
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
-    // rank 1 block 101: shares 2240..2251 ({step, share, of})
+    // rank 1 block 101: shares 2238..2249 ({step, share, of})
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
-    // rank 1 block 102: shares 2252..2263 ({step, share, of})
+    // rank 1 block 102: shares 2250..2261 ({step, share, of})
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
-    // rank 1 block 103: shares 2264..2275 ({step, share, of})
+    // rank 1 block 103: shares 2262..2273 ({step, share, of})
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
-    // rank 1 block 104: shares 2276..2287 ({step, share, of})
+    // rank 1 block 104: shares 2274..2285 ({step, share, of})
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
-    // rank 1 block 105: shares 2288..2299 ({step, share, of})
+    // rank 1 block 105: shares 2286..2297 ({step, share, of})
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
-    // rank 1 block 106: shares 2300..2311 ({step, share, of})
+    // rank 1 block 106: shares 2298..2309 ({step, share, of})
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
-    // rank 1 block 107: shares 2312..2323 ({step, share, of})
+    // rank 1 block 107: shares 2310..2321 ({step, share, of})
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
-    // rank 1 block 108: shares 2324..2335 ({step, share, of})
+    // rank 1 block 108: shares 2322..2333 ({step, share, of})
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
-    // rank 1 block 109: shares 2336..2347 ({step, share, of})
+    // rank 1 block 109: shares 2334..2345 ({step, share, of})
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
-    // rank 1 block 110: shares 2348..2359 ({step, share, of})
+    // rank 1 block 110: shares 2346..2357 ({step, share, of})
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
-    // rank 1 block 111: shares 2360..2371 ({step, share, of})
+    // rank 1 block 111: shares 2358..2369 ({step, share, of})
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
-    // rank 1 block 112: shares 2372..2383 ({step, share, of})
+    // rank 1 block 112: shares 2370..2381 ({step, share, of})
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
-    // rank 1 block 113: shares 2384..2395 ({step, share, of})
+    // rank 1 block 113: shares 2382..2393 ({step, share, of})
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
-    // rank 1 block 114: shares 2396..2407 ({step, share, of})
+    // rank 1 block 114: shares 2394..2405 ({step, share, of})
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
-    // rank 1 block 115: shares 2408..2419 ({step, share, of})
+    // rank 1 block 115: shares 2406..2417 ({step, share, of})
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
-    // rank 1 block 116: shares 2420..2431 ({step, share, of})
+    // rank 1 block 116: shares 2418..2429 ({step, share, of})
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
-    // rank 1 block 117: shares 2432..2443 ({step, share, of})
+    // rank 1 block 117: shares 2430..2441 ({step, share, of})
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
-    // rank 1 block 118: shares 2444..2455 ({step, share, of})
+    // rank 1 block 118: shares 2442..2453 ({step, share, of})
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
-    // rank 1 block 119: shares 2456..2467 ({step, share, of})
+    // rank 1 block 119: shares 2454..2465 ({step, share, of})
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
-    // rank 1 block 120: shares 2468..2479 ({step, share, of})
+    // rank 1 block 120: shares 2466..2477 ({step, share, of})
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
-    // rank 1 block 121: shares 2480..2491 ({step, share, of})
+    // rank 1 block 121: shares 2478..2489 ({step, share, of})
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
-    // rank 1 block 122: shares 2492..2503 ({step, share, of})
+    // rank 1 block 122: shares 2490..2501 ({step, share, of})
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
-    // rank 1 block 123: shares 2504..2515 ({step, share, of})
+    // rank 1 block 123: shares 2502..2513 ({step, share, of})
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
-    // rank 1 block 124: shares 2516..2527 ({step, share, of})
+    // rank 1 block 124: shares 2514..2525 ({step, share, of})
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
-    // rank 1 block 125: shares 2528..2539 ({step, share, of})
+    // rank 1 block 125: shares 2526..2537 ({step, share, of})
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
-    // rank 1 block 126: shares 2540..2551 ({step, share, of})
+    // rank 1 block 126: shares 2538..2549 ({step, share, of})
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
-    // rank 1 block 127: shares 2552..2563 ({step, share, of})
+    // rank 1 block 127: shares 2550..2561 ({step, share, of})
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
-    // rank 2 block 0: shares 2564..2576 ({step, share, of})
-    {0, 0, 1}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64},
-    {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
-    // rank 2 block 1: shares 2577..2585 ({step, share, of})
+    // rank 2 block 0: shares 2562..2573 ({step, share, of})
+    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    // rank 2 block 1: shares 2574..2582 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {21, 0, 1},
-    // rank 2 block 2: shares 2586..2593 ({step, share, of})
+    // rank 2 block 2: shares 2583..2590 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 2 block 3: shares 2594..2601 ({step, share, of})
+    // rank 2 block 3: shares 2591..2598 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 2 block 4: shares 2602..2609 ({step, share, of})
+    // rank 2 block 4: shares 2599..2606 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 2 block 5: shares 2610..2617 ({step, share, of})
+    // rank 2 block 5: shares 2607..2614 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 2 block 6: shares 2618..2625 ({step, share, of})
+    // rank 2 block 6: shares 2615..2622 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 2 block 7: shares 2626..2633 ({step, share, of})
+    // rank 2 block 7: shares 2623..2630 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 2 block 8: shares 2634..2641 ({step, share, of})
+    // rank 2 block 8: shares 2631..2638 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 2 block 9: shares 2642..2649 ({step, share, of})
+    // rank 2 block 9: shares 2639..2646 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 2 block 10: shares 2650..2657 ({step, share, of})
+    // rank 2 block 10: shares 2647..2654 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 2 block 11: shares 2658..2665 ({step, share, of})
+    // rank 2 block 11: shares 2655..2662 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 2 block 12: shares 2666..2673 ({step, share, of})
+    // rank 2 block 12: shares 2663..2670 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 2 block 13: shares 2674..2681 ({step, share, of})
+    // rank 2 block 13: shares 2671..2678 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 2 block 14: shares 2682..2689 ({step, share, of})
+    // rank 2 block 14: shares 2679..2686 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 2 block 15: shares 2690..2697 ({step, share, of})
+    // rank 2 block 15: shares 2687..2694 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 2 block 16: shares 2698..2705 ({step, share, of})
+    // rank 2 block 16: shares 2695..2702 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 2 block 17: shares 2706..2713 ({step, share, of})
+    // rank 2 block 17: shares 2703..2710 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 2 block 18: shares 2714..2721 ({step, share, of})
+    // rank 2 block 18: shares 2711..2718 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 2 block 19: shares 2722..2729 ({step, share, of})
+    // rank 2 block 19: shares 2719..2726 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 2 block 20: shares 2730..2737 ({step, share, of})
+    // rank 2 block 20: shares 2727..2734 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 2 block 21: shares 2738..2745 ({step, share, of})
+    // rank 2 block 21: shares 2735..2742 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 2 block 22: shares 2746..2753 ({step, share, of})
+    // rank 2 block 22: shares 2743..2750 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 2 block 23: shares 2754..2761 ({step, share, of})
+    // rank 2 block 23: shares 2751..2758 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 2 block 24: shares 2762..2769 ({step, share, of})
+    // rank 2 block 24: shares 2759..2766 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 2 block 25: shares 2770..2777 ({step, share, of})
+    // rank 2 block 25: shares 2767..2774 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 2 block 26: shares 2778..2785 ({step, share, of})
+    // rank 2 block 26: shares 2775..2782 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 2 block 27: shares 2786..2793 ({step, share, of})
+    // rank 2 block 27: shares 2783..2790 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 2 block 28: shares 2794..2801 ({step, share, of})
+    // rank 2 block 28: shares 2791..2798 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 2 block 29: shares 2802..2809 ({step, share, of})
+    // rank 2 block 29: shares 2799..2806 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 2 block 30: shares 2810..2817 ({step, share, of})
+    // rank 2 block 30: shares 2807..2814 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 2 block 31: shares 2818..2825 ({step, share, of})
+    // rank 2 block 31: shares 2815..2822 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 2 block 32: shares 2826..2833 ({step, share, of})
+    // rank 2 block 32: shares 2823..2830 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 2 block 33: shares 2834..2841 ({step, share, of})
+    // rank 2 block 33: shares 2831..2838 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 2 block 34: shares 2842..2849 ({step, share, of})
+    // rank 2 block 34: shares 2839..2846 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 2 block 35: shares 2850..2857 ({step, share, of})
+    // rank 2 block 35: shares 2847..2854 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 2 block 36: shares 2858..2865 ({step, share, of})
+    // rank 2 block 36: shares 2855..2862 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 2 block 37: shares 2866..2873 ({step, share, of})
+    // rank 2 block 37: shares 2863..2870 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 2 block 38: shares 2874..2881 ({step, share, of})
+    // rank 2 block 38: shares 2871..2878 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 2 block 39: shares 2882..2889 ({step, share, of})
+    // rank 2 block 39: shares 2879..2886 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 2 block 40: shares 2890..2897 ({step, share, of})
+    // rank 2 block 40: shares 2887..2894 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 2 block 41: shares 2898..2905 ({step, share, of})
+    // rank 2 block 41: shares 2895..2902 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 2 block 42: shares 2906..2913 ({step, share, of})
+    // rank 2 block 42: shares 2903..2910 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 2 block 43: shares 2914..2921 ({step, share, of})
+    // rank 2 block 43: shares 2911..2918 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 2 block 44: shares 2922..2929 ({step, share, of})
+    // rank 2 block 44: shares 2919..2926 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 2 block 45: shares 2930..2937 ({step, share, of})
+    // rank 2 block 45: shares 2927..2934 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 2 block 46: shares 2938..2945 ({step, share, of})
+    // rank 2 block 46: shares 2935..2942 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 2 block 47: shares 2946..2953 ({step, share, of})
+    // rank 2 block 47: shares 2943..2950 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 2 block 48: shares 2954..2961 ({step, share, of})
+    // rank 2 block 48: shares 2951..2958 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 2 block 49: shares 2962..2969 ({step, share, of})
+    // rank 2 block 49: shares 2959..2966 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 2 block 50: shares 2970..2977 ({step, share, of})
+    // rank 2 block 50: shares 2967..2974 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 2 block 51: shares 2978..2985 ({step, share, of})
+    // rank 2 block 51: shares 2975..2982 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 2 block 52: shares 2986..2993 ({step, share, of})
+    // rank 2 block 52: shares 2983..2990 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 2 block 53: shares 2994..3001 ({step, share, of})
+    // rank 2 block 53: shares 2991..2998 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 2 block 54: shares 3002..3009 ({step, share, of})
+    // rank 2 block 54: shares 2999..3006 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 2 block 55: shares 3010..3017 ({step, share, of})
+    // rank 2 block 55: shares 3007..3014 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 2 block 56: shares 3018..3025 ({step, share, of})
+    // rank 2 block 56: shares 3015..3022 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 2 block 57: shares 3026..3033 ({step, share, of})
+    // rank 2 block 57: shares 3023..3030 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 2 block 58: shares 3034..3041 ({step, share, of})
+    // rank 2 block 58: shares 3031..3038 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 2 block 59: shares 3042..3049 ({step, share, of})
+    // rank 2 block 59: shares 3039..3046 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 2 block 60: shares 3050..3057 ({step, share, of})
+    // rank 2 block 60: shares 3047..3054 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 2 block 61: shares 3058..3065 ({step, share, of})
+    // rank 2 block 61: shares 3055..3062 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 2 block 62: shares 3066..3073 ({step, share, of})
+    // rank 2 block 62: shares 3063..3070 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 2 block 63: shares 3074..3081 ({step, share, of})
+    // rank 2 block 63: shares 3071..3078 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 2 block 64: shares 3082..3089 ({step, share, of})
+    // rank 2 block 64: shares 3079..3086 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 2 block 65: shares 3090..3101 ({step, share, of})
+    // rank 2 block 65: shares 3087..3098 ({step, share, of})
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
-    // rank 2 block 66: shares 3102..3113 ({step, share, of})
+    // rank 2 block 66: shares 3099..3110 ({step, share, of})
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
-    // rank 2 block 67: shares 3114..3125 ({step, share, of})
+    // rank 2 block 67: shares 3111..3122 ({step, share, of})
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
-    // rank 2 block 68: shares 3126..3137 ({step, share, of})
+    // rank 2 block 68: shares 3123..3134 ({step, share, of})
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
-    // rank 2 block 69: shares 3138..3149 ({step, share, of})
+    // rank 2 block 69: shares 3135..3146 ({step, share, of})
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
-    // rank 2 block 70: shares 3150..3161 ({step, share, of})
+    // rank 2 block 70: shares 3147..3158 ({step, share, of})
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
-    // rank 2 block 71: shares 3162..3173 ({step, share, of})
+    // rank 2 block 71: shares 3159..3170 ({step, share, of})
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
-    // rank 2 block 72: shares 3174..3185 ({step, share, of})
+    // rank 2 block 72: shares 3171..3182 ({step, share, of})
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
-    // rank 2 block 73: shares 3186..3197 ({step, share, of})
+    // rank 2 block 73: shares 3183..3194 ({step, share, of})
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
-    // rank 2 block 74: shares 3198..3209 ({step, share, of})
+    // rank 2 block 74: shares 3195..3206 ({step, share, of})
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
-    // rank 2 block 75: shares 3210..3221 ({step, share, of})
+    // rank 2 block 75: shares 3207..3218 ({step, share, of})
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
-    // rank 2 block 76: shares 3222..3233 ({step, share, of})
+    // rank 2 block 76: shares 3219..3230 ({step, share, of})
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
-    // rank 2 block 77: shares 3234..3245 ({step, share, of})
+    // rank 2 block 77: shares 3231..3242 ({step, share, of})
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
-    // rank 2 block 78: shares 3246..3257 ({step, share, of})
+    // rank 2 block 78: shares 3243..3254 ({step, share, of})
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
-    // rank 2 block 79: shares 3258..3269 ({step, share, of})
+    // rank 2 block 79: shares 3255..3266 ({step, share, of})
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
-    // rank 2 block 80: shares 3270..3281 ({step, share, of})
+    // rank 2 block 80: shares 3267..3278 ({step, share, of})
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
-    // rank 2 block 81: shares 3282..3293 ({step, share, of})
+    // rank 2 block 81: shares 3279..3290 ({step, share, of})
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
-    // rank 2 block 82: shares 3294..3305 ({step, share, of})
+    // rank 2 block 82: shares 3291..3302 ({step, share, of})
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
-    // rank 2 block 83: shares 3306..3317 ({step, share, of})
+    // rank 2 block 83: shares 3303..3314 ({step, share, of})
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
-    // rank 2 block 84: shares 3318..3329 ({step, share, of})
+    // rank 2 block 84: shares 3315..3326 ({step, share, of})
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
-    // rank 2 block 85: shares 3330..3341 ({step, share, of})
+    // rank 2 block 85: shares 3327..3338 ({step, share, of})
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
-    // rank 2 block 86: shares 3342..3353 ({step, share, of})
+    // rank 2 block 86: shares 3339..3350 ({step, share, of})
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
-    // rank 2 block 87: shares 3354..3365 ({step, share, of})
+    // rank 2 block 87: shares 3351..3362 ({step, share, of})
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
-    // rank 2 block 88: shares 3366..3377 ({step, share, of})
+    // rank 2 block 88: shares 3363..3374 ({step, share, of})
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
-    // rank 2 block 89: shares 3378..3389 ({step, share, of})
+    // rank 2 block 89: shares 3375..3386 ({step, share, of})
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
-    // rank 2 block 90: shares 3390..3401 ({step, share, of})
+    // rank 2 block 90: shares 3387..3398 ({step, share, of})
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
-    // rank 2 block 91: shares 3402..3413 ({step, share, of})
+    // rank 2 block 91: shares 3399..3410 ({step, share, of})
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
-    // rank 2 block 92: shares 3414..3425 ({step, share, of})
+    // rank 2 block 92: shares 3411..3422 ({step, share, of})
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
-    // rank 2 block 93: shares 3426..3437 ({step, share, of})
+    // rank 2 block 93: shares 3423..3434 ({step, share, of})
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
-    // rank 2 block 94: shares 3438..3449 ({step, share, of})
+    // rank 2 block 94: shares 3435..3446 ({step, share, of})
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
-    // rank 2 block 95: shares 3450..3461 ({step, share, of})
+    // rank 2 block 95: shares 3447..3458 ({step, share, of})
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
-    // rank 2 block 96: shares 3462..3473 ({step, share, of})
+    // rank 2 block 96: shares 3459..3470 ({step, share, of})
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
-    // rank 2 block 97: shares 3474..3485 ({step, share, of})
+    // rank 2 block 97: shares 3471..3482 ({step, share, of})
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
-    // rank 2 block 98: shares 3486..3497 ({step, share, of})
+    // rank 2 block 98: shares 3483..3494 ({step, share, of})
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
-    // rank 2 block 99: shares 3498..3509 ({step, share, of})
+    // rank 2 block 99: shares 3495..3506 ({step, share, of})
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
-    // rank 2 block 100: shares 3510..3521 ({step, share, of})
+    // rank 2 block 100: shares 3507..3518 ({step, share, of})
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
-    // rank 2 block 101: shares 3522..3533 ({step, share, of})
+    // rank 2 block 101: shares 3519..3530 ({step, share, of})
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
-    // rank 2 block 102: shares 3534..3545 ({step, share, of})
+    // rank 2 block 102: shares 3531..3542 ({step, share, of})
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
-    // rank 2 block 103: shares 3546..3557 ({step, share, of})
+    // rank 2 block 103: shares 3543..3554 ({step, share, of})
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
-    // rank 2 block 104: shares 3558..3569 ({step, share, of})
+    // rank 2 block 104: shares 3555..3566 ({step, share, of})
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
-    // rank 2 block 105: shares 3570..3581 ({step, share, of})
+    // rank 2 block 105: shares 3567..3578 ({step, share, of})
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
-    // rank 2 block 106: shares 3582..3593 ({step, share, of})
+    // rank 2 block 106: shares 3579..3590 ({step, share, of})
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
-    // rank 2 block 107: shares 3594..3605 ({step, share, of})
+    // rank 2 block 107: shares 3591..3602 ({step, share, of})
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
-    // rank 2 block 108: shares 3606..3617 ({step, share, of})
+    // rank 2 block 108: shares 3603..3614 ({step, share, of})
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
-    // rank 2 block 109: shares 3618..3629 ({step, share, of})
+    // rank 2 block 109: shares 3615..3626 ({step, share, of})
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
-    // rank 2 block 110: shares 3630..3641 ({step, share, of})
+    // rank 2 block 110: shares 3627..3638 ({step, share, of})
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
-    // rank 2 block 111: shares 3642..3653 ({step, share, of})
+    // rank 2 block 111: shares 3639..3650 ({step, share, of})
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
-    // rank 2 block 112: shares 3654..3665 ({step, share, of})
+    // rank 2 block 112: shares 3651..3662 ({step, share, of})
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
-    // rank 2 block 113: shares 3666..3677 ({step, share, of})
+    // rank 2 block 113: shares 3663..3674 ({step, share, of})
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
-    // rank 2 block 114: shares 3678..3689 ({step, share, of})
+    // rank 2 block 114: shares 3675..3686 ({step, share, of})
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
-    // rank 2 block 115: shares 3690..3701 ({step, share, of})
+    // rank 2 block 115: shares 3687..3698 ({step, share, of})
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
-    // rank 2 block 116: shares 3702..3713 ({step, share, of})
+    // rank 2 block 116: shares 3699..3710 ({step, share, of})
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
-    // rank 2 block 117: shares 3714..3725 ({step, share, of})
+    // rank 2 block 117: shares 3711..3722 ({step, share, of})
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
-    // rank 2 block 118: shares 3726..3737 ({step, share, of})
+    // rank 2 block 118: shares 3723..3734 ({step, share, of})
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
-    // rank 2 block 119: shares 3738..3749 ({step, share, of})
+    // rank 2 block 119: shares 3735..3746 ({step, share, of})
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
-    // rank 2 block 120: shares 3750..3761 ({step, share, of})
+    // rank 2 block 120: shares 3747..3758 ({step, share, of})
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
-    // rank 2 block 121: shares 3762..3773 ({step, share, of})
+    // rank 2 block 121: shares 3759..3770 ({step, share, of})
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
-    // rank 2 block 122: shares 3774..3785 ({step, share, of})
+    // rank 2 block 122: shares 3771..3782 ({step, share, of})
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
-    // rank 2 block 123: shares 3786..3797 ({step, share, of})
+    // rank 2 block 123: shares 3783..3794 ({step, share, of})
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
-    // rank 2 block 124: shares 3798..3809 ({step, share, of})
+    // rank 2 block 124: shares 3795..3806 ({step, share, of})
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
-    // rank 2 block 125: shares 3810..3821 ({step, share, of})
+    // rank 2 block 125: shares 3807..3818 ({step, share, of})
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
-    // rank 2 block 126: shares 3822..3833 ({step, share, of})
+    // rank 2 block 126: shares 3819..3830 ({step, share, of})
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
-    // rank 2 block 127: shares 3834..3845 ({step, share, of})
+    // rank 2 block 127: shares 3831..3842 ({step, share, of})
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][129] = {
-    { 0, 13, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142, 150, 158, 166, 174, 182, 190, 198, 206, 214, 222, 230, 238, 246, 254, 262, 270, 278, 286, 294, 302, 310, 318, 326, 334, 342, 350, 358, 366, 374, 382, 390, 398, 406, 414, 422, 430, 438, 446, 454, 462, 470, 478, 486, 494, 502, 510, 518, 526, 538, 550, 562, 574, 586, 598, 610, 622, 634, 646, 658, 670, 682, 694, 706, 718, 730, 742, 754, 766, 778, 790, 802, 814, 826, 838, 850, 862, 874, 886, 898, 910, 922, 934, 946, 958, 970, 982, 994, 1006, 1018, 1030, 1042, 1054, 1066, 1078, 1090, 1102, 1114, 1126, 1138, 1150, 1162, 1174, 1186, 1198, 1210, 1222, 1234, 1246, 1258, 1270, 1282 },
-    { 1282, 1295, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1820, 1832, 1844, 1856, 1868, 1880, 1892, 1904, 1916, 1928, 1940, 1952, 1964, 1976, 1988, 2000, 2012, 2024, 2036, 2048, 2060, 2072, 2084, 2096, 2108, 2120, 2132, 2144, 2156, 2168, 2180, 2192, 2204, 2216, 2228, 2240, 2252, 2264, 2276, 2288, 2300, 2312, 2324, 2336, 2348, 2360, 2372, 2384, 2396, 2408, 2420, 2432, 2444, 2456, 2468, 2480, 2492, 2504, 2516, 2528, 2540, 2552, 2564 },
-    { 2564, 2577, 2586, 2594, 2602, 2610, 2618, 2626, 2634, 2642, 2650, 2658, 2666, 2674, 2682, 2690, 2698, 2706, 2714, 2722, 2730, 2738, 2746, 2754, 2762, 2770, 2778, 2786, 2794, 2802, 2810, 2818, 2826, 2834, 2842, 2850, 2858, 2866, 2874, 2882, 2890, 2898, 2906, 2914, 2922, 2930, 2938, 2946, 2954, 2962, 2970, 2978, 2986, 2994, 3002, 3010, 3018, 3026, 3034, 3042, 3050, 3058, 3066, 3074, 3082, 3090, 3102, 3114, 3126, 3138, 3150, 3162, 3174, 3186, 3198, 3210, 3222, 3234, 3246, 3258, 3270, 3282, 3294, 3306, 3318, 3330, 3342, 3354, 3366, 3378, 3390, 3402, 3414, 3426, 3438, 3450, 3462, 3474, 3486, 3498, 3510, 3522, 3534, 3546, 3558, 3570, 3582, 3594, 3606, 3618, 3630, 3642, 3654, 3666, 3678, 3690, 3702, 3714, 3726, 3738, 3750, 3762, 3774, 3786, 3798, 3810, 3822, 3834, 3846 },
+    { 0, 12, 21, 29, 37, 45, 53, 61, 69, 77, 85, 93, 101, 109, 117, 125, 133, 141, 149, 157, 165, 173, 181, 189, 197, 205, 213, 221, 229, 237, 245, 253, 261, 269, 277, 285, 293, 301, 309, 317, 325, 333, 341, 349, 357, 365, 373, 381, 389, 397, 405, 413, 421, 429, 437, 445, 453, 461, 469, 477, 485, 493, 501, 509, 517, 525, 537, 549, 561, 573, 585, 597, 609, 621, 633, 645, 657, 669, 681, 693, 705, 717, 729, 741, 753, 765, 777, 789, 801, 813, 825, 837, 849, 861, 873, 885, 897, 909, 921, 933, 945, 957, 969, 981, 993, 1005, 1017, 1029, 1041, 1053, 1065, 1077, 1089, 1101, 1113, 1125, 1137, 1149, 1161, 1173, 1185, 1197, 1209, 1221, 1233, 1245, 1257, 1269, 1281 },
+    { 1281, 1293, 1302, 1310, 1318, 1326, 1334, 1342, 1350, 1358, 1366, 1374, 1382, 1390, 1398, 1406, 1414, 1422, 1430, 1438, 1446, 1454, 1462, 1470, 1478, 1486, 1494, 1502, 1510, 1518, 1526, 1534, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798, 1806, 1818, 1830, 1842, 1854, 1866, 1878, 1890, 1902, 1914, 1926, 1938, 1950, 1962, 1974, 1986, 1998, 2010, 2022, 2034, 2046, 2058, 2070, 2082, 2094, 2106, 2118, 2130, 2142, 2154, 2166, 2178, 2190, 2202, 2214, 2226, 2238, 2250, 2262, 2274, 2286, 2298, 2310, 2322, 2334, 2346, 2358, 2370, 2382, 2394, 2406, 2418, 2430, 2442, 2454, 2466, 2478, 2490, 2502, 2514, 2526, 2538, 2550, 2562 },
+    { 2562, 2574, 2583, 2591, 2599, 2607, 2615, 2623, 2631, 2639, 2647, 2655, 2663, 2671, 2679, 2687, 2695, 2703, 2711, 2719, 2727, 2735, 2743, 2751, 2759, 2767, 2775, 2783, 2791, 2799, 2807, 2815, 2823, 2831, 2839, 2847, 2855, 2863, 2871, 2879, 2887, 2895, 2903, 2911, 2919, 2927, 2935, 2943, 2951, 2959, 2967, 2975, 2983, 2991, 2999, 3007, 3015, 3023, 3031, 3039, 3047, 3055, 3063, 3071, 3079, 3087, 3099, 3111, 3123, 3135, 3147, 3159, 3171, 3183, 3195, 3207, 3219, 3231, 3243, 3255, 3267, 3279, 3291, 3303, 3315, 3327, 3339, 3351, 3363, 3375, 3387, 3399, 3411, 3423, 3435, 3447, 3459, 3471, 3483, 3495, 3507, 3519, 3531, 3543, 3555, 3567, 3579, 3591, 3603, 3615, 3627, 3639, 3651, 3663, 3675, 3687, 3699, 3711, 3723, 3735, 3747, 3759, 3771, 3783, 3795, 3807, 3819, 3831, 3843 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 124 steps, 7180 block shares over 128 blocks.
+// Plan for world size 4: 124 steps, 7176 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -3114,1557 +3117,1553 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..16 ({step, share, of})
-    {0, 0, 1}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64},
-    {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64},
-    {28, 63, 64},
-    // rank 0 block 1: shares 17..29 ({step, share, of})
+    // rank 0 block 0: shares 0..15 ({step, share, of})
+    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
+    // rank 0 block 1: shares 16..28 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {29, 0, 1},
-    // rank 0 block 2: shares 30..42 ({step, share, of})
+    // rank 0 block 2: shares 29..41 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {30, 0, 1},
-    // rank 0 block 3: shares 43..54 ({step, share, of})
+    // rank 0 block 3: shares 42..53 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 0 block 4: shares 55..66 ({step, share, of})
+    // rank 0 block 4: shares 54..65 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 0 block 5: shares 67..78 ({step, share, of})
+    // rank 0 block 5: shares 66..77 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 0 block 6: shares 79..90 ({step, share, of})
+    // rank 0 block 6: shares 78..89 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 0 block 7: shares 91..102 ({step, share, of})
+    // rank 0 block 7: shares 90..101 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 0 block 8: shares 103..114 ({step, share, of})
+    // rank 0 block 8: shares 102..113 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 0 block 9: shares 115..126 ({step, share, of})
+    // rank 0 block 9: shares 114..125 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 0 block 10: shares 127..138 ({step, share, of})
+    // rank 0 block 10: shares 126..137 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 0 block 11: shares 139..150 ({step, share, of})
+    // rank 0 block 11: shares 138..149 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 0 block 12: shares 151..162 ({step, share, of})
+    // rank 0 block 12: shares 150..161 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 0 block 13: shares 163..174 ({step, share, of})
+    // rank 0 block 13: shares 162..173 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 0 block 14: shares 175..186 ({step, share, of})
+    // rank 0 block 14: shares 174..185 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 0 block 15: shares 187..198 ({step, share, of})
+    // rank 0 block 15: shares 186..197 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 0 block 16: shares 199..210 ({step, share, of})
+    // rank 0 block 16: shares 198..209 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 0 block 17: shares 211..222 ({step, share, of})
+    // rank 0 block 17: shares 210..221 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 0 block 18: shares 223..234 ({step, share, of})
+    // rank 0 block 18: shares 222..233 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 0 block 19: shares 235..246 ({step, share, of})
+    // rank 0 block 19: shares 234..245 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 0 block 20: shares 247..258 ({step, share, of})
+    // rank 0 block 20: shares 246..257 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 0 block 21: shares 259..270 ({step, share, of})
+    // rank 0 block 21: shares 258..269 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 0 block 22: shares 271..282 ({step, share, of})
+    // rank 0 block 22: shares 270..281 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 0 block 23: shares 283..294 ({step, share, of})
+    // rank 0 block 23: shares 282..293 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 0 block 24: shares 295..306 ({step, share, of})
+    // rank 0 block 24: shares 294..305 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 0 block 25: shares 307..318 ({step, share, of})
+    // rank 0 block 25: shares 306..317 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 0 block 26: shares 319..330 ({step, share, of})
+    // rank 0 block 26: shares 318..329 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 0 block 27: shares 331..342 ({step, share, of})
+    // rank 0 block 27: shares 330..341 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 0 block 28: shares 343..354 ({step, share, of})
+    // rank 0 block 28: shares 342..353 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 0 block 29: shares 355..366 ({step, share, of})
+    // rank 0 block 29: shares 354..365 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 0 block 30: shares 367..378 ({step, share, of})
+    // rank 0 block 30: shares 366..377 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 0 block 31: shares 379..390 ({step, share, of})
+    // rank 0 block 31: shares 378..389 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 0 block 32: shares 391..402 ({step, share, of})
+    // rank 0 block 32: shares 390..401 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 0 block 33: shares 403..414 ({step, share, of})
+    // rank 0 block 33: shares 402..413 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 0 block 34: shares 415..426 ({step, share, of})
+    // rank 0 block 34: shares 414..425 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 0 block 35: shares 427..438 ({step, share, of})
+    // rank 0 block 35: shares 426..437 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 0 block 36: shares 439..450 ({step, share, of})
+    // rank 0 block 36: shares 438..449 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 0 block 37: shares 451..462 ({step, share, of})
+    // rank 0 block 37: shares 450..461 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 0 block 38: shares 463..474 ({step, share, of})
+    // rank 0 block 38: shares 462..473 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 0 block 39: shares 475..486 ({step, share, of})
+    // rank 0 block 39: shares 474..485 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 0 block 40: shares 487..498 ({step, share, of})
+    // rank 0 block 40: shares 486..497 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 0 block 41: shares 499..510 ({step, share, of})
+    // rank 0 block 41: shares 498..509 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 0 block 42: shares 511..522 ({step, share, of})
+    // rank 0 block 42: shares 510..521 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 0 block 43: shares 523..534 ({step, share, of})
+    // rank 0 block 43: shares 522..533 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 0 block 44: shares 535..546 ({step, share, of})
+    // rank 0 block 44: shares 534..545 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 0 block 45: shares 547..558 ({step, share, of})
+    // rank 0 block 45: shares 546..557 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 0 block 46: shares 559..570 ({step, share, of})
+    // rank 0 block 46: shares 558..569 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 0 block 47: shares 571..582 ({step, share, of})
+    // rank 0 block 47: shares 570..581 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 0 block 48: shares 583..594 ({step, share, of})
+    // rank 0 block 48: shares 582..593 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 0 block 49: shares 595..606 ({step, share, of})
+    // rank 0 block 49: shares 594..605 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 0 block 50: shares 607..618 ({step, share, of})
+    // rank 0 block 50: shares 606..617 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 0 block 51: shares 619..630 ({step, share, of})
+    // rank 0 block 51: shares 618..629 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 0 block 52: shares 631..642 ({step, share, of})
+    // rank 0 block 52: shares 630..641 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 0 block 53: shares 643..654 ({step, share, of})
+    // rank 0 block 53: shares 642..653 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 0 block 54: shares 655..666 ({step, share, of})
+    // rank 0 block 54: shares 654..665 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 0 block 55: shares 667..678 ({step, share, of})
+    // rank 0 block 55: shares 666..677 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 0 block 56: shares 679..690 ({step, share, of})
+    // rank 0 block 56: shares 678..689 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 0 block 57: shares 691..702 ({step, share, of})
+    // rank 0 block 57: shares 690..701 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 0 block 58: shares 703..714 ({step, share, of})
+    // rank 0 block 58: shares 702..713 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 0 block 59: shares 715..726 ({step, share, of})
+    // rank 0 block 59: shares 714..725 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 0 block 60: shares 727..738 ({step, share, of})
+    // rank 0 block 60: shares 726..737 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 0 block 61: shares 739..750 ({step, share, of})
+    // rank 0 block 61: shares 738..749 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 0 block 62: shares 751..762 ({step, share, of})
+    // rank 0 block 62: shares 750..761 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 0 block 63: shares 763..774 ({step, share, of})
+    // rank 0 block 63: shares 762..773 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 0 block 64: shares 775..786 ({step, share, of})
+    // rank 0 block 64: shares 774..785 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 0 block 65: shares 787..802 ({step, share, of})
+    // rank 0 block 65: shares 786..801 ({step, share, of})
     {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64}, {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
     {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64}, {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64},
-    // rank 0 block 66: shares 803..818 ({step, share, of})
+    // rank 0 block 66: shares 802..817 ({step, share, of})
     {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64}, {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
     {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64}, {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64},
-    // rank 0 block 67: shares 819..834 ({step, share, of})
+    // rank 0 block 67: shares 818..833 ({step, share, of})
     {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64}, {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
     {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64}, {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64},
-    // rank 0 block 68: shares 835..850 ({step, share, of})
+    // rank 0 block 68: shares 834..849 ({step, share, of})
     {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64}, {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
     {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64}, {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64},
-    // rank 0 block 69: shares 851..866 ({step, share, of})
+    // rank 0 block 69: shares 850..865 ({step, share, of})
     {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64}, {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
     {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64}, {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 0 block 70: shares 867..882 ({step, share, of})
+    // rank 0 block 70: shares 866..881 ({step, share, of})
     {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64}, {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
     {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64}, {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 0 block 71: shares 883..898 ({step, share, of})
+    // rank 0 block 71: shares 882..897 ({step, share, of})
     {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64}, {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
     {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64}, {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 0 block 72: shares 899..914 ({step, share, of})
+    // rank 0 block 72: shares 898..913 ({step, share, of})
     {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64}, {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
     {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64}, {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 0 block 73: shares 915..930 ({step, share, of})
+    // rank 0 block 73: shares 914..929 ({step, share, of})
     {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64}, {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
     {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64}, {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 0 block 74: shares 931..946 ({step, share, of})
+    // rank 0 block 74: shares 930..945 ({step, share, of})
     {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64}, {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
     {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64}, {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 0 block 75: shares 947..962 ({step, share, of})
+    // rank 0 block 75: shares 946..961 ({step, share, of})
     {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64}, {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
     {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64}, {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 0 block 76: shares 963..978 ({step, share, of})
+    // rank 0 block 76: shares 962..977 ({step, share, of})
     {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64}, {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
     {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64}, {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 0 block 77: shares 979..994 ({step, share, of})
+    // rank 0 block 77: shares 978..993 ({step, share, of})
     {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64}, {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
     {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64}, {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 0 block 78: shares 995..1010 ({step, share, of})
+    // rank 0 block 78: shares 994..1009 ({step, share, of})
     {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64}, {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
     {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64}, {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 0 block 79: shares 1011..1026 ({step, share, of})
+    // rank 0 block 79: shares 1010..1025 ({step, share, of})
     {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64}, {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
     {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64}, {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 0 block 80: shares 1027..1042 ({step, share, of})
+    // rank 0 block 80: shares 1026..1041 ({step, share, of})
     {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64}, {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
     {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64}, {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 0 block 81: shares 1043..1058 ({step, share, of})
+    // rank 0 block 81: shares 1042..1057 ({step, share, of})
     {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64}, {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
     {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64}, {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 0 block 82: shares 1059..1074 ({step, share, of})
+    // rank 0 block 82: shares 1058..1073 ({step, share, of})
     {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64}, {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
     {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64}, {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 0 block 83: shares 1075..1090 ({step, share, of})
+    // rank 0 block 83: shares 1074..1089 ({step, share, of})
     {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64}, {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
     {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64}, {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 0 block 84: shares 1091..1106 ({step, share, of})
+    // rank 0 block 84: shares 1090..1105 ({step, share, of})
     {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64}, {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
     {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64}, {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 0 block 85: shares 1107..1122 ({step, share, of})
+    // rank 0 block 85: shares 1106..1121 ({step, share, of})
     {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64}, {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
     {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64}, {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 0 block 86: shares 1123..1138 ({step, share, of})
+    // rank 0 block 86: shares 1122..1137 ({step, share, of})
     {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64}, {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
     {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64}, {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 0 block 87: shares 1139..1154 ({step, share, of})
+    // rank 0 block 87: shares 1138..1153 ({step, share, of})
     {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64}, {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
     {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64}, {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 0 block 88: shares 1155..1170 ({step, share, of})
+    // rank 0 block 88: shares 1154..1169 ({step, share, of})
     {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64}, {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
     {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64}, {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 0 block 89: shares 1171..1186 ({step, share, of})
+    // rank 0 block 89: shares 1170..1185 ({step, share, of})
     {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64}, {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
     {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64}, {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 0 block 90: shares 1187..1202 ({step, share, of})
+    // rank 0 block 90: shares 1186..1201 ({step, share, of})
     {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64}, {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
     {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64}, {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 0 block 91: shares 1203..1218 ({step, share, of})
+    // rank 0 block 91: shares 1202..1217 ({step, share, of})
     {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64}, {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
     {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64}, {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 0 block 92: shares 1219..1234 ({step, share, of})
+    // rank 0 block 92: shares 1218..1233 ({step, share, of})
     {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64}, {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
     {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64}, {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 0 block 93: shares 1235..1250 ({step, share, of})
+    // rank 0 block 93: shares 1234..1249 ({step, share, of})
     {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64}, {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
     {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64}, {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 0 block 94: shares 1251..1266 ({step, share, of})
+    // rank 0 block 94: shares 1250..1265 ({step, share, of})
     {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64}, {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
     {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64}, {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 0 block 95: shares 1267..1282 ({step, share, of})
+    // rank 0 block 95: shares 1266..1281 ({step, share, of})
     {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64}, {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
     {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64}, {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 0 block 96: shares 1283..1298 ({step, share, of})
+    // rank 0 block 96: shares 1282..1297 ({step, share, of})
     {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64}, {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
     {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64}, {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 0 block 97: shares 1299..1314 ({step, share, of})
+    // rank 0 block 97: shares 1298..1313 ({step, share, of})
     {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64}, {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
     {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64}, {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 0 block 98: shares 1315..1330 ({step, share, of})
+    // rank 0 block 98: shares 1314..1329 ({step, share, of})
     {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64}, {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
     {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64}, {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 0 block 99: shares 1331..1346 ({step, share, of})
+    // rank 0 block 99: shares 1330..1345 ({step, share, of})
     {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64}, {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
     {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64}, {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 0 block 100: shares 1347..1362 ({step, share, of})
+    // rank 0 block 100: shares 1346..1361 ({step, share, of})
     {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64}, {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
     {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64}, {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 0 block 101: shares 1363..1378 ({step, share, of})
+    // rank 0 block 101: shares 1362..1377 ({step, share, of})
     {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64}, {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
     {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64}, {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 0 block 102: shares 1379..1394 ({step, share, of})
+    // rank 0 block 102: shares 1378..1393 ({step, share, of})
     {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64}, {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
     {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64}, {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 0 block 103: shares 1395..1410 ({step, share, of})
+    // rank 0 block 103: shares 1394..1409 ({step, share, of})
     {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64}, {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
     {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64}, {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 0 block 104: shares 1411..1426 ({step, share, of})
+    // rank 0 block 104: shares 1410..1425 ({step, share, of})
     {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64}, {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
     {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64}, {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 0 block 105: shares 1427..1442 ({step, share, of})
+    // rank 0 block 105: shares 1426..1441 ({step, share, of})
     {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64}, {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
     {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64}, {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 0 block 106: shares 1443..1458 ({step, share, of})
+    // rank 0 block 106: shares 1442..1457 ({step, share, of})
     {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64}, {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
     {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64}, {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 0 block 107: shares 1459..1474 ({step, share, of})
+    // rank 0 block 107: shares 1458..1473 ({step, share, of})
     {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64}, {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
     {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64}, {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 0 block 108: shares 1475..1490 ({step, share, of})
+    // rank 0 block 108: shares 1474..1489 ({step, share, of})
     {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64}, {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
     {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64}, {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 0 block 109: shares 1491..1506 ({step, share, of})
+    // rank 0 block 109: shares 1490..1505 ({step, share, of})
     {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64}, {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
     {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64}, {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 0 block 110: shares 1507..1522 ({step, share, of})
+    // rank 0 block 110: shares 1506..1521 ({step, share, of})
     {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64}, {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
     {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64}, {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 0 block 111: shares 1523..1538 ({step, share, of})
+    // rank 0 block 111: shares 1522..1537 ({step, share, of})
     {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64}, {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
     {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64}, {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 0 block 112: shares 1539..1554 ({step, share, of})
+    // rank 0 block 112: shares 1538..1553 ({step, share, of})
     {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64}, {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
     {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64}, {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 0 block 113: shares 1555..1570 ({step, share, of})
+    // rank 0 block 113: shares 1554..1569 ({step, share, of})
     {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64}, {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
     {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64}, {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 0 block 114: shares 1571..1586 ({step, share, of})
+    // rank 0 block 114: shares 1570..1585 ({step, share, of})
     {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64}, {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
     {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64}, {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 0 block 115: shares 1587..1602 ({step, share, of})
+    // rank 0 block 115: shares 1586..1601 ({step, share, of})
     {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64}, {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
     {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64}, {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 0 block 116: shares 1603..1618 ({step, share, of})
+    // rank 0 block 116: shares 1602..1617 ({step, share, of})
     {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64}, {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
     {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64}, {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 0 block 117: shares 1619..1634 ({step, share, of})
+    // rank 0 block 117: shares 1618..1633 ({step, share, of})
     {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64}, {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
     {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64}, {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 0 block 118: shares 1635..1650 ({step, share, of})
+    // rank 0 block 118: shares 1634..1649 ({step, share, of})
     {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64}, {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
     {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64}, {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 0 block 119: shares 1651..1666 ({step, share, of})
+    // rank 0 block 119: shares 1650..1665 ({step, share, of})
     {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64}, {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
     {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64}, {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 0 block 120: shares 1667..1682 ({step, share, of})
+    // rank 0 block 120: shares 1666..1681 ({step, share, of})
     {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64}, {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
     {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64}, {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 0 block 121: shares 1683..1698 ({step, share, of})
+    // rank 0 block 121: shares 1682..1697 ({step, share, of})
     {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64}, {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
     {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64}, {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 0 block 122: shares 1699..1714 ({step, share, of})
+    // rank 0 block 122: shares 1698..1713 ({step, share, of})
     {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64}, {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
     {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64}, {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 0 block 123: shares 1715..1730 ({step, share, of})
+    // rank 0 block 123: shares 1714..1729 ({step, share, of})
     {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64}, {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
     {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64}, {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 0 block 124: shares 1731..1746 ({step, share, of})
+    // rank 0 block 124: shares 1730..1745 ({step, share, of})
     {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64}, {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
     {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64}, {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 0 block 125: shares 1747..1762 ({step, share, of})
+    // rank 0 block 125: shares 1746..1761 ({step, share, of})
     {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64}, {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
     {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64}, {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 0 block 126: shares 1763..1778 ({step, share, of})
+    // rank 0 block 126: shares 1762..1777 ({step, share, of})
     {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64}, {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
     {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64}, {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 0 block 127: shares 1779..1794 ({step, share, of})
+    // rank 0 block 127: shares 1778..1793 ({step, share, of})
     {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64}, {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
     {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64}, {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 1 block 0: shares 1795..1811 ({step, share, of})
-    {0, 0, 1}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64},
-    {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64},
-    {28, 63, 64},
-    // rank 1 block 1: shares 1812..1824 ({step, share, of})
+    // rank 1 block 0: shares 1794..1809 ({step, share, of})
+    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
+    // rank 1 block 1: shares 1810..1822 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {29, 0, 1},
-    // rank 1 block 2: shares 1825..1837 ({step, share, of})
+    // rank 1 block 2: shares 1823..1835 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {30, 0, 1},
-    // rank 1 block 3: shares 1838..1849 ({step, share, of})
+    // rank 1 block 3: shares 1836..1847 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 1 block 4: shares 1850..1861 ({step, share, of})
+    // rank 1 block 4: shares 1848..1859 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 1 block 5: shares 1862..1873 ({step, share, of})
+    // rank 1 block 5: shares 1860..1871 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 1 block 6: shares 1874..1885 ({step, share, of})
+    // rank 1 block 6: shares 1872..1883 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 1 block 7: shares 1886..1897 ({step, share, of})
+    // rank 1 block 7: shares 1884..1895 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 1 block 8: shares 1898..1909 ({step, share, of})
+    // rank 1 block 8: shares 1896..1907 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 1 block 9: shares 1910..1921 ({step, share, of})
+    // rank 1 block 9: shares 1908..1919 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 1 block 10: shares 1922..1933 ({step, share, of})
+    // rank 1 block 10: shares 1920..1931 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 1 block 11: shares 1934..1945 ({step, share, of})
+    // rank 1 block 11: shares 1932..1943 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 1 block 12: shares 1946..1957 ({step, share, of})
+    // rank 1 block 12: shares 1944..1955 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 1 block 13: shares 1958..1969 ({step, share, of})
+    // rank 1 block 13: shares 1956..1967 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 1 block 14: shares 1970..1981 ({step, share, of})
+    // rank 1 block 14: shares 1968..1979 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 1 block 15: shares 1982..1993 ({step, share, of})
+    // rank 1 block 15: shares 1980..1991 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 1 block 16: shares 1994..2005 ({step, share, of})
+    // rank 1 block 16: shares 1992..2003 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 1 block 17: shares 2006..2017 ({step, share, of})
+    // rank 1 block 17: shares 2004..2015 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 1 block 18: shares 2018..2029 ({step, share, of})
+    // rank 1 block 18: shares 2016..2027 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 1 block 19: shares 2030..2041 ({step, share, of})
+    // rank 1 block 19: shares 2028..2039 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 1 block 20: shares 2042..2053 ({step, share, of})
+    // rank 1 block 20: shares 2040..2051 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 1 block 21: shares 2054..2065 ({step, share, of})
+    // rank 1 block 21: shares 2052..2063 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 1 block 22: shares 2066..2077 ({step, share, of})
+    // rank 1 block 22: shares 2064..2075 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 1 block 23: shares 2078..2089 ({step, share, of})
+    // rank 1 block 23: shares 2076..2087 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 1 block 24: shares 2090..2101 ({step, share, of})
+    // rank 1 block 24: shares 2088..2099 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 1 block 25: shares 2102..2113 ({step, share, of})
+    // rank 1 block 25: shares 2100..2111 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 1 block 26: shares 2114..2125 ({step, share, of})
+    // rank 1 block 26: shares 2112..2123 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 1 block 27: shares 2126..2137 ({step, share, of})
+    // rank 1 block 27: shares 2124..2135 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 1 block 28: shares 2138..2149 ({step, share, of})
+    // rank 1 block 28: shares 2136..2147 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 1 block 29: shares 2150..2161 ({step, share, of})
+    // rank 1 block 29: shares 2148..2159 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 1 block 30: shares 2162..2173 ({step, share, of})
+    // rank 1 block 30: shares 2160..2171 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 1 block 31: shares 2174..2185 ({step, share, of})
+    // rank 1 block 31: shares 2172..2183 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 1 block 32: shares 2186..2197 ({step, share, of})
+    // rank 1 block 32: shares 2184..2195 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 1 block 33: shares 2198..2209 ({step, share, of})
+    // rank 1 block 33: shares 2196..2207 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 1 block 34: shares 2210..2221 ({step, share, of})
+    // rank 1 block 34: shares 2208..2219 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 1 block 35: shares 2222..2233 ({step, share, of})
+    // rank 1 block 35: shares 2220..2231 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 1 block 36: shares 2234..2245 ({step, share, of})
+    // rank 1 block 36: shares 2232..2243 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 1 block 37: shares 2246..2257 ({step, share, of})
+    // rank 1 block 37: shares 2244..2255 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 1 block 38: shares 2258..2269 ({step, share, of})
+    // rank 1 block 38: shares 2256..2267 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 1 block 39: shares 2270..2281 ({step, share, of})
+    // rank 1 block 39: shares 2268..2279 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 1 block 40: shares 2282..2293 ({step, share, of})
+    // rank 1 block 40: shares 2280..2291 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 1 block 41: shares 2294..2305 ({step, share, of})
+    // rank 1 block 41: shares 2292..2303 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 1 block 42: shares 2306..2317 ({step, share, of})
+    // rank 1 block 42: shares 2304..2315 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 1 block 43: shares 2318..2329 ({step, share, of})
+    // rank 1 block 43: shares 2316..2327 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 1 block 44: shares 2330..2341 ({step, share, of})
+    // rank 1 block 44: shares 2328..2339 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 1 block 45: shares 2342..2353 ({step, share, of})
+    // rank 1 block 45: shares 2340..2351 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 1 block 46: shares 2354..2365 ({step, share, of})
+    // rank 1 block 46: shares 2352..2363 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 1 block 47: shares 2366..2377 ({step, share, of})
+    // rank 1 block 47: shares 2364..2375 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 1 block 48: shares 2378..2389 ({step, share, of})
+    // rank 1 block 48: shares 2376..2387 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 1 block 49: shares 2390..2401 ({step, share, of})
+    // rank 1 block 49: shares 2388..2399 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 1 block 50: shares 2402..2413 ({step, share, of})
+    // rank 1 block 50: shares 2400..2411 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 1 block 51: shares 2414..2425 ({step, share, of})
+    // rank 1 block 51: shares 2412..2423 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 1 block 52: shares 2426..2437 ({step, share, of})
+    // rank 1 block 52: shares 2424..2435 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 1 block 53: shares 2438..2449 ({step, share, of})
+    // rank 1 block 53: shares 2436..2447 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 1 block 54: shares 2450..2461 ({step, share, of})
+    // rank 1 block 54: shares 2448..2459 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 1 block 55: shares 2462..2473 ({step, share, of})
+    // rank 1 block 55: shares 2460..2471 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 1 block 56: shares 2474..2485 ({step, share, of})
+    // rank 1 block 56: shares 2472..2483 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 1 block 57: shares 2486..2497 ({step, share, of})
+    // rank 1 block 57: shares 2484..2495 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 1 block 58: shares 2498..2509 ({step, share, of})
+    // rank 1 block 58: shares 2496..2507 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 1 block 59: shares 2510..2521 ({step, share, of})
+    // rank 1 block 59: shares 2508..2519 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 1 block 60: shares 2522..2533 ({step, share, of})
+    // rank 1 block 60: shares 2520..2531 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 1 block 61: shares 2534..2545 ({step, share, of})
+    // rank 1 block 61: shares 2532..2543 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 1 block 62: shares 2546..2557 ({step, share, of})
+    // rank 1 block 62: shares 2544..2555 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 1 block 63: shares 2558..2569 ({step, share, of})
+    // rank 1 block 63: shares 2556..2567 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 1 block 64: shares 2570..2581 ({step, share, of})
+    // rank 1 block 64: shares 2568..2579 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 1 block 65: shares 2582..2597 ({step, share, of})
+    // rank 1 block 65: shares 2580..2595 ({step, share, of})
     {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64}, {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
     {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64}, {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64},
-    // rank 1 block 66: shares 2598..2613 ({step, share, of})
+    // rank 1 block 66: shares 2596..2611 ({step, share, of})
     {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64}, {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
     {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64}, {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64},
-    // rank 1 block 67: shares 2614..2629 ({step, share, of})
+    // rank 1 block 67: shares 2612..2627 ({step, share, of})
     {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64}, {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
     {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64}, {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64},
-    // rank 1 block 68: shares 2630..2645 ({step, share, of})
+    // rank 1 block 68: shares 2628..2643 ({step, share, of})
     {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64}, {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
     {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64}, {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64},
-    // rank 1 block 69: shares 2646..2661 ({step, share, of})
+    // rank 1 block 69: shares 2644..2659 ({step, share, of})
     {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64}, {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
     {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64}, {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 1 block 70: shares 2662..2677 ({step, share, of})
+    // rank 1 block 70: shares 2660..2675 ({step, share, of})
     {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64}, {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
     {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64}, {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 1 block 71: shares 2678..2693 ({step, share, of})
+    // rank 1 block 71: shares 2676..2691 ({step, share, of})
     {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64}, {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
     {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64}, {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 1 block 72: shares 2694..2709 ({step, share, of})
+    // rank 1 block 72: shares 2692..2707 ({step, share, of})
     {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64}, {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
     {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64}, {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 1 block 73: shares 2710..2725 ({step, share, of})
+    // rank 1 block 73: shares 2708..2723 ({step, share, of})
     {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64}, {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
     {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64}, {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 1 block 74: shares 2726..2741 ({step, share, of})
+    // rank 1 block 74: shares 2724..2739 ({step, share, of})
     {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64}, {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
     {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64}, {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 1 block 75: shares 2742..2757 ({step, share, of})
+    // rank 1 block 75: shares 2740..2755 ({step, share, of})
     {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64}, {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
     {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64}, {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 1 block 76: shares 2758..2773 ({step, share, of})
+    // rank 1 block 76: shares 2756..2771 ({step, share, of})
     {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64}, {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
     {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64}, {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 1 block 77: shares 2774..2789 ({step, share, of})
+    // rank 1 block 77: shares 2772..2787 ({step, share, of})
     {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64}, {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
     {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64}, {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 1 block 78: shares 2790..2805 ({step, share, of})
+    // rank 1 block 78: shares 2788..2803 ({step, share, of})
     {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64}, {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
     {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64}, {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 1 block 79: shares 2806..2821 ({step, share, of})
+    // rank 1 block 79: shares 2804..2819 ({step, share, of})
     {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64}, {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
     {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64}, {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 1 block 80: shares 2822..2837 ({step, share, of})
+    // rank 1 block 80: shares 2820..2835 ({step, share, of})
     {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64}, {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
     {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64}, {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 1 block 81: shares 2838..2853 ({step, share, of})
+    // rank 1 block 81: shares 2836..2851 ({step, share, of})
     {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64}, {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
     {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64}, {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 1 block 82: shares 2854..2869 ({step, share, of})
+    // rank 1 block 82: shares 2852..2867 ({step, share, of})
     {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64}, {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
     {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64}, {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 1 block 83: shares 2870..2885 ({step, share, of})
+    // rank 1 block 83: shares 2868..2883 ({step, share, of})
     {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64}, {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
     {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64}, {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 1 block 84: shares 2886..2901 ({step, share, of})
+    // rank 1 block 84: shares 2884..2899 ({step, share, of})
     {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64}, {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
     {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64}, {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 1 block 85: shares 2902..2917 ({step, share, of})
+    // rank 1 block 85: shares 2900..2915 ({step, share, of})
     {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64}, {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
     {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64}, {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 1 block 86: shares 2918..2933 ({step, share, of})
+    // rank 1 block 86: shares 2916..2931 ({step, share, of})
     {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64}, {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
     {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64}, {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 1 block 87: shares 2934..2949 ({step, share, of})
+    // rank 1 block 87: shares 2932..2947 ({step, share, of})
     {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64}, {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
     {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64}, {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 1 block 88: shares 2950..2965 ({step, share, of})
+    // rank 1 block 88: shares 2948..2963 ({step, share, of})
     {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64}, {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
     {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64}, {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 1 block 89: shares 2966..2981 ({step, share, of})
+    // rank 1 block 89: shares 2964..2979 ({step, share, of})
     {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64}, {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
     {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64}, {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 1 block 90: shares 2982..2997 ({step, share, of})
+    // rank 1 block 90: shares 2980..2995 ({step, share, of})
     {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64}, {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
     {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64}, {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 1 block 91: shares 2998..3013 ({step, share, of})
+    // rank 1 block 91: shares 2996..3011 ({step, share, of})
     {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64}, {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
     {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64}, {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 1 block 92: shares 3014..3029 ({step, share, of})
+    // rank 1 block 92: shares 3012..3027 ({step, share, of})
     {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64}, {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
     {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64}, {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 1 block 93: shares 3030..3045 ({step, share, of})
+    // rank 1 block 93: shares 3028..3043 ({step, share, of})
     {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64}, {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
     {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64}, {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 1 block 94: shares 3046..3061 ({step, share, of})
+    // rank 1 block 94: shares 3044..3059 ({step, share, of})
     {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64}, {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
     {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64}, {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 1 block 95: shares 3062..3077 ({step, share, of})
+    // rank 1 block 95: shares 3060..3075 ({step, share, of})
     {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64}, {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
     {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64}, {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 1 block 96: shares 3078..3093 ({step, share, of})
+    // rank 1 block 96: shares 3076..3091 ({step, share, of})
     {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64}, {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
     {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64}, {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 1 block 97: shares 3094..3109 ({step, share, of})
+    // rank 1 block 97: shares 3092..3107 ({step, share, of})
     {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64}, {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
     {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64}, {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 1 block 98: shares 3110..3125 ({step, share, of})
+    // rank 1 block 98: shares 3108..3123 ({step, share, of})
     {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64}, {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
     {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64}, {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 1 block 99: shares 3126..3141 ({step, share, of})
+    // rank 1 block 99: shares 3124..3139 ({step, share, of})
     {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64}, {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
     {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64}, {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 1 block 100: shares 3142..3157 ({step, share, of})
+    // rank 1 block 100: shares 3140..3155 ({step, share, of})
     {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64}, {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
     {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64}, {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 1 block 101: shares 3158..3173 ({step, share, of})
+    // rank 1 block 101: shares 3156..3171 ({step, share, of})
     {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64}, {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
     {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64}, {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 1 block 102: shares 3174..3189 ({step, share, of})
+    // rank 1 block 102: shares 3172..3187 ({step, share, of})
     {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64}, {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
     {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64}, {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 1 block 103: shares 3190..3205 ({step, share, of})
+    // rank 1 block 103: shares 3188..3203 ({step, share, of})
     {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64}, {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
     {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64}, {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 1 block 104: shares 3206..3221 ({step, share, of})
+    // rank 1 block 104: shares 3204..3219 ({step, share, of})
     {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64}, {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
     {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64}, {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 1 block 105: shares 3222..3237 ({step, share, of})
+    // rank 1 block 105: shares 3220..3235 ({step, share, of})
     {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64}, {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
     {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64}, {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 1 block 106: shares 3238..3253 ({step, share, of})
+    // rank 1 block 106: shares 3236..3251 ({step, share, of})
     {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64}, {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
     {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64}, {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 1 block 107: shares 3254..3269 ({step, share, of})
+    // rank 1 block 107: shares 3252..3267 ({step, share, of})
     {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64}, {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
     {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64}, {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 1 block 108: shares 3270..3285 ({step, share, of})
+    // rank 1 block 108: shares 3268..3283 ({step, share, of})
     {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64}, {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
     {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64}, {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 1 block 109: shares 3286..3301 ({step, share, of})
+    // rank 1 block 109: shares 3284..3299 ({step, share, of})
     {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64}, {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
     {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64}, {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 1 block 110: shares 3302..3317 ({step, share, of})
+    // rank 1 block 110: shares 3300..3315 ({step, share, of})
     {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64}, {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
     {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64}, {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 1 block 111: shares 3318..3333 ({step, share, of})
+    // rank 1 block 111: shares 3316..3331 ({step, share, of})
     {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64}, {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
     {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64}, {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 1 block 112: shares 3334..3349 ({step, share, of})
+    // rank 1 block 112: shares 3332..3347 ({step, share, of})
     {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64}, {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
     {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64}, {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 1 block 113: shares 3350..3365 ({step, share, of})
+    // rank 1 block 113: shares 3348..3363 ({step, share, of})
     {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64}, {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
     {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64}, {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 1 block 114: shares 3366..3381 ({step, share, of})
+    // rank 1 block 114: shares 3364..3379 ({step, share, of})
     {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64}, {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
     {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64}, {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 1 block 115: shares 3382..3397 ({step, share, of})
+    // rank 1 block 115: shares 3380..3395 ({step, share, of})
     {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64}, {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
     {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64}, {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 1 block 116: shares 3398..3413 ({step, share, of})
+    // rank 1 block 116: shares 3396..3411 ({step, share, of})
     {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64}, {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
     {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64}, {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 1 block 117: shares 3414..3429 ({step, share, of})
+    // rank 1 block 117: shares 3412..3427 ({step, share, of})
     {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64}, {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
     {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64}, {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 1 block 118: shares 3430..3445 ({step, share, of})
+    // rank 1 block 118: shares 3428..3443 ({step, share, of})
     {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64}, {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
     {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64}, {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 1 block 119: shares 3446..3461 ({step, share, of})
+    // rank 1 block 119: shares 3444..3459 ({step, share, of})
     {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64}, {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
     {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64}, {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 1 block 120: shares 3462..3477 ({step, share, of})
+    // rank 1 block 120: shares 3460..3475 ({step, share, of})
     {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64}, {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
     {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64}, {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 1 block 121: shares 3478..3493 ({step, share, of})
+    // rank 1 block 121: shares 3476..3491 ({step, share, of})
     {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64}, {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
     {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64}, {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 1 block 122: shares 3494..3509 ({step, share, of})
+    // rank 1 block 122: shares 3492..3507 ({step, share, of})
     {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64}, {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
     {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64}, {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 1 block 123: shares 3510..3525 ({step, share, of})
+    // rank 1 block 123: shares 3508..3523 ({step, share, of})
     {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64}, {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
     {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64}, {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 1 block 124: shares 3526..3541 ({step, share, of})
+    // rank 1 block 124: shares 3524..3539 ({step, share, of})
     {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64}, {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
     {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64}, {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 1 block 125: shares 3542..3557 ({step, share, of})
+    // rank 1 block 125: shares 3540..3555 ({step, share, of})
     {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64}, {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
     {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64}, {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 1 block 126: shares 3558..3573 ({step, share, of})
+    // rank 1 block 126: shares 3556..3571 ({step, share, of})
     {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64}, {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
     {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64}, {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 1 block 127: shares 3574..3589 ({step, share, of})
+    // rank 1 block 127: shares 3572..3587 ({step, share, of})
     {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64}, {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
     {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64}, {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 2 block 0: shares 3590..3606 ({step, share, of})
-    {0, 0, 1}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64},
-    {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64},
-    {28, 63, 64},
-    // rank 2 block 1: shares 3607..3619 ({step, share, of})
+    // rank 2 block 0: shares 3588..3603 ({step, share, of})
+    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
+    // rank 2 block 1: shares 3604..3616 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {29, 0, 1},
-    // rank 2 block 2: shares 3620..3632 ({step, share, of})
+    // rank 2 block 2: shares 3617..3629 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {30, 0, 1},
-    // rank 2 block 3: shares 3633..3644 ({step, share, of})
+    // rank 2 block 3: shares 3630..3641 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 2 block 4: shares 3645..3656 ({step, share, of})
+    // rank 2 block 4: shares 3642..3653 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 2 block 5: shares 3657..3668 ({step, share, of})
+    // rank 2 block 5: shares 3654..3665 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 2 block 6: shares 3669..3680 ({step, share, of})
+    // rank 2 block 6: shares 3666..3677 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 2 block 7: shares 3681..3692 ({step, share, of})
+    // rank 2 block 7: shares 3678..3689 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 2 block 8: shares 3693..3704 ({step, share, of})
+    // rank 2 block 8: shares 3690..3701 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 2 block 9: shares 3705..3716 ({step, share, of})
+    // rank 2 block 9: shares 3702..3713 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 2 block 10: shares 3717..3728 ({step, share, of})
+    // rank 2 block 10: shares 3714..3725 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 2 block 11: shares 3729..3740 ({step, share, of})
+    // rank 2 block 11: shares 3726..3737 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 2 block 12: shares 3741..3752 ({step, share, of})
+    // rank 2 block 12: shares 3738..3749 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 2 block 13: shares 3753..3764 ({step, share, of})
+    // rank 2 block 13: shares 3750..3761 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 2 block 14: shares 3765..3776 ({step, share, of})
+    // rank 2 block 14: shares 3762..3773 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 2 block 15: shares 3777..3788 ({step, share, of})
+    // rank 2 block 15: shares 3774..3785 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 2 block 16: shares 3789..3800 ({step, share, of})
+    // rank 2 block 16: shares 3786..3797 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 2 block 17: shares 3801..3812 ({step, share, of})
+    // rank 2 block 17: shares 3798..3809 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 2 block 18: shares 3813..3824 ({step, share, of})
+    // rank 2 block 18: shares 3810..3821 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 2 block 19: shares 3825..3836 ({step, share, of})
+    // rank 2 block 19: shares 3822..3833 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 2 block 20: shares 3837..3848 ({step, share, of})
+    // rank 2 block 20: shares 3834..3845 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 2 block 21: shares 3849..3860 ({step, share, of})
+    // rank 2 block 21: shares 3846..3857 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 2 block 22: shares 3861..3872 ({step, share, of})
+    // rank 2 block 22: shares 3858..3869 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 2 block 23: shares 3873..3884 ({step, share, of})
+    // rank 2 block 23: shares 3870..3881 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 2 block 24: shares 3885..3896 ({step, share, of})
+    // rank 2 block 24: shares 3882..3893 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 2 block 25: shares 3897..3908 ({step, share, of})
+    // rank 2 block 25: shares 3894..3905 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 2 block 26: shares 3909..3920 ({step, share, of})
+    // rank 2 block 26: shares 3906..3917 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 2 block 27: shares 3921..3932 ({step, share, of})
+    // rank 2 block 27: shares 3918..3929 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 2 block 28: shares 3933..3944 ({step, share, of})
+    // rank 2 block 28: shares 3930..3941 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 2 block 29: shares 3945..3956 ({step, share, of})
+    // rank 2 block 29: shares 3942..3953 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 2 block 30: shares 3957..3968 ({step, share, of})
+    // rank 2 block 30: shares 3954..3965 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 2 block 31: shares 3969..3980 ({step, share, of})
+    // rank 2 block 31: shares 3966..3977 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 2 block 32: shares 3981..3992 ({step, share, of})
+    // rank 2 block 32: shares 3978..3989 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 2 block 33: shares 3993..4004 ({step, share, of})
+    // rank 2 block 33: shares 3990..4001 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 2 block 34: shares 4005..4016 ({step, share, of})
+    // rank 2 block 34: shares 4002..4013 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 2 block 35: shares 4017..4028 ({step, share, of})
+    // rank 2 block 35: shares 4014..4025 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 2 block 36: shares 4029..4040 ({step, share, of})
+    // rank 2 block 36: shares 4026..4037 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 2 block 37: shares 4041..4052 ({step, share, of})
+    // rank 2 block 37: shares 4038..4049 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 2 block 38: shares 4053..4064 ({step, share, of})
+    // rank 2 block 38: shares 4050..4061 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 2 block 39: shares 4065..4076 ({step, share, of})
+    // rank 2 block 39: shares 4062..4073 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 2 block 40: shares 4077..4088 ({step, share, of})
+    // rank 2 block 40: shares 4074..4085 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 2 block 41: shares 4089..4100 ({step, share, of})
+    // rank 2 block 41: shares 4086..4097 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 2 block 42: shares 4101..4112 ({step, share, of})
+    // rank 2 block 42: shares 4098..4109 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 2 block 43: shares 4113..4124 ({step, share, of})
+    // rank 2 block 43: shares 4110..4121 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 2 block 44: shares 4125..4136 ({step, share, of})
+    // rank 2 block 44: shares 4122..4133 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 2 block 45: shares 4137..4148 ({step, share, of})
+    // rank 2 block 45: shares 4134..4145 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 2 block 46: shares 4149..4160 ({step, share, of})
+    // rank 2 block 46: shares 4146..4157 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 2 block 47: shares 4161..4172 ({step, share, of})
+    // rank 2 block 47: shares 4158..4169 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 2 block 48: shares 4173..4184 ({step, share, of})
+    // rank 2 block 48: shares 4170..4181 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 2 block 49: shares 4185..4196 ({step, share, of})
+    // rank 2 block 49: shares 4182..4193 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 2 block 50: shares 4197..4208 ({step, share, of})
+    // rank 2 block 50: shares 4194..4205 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 2 block 51: shares 4209..4220 ({step, share, of})
+    // rank 2 block 51: shares 4206..4217 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 2 block 52: shares 4221..4232 ({step, share, of})
+    // rank 2 block 52: shares 4218..4229 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 2 block 53: shares 4233..4244 ({step, share, of})
+    // rank 2 block 53: shares 4230..4241 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 2 block 54: shares 4245..4256 ({step, share, of})
+    // rank 2 block 54: shares 4242..4253 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 2 block 55: shares 4257..4268 ({step, share, of})
+    // rank 2 block 55: shares 4254..4265 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 2 block 56: shares 4269..4280 ({step, share, of})
+    // rank 2 block 56: shares 4266..4277 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 2 block 57: shares 4281..4292 ({step, share, of})
+    // rank 2 block 57: shares 4278..4289 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 2 block 58: shares 4293..4304 ({step, share, of})
+    // rank 2 block 58: shares 4290..4301 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 2 block 59: shares 4305..4316 ({step, share, of})
+    // rank 2 block 59: shares 4302..4313 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 2 block 60: shares 4317..4328 ({step, share, of})
+    // rank 2 block 60: shares 4314..4325 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 2 block 61: shares 4329..4340 ({step, share, of})
+    // rank 2 block 61: shares 4326..4337 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 2 block 62: shares 4341..4352 ({step, share, of})
+    // rank 2 block 62: shares 4338..4349 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 2 block 63: shares 4353..4364 ({step, share, of})
+    // rank 2 block 63: shares 4350..4361 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 2 block 64: shares 4365..4376 ({step, share, of})
+    // rank 2 block 64: shares 4362..4373 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 2 block 65: shares 4377..4392 ({step, share, of})
+    // rank 2 block 65: shares 4374..4389 ({step, share, of})
     {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64}, {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
     {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64}, {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64},
-    // rank 2 block 66: shares 4393..4408 ({step, share, of})
+    // rank 2 block 66: shares 4390..4405 ({step, share, of})
     {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64}, {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
     {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64}, {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64},
-    // rank 2 block 67: shares 4409..4424 ({step, share, of})
+    // rank 2 block 67: shares 4406..4421 ({step, share, of})
     {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64}, {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
     {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64}, {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64},
-    // rank 2 block 68: shares 4425..4440 ({step, share, of})
+    // rank 2 block 68: shares 4422..4437 ({step, share, of})
     {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64}, {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
     {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64}, {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64},
-    // rank 2 block 69: shares 4441..4456 ({step, share, of})
+    // rank 2 block 69: shares 4438..4453 ({step, share, of})
     {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64}, {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
     {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64}, {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 2 block 70: shares 4457..4472 ({step, share, of})
+    // rank 2 block 70: shares 4454..4469 ({step, share, of})
     {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64}, {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
     {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64}, {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 2 block 71: shares 4473..4488 ({step, share, of})
+    // rank 2 block 71: shares 4470..4485 ({step, share, of})
     {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64}, {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
     {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64}, {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 2 block 72: shares 4489..4504 ({step, share, of})
+    // rank 2 block 72: shares 4486..4501 ({step, share, of})
     {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64}, {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
     {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64}, {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 2 block 73: shares 4505..4520 ({step, share, of})
+    // rank 2 block 73: shares 4502..4517 ({step, share, of})
     {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64}, {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
     {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64}, {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 2 block 74: shares 4521..4536 ({step, share, of})
+    // rank 2 block 74: shares 4518..4533 ({step, share, of})
     {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64}, {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
     {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64}, {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 2 block 75: shares 4537..4552 ({step, share, of})
+    // rank 2 block 75: shares 4534..4549 ({step, share, of})
     {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64}, {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
     {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64}, {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 2 block 76: shares 4553..4568 ({step, share, of})
+    // rank 2 block 76: shares 4550..4565 ({step, share, of})
     {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64}, {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
     {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64}, {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 2 block 77: shares 4569..4584 ({step, share, of})
+    // rank 2 block 77: shares 4566..4581 ({step, share, of})
     {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64}, {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
     {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64}, {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 2 block 78: shares 4585..4600 ({step, share, of})
+    // rank 2 block 78: shares 4582..4597 ({step, share, of})
     {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64}, {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
     {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64}, {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 2 block 79: shares 4601..4616 ({step, share, of})
+    // rank 2 block 79: shares 4598..4613 ({step, share, of})
     {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64}, {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
     {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64}, {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 2 block 80: shares 4617..4632 ({step, share, of})
+    // rank 2 block 80: shares 4614..4629 ({step, share, of})
     {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64}, {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
     {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64}, {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 2 block 81: shares 4633..4648 ({step, share, of})
+    // rank 2 block 81: shares 4630..4645 ({step, share, of})
     {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64}, {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
     {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64}, {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 2 block 82: shares 4649..4664 ({step, share, of})
+    // rank 2 block 82: shares 4646..4661 ({step, share, of})
     {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64}, {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
     {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64}, {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 2 block 83: shares 4665..4680 ({step, share, of})
+    // rank 2 block 83: shares 4662..4677 ({step, share, of})
     {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64}, {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
     {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64}, {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 2 block 84: shares 4681..4696 ({step, share, of})
+    // rank 2 block 84: shares 4678..4693 ({step, share, of})
     {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64}, {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
     {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64}, {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 2 block 85: shares 4697..4712 ({step, share, of})
+    // rank 2 block 85: shares 4694..4709 ({step, share, of})
     {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64}, {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
     {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64}, {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 2 block 86: shares 4713..4728 ({step, share, of})
+    // rank 2 block 86: shares 4710..4725 ({step, share, of})
     {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64}, {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
     {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64}, {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 2 block 87: shares 4729..4744 ({step, share, of})
+    // rank 2 block 87: shares 4726..4741 ({step, share, of})
     {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64}, {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
     {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64}, {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 2 block 88: shares 4745..4760 ({step, share, of})
+    // rank 2 block 88: shares 4742..4757 ({step, share, of})
     {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64}, {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
     {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64}, {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 2 block 89: shares 4761..4776 ({step, share, of})
+    // rank 2 block 89: shares 4758..4773 ({step, share, of})
     {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64}, {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
     {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64}, {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 2 block 90: shares 4777..4792 ({step, share, of})
+    // rank 2 block 90: shares 4774..4789 ({step, share, of})
     {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64}, {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
     {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64}, {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 2 block 91: shares 4793..4808 ({step, share, of})
+    // rank 2 block 91: shares 4790..4805 ({step, share, of})
     {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64}, {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
     {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64}, {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 2 block 92: shares 4809..4824 ({step, share, of})
+    // rank 2 block 92: shares 4806..4821 ({step, share, of})
     {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64}, {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
     {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64}, {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 2 block 93: shares 4825..4840 ({step, share, of})
+    // rank 2 block 93: shares 4822..4837 ({step, share, of})
     {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64}, {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
     {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64}, {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 2 block 94: shares 4841..4856 ({step, share, of})
+    // rank 2 block 94: shares 4838..4853 ({step, share, of})
     {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64}, {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
     {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64}, {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 2 block 95: shares 4857..4872 ({step, share, of})
+    // rank 2 block 95: shares 4854..4869 ({step, share, of})
     {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64}, {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
     {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64}, {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 2 block 96: shares 4873..4888 ({step, share, of})
+    // rank 2 block 96: shares 4870..4885 ({step, share, of})
     {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64}, {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
     {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64}, {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 2 block 97: shares 4889..4904 ({step, share, of})
+    // rank 2 block 97: shares 4886..4901 ({step, share, of})
     {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64}, {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
     {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64}, {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 2 block 98: shares 4905..4920 ({step, share, of})
+    // rank 2 block 98: shares 4902..4917 ({step, share, of})
     {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64}, {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
     {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64}, {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 2 block 99: shares 4921..4936 ({step, share, of})
+    // rank 2 block 99: shares 4918..4933 ({step, share, of})
     {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64}, {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
     {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64}, {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 2 block 100: shares 4937..4952 ({step, share, of})
+    // rank 2 block 100: shares 4934..4949 ({step, share, of})
     {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64}, {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
     {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64}, {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 2 block 101: shares 4953..4968 ({step, share, of})
+    // rank 2 block 101: shares 4950..4965 ({step, share, of})
     {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64}, {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
     {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64}, {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 2 block 102: shares 4969..4984 ({step, share, of})
+    // rank 2 block 102: shares 4966..4981 ({step, share, of})
     {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64}, {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
     {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64}, {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 2 block 103: shares 4985..5000 ({step, share, of})
+    // rank 2 block 103: shares 4982..4997 ({step, share, of})
     {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64}, {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
     {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64}, {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 2 block 104: shares 5001..5016 ({step, share, of})
+    // rank 2 block 104: shares 4998..5013 ({step, share, of})
     {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64}, {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
     {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64}, {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 2 block 105: shares 5017..5032 ({step, share, of})
+    // rank 2 block 105: shares 5014..5029 ({step, share, of})
     {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64}, {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
     {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64}, {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 2 block 106: shares 5033..5048 ({step, share, of})
+    // rank 2 block 106: shares 5030..5045 ({step, share, of})
     {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64}, {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
     {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64}, {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 2 block 107: shares 5049..5064 ({step, share, of})
+    // rank 2 block 107: shares 5046..5061 ({step, share, of})
     {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64}, {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
     {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64}, {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 2 block 108: shares 5065..5080 ({step, share, of})
+    // rank 2 block 108: shares 5062..5077 ({step, share, of})
     {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64}, {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
     {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64}, {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 2 block 109: shares 5081..5096 ({step, share, of})
+    // rank 2 block 109: shares 5078..5093 ({step, share, of})
     {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64}, {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
     {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64}, {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 2 block 110: shares 5097..5112 ({step, share, of})
+    // rank 2 block 110: shares 5094..5109 ({step, share, of})
     {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64}, {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
     {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64}, {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 2 block 111: shares 5113..5128 ({step, share, of})
+    // rank 2 block 111: shares 5110..5125 ({step, share, of})
     {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64}, {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
     {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64}, {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 2 block 112: shares 5129..5144 ({step, share, of})
+    // rank 2 block 112: shares 5126..5141 ({step, share, of})
     {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64}, {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
     {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64}, {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 2 block 113: shares 5145..5160 ({step, share, of})
+    // rank 2 block 113: shares 5142..5157 ({step, share, of})
     {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64}, {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
     {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64}, {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 2 block 114: shares 5161..5176 ({step, share, of})
+    // rank 2 block 114: shares 5158..5173 ({step, share, of})
     {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64}, {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
     {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64}, {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 2 block 115: shares 5177..5192 ({step, share, of})
+    // rank 2 block 115: shares 5174..5189 ({step, share, of})
     {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64}, {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
     {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64}, {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 2 block 116: shares 5193..5208 ({step, share, of})
+    // rank 2 block 116: shares 5190..5205 ({step, share, of})
     {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64}, {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
     {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64}, {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 2 block 117: shares 5209..5224 ({step, share, of})
+    // rank 2 block 117: shares 5206..5221 ({step, share, of})
     {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64}, {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
     {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64}, {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 2 block 118: shares 5225..5240 ({step, share, of})
+    // rank 2 block 118: shares 5222..5237 ({step, share, of})
     {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64}, {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
     {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64}, {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 2 block 119: shares 5241..5256 ({step, share, of})
+    // rank 2 block 119: shares 5238..5253 ({step, share, of})
     {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64}, {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
     {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64}, {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 2 block 120: shares 5257..5272 ({step, share, of})
+    // rank 2 block 120: shares 5254..5269 ({step, share, of})
     {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64}, {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
     {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64}, {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 2 block 121: shares 5273..5288 ({step, share, of})
+    // rank 2 block 121: shares 5270..5285 ({step, share, of})
     {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64}, {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
     {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64}, {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 2 block 122: shares 5289..5304 ({step, share, of})
+    // rank 2 block 122: shares 5286..5301 ({step, share, of})
     {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64}, {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
     {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64}, {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 2 block 123: shares 5305..5320 ({step, share, of})
+    // rank 2 block 123: shares 5302..5317 ({step, share, of})
     {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64}, {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
     {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64}, {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 2 block 124: shares 5321..5336 ({step, share, of})
+    // rank 2 block 124: shares 5318..5333 ({step, share, of})
     {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64}, {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
     {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64}, {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 2 block 125: shares 5337..5352 ({step, share, of})
+    // rank 2 block 125: shares 5334..5349 ({step, share, of})
     {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64}, {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
     {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64}, {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 2 block 126: shares 5353..5368 ({step, share, of})
+    // rank 2 block 126: shares 5350..5365 ({step, share, of})
     {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64}, {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
     {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64}, {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 2 block 127: shares 5369..5384 ({step, share, of})
+    // rank 2 block 127: shares 5366..5381 ({step, share, of})
     {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64}, {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
     {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64}, {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 3 block 0: shares 5385..5401 ({step, share, of})
-    {0, 0, 1}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64},
-    {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64},
-    {28, 63, 64},
-    // rank 3 block 1: shares 5402..5414 ({step, share, of})
+    // rank 3 block 0: shares 5382..5397 ({step, share, of})
+    {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64},
+    {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
+    // rank 3 block 1: shares 5398..5410 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {29, 0, 1},
-    // rank 3 block 2: shares 5415..5427 ({step, share, of})
+    // rank 3 block 2: shares 5411..5423 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {30, 0, 1},
-    // rank 3 block 3: shares 5428..5439 ({step, share, of})
+    // rank 3 block 3: shares 5424..5435 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64},
-    // rank 3 block 4: shares 5440..5451 ({step, share, of})
+    // rank 3 block 4: shares 5436..5447 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64},
-    // rank 3 block 5: shares 5452..5463 ({step, share, of})
+    // rank 3 block 5: shares 5448..5459 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64},
-    // rank 3 block 6: shares 5464..5475 ({step, share, of})
+    // rank 3 block 6: shares 5460..5471 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64},
-    // rank 3 block 7: shares 5476..5487 ({step, share, of})
+    // rank 3 block 7: shares 5472..5483 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64},
-    // rank 3 block 8: shares 5488..5499 ({step, share, of})
+    // rank 3 block 8: shares 5484..5495 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64},
-    // rank 3 block 9: shares 5500..5511 ({step, share, of})
+    // rank 3 block 9: shares 5496..5507 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64},
-    // rank 3 block 10: shares 5512..5523 ({step, share, of})
+    // rank 3 block 10: shares 5508..5519 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64},
-    // rank 3 block 11: shares 5524..5535 ({step, share, of})
+    // rank 3 block 11: shares 5520..5531 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64},
-    // rank 3 block 12: shares 5536..5547 ({step, share, of})
+    // rank 3 block 12: shares 5532..5543 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64},
-    // rank 3 block 13: shares 5548..5559 ({step, share, of})
+    // rank 3 block 13: shares 5544..5555 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64},
-    // rank 3 block 14: shares 5560..5571 ({step, share, of})
+    // rank 3 block 14: shares 5556..5567 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64},
-    // rank 3 block 15: shares 5572..5583 ({step, share, of})
+    // rank 3 block 15: shares 5568..5579 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64},
-    // rank 3 block 16: shares 5584..5595 ({step, share, of})
+    // rank 3 block 16: shares 5580..5591 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64},
-    // rank 3 block 17: shares 5596..5607 ({step, share, of})
+    // rank 3 block 17: shares 5592..5603 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64},
-    // rank 3 block 18: shares 5608..5619 ({step, share, of})
+    // rank 3 block 18: shares 5604..5615 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64},
-    // rank 3 block 19: shares 5620..5631 ({step, share, of})
+    // rank 3 block 19: shares 5616..5627 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64},
-    // rank 3 block 20: shares 5632..5643 ({step, share, of})
+    // rank 3 block 20: shares 5628..5639 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64},
-    // rank 3 block 21: shares 5644..5655 ({step, share, of})
+    // rank 3 block 21: shares 5640..5651 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64},
-    // rank 3 block 22: shares 5656..5667 ({step, share, of})
+    // rank 3 block 22: shares 5652..5663 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64},
-    // rank 3 block 23: shares 5668..5679 ({step, share, of})
+    // rank 3 block 23: shares 5664..5675 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64},
-    // rank 3 block 24: shares 5680..5691 ({step, share, of})
+    // rank 3 block 24: shares 5676..5687 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64},
-    // rank 3 block 25: shares 5692..5703 ({step, share, of})
+    // rank 3 block 25: shares 5688..5699 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64},
-    // rank 3 block 26: shares 5704..5715 ({step, share, of})
+    // rank 3 block 26: shares 5700..5711 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64},
-    // rank 3 block 27: shares 5716..5727 ({step, share, of})
+    // rank 3 block 27: shares 5712..5723 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64},
-    // rank 3 block 28: shares 5728..5739 ({step, share, of})
+    // rank 3 block 28: shares 5724..5735 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64},
-    // rank 3 block 29: shares 5740..5751 ({step, share, of})
+    // rank 3 block 29: shares 5736..5747 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64},
-    // rank 3 block 30: shares 5752..5763 ({step, share, of})
+    // rank 3 block 30: shares 5748..5759 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64},
-    // rank 3 block 31: shares 5764..5775 ({step, share, of})
+    // rank 3 block 31: shares 5760..5771 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64},
-    // rank 3 block 32: shares 5776..5787 ({step, share, of})
+    // rank 3 block 32: shares 5772..5783 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64},
-    // rank 3 block 33: shares 5788..5799 ({step, share, of})
+    // rank 3 block 33: shares 5784..5795 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64},
-    // rank 3 block 34: shares 5800..5811 ({step, share, of})
+    // rank 3 block 34: shares 5796..5807 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64},
-    // rank 3 block 35: shares 5812..5823 ({step, share, of})
+    // rank 3 block 35: shares 5808..5819 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64},
-    // rank 3 block 36: shares 5824..5835 ({step, share, of})
+    // rank 3 block 36: shares 5820..5831 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64},
-    // rank 3 block 37: shares 5836..5847 ({step, share, of})
+    // rank 3 block 37: shares 5832..5843 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64},
-    // rank 3 block 38: shares 5848..5859 ({step, share, of})
+    // rank 3 block 38: shares 5844..5855 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64},
-    // rank 3 block 39: shares 5860..5871 ({step, share, of})
+    // rank 3 block 39: shares 5856..5867 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64},
-    // rank 3 block 40: shares 5872..5883 ({step, share, of})
+    // rank 3 block 40: shares 5868..5879 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64},
-    // rank 3 block 41: shares 5884..5895 ({step, share, of})
+    // rank 3 block 41: shares 5880..5891 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64},
-    // rank 3 block 42: shares 5896..5907 ({step, share, of})
+    // rank 3 block 42: shares 5892..5903 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64},
-    // rank 3 block 43: shares 5908..5919 ({step, share, of})
+    // rank 3 block 43: shares 5904..5915 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64},
-    // rank 3 block 44: shares 5920..5931 ({step, share, of})
+    // rank 3 block 44: shares 5916..5927 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64},
-    // rank 3 block 45: shares 5932..5943 ({step, share, of})
+    // rank 3 block 45: shares 5928..5939 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64},
-    // rank 3 block 46: shares 5944..5955 ({step, share, of})
+    // rank 3 block 46: shares 5940..5951 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64},
-    // rank 3 block 47: shares 5956..5967 ({step, share, of})
+    // rank 3 block 47: shares 5952..5963 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64},
-    // rank 3 block 48: shares 5968..5979 ({step, share, of})
+    // rank 3 block 48: shares 5964..5975 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64},
-    // rank 3 block 49: shares 5980..5991 ({step, share, of})
+    // rank 3 block 49: shares 5976..5987 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64},
-    // rank 3 block 50: shares 5992..6003 ({step, share, of})
+    // rank 3 block 50: shares 5988..5999 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64},
-    // rank 3 block 51: shares 6004..6015 ({step, share, of})
+    // rank 3 block 51: shares 6000..6011 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64},
-    // rank 3 block 52: shares 6016..6027 ({step, share, of})
+    // rank 3 block 52: shares 6012..6023 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64},
-    // rank 3 block 53: shares 6028..6039 ({step, share, of})
+    // rank 3 block 53: shares 6024..6035 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64},
-    // rank 3 block 54: shares 6040..6051 ({step, share, of})
+    // rank 3 block 54: shares 6036..6047 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64},
-    // rank 3 block 55: shares 6052..6063 ({step, share, of})
+    // rank 3 block 55: shares 6048..6059 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64},
-    // rank 3 block 56: shares 6064..6075 ({step, share, of})
+    // rank 3 block 56: shares 6060..6071 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64},
-    // rank 3 block 57: shares 6076..6087 ({step, share, of})
+    // rank 3 block 57: shares 6072..6083 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64},
-    // rank 3 block 58: shares 6088..6099 ({step, share, of})
+    // rank 3 block 58: shares 6084..6095 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64},
-    // rank 3 block 59: shares 6100..6111 ({step, share, of})
+    // rank 3 block 59: shares 6096..6107 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64},
-    // rank 3 block 60: shares 6112..6123 ({step, share, of})
+    // rank 3 block 60: shares 6108..6119 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64},
-    // rank 3 block 61: shares 6124..6135 ({step, share, of})
+    // rank 3 block 61: shares 6120..6131 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64},
-    // rank 3 block 62: shares 6136..6147 ({step, share, of})
+    // rank 3 block 62: shares 6132..6143 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64},
-    // rank 3 block 63: shares 6148..6159 ({step, share, of})
+    // rank 3 block 63: shares 6144..6155 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64},
-    // rank 3 block 64: shares 6160..6171 ({step, share, of})
+    // rank 3 block 64: shares 6156..6167 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64},
-    // rank 3 block 65: shares 6172..6187 ({step, share, of})
+    // rank 3 block 65: shares 6168..6183 ({step, share, of})
     {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64}, {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64},
     {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64}, {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64},
-    // rank 3 block 66: shares 6188..6203 ({step, share, of})
+    // rank 3 block 66: shares 6184..6199 ({step, share, of})
     {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64}, {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64},
     {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64}, {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64},
-    // rank 3 block 67: shares 6204..6219 ({step, share, of})
+    // rank 3 block 67: shares 6200..6215 ({step, share, of})
     {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64}, {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64},
     {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64}, {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64},
-    // rank 3 block 68: shares 6220..6235 ({step, share, of})
+    // rank 3 block 68: shares 6216..6231 ({step, share, of})
     {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64}, {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64},
     {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64}, {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64},
-    // rank 3 block 69: shares 6236..6251 ({step, share, of})
+    // rank 3 block 69: shares 6232..6247 ({step, share, of})
     {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64}, {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64},
     {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64}, {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 3 block 70: shares 6252..6267 ({step, share, of})
+    // rank 3 block 70: shares 6248..6263 ({step, share, of})
     {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64}, {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64},
     {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64}, {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 3 block 71: shares 6268..6283 ({step, share, of})
+    // rank 3 block 71: shares 6264..6279 ({step, share, of})
     {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64}, {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64},
     {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64}, {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 3 block 72: shares 6284..6299 ({step, share, of})
+    // rank 3 block 72: shares 6280..6295 ({step, share, of})
     {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64}, {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64},
     {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64}, {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 3 block 73: shares 6300..6315 ({step, share, of})
+    // rank 3 block 73: shares 6296..6311 ({step, share, of})
     {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64}, {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64},
     {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64}, {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 3 block 74: shares 6316..6331 ({step, share, of})
+    // rank 3 block 74: shares 6312..6327 ({step, share, of})
     {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64}, {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64},
     {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64}, {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 3 block 75: shares 6332..6347 ({step, share, of})
+    // rank 3 block 75: shares 6328..6343 ({step, share, of})
     {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64}, {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64},
     {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64}, {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 3 block 76: shares 6348..6363 ({step, share, of})
+    // rank 3 block 76: shares 6344..6359 ({step, share, of})
     {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64}, {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64},
     {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64}, {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 3 block 77: shares 6364..6379 ({step, share, of})
+    // rank 3 block 77: shares 6360..6375 ({step, share, of})
     {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64}, {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64},
     {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64}, {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 3 block 78: shares 6380..6395 ({step, share, of})
+    // rank 3 block 78: shares 6376..6391 ({step, share, of})
     {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64}, {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64},
     {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64}, {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 3 block 79: shares 6396..6411 ({step, share, of})
+    // rank 3 block 79: shares 6392..6407 ({step, share, of})
     {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64}, {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64},
     {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64}, {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 3 block 80: shares 6412..6427 ({step, share, of})
+    // rank 3 block 80: shares 6408..6423 ({step, share, of})
     {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64}, {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64},
     {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64}, {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 3 block 81: shares 6428..6443 ({step, share, of})
+    // rank 3 block 81: shares 6424..6439 ({step, share, of})
     {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64}, {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64},
     {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64}, {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 3 block 82: shares 6444..6459 ({step, share, of})
+    // rank 3 block 82: shares 6440..6455 ({step, share, of})
     {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64}, {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64},
     {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64}, {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 3 block 83: shares 6460..6475 ({step, share, of})
+    // rank 3 block 83: shares 6456..6471 ({step, share, of})
     {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64}, {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64},
     {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64}, {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 3 block 84: shares 6476..6491 ({step, share, of})
+    // rank 3 block 84: shares 6472..6487 ({step, share, of})
     {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64}, {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64},
     {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64}, {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 3 block 85: shares 6492..6507 ({step, share, of})
+    // rank 3 block 85: shares 6488..6503 ({step, share, of})
     {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64}, {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64},
     {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64}, {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 3 block 86: shares 6508..6523 ({step, share, of})
+    // rank 3 block 86: shares 6504..6519 ({step, share, of})
     {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64}, {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64},
     {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64}, {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 3 block 87: shares 6524..6539 ({step, share, of})
+    // rank 3 block 87: shares 6520..6535 ({step, share, of})
     {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64}, {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64},
     {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64}, {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 3 block 88: shares 6540..6555 ({step, share, of})
+    // rank 3 block 88: shares 6536..6551 ({step, share, of})
     {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64}, {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64},
     {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64}, {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 3 block 89: shares 6556..6571 ({step, share, of})
+    // rank 3 block 89: shares 6552..6567 ({step, share, of})
     {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64}, {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64},
     {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64}, {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 3 block 90: shares 6572..6587 ({step, share, of})
+    // rank 3 block 90: shares 6568..6583 ({step, share, of})
     {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64}, {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64},
     {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64}, {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 3 block 91: shares 6588..6603 ({step, share, of})
+    // rank 3 block 91: shares 6584..6599 ({step, share, of})
     {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64}, {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64},
     {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64}, {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 3 block 92: shares 6604..6619 ({step, share, of})
+    // rank 3 block 92: shares 6600..6615 ({step, share, of})
     {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64}, {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64},
     {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64}, {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 3 block 93: shares 6620..6635 ({step, share, of})
+    // rank 3 block 93: shares 6616..6631 ({step, share, of})
     {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64}, {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64},
     {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64}, {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 3 block 94: shares 6636..6651 ({step, share, of})
+    // rank 3 block 94: shares 6632..6647 ({step, share, of})
     {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64}, {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64},
     {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64}, {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 3 block 95: shares 6652..6667 ({step, share, of})
+    // rank 3 block 95: shares 6648..6663 ({step, share, of})
     {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64}, {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64},
     {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64}, {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 3 block 96: shares 6668..6683 ({step, share, of})
+    // rank 3 block 96: shares 6664..6679 ({step, share, of})
     {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64}, {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64},
     {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64}, {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 3 block 97: shares 6684..6699 ({step, share, of})
+    // rank 3 block 97: shares 6680..6695 ({step, share, of})
     {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64}, {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64},
     {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64}, {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 3 block 98: shares 6700..6715 ({step, share, of})
+    // rank 3 block 98: shares 6696..6711 ({step, share, of})
     {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64}, {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64},
     {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64}, {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 3 block 99: shares 6716..6731 ({step, share, of})
+    // rank 3 block 99: shares 6712..6727 ({step, share, of})
     {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64}, {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64},
     {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64}, {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 3 block 100: shares 6732..6747 ({step, share, of})
+    // rank 3 block 100: shares 6728..6743 ({step, share, of})
     {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64}, {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64},
     {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64}, {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 3 block 101: shares 6748..6763 ({step, share, of})
+    // rank 3 block 101: shares 6744..6759 ({step, share, of})
     {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64}, {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64},
     {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64}, {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 3 block 102: shares 6764..6779 ({step, share, of})
+    // rank 3 block 102: shares 6760..6775 ({step, share, of})
     {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64}, {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64},
     {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64}, {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 3 block 103: shares 6780..6795 ({step, share, of})
+    // rank 3 block 103: shares 6776..6791 ({step, share, of})
     {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64}, {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64},
     {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64}, {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 3 block 104: shares 6796..6811 ({step, share, of})
+    // rank 3 block 104: shares 6792..6807 ({step, share, of})
     {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64}, {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64},
     {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64}, {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 3 block 105: shares 6812..6827 ({step, share, of})
+    // rank 3 block 105: shares 6808..6823 ({step, share, of})
     {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64}, {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64},
     {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64}, {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 3 block 106: shares 6828..6843 ({step, share, of})
+    // rank 3 block 106: shares 6824..6839 ({step, share, of})
     {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64}, {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64},
     {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64}, {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 3 block 107: shares 6844..6859 ({step, share, of})
+    // rank 3 block 107: shares 6840..6855 ({step, share, of})
     {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64}, {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64},
     {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64}, {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 3 block 108: shares 6860..6875 ({step, share, of})
+    // rank 3 block 108: shares 6856..6871 ({step, share, of})
     {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64}, {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64},
     {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64}, {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 3 block 109: shares 6876..6891 ({step, share, of})
+    // rank 3 block 109: shares 6872..6887 ({step, share, of})
     {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64}, {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64},
     {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64}, {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 3 block 110: shares 6892..6907 ({step, share, of})
+    // rank 3 block 110: shares 6888..6903 ({step, share, of})
     {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64}, {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64},
     {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64}, {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 3 block 111: shares 6908..6923 ({step, share, of})
+    // rank 3 block 111: shares 6904..6919 ({step, share, of})
     {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64}, {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64},
     {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64}, {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 3 block 112: shares 6924..6939 ({step, share, of})
+    // rank 3 block 112: shares 6920..6935 ({step, share, of})
     {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64}, {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64},
     {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64}, {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 3 block 113: shares 6940..6955 ({step, share, of})
+    // rank 3 block 113: shares 6936..6951 ({step, share, of})
     {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64}, {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64},
     {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64}, {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 3 block 114: shares 6956..6971 ({step, share, of})
+    // rank 3 block 114: shares 6952..6967 ({step, share, of})
     {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64}, {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64},
     {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64}, {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 3 block 115: shares 6972..6987 ({step, share, of})
+    // rank 3 block 115: shares 6968..6983 ({step, share, of})
     {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64}, {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64},
     {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64}, {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 3 block 116: shares 6988..7003 ({step, share, of})
+    // rank 3 block 116: shares 6984..6999 ({step, share, of})
     {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64}, {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64},
     {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64}, {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 3 block 117: shares 7004..7019 ({step, share, of})
+    // rank 3 block 117: shares 7000..7015 ({step, share, of})
     {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64}, {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64},
     {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64}, {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 3 block 118: shares 7020..7035 ({step, share, of})
+    // rank 3 block 118: shares 7016..7031 ({step, share, of})
     {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64}, {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64},
     {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64}, {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 3 block 119: shares 7036..7051 ({step, share, of})
+    // rank 3 block 119: shares 7032..7047 ({step, share, of})
     {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64}, {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64},
     {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64}, {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 3 block 120: shares 7052..7067 ({step, share, of})
+    // rank 3 block 120: shares 7048..7063 ({step, share, of})
     {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64}, {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64},
     {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64}, {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 3 block 121: shares 7068..7083 ({step, share, of})
+    // rank 3 block 121: shares 7064..7079 ({step, share, of})
     {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64}, {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64},
     {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64}, {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 3 block 122: shares 7084..7099 ({step, share, of})
+    // rank 3 block 122: shares 7080..7095 ({step, share, of})
     {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64}, {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64},
     {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64}, {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 3 block 123: shares 7100..7115 ({step, share, of})
+    // rank 3 block 123: shares 7096..7111 ({step, share, of})
     {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64}, {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64},
     {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64}, {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 3 block 124: shares 7116..7131 ({step, share, of})
+    // rank 3 block 124: shares 7112..7127 ({step, share, of})
     {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64}, {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64},
     {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64}, {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 3 block 125: shares 7132..7147 ({step, share, of})
+    // rank 3 block 125: shares 7128..7143 ({step, share, of})
     {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64}, {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64},
     {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64}, {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 3 block 126: shares 7148..7163 ({step, share, of})
+    // rank 3 block 126: shares 7144..7159 ({step, share, of})
     {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64}, {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64},
     {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64}, {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 3 block 127: shares 7164..7179 ({step, share, of})
+    // rank 3 block 127: shares 7160..7175 ({step, share, of})
     {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64}, {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64},
     {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64}, {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][129] = {
-    { 0, 17, 30, 43, 55, 67, 79, 91, 103, 115, 127, 139, 151, 163, 175, 187, 199, 211, 223, 235, 247, 259, 271, 283, 295, 307, 319, 331, 343, 355, 367, 379, 391, 403, 415, 427, 439, 451, 463, 475, 487, 499, 511, 523, 535, 547, 559, 571, 583, 595, 607, 619, 631, 643, 655, 667, 679, 691, 703, 715, 727, 739, 751, 763, 775, 787, 803, 819, 835, 851, 867, 883, 899, 915, 931, 947, 963, 979, 995, 1011, 1027, 1043, 1059, 1075, 1091, 1107, 1123, 1139, 1155, 1171, 1187, 1203, 1219, 1235, 1251, 1267, 1283, 1299, 1315, 1331, 1347, 1363, 1379, 1395, 1411, 1427, 1443, 1459, 1475, 1491, 1507, 1523, 1539, 1555, 1571, 1587, 1603, 1619, 1635, 1651, 1667, 1683, 1699, 1715, 1731, 1747, 1763, 1779, 1795 },
-    { 1795, 1812, 1825, 1838, 1850, 1862, 1874, 1886, 1898, 1910, 1922, 1934, 1946, 1958, 1970, 1982, 1994, 2006, 2018, 2030, 2042, 2054, 2066, 2078, 2090, 2102, 2114, 2126, 2138, 2150, 2162, 2174, 2186, 2198, 2210, 2222, 2234, 2246, 2258, 2270, 2282, 2294, 2306, 2318, 2330, 2342, 2354, 2366, 2378, 2390, 2402, 2414, 2426, 2438, 2450, 2462, 2474, 2486, 2498, 2510, 2522, 2534, 2546, 2558, 2570, 2582, 2598, 2614, 2630, 2646, 2662, 2678, 2694, 2710, 2726, 2742, 2758, 2774, 2790, 2806, 2822, 2838, 2854, 2870, 2886, 2902, 2918, 2934, 2950, 2966, 2982, 2998, 3014, 3030, 3046, 3062, 3078, 3094, 3110, 3126, 3142, 3158, 3174, 3190, 3206, 3222, 3238, 3254, 3270, 3286, 3302, 3318, 3334, 3350, 3366, 3382, 3398, 3414, 3430, 3446, 3462, 3478, 3494, 3510, 3526, 3542, 3558, 3574, 3590 },
-    { 3590, 3607, 3620, 3633, 3645, 3657, 3669, 3681, 3693, 3705, 3717, 3729, 3741, 3753, 3765, 3777, 3789, 3801, 3813, 3825, 3837, 3849, 3861, 3873, 3885, 3897, 3909, 3921, 3933, 3945, 3957, 3969, 3981, 3993, 4005, 4017, 4029, 4041, 4053, 4065, 4077, 4089, 4101, 4113, 4125, 4137, 4149, 4161, 4173, 4185, 4197, 4209, 4221, 4233, 4245, 4257, 4269, 4281, 4293, 4305, 4317, 4329, 4341, 4353, 4365, 4377, 4393, 4409, 4425, 4441, 4457, 4473, 4489, 4505, 4521, 4537, 4553, 4569, 4585, 4601, 4617, 4633, 4649, 4665, 4681, 4697, 4713, 4729, 4745, 4761, 4777, 4793, 4809, 4825, 4841, 4857, 4873, 4889, 4905, 4921, 4937, 4953, 4969, 4985, 5001, 5017, 5033, 5049, 5065, 5081, 5097, 5113, 5129, 5145, 5161, 5177, 5193, 5209, 5225, 5241, 5257, 5273, 5289, 5305, 5321, 5337, 5353, 5369, 5385 },
-    { 5385, 5402, 5415, 5428, 5440, 5452, 5464, 5476, 5488, 5500, 5512, 5524, 5536, 5548, 5560, 5572, 5584, 5596, 5608, 5620, 5632, 5644, 5656, 5668, 5680, 5692, 5704, 5716, 5728, 5740, 5752, 5764, 5776, 5788, 5800, 5812, 5824, 5836, 5848, 5860, 5872, 5884, 5896, 5908, 5920, 5932, 5944, 5956, 5968, 5980, 5992, 6004, 6016, 6028, 6040, 6052, 6064, 6076, 6088, 6100, 6112, 6124, 6136, 6148, 6160, 6172, 6188, 6204, 6220, 6236, 6252, 6268, 6284, 6300, 6316, 6332, 6348, 6364, 6380, 6396, 6412, 6428, 6444, 6460, 6476, 6492, 6508, 6524, 6540, 6556, 6572, 6588, 6604, 6620, 6636, 6652, 6668, 6684, 6700, 6716, 6732, 6748, 6764, 6780, 6796, 6812, 6828, 6844, 6860, 6876, 6892, 6908, 6924, 6940, 6956, 6972, 6988, 7004, 7020, 7036, 7052, 7068, 7084, 7100, 7116, 7132, 7148, 7164, 7180 },
+    { 0, 16, 29, 42, 54, 66, 78, 90, 102, 114, 126, 138, 150, 162, 174, 186, 198, 210, 222, 234, 246, 258, 270, 282, 294, 306, 318, 330, 342, 354, 366, 378, 390, 402, 414, 426, 438, 450, 462, 474, 486, 498, 510, 522, 534, 546, 558, 570, 582, 594, 606, 618, 630, 642, 654, 666, 678, 690, 702, 714, 726, 738, 750, 762, 774, 786, 802, 818, 834, 850, 866, 882, 898, 914, 930, 946, 962, 978, 994, 1010, 1026, 1042, 1058, 1074, 1090, 1106, 1122, 1138, 1154, 1170, 1186, 1202, 1218, 1234, 1250, 1266, 1282, 1298, 1314, 1330, 1346, 1362, 1378, 1394, 1410, 1426, 1442, 1458, 1474, 1490, 1506, 1522, 1538, 1554, 1570, 1586, 1602, 1618, 1634, 1650, 1666, 1682, 1698, 1714, 1730, 1746, 1762, 1778, 1794 },
+    { 1794, 1810, 1823, 1836, 1848, 1860, 1872, 1884, 1896, 1908, 1920, 1932, 1944, 1956, 1968, 1980, 1992, 2004, 2016, 2028, 2040, 2052, 2064, 2076, 2088, 2100, 2112, 2124, 2136, 2148, 2160, 2172, 2184, 2196, 2208, 2220, 2232, 2244, 2256, 2268, 2280, 2292, 2304, 2316, 2328, 2340, 2352, 2364, 2376, 2388, 2400, 2412, 2424, 2436, 2448, 2460, 2472, 2484, 2496, 2508, 2520, 2532, 2544, 2556, 2568, 2580, 2596, 2612, 2628, 2644, 2660, 2676, 2692, 2708, 2724, 2740, 2756, 2772, 2788, 2804, 2820, 2836, 2852, 2868, 2884, 2900, 2916, 2932, 2948, 2964, 2980, 2996, 3012, 3028, 3044, 3060, 3076, 3092, 3108, 3124, 3140, 3156, 3172, 3188, 3204, 3220, 3236, 3252, 3268, 3284, 3300, 3316, 3332, 3348, 3364, 3380, 3396, 3412, 3428, 3444, 3460, 3476, 3492, 3508, 3524, 3540, 3556, 3572, 3588 },
+    { 3588, 3604, 3617, 3630, 3642, 3654, 3666, 3678, 3690, 3702, 3714, 3726, 3738, 3750, 3762, 3774, 3786, 3798, 3810, 3822, 3834, 3846, 3858, 3870, 3882, 3894, 3906, 3918, 3930, 3942, 3954, 3966, 3978, 3990, 4002, 4014, 4026, 4038, 4050, 4062, 4074, 4086, 4098, 4110, 4122, 4134, 4146, 4158, 4170, 4182, 4194, 4206, 4218, 4230, 4242, 4254, 4266, 4278, 4290, 4302, 4314, 4326, 4338, 4350, 4362, 4374, 4390, 4406, 4422, 4438, 4454, 4470, 4486, 4502, 4518, 4534, 4550, 4566, 4582, 4598, 4614, 4630, 4646, 4662, 4678, 4694, 4710, 4726, 4742, 4758, 4774, 4790, 4806, 4822, 4838, 4854, 4870, 4886, 4902, 4918, 4934, 4950, 4966, 4982, 4998, 5014, 5030, 5046, 5062, 5078, 5094, 5110, 5126, 5142, 5158, 5174, 5190, 5206, 5222, 5238, 5254, 5270, 5286, 5302, 5318, 5334, 5350, 5366, 5382 },
+    { 5382, 5398, 5411, 5424, 5436, 5448, 5460, 5472, 5484, 5496, 5508, 5520, 5532, 5544, 5556, 5568, 5580, 5592, 5604, 5616, 5628, 5640, 5652, 5664, 5676, 5688, 5700, 5712, 5724, 5736, 5748, 5760, 5772, 5784, 5796, 5808, 5820, 5832, 5844, 5856, 5868, 5880, 5892, 5904, 5916, 5928, 5940, 5952, 5964, 5976, 5988, 6000, 6012, 6024, 6036, 6048, 6060, 6072, 6084, 6096, 6108, 6120, 6132, 6144, 6156, 6168, 6184, 6200, 6216, 6232, 6248, 6264, 6280, 6296, 6312, 6328, 6344, 6360, 6376, 6392, 6408, 6424, 6440, 6456, 6472, 6488, 6504, 6520, 6536, 6552, 6568, 6584, 6600, 6616, 6632, 6648, 6664, 6680, 6696, 6712, 6728, 6744, 6760, 6776, 6792, 6808, 6824, 6840, 6856, 6872, 6888, 6904, 6920, 6936, 6952, 6968, 6984, 7000, 7016, 7032, 7048, 7064, 7080, 7096, 7112, 7128, 7144, 7160, 7176 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 30760 block shares over 128 blocks.
+// Plan for world size 8: 520 steps, 30752 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -5711,5130 +5710,5122 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..32 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 0 block 1: shares 33..61 ({step, share, of})
+    // rank 0 block 0: shares 0..31 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 0 block 1: shares 32..60 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 0 block 2: shares 62..90 ({step, share, of})
+    // rank 0 block 2: shares 61..89 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 0 block 3: shares 91..119 ({step, share, of})
+    // rank 0 block 3: shares 90..118 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 0 block 4: shares 120..148 ({step, share, of})
+    // rank 0 block 4: shares 119..147 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 0 block 5: shares 149..176 ({step, share, of})
+    // rank 0 block 5: shares 148..175 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 0 block 6: shares 177..204 ({step, share, of})
+    // rank 0 block 6: shares 176..203 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 0 block 7: shares 205..232 ({step, share, of})
+    // rank 0 block 7: shares 204..231 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 0 block 8: shares 233..260 ({step, share, of})
+    // rank 0 block 8: shares 232..259 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 0 block 9: shares 261..288 ({step, share, of})
+    // rank 0 block 9: shares 260..287 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 0 block 10: shares 289..316 ({step, share, of})
+    // rank 0 block 10: shares 288..315 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 0 block 11: shares 317..344 ({step, share, of})
+    // rank 0 block 11: shares 316..343 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 0 block 12: shares 345..372 ({step, share, of})
+    // rank 0 block 12: shares 344..371 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 0 block 13: shares 373..400 ({step, share, of})
+    // rank 0 block 13: shares 372..399 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 0 block 14: shares 401..428 ({step, share, of})
+    // rank 0 block 14: shares 400..427 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 0 block 15: shares 429..456 ({step, share, of})
+    // rank 0 block 15: shares 428..455 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 0 block 16: shares 457..484 ({step, share, of})
+    // rank 0 block 16: shares 456..483 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 0 block 17: shares 485..512 ({step, share, of})
+    // rank 0 block 17: shares 484..511 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 0 block 18: shares 513..540 ({step, share, of})
+    // rank 0 block 18: shares 512..539 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 0 block 19: shares 541..568 ({step, share, of})
+    // rank 0 block 19: shares 540..567 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 0 block 20: shares 569..596 ({step, share, of})
+    // rank 0 block 20: shares 568..595 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 0 block 21: shares 597..624 ({step, share, of})
+    // rank 0 block 21: shares 596..623 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 0 block 22: shares 625..652 ({step, share, of})
+    // rank 0 block 22: shares 624..651 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 0 block 23: shares 653..680 ({step, share, of})
+    // rank 0 block 23: shares 652..679 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 0 block 24: shares 681..708 ({step, share, of})
+    // rank 0 block 24: shares 680..707 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 0 block 25: shares 709..736 ({step, share, of})
+    // rank 0 block 25: shares 708..735 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 0 block 26: shares 737..764 ({step, share, of})
+    // rank 0 block 26: shares 736..763 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 0 block 27: shares 765..792 ({step, share, of})
+    // rank 0 block 27: shares 764..791 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 0 block 28: shares 793..820 ({step, share, of})
+    // rank 0 block 28: shares 792..819 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 0 block 29: shares 821..848 ({step, share, of})
+    // rank 0 block 29: shares 820..847 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 0 block 30: shares 849..876 ({step, share, of})
+    // rank 0 block 30: shares 848..875 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 0 block 31: shares 877..904 ({step, share, of})
+    // rank 0 block 31: shares 876..903 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 0 block 32: shares 905..932 ({step, share, of})
+    // rank 0 block 32: shares 904..931 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 0 block 33: shares 933..960 ({step, share, of})
+    // rank 0 block 33: shares 932..959 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 0 block 34: shares 961..988 ({step, share, of})
+    // rank 0 block 34: shares 960..987 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 0 block 35: shares 989..1016 ({step, share, of})
+    // rank 0 block 35: shares 988..1015 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 0 block 36: shares 1017..1044 ({step, share, of})
+    // rank 0 block 36: shares 1016..1043 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 0 block 37: shares 1045..1072 ({step, share, of})
+    // rank 0 block 37: shares 1044..1071 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 0 block 38: shares 1073..1100 ({step, share, of})
+    // rank 0 block 38: shares 1072..1099 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 0 block 39: shares 1101..1128 ({step, share, of})
+    // rank 0 block 39: shares 1100..1127 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 0 block 40: shares 1129..1156 ({step, share, of})
+    // rank 0 block 40: shares 1128..1155 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 0 block 41: shares 1157..1184 ({step, share, of})
+    // rank 0 block 41: shares 1156..1183 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 0 block 42: shares 1185..1212 ({step, share, of})
+    // rank 0 block 42: shares 1184..1211 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 0 block 43: shares 1213..1240 ({step, share, of})
+    // rank 0 block 43: shares 1212..1239 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 0 block 44: shares 1241..1268 ({step, share, of})
+    // rank 0 block 44: shares 1240..1267 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 0 block 45: shares 1269..1296 ({step, share, of})
+    // rank 0 block 45: shares 1268..1295 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 0 block 46: shares 1297..1324 ({step, share, of})
+    // rank 0 block 46: shares 1296..1323 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 0 block 47: shares 1325..1352 ({step, share, of})
+    // rank 0 block 47: shares 1324..1351 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 0 block 48: shares 1353..1380 ({step, share, of})
+    // rank 0 block 48: shares 1352..1379 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 0 block 49: shares 1381..1408 ({step, share, of})
+    // rank 0 block 49: shares 1380..1407 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 0 block 50: shares 1409..1436 ({step, share, of})
+    // rank 0 block 50: shares 1408..1435 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 0 block 51: shares 1437..1464 ({step, share, of})
+    // rank 0 block 51: shares 1436..1463 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 0 block 52: shares 1465..1492 ({step, share, of})
+    // rank 0 block 52: shares 1464..1491 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 0 block 53: shares 1493..1520 ({step, share, of})
+    // rank 0 block 53: shares 1492..1519 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 0 block 54: shares 1521..1548 ({step, share, of})
+    // rank 0 block 54: shares 1520..1547 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 0 block 55: shares 1549..1576 ({step, share, of})
+    // rank 0 block 55: shares 1548..1575 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 0 block 56: shares 1577..1604 ({step, share, of})
+    // rank 0 block 56: shares 1576..1603 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 0 block 57: shares 1605..1632 ({step, share, of})
+    // rank 0 block 57: shares 1604..1631 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 0 block 58: shares 1633..1660 ({step, share, of})
+    // rank 0 block 58: shares 1632..1659 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 0 block 59: shares 1661..1688 ({step, share, of})
+    // rank 0 block 59: shares 1660..1687 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 0 block 60: shares 1689..1716 ({step, share, of})
+    // rank 0 block 60: shares 1688..1715 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 0 block 61: shares 1717..1744 ({step, share, of})
+    // rank 0 block 61: shares 1716..1743 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 0 block 62: shares 1745..1772 ({step, share, of})
+    // rank 0 block 62: shares 1744..1771 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 0 block 63: shares 1773..1800 ({step, share, of})
+    // rank 0 block 63: shares 1772..1799 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 0 block 64: shares 1801..1828 ({step, share, of})
+    // rank 0 block 64: shares 1800..1827 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 0 block 65: shares 1829..1860 ({step, share, of})
+    // rank 0 block 65: shares 1828..1859 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 0 block 66: shares 1861..1892 ({step, share, of})
+    // rank 0 block 66: shares 1860..1891 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 0 block 67: shares 1893..1924 ({step, share, of})
+    // rank 0 block 67: shares 1892..1923 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 0 block 68: shares 1925..1956 ({step, share, of})
+    // rank 0 block 68: shares 1924..1955 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 0 block 69: shares 1957..1988 ({step, share, of})
+    // rank 0 block 69: shares 1956..1987 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 0 block 70: shares 1989..2020 ({step, share, of})
+    // rank 0 block 70: shares 1988..2019 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 0 block 71: shares 2021..2052 ({step, share, of})
+    // rank 0 block 71: shares 2020..2051 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 0 block 72: shares 2053..2084 ({step, share, of})
+    // rank 0 block 72: shares 2052..2083 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 0 block 73: shares 2085..2116 ({step, share, of})
+    // rank 0 block 73: shares 2084..2115 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 0 block 74: shares 2117..2148 ({step, share, of})
+    // rank 0 block 74: shares 2116..2147 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 0 block 75: shares 2149..2180 ({step, share, of})
+    // rank 0 block 75: shares 2148..2179 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 0 block 76: shares 2181..2212 ({step, share, of})
+    // rank 0 block 76: shares 2180..2211 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 0 block 77: shares 2213..2244 ({step, share, of})
+    // rank 0 block 77: shares 2212..2243 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 0 block 78: shares 2245..2276 ({step, share, of})
+    // rank 0 block 78: shares 2244..2275 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 0 block 79: shares 2277..2308 ({step, share, of})
+    // rank 0 block 79: shares 2276..2307 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 0 block 80: shares 2309..2340 ({step, share, of})
+    // rank 0 block 80: shares 2308..2339 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 0 block 81: shares 2341..2372 ({step, share, of})
+    // rank 0 block 81: shares 2340..2371 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 0 block 82: shares 2373..2404 ({step, share, of})
+    // rank 0 block 82: shares 2372..2403 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 0 block 83: shares 2405..2436 ({step, share, of})
+    // rank 0 block 83: shares 2404..2435 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 0 block 84: shares 2437..2468 ({step, share, of})
+    // rank 0 block 84: shares 2436..2467 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 0 block 85: shares 2469..2500 ({step, share, of})
+    // rank 0 block 85: shares 2468..2499 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 0 block 86: shares 2501..2532 ({step, share, of})
+    // rank 0 block 86: shares 2500..2531 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 0 block 87: shares 2533..2564 ({step, share, of})
+    // rank 0 block 87: shares 2532..2563 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 0 block 88: shares 2565..2596 ({step, share, of})
+    // rank 0 block 88: shares 2564..2595 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 0 block 89: shares 2597..2628 ({step, share, of})
+    // rank 0 block 89: shares 2596..2627 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 0 block 90: shares 2629..2660 ({step, share, of})
+    // rank 0 block 90: shares 2628..2659 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 0 block 91: shares 2661..2692 ({step, share, of})
+    // rank 0 block 91: shares 2660..2691 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 0 block 92: shares 2693..2724 ({step, share, of})
+    // rank 0 block 92: shares 2692..2723 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 0 block 93: shares 2725..2756 ({step, share, of})
+    // rank 0 block 93: shares 2724..2755 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 0 block 94: shares 2757..2788 ({step, share, of})
+    // rank 0 block 94: shares 2756..2787 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 0 block 95: shares 2789..2820 ({step, share, of})
+    // rank 0 block 95: shares 2788..2819 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 0 block 96: shares 2821..2852 ({step, share, of})
+    // rank 0 block 96: shares 2820..2851 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 0 block 97: shares 2853..2884 ({step, share, of})
+    // rank 0 block 97: shares 2852..2883 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 0 block 98: shares 2885..2916 ({step, share, of})
+    // rank 0 block 98: shares 2884..2915 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 0 block 99: shares 2917..2948 ({step, share, of})
+    // rank 0 block 99: shares 2916..2947 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 0 block 100: shares 2949..2980 ({step, share, of})
+    // rank 0 block 100: shares 2948..2979 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 0 block 101: shares 2981..3012 ({step, share, of})
+    // rank 0 block 101: shares 2980..3011 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 0 block 102: shares 3013..3044 ({step, share, of})
+    // rank 0 block 102: shares 3012..3043 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 0 block 103: shares 3045..3076 ({step, share, of})
+    // rank 0 block 103: shares 3044..3075 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 0 block 104: shares 3077..3108 ({step, share, of})
+    // rank 0 block 104: shares 3076..3107 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 0 block 105: shares 3109..3140 ({step, share, of})
+    // rank 0 block 105: shares 3108..3139 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 0 block 106: shares 3141..3172 ({step, share, of})
+    // rank 0 block 106: shares 3140..3171 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 0 block 107: shares 3173..3204 ({step, share, of})
+    // rank 0 block 107: shares 3172..3203 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 0 block 108: shares 3205..3236 ({step, share, of})
+    // rank 0 block 108: shares 3204..3235 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 0 block 109: shares 3237..3268 ({step, share, of})
+    // rank 0 block 109: shares 3236..3267 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 0 block 110: shares 3269..3300 ({step, share, of})
+    // rank 0 block 110: shares 3268..3299 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 0 block 111: shares 3301..3332 ({step, share, of})
+    // rank 0 block 111: shares 3300..3331 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 0 block 112: shares 3333..3364 ({step, share, of})
+    // rank 0 block 112: shares 3332..3363 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 0 block 113: shares 3365..3396 ({step, share, of})
+    // rank 0 block 113: shares 3364..3395 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 0 block 114: shares 3397..3428 ({step, share, of})
+    // rank 0 block 114: shares 3396..3427 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 0 block 115: shares 3429..3460 ({step, share, of})
+    // rank 0 block 115: shares 3428..3459 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 0 block 116: shares 3461..3492 ({step, share, of})
+    // rank 0 block 116: shares 3460..3491 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 0 block 117: shares 3493..3524 ({step, share, of})
+    // rank 0 block 117: shares 3492..3523 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 0 block 118: shares 3525..3556 ({step, share, of})
+    // rank 0 block 118: shares 3524..3555 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 0 block 119: shares 3557..3588 ({step, share, of})
+    // rank 0 block 119: shares 3556..3587 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 0 block 120: shares 3589..3620 ({step, share, of})
+    // rank 0 block 120: shares 3588..3619 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 0 block 121: shares 3621..3652 ({step, share, of})
+    // rank 0 block 121: shares 3620..3651 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 0 block 122: shares 3653..3684 ({step, share, of})
+    // rank 0 block 122: shares 3652..3683 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 0 block 123: shares 3685..3716 ({step, share, of})
+    // rank 0 block 123: shares 3684..3715 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 0 block 124: shares 3717..3748 ({step, share, of})
+    // rank 0 block 124: shares 3716..3747 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 0 block 125: shares 3749..3780 ({step, share, of})
+    // rank 0 block 125: shares 3748..3779 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 0 block 126: shares 3781..3812 ({step, share, of})
+    // rank 0 block 126: shares 3780..3811 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 0 block 127: shares 3813..3844 ({step, share, of})
+    // rank 0 block 127: shares 3812..3843 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 1 block 0: shares 3845..3877 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 1 block 1: shares 3878..3906 ({step, share, of})
+    // rank 1 block 0: shares 3844..3875 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 1 block 1: shares 3876..3904 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 1 block 2: shares 3907..3935 ({step, share, of})
+    // rank 1 block 2: shares 3905..3933 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 1 block 3: shares 3936..3964 ({step, share, of})
+    // rank 1 block 3: shares 3934..3962 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 1 block 4: shares 3965..3993 ({step, share, of})
+    // rank 1 block 4: shares 3963..3991 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 1 block 5: shares 3994..4021 ({step, share, of})
+    // rank 1 block 5: shares 3992..4019 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 1 block 6: shares 4022..4049 ({step, share, of})
+    // rank 1 block 6: shares 4020..4047 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 1 block 7: shares 4050..4077 ({step, share, of})
+    // rank 1 block 7: shares 4048..4075 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 1 block 8: shares 4078..4105 ({step, share, of})
+    // rank 1 block 8: shares 4076..4103 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 1 block 9: shares 4106..4133 ({step, share, of})
+    // rank 1 block 9: shares 4104..4131 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 1 block 10: shares 4134..4161 ({step, share, of})
+    // rank 1 block 10: shares 4132..4159 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 1 block 11: shares 4162..4189 ({step, share, of})
+    // rank 1 block 11: shares 4160..4187 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 1 block 12: shares 4190..4217 ({step, share, of})
+    // rank 1 block 12: shares 4188..4215 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 1 block 13: shares 4218..4245 ({step, share, of})
+    // rank 1 block 13: shares 4216..4243 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 1 block 14: shares 4246..4273 ({step, share, of})
+    // rank 1 block 14: shares 4244..4271 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 1 block 15: shares 4274..4301 ({step, share, of})
+    // rank 1 block 15: shares 4272..4299 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 1 block 16: shares 4302..4329 ({step, share, of})
+    // rank 1 block 16: shares 4300..4327 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 1 block 17: shares 4330..4357 ({step, share, of})
+    // rank 1 block 17: shares 4328..4355 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 1 block 18: shares 4358..4385 ({step, share, of})
+    // rank 1 block 18: shares 4356..4383 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 1 block 19: shares 4386..4413 ({step, share, of})
+    // rank 1 block 19: shares 4384..4411 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 1 block 20: shares 4414..4441 ({step, share, of})
+    // rank 1 block 20: shares 4412..4439 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 1 block 21: shares 4442..4469 ({step, share, of})
+    // rank 1 block 21: shares 4440..4467 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 1 block 22: shares 4470..4497 ({step, share, of})
+    // rank 1 block 22: shares 4468..4495 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 1 block 23: shares 4498..4525 ({step, share, of})
+    // rank 1 block 23: shares 4496..4523 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 1 block 24: shares 4526..4553 ({step, share, of})
+    // rank 1 block 24: shares 4524..4551 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 1 block 25: shares 4554..4581 ({step, share, of})
+    // rank 1 block 25: shares 4552..4579 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 1 block 26: shares 4582..4609 ({step, share, of})
+    // rank 1 block 26: shares 4580..4607 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 1 block 27: shares 4610..4637 ({step, share, of})
+    // rank 1 block 27: shares 4608..4635 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 1 block 28: shares 4638..4665 ({step, share, of})
+    // rank 1 block 28: shares 4636..4663 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 1 block 29: shares 4666..4693 ({step, share, of})
+    // rank 1 block 29: shares 4664..4691 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 1 block 30: shares 4694..4721 ({step, share, of})
+    // rank 1 block 30: shares 4692..4719 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 1 block 31: shares 4722..4749 ({step, share, of})
+    // rank 1 block 31: shares 4720..4747 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 1 block 32: shares 4750..4777 ({step, share, of})
+    // rank 1 block 32: shares 4748..4775 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 1 block 33: shares 4778..4805 ({step, share, of})
+    // rank 1 block 33: shares 4776..4803 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 1 block 34: shares 4806..4833 ({step, share, of})
+    // rank 1 block 34: shares 4804..4831 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 1 block 35: shares 4834..4861 ({step, share, of})
+    // rank 1 block 35: shares 4832..4859 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 1 block 36: shares 4862..4889 ({step, share, of})
+    // rank 1 block 36: shares 4860..4887 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 1 block 37: shares 4890..4917 ({step, share, of})
+    // rank 1 block 37: shares 4888..4915 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 1 block 38: shares 4918..4945 ({step, share, of})
+    // rank 1 block 38: shares 4916..4943 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 1 block 39: shares 4946..4973 ({step, share, of})
+    // rank 1 block 39: shares 4944..4971 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 1 block 40: shares 4974..5001 ({step, share, of})
+    // rank 1 block 40: shares 4972..4999 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 1 block 41: shares 5002..5029 ({step, share, of})
+    // rank 1 block 41: shares 5000..5027 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 1 block 42: shares 5030..5057 ({step, share, of})
+    // rank 1 block 42: shares 5028..5055 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 1 block 43: shares 5058..5085 ({step, share, of})
+    // rank 1 block 43: shares 5056..5083 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 1 block 44: shares 5086..5113 ({step, share, of})
+    // rank 1 block 44: shares 5084..5111 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 1 block 45: shares 5114..5141 ({step, share, of})
+    // rank 1 block 45: shares 5112..5139 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 1 block 46: shares 5142..5169 ({step, share, of})
+    // rank 1 block 46: shares 5140..5167 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 1 block 47: shares 5170..5197 ({step, share, of})
+    // rank 1 block 47: shares 5168..5195 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 1 block 48: shares 5198..5225 ({step, share, of})
+    // rank 1 block 48: shares 5196..5223 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 1 block 49: shares 5226..5253 ({step, share, of})
+    // rank 1 block 49: shares 5224..5251 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 1 block 50: shares 5254..5281 ({step, share, of})
+    // rank 1 block 50: shares 5252..5279 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 1 block 51: shares 5282..5309 ({step, share, of})
+    // rank 1 block 51: shares 5280..5307 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 1 block 52: shares 5310..5337 ({step, share, of})
+    // rank 1 block 52: shares 5308..5335 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 1 block 53: shares 5338..5365 ({step, share, of})
+    // rank 1 block 53: shares 5336..5363 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 1 block 54: shares 5366..5393 ({step, share, of})
+    // rank 1 block 54: shares 5364..5391 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 1 block 55: shares 5394..5421 ({step, share, of})
+    // rank 1 block 55: shares 5392..5419 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 1 block 56: shares 5422..5449 ({step, share, of})
+    // rank 1 block 56: shares 5420..5447 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 1 block 57: shares 5450..5477 ({step, share, of})
+    // rank 1 block 57: shares 5448..5475 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 1 block 58: shares 5478..5505 ({step, share, of})
+    // rank 1 block 58: shares 5476..5503 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 1 block 59: shares 5506..5533 ({step, share, of})
+    // rank 1 block 59: shares 5504..5531 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 1 block 60: shares 5534..5561 ({step, share, of})
+    // rank 1 block 60: shares 5532..5559 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 1 block 61: shares 5562..5589 ({step, share, of})
+    // rank 1 block 61: shares 5560..5587 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 1 block 62: shares 5590..5617 ({step, share, of})
+    // rank 1 block 62: shares 5588..5615 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 1 block 63: shares 5618..5645 ({step, share, of})
+    // rank 1 block 63: shares 5616..5643 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 1 block 64: shares 5646..5673 ({step, share, of})
+    // rank 1 block 64: shares 5644..5671 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 1 block 65: shares 5674..5705 ({step, share, of})
+    // rank 1 block 65: shares 5672..5703 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 1 block 66: shares 5706..5737 ({step, share, of})
+    // rank 1 block 66: shares 5704..5735 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 1 block 67: shares 5738..5769 ({step, share, of})
+    // rank 1 block 67: shares 5736..5767 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 1 block 68: shares 5770..5801 ({step, share, of})
+    // rank 1 block 68: shares 5768..5799 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 1 block 69: shares 5802..5833 ({step, share, of})
+    // rank 1 block 69: shares 5800..5831 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 1 block 70: shares 5834..5865 ({step, share, of})
+    // rank 1 block 70: shares 5832..5863 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 1 block 71: shares 5866..5897 ({step, share, of})
+    // rank 1 block 71: shares 5864..5895 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 1 block 72: shares 5898..5929 ({step, share, of})
+    // rank 1 block 72: shares 5896..5927 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 1 block 73: shares 5930..5961 ({step, share, of})
+    // rank 1 block 73: shares 5928..5959 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 1 block 74: shares 5962..5993 ({step, share, of})
+    // rank 1 block 74: shares 5960..5991 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 1 block 75: shares 5994..6025 ({step, share, of})
+    // rank 1 block 75: shares 5992..6023 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 1 block 76: shares 6026..6057 ({step, share, of})
+    // rank 1 block 76: shares 6024..6055 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 1 block 77: shares 6058..6089 ({step, share, of})
+    // rank 1 block 77: shares 6056..6087 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 1 block 78: shares 6090..6121 ({step, share, of})
+    // rank 1 block 78: shares 6088..6119 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 1 block 79: shares 6122..6153 ({step, share, of})
+    // rank 1 block 79: shares 6120..6151 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 1 block 80: shares 6154..6185 ({step, share, of})
+    // rank 1 block 80: shares 6152..6183 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 1 block 81: shares 6186..6217 ({step, share, of})
+    // rank 1 block 81: shares 6184..6215 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 1 block 82: shares 6218..6249 ({step, share, of})
+    // rank 1 block 82: shares 6216..6247 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 1 block 83: shares 6250..6281 ({step, share, of})
+    // rank 1 block 83: shares 6248..6279 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 1 block 84: shares 6282..6313 ({step, share, of})
+    // rank 1 block 84: shares 6280..6311 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 1 block 85: shares 6314..6345 ({step, share, of})
+    // rank 1 block 85: shares 6312..6343 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 1 block 86: shares 6346..6377 ({step, share, of})
+    // rank 1 block 86: shares 6344..6375 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 1 block 87: shares 6378..6409 ({step, share, of})
+    // rank 1 block 87: shares 6376..6407 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 1 block 88: shares 6410..6441 ({step, share, of})
+    // rank 1 block 88: shares 6408..6439 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 1 block 89: shares 6442..6473 ({step, share, of})
+    // rank 1 block 89: shares 6440..6471 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 1 block 90: shares 6474..6505 ({step, share, of})
+    // rank 1 block 90: shares 6472..6503 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 1 block 91: shares 6506..6537 ({step, share, of})
+    // rank 1 block 91: shares 6504..6535 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 1 block 92: shares 6538..6569 ({step, share, of})
+    // rank 1 block 92: shares 6536..6567 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 1 block 93: shares 6570..6601 ({step, share, of})
+    // rank 1 block 93: shares 6568..6599 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 1 block 94: shares 6602..6633 ({step, share, of})
+    // rank 1 block 94: shares 6600..6631 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 1 block 95: shares 6634..6665 ({step, share, of})
+    // rank 1 block 95: shares 6632..6663 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 1 block 96: shares 6666..6697 ({step, share, of})
+    // rank 1 block 96: shares 6664..6695 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 1 block 97: shares 6698..6729 ({step, share, of})
+    // rank 1 block 97: shares 6696..6727 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 1 block 98: shares 6730..6761 ({step, share, of})
+    // rank 1 block 98: shares 6728..6759 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 1 block 99: shares 6762..6793 ({step, share, of})
+    // rank 1 block 99: shares 6760..6791 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 1 block 100: shares 6794..6825 ({step, share, of})
+    // rank 1 block 100: shares 6792..6823 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 1 block 101: shares 6826..6857 ({step, share, of})
+    // rank 1 block 101: shares 6824..6855 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 1 block 102: shares 6858..6889 ({step, share, of})
+    // rank 1 block 102: shares 6856..6887 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 1 block 103: shares 6890..6921 ({step, share, of})
+    // rank 1 block 103: shares 6888..6919 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 1 block 104: shares 6922..6953 ({step, share, of})
+    // rank 1 block 104: shares 6920..6951 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 1 block 105: shares 6954..6985 ({step, share, of})
+    // rank 1 block 105: shares 6952..6983 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 1 block 106: shares 6986..7017 ({step, share, of})
+    // rank 1 block 106: shares 6984..7015 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 1 block 107: shares 7018..7049 ({step, share, of})
+    // rank 1 block 107: shares 7016..7047 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 1 block 108: shares 7050..7081 ({step, share, of})
+    // rank 1 block 108: shares 7048..7079 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 1 block 109: shares 7082..7113 ({step, share, of})
+    // rank 1 block 109: shares 7080..7111 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 1 block 110: shares 7114..7145 ({step, share, of})
+    // rank 1 block 110: shares 7112..7143 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 1 block 111: shares 7146..7177 ({step, share, of})
+    // rank 1 block 111: shares 7144..7175 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 1 block 112: shares 7178..7209 ({step, share, of})
+    // rank 1 block 112: shares 7176..7207 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 1 block 113: shares 7210..7241 ({step, share, of})
+    // rank 1 block 113: shares 7208..7239 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 1 block 114: shares 7242..7273 ({step, share, of})
+    // rank 1 block 114: shares 7240..7271 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 1 block 115: shares 7274..7305 ({step, share, of})
+    // rank 1 block 115: shares 7272..7303 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 1 block 116: shares 7306..7337 ({step, share, of})
+    // rank 1 block 116: shares 7304..7335 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 1 block 117: shares 7338..7369 ({step, share, of})
+    // rank 1 block 117: shares 7336..7367 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 1 block 118: shares 7370..7401 ({step, share, of})
+    // rank 1 block 118: shares 7368..7399 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 1 block 119: shares 7402..7433 ({step, share, of})
+    // rank 1 block 119: shares 7400..7431 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 1 block 120: shares 7434..7465 ({step, share, of})
+    // rank 1 block 120: shares 7432..7463 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 1 block 121: shares 7466..7497 ({step, share, of})
+    // rank 1 block 121: shares 7464..7495 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 1 block 122: shares 7498..7529 ({step, share, of})
+    // rank 1 block 122: shares 7496..7527 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 1 block 123: shares 7530..7561 ({step, share, of})
+    // rank 1 block 123: shares 7528..7559 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 1 block 124: shares 7562..7593 ({step, share, of})
+    // rank 1 block 124: shares 7560..7591 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 1 block 125: shares 7594..7625 ({step, share, of})
+    // rank 1 block 125: shares 7592..7623 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 1 block 126: shares 7626..7657 ({step, share, of})
+    // rank 1 block 126: shares 7624..7655 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 1 block 127: shares 7658..7689 ({step, share, of})
+    // rank 1 block 127: shares 7656..7687 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 2 block 0: shares 7690..7722 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 2 block 1: shares 7723..7751 ({step, share, of})
+    // rank 2 block 0: shares 7688..7719 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 2 block 1: shares 7720..7748 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 2 block 2: shares 7752..7780 ({step, share, of})
+    // rank 2 block 2: shares 7749..7777 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 2 block 3: shares 7781..7809 ({step, share, of})
+    // rank 2 block 3: shares 7778..7806 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 2 block 4: shares 7810..7838 ({step, share, of})
+    // rank 2 block 4: shares 7807..7835 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 2 block 5: shares 7839..7866 ({step, share, of})
+    // rank 2 block 5: shares 7836..7863 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 2 block 6: shares 7867..7894 ({step, share, of})
+    // rank 2 block 6: shares 7864..7891 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 2 block 7: shares 7895..7922 ({step, share, of})
+    // rank 2 block 7: shares 7892..7919 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 2 block 8: shares 7923..7950 ({step, share, of})
+    // rank 2 block 8: shares 7920..7947 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 2 block 9: shares 7951..7978 ({step, share, of})
+    // rank 2 block 9: shares 7948..7975 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 2 block 10: shares 7979..8006 ({step, share, of})
+    // rank 2 block 10: shares 7976..8003 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 2 block 11: shares 8007..8034 ({step, share, of})
+    // rank 2 block 11: shares 8004..8031 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 2 block 12: shares 8035..8062 ({step, share, of})
+    // rank 2 block 12: shares 8032..8059 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 2 block 13: shares 8063..8090 ({step, share, of})
+    // rank 2 block 13: shares 8060..8087 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 2 block 14: shares 8091..8118 ({step, share, of})
+    // rank 2 block 14: shares 8088..8115 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 2 block 15: shares 8119..8146 ({step, share, of})
+    // rank 2 block 15: shares 8116..8143 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 2 block 16: shares 8147..8174 ({step, share, of})
+    // rank 2 block 16: shares 8144..8171 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 2 block 17: shares 8175..8202 ({step, share, of})
+    // rank 2 block 17: shares 8172..8199 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 2 block 18: shares 8203..8230 ({step, share, of})
+    // rank 2 block 18: shares 8200..8227 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 2 block 19: shares 8231..8258 ({step, share, of})
+    // rank 2 block 19: shares 8228..8255 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 2 block 20: shares 8259..8286 ({step, share, of})
+    // rank 2 block 20: shares 8256..8283 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 2 block 21: shares 8287..8314 ({step, share, of})
+    // rank 2 block 21: shares 8284..8311 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 2 block 22: shares 8315..8342 ({step, share, of})
+    // rank 2 block 22: shares 8312..8339 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 2 block 23: shares 8343..8370 ({step, share, of})
+    // rank 2 block 23: shares 8340..8367 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 2 block 24: shares 8371..8398 ({step, share, of})
+    // rank 2 block 24: shares 8368..8395 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 2 block 25: shares 8399..8426 ({step, share, of})
+    // rank 2 block 25: shares 8396..8423 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 2 block 26: shares 8427..8454 ({step, share, of})
+    // rank 2 block 26: shares 8424..8451 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 2 block 27: shares 8455..8482 ({step, share, of})
+    // rank 2 block 27: shares 8452..8479 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 2 block 28: shares 8483..8510 ({step, share, of})
+    // rank 2 block 28: shares 8480..8507 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 2 block 29: shares 8511..8538 ({step, share, of})
+    // rank 2 block 29: shares 8508..8535 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 2 block 30: shares 8539..8566 ({step, share, of})
+    // rank 2 block 30: shares 8536..8563 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 2 block 31: shares 8567..8594 ({step, share, of})
+    // rank 2 block 31: shares 8564..8591 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 2 block 32: shares 8595..8622 ({step, share, of})
+    // rank 2 block 32: shares 8592..8619 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 2 block 33: shares 8623..8650 ({step, share, of})
+    // rank 2 block 33: shares 8620..8647 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 2 block 34: shares 8651..8678 ({step, share, of})
+    // rank 2 block 34: shares 8648..8675 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 2 block 35: shares 8679..8706 ({step, share, of})
+    // rank 2 block 35: shares 8676..8703 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 2 block 36: shares 8707..8734 ({step, share, of})
+    // rank 2 block 36: shares 8704..8731 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 2 block 37: shares 8735..8762 ({step, share, of})
+    // rank 2 block 37: shares 8732..8759 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 2 block 38: shares 8763..8790 ({step, share, of})
+    // rank 2 block 38: shares 8760..8787 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 2 block 39: shares 8791..8818 ({step, share, of})
+    // rank 2 block 39: shares 8788..8815 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 2 block 40: shares 8819..8846 ({step, share, of})
+    // rank 2 block 40: shares 8816..8843 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 2 block 41: shares 8847..8874 ({step, share, of})
+    // rank 2 block 41: shares 8844..8871 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 2 block 42: shares 8875..8902 ({step, share, of})
+    // rank 2 block 42: shares 8872..8899 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 2 block 43: shares 8903..8930 ({step, share, of})
+    // rank 2 block 43: shares 8900..8927 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 2 block 44: shares 8931..8958 ({step, share, of})
+    // rank 2 block 44: shares 8928..8955 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 2 block 45: shares 8959..8986 ({step, share, of})
+    // rank 2 block 45: shares 8956..8983 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 2 block 46: shares 8987..9014 ({step, share, of})
+    // rank 2 block 46: shares 8984..9011 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 2 block 47: shares 9015..9042 ({step, share, of})
+    // rank 2 block 47: shares 9012..9039 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 2 block 48: shares 9043..9070 ({step, share, of})
+    // rank 2 block 48: shares 9040..9067 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 2 block 49: shares 9071..9098 ({step, share, of})
+    // rank 2 block 49: shares 9068..9095 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 2 block 50: shares 9099..9126 ({step, share, of})
+    // rank 2 block 50: shares 9096..9123 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 2 block 51: shares 9127..9154 ({step, share, of})
+    // rank 2 block 51: shares 9124..9151 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 2 block 52: shares 9155..9182 ({step, share, of})
+    // rank 2 block 52: shares 9152..9179 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 2 block 53: shares 9183..9210 ({step, share, of})
+    // rank 2 block 53: shares 9180..9207 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 2 block 54: shares 9211..9238 ({step, share, of})
+    // rank 2 block 54: shares 9208..9235 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 2 block 55: shares 9239..9266 ({step, share, of})
+    // rank 2 block 55: shares 9236..9263 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 2 block 56: shares 9267..9294 ({step, share, of})
+    // rank 2 block 56: shares 9264..9291 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 2 block 57: shares 9295..9322 ({step, share, of})
+    // rank 2 block 57: shares 9292..9319 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 2 block 58: shares 9323..9350 ({step, share, of})
+    // rank 2 block 58: shares 9320..9347 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 2 block 59: shares 9351..9378 ({step, share, of})
+    // rank 2 block 59: shares 9348..9375 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 2 block 60: shares 9379..9406 ({step, share, of})
+    // rank 2 block 60: shares 9376..9403 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 2 block 61: shares 9407..9434 ({step, share, of})
+    // rank 2 block 61: shares 9404..9431 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 2 block 62: shares 9435..9462 ({step, share, of})
+    // rank 2 block 62: shares 9432..9459 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 2 block 63: shares 9463..9490 ({step, share, of})
+    // rank 2 block 63: shares 9460..9487 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 2 block 64: shares 9491..9518 ({step, share, of})
+    // rank 2 block 64: shares 9488..9515 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 2 block 65: shares 9519..9550 ({step, share, of})
+    // rank 2 block 65: shares 9516..9547 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 2 block 66: shares 9551..9582 ({step, share, of})
+    // rank 2 block 66: shares 9548..9579 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 2 block 67: shares 9583..9614 ({step, share, of})
+    // rank 2 block 67: shares 9580..9611 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 2 block 68: shares 9615..9646 ({step, share, of})
+    // rank 2 block 68: shares 9612..9643 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 2 block 69: shares 9647..9678 ({step, share, of})
+    // rank 2 block 69: shares 9644..9675 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 2 block 70: shares 9679..9710 ({step, share, of})
+    // rank 2 block 70: shares 9676..9707 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 2 block 71: shares 9711..9742 ({step, share, of})
+    // rank 2 block 71: shares 9708..9739 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 2 block 72: shares 9743..9774 ({step, share, of})
+    // rank 2 block 72: shares 9740..9771 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 2 block 73: shares 9775..9806 ({step, share, of})
+    // rank 2 block 73: shares 9772..9803 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 2 block 74: shares 9807..9838 ({step, share, of})
+    // rank 2 block 74: shares 9804..9835 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 2 block 75: shares 9839..9870 ({step, share, of})
+    // rank 2 block 75: shares 9836..9867 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 2 block 76: shares 9871..9902 ({step, share, of})
+    // rank 2 block 76: shares 9868..9899 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 2 block 77: shares 9903..9934 ({step, share, of})
+    // rank 2 block 77: shares 9900..9931 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 2 block 78: shares 9935..9966 ({step, share, of})
+    // rank 2 block 78: shares 9932..9963 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 2 block 79: shares 9967..9998 ({step, share, of})
+    // rank 2 block 79: shares 9964..9995 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 2 block 80: shares 9999..10030 ({step, share, of})
+    // rank 2 block 80: shares 9996..10027 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 2 block 81: shares 10031..10062 ({step, share, of})
+    // rank 2 block 81: shares 10028..10059 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 2 block 82: shares 10063..10094 ({step, share, of})
+    // rank 2 block 82: shares 10060..10091 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 2 block 83: shares 10095..10126 ({step, share, of})
+    // rank 2 block 83: shares 10092..10123 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 2 block 84: shares 10127..10158 ({step, share, of})
+    // rank 2 block 84: shares 10124..10155 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 2 block 85: shares 10159..10190 ({step, share, of})
+    // rank 2 block 85: shares 10156..10187 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 2 block 86: shares 10191..10222 ({step, share, of})
+    // rank 2 block 86: shares 10188..10219 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 2 block 87: shares 10223..10254 ({step, share, of})
+    // rank 2 block 87: shares 10220..10251 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 2 block 88: shares 10255..10286 ({step, share, of})
+    // rank 2 block 88: shares 10252..10283 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 2 block 89: shares 10287..10318 ({step, share, of})
+    // rank 2 block 89: shares 10284..10315 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 2 block 90: shares 10319..10350 ({step, share, of})
+    // rank 2 block 90: shares 10316..10347 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 2 block 91: shares 10351..10382 ({step, share, of})
+    // rank 2 block 91: shares 10348..10379 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 2 block 92: shares 10383..10414 ({step, share, of})
+    // rank 2 block 92: shares 10380..10411 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 2 block 93: shares 10415..10446 ({step, share, of})
+    // rank 2 block 93: shares 10412..10443 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 2 block 94: shares 10447..10478 ({step, share, of})
+    // rank 2 block 94: shares 10444..10475 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 2 block 95: shares 10479..10510 ({step, share, of})
+    // rank 2 block 95: shares 10476..10507 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 2 block 96: shares 10511..10542 ({step, share, of})
+    // rank 2 block 96: shares 10508..10539 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 2 block 97: shares 10543..10574 ({step, share, of})
+    // rank 2 block 97: shares 10540..10571 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 2 block 98: shares 10575..10606 ({step, share, of})
+    // rank 2 block 98: shares 10572..10603 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 2 block 99: shares 10607..10638 ({step, share, of})
+    // rank 2 block 99: shares 10604..10635 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 2 block 100: shares 10639..10670 ({step, share, of})
+    // rank 2 block 100: shares 10636..10667 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 2 block 101: shares 10671..10702 ({step, share, of})
+    // rank 2 block 101: shares 10668..10699 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 2 block 102: shares 10703..10734 ({step, share, of})
+    // rank 2 block 102: shares 10700..10731 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 2 block 103: shares 10735..10766 ({step, share, of})
+    // rank 2 block 103: shares 10732..10763 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 2 block 104: shares 10767..10798 ({step, share, of})
+    // rank 2 block 104: shares 10764..10795 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 2 block 105: shares 10799..10830 ({step, share, of})
+    // rank 2 block 105: shares 10796..10827 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 2 block 106: shares 10831..10862 ({step, share, of})
+    // rank 2 block 106: shares 10828..10859 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 2 block 107: shares 10863..10894 ({step, share, of})
+    // rank 2 block 107: shares 10860..10891 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 2 block 108: shares 10895..10926 ({step, share, of})
+    // rank 2 block 108: shares 10892..10923 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 2 block 109: shares 10927..10958 ({step, share, of})
+    // rank 2 block 109: shares 10924..10955 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 2 block 110: shares 10959..10990 ({step, share, of})
+    // rank 2 block 110: shares 10956..10987 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 2 block 111: shares 10991..11022 ({step, share, of})
+    // rank 2 block 111: shares 10988..11019 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 2 block 112: shares 11023..11054 ({step, share, of})
+    // rank 2 block 112: shares 11020..11051 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 2 block 113: shares 11055..11086 ({step, share, of})
+    // rank 2 block 113: shares 11052..11083 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 2 block 114: shares 11087..11118 ({step, share, of})
+    // rank 2 block 114: shares 11084..11115 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 2 block 115: shares 11119..11150 ({step, share, of})
+    // rank 2 block 115: shares 11116..11147 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 2 block 116: shares 11151..11182 ({step, share, of})
+    // rank 2 block 116: shares 11148..11179 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 2 block 117: shares 11183..11214 ({step, share, of})
+    // rank 2 block 117: shares 11180..11211 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 2 block 118: shares 11215..11246 ({step, share, of})
+    // rank 2 block 118: shares 11212..11243 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 2 block 119: shares 11247..11278 ({step, share, of})
+    // rank 2 block 119: shares 11244..11275 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 2 block 120: shares 11279..11310 ({step, share, of})
+    // rank 2 block 120: shares 11276..11307 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 2 block 121: shares 11311..11342 ({step, share, of})
+    // rank 2 block 121: shares 11308..11339 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 2 block 122: shares 11343..11374 ({step, share, of})
+    // rank 2 block 122: shares 11340..11371 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 2 block 123: shares 11375..11406 ({step, share, of})
+    // rank 2 block 123: shares 11372..11403 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 2 block 124: shares 11407..11438 ({step, share, of})
+    // rank 2 block 124: shares 11404..11435 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 2 block 125: shares 11439..11470 ({step, share, of})
+    // rank 2 block 125: shares 11436..11467 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 2 block 126: shares 11471..11502 ({step, share, of})
+    // rank 2 block 126: shares 11468..11499 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 2 block 127: shares 11503..11534 ({step, share, of})
+    // rank 2 block 127: shares 11500..11531 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 3 block 0: shares 11535..11567 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 3 block 1: shares 11568..11596 ({step, share, of})
+    // rank 3 block 0: shares 11532..11563 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 3 block 1: shares 11564..11592 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 3 block 2: shares 11597..11625 ({step, share, of})
+    // rank 3 block 2: shares 11593..11621 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 3 block 3: shares 11626..11654 ({step, share, of})
+    // rank 3 block 3: shares 11622..11650 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 3 block 4: shares 11655..11683 ({step, share, of})
+    // rank 3 block 4: shares 11651..11679 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 3 block 5: shares 11684..11711 ({step, share, of})
+    // rank 3 block 5: shares 11680..11707 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 3 block 6: shares 11712..11739 ({step, share, of})
+    // rank 3 block 6: shares 11708..11735 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 3 block 7: shares 11740..11767 ({step, share, of})
+    // rank 3 block 7: shares 11736..11763 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 3 block 8: shares 11768..11795 ({step, share, of})
+    // rank 3 block 8: shares 11764..11791 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 3 block 9: shares 11796..11823 ({step, share, of})
+    // rank 3 block 9: shares 11792..11819 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 3 block 10: shares 11824..11851 ({step, share, of})
+    // rank 3 block 10: shares 11820..11847 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 3 block 11: shares 11852..11879 ({step, share, of})
+    // rank 3 block 11: shares 11848..11875 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 3 block 12: shares 11880..11907 ({step, share, of})
+    // rank 3 block 12: shares 11876..11903 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 3 block 13: shares 11908..11935 ({step, share, of})
+    // rank 3 block 13: shares 11904..11931 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 3 block 14: shares 11936..11963 ({step, share, of})
+    // rank 3 block 14: shares 11932..11959 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 3 block 15: shares 11964..11991 ({step, share, of})
+    // rank 3 block 15: shares 11960..11987 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 3 block 16: shares 11992..12019 ({step, share, of})
+    // rank 3 block 16: shares 11988..12015 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 3 block 17: shares 12020..12047 ({step, share, of})
+    // rank 3 block 17: shares 12016..12043 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 3 block 18: shares 12048..12075 ({step, share, of})
+    // rank 3 block 18: shares 12044..12071 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 3 block 19: shares 12076..12103 ({step, share, of})
+    // rank 3 block 19: shares 12072..12099 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 3 block 20: shares 12104..12131 ({step, share, of})
+    // rank 3 block 20: shares 12100..12127 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 3 block 21: shares 12132..12159 ({step, share, of})
+    // rank 3 block 21: shares 12128..12155 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 3 block 22: shares 12160..12187 ({step, share, of})
+    // rank 3 block 22: shares 12156..12183 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 3 block 23: shares 12188..12215 ({step, share, of})
+    // rank 3 block 23: shares 12184..12211 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 3 block 24: shares 12216..12243 ({step, share, of})
+    // rank 3 block 24: shares 12212..12239 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 3 block 25: shares 12244..12271 ({step, share, of})
+    // rank 3 block 25: shares 12240..12267 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 3 block 26: shares 12272..12299 ({step, share, of})
+    // rank 3 block 26: shares 12268..12295 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 3 block 27: shares 12300..12327 ({step, share, of})
+    // rank 3 block 27: shares 12296..12323 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 3 block 28: shares 12328..12355 ({step, share, of})
+    // rank 3 block 28: shares 12324..12351 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 3 block 29: shares 12356..12383 ({step, share, of})
+    // rank 3 block 29: shares 12352..12379 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 3 block 30: shares 12384..12411 ({step, share, of})
+    // rank 3 block 30: shares 12380..12407 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 3 block 31: shares 12412..12439 ({step, share, of})
+    // rank 3 block 31: shares 12408..12435 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 3 block 32: shares 12440..12467 ({step, share, of})
+    // rank 3 block 32: shares 12436..12463 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 3 block 33: shares 12468..12495 ({step, share, of})
+    // rank 3 block 33: shares 12464..12491 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 3 block 34: shares 12496..12523 ({step, share, of})
+    // rank 3 block 34: shares 12492..12519 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 3 block 35: shares 12524..12551 ({step, share, of})
+    // rank 3 block 35: shares 12520..12547 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 3 block 36: shares 12552..12579 ({step, share, of})
+    // rank 3 block 36: shares 12548..12575 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 3 block 37: shares 12580..12607 ({step, share, of})
+    // rank 3 block 37: shares 12576..12603 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 3 block 38: shares 12608..12635 ({step, share, of})
+    // rank 3 block 38: shares 12604..12631 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 3 block 39: shares 12636..12663 ({step, share, of})
+    // rank 3 block 39: shares 12632..12659 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 3 block 40: shares 12664..12691 ({step, share, of})
+    // rank 3 block 40: shares 12660..12687 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 3 block 41: shares 12692..12719 ({step, share, of})
+    // rank 3 block 41: shares 12688..12715 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 3 block 42: shares 12720..12747 ({step, share, of})
+    // rank 3 block 42: shares 12716..12743 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 3 block 43: shares 12748..12775 ({step, share, of})
+    // rank 3 block 43: shares 12744..12771 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 3 block 44: shares 12776..12803 ({step, share, of})
+    // rank 3 block 44: shares 12772..12799 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 3 block 45: shares 12804..12831 ({step, share, of})
+    // rank 3 block 45: shares 12800..12827 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 3 block 46: shares 12832..12859 ({step, share, of})
+    // rank 3 block 46: shares 12828..12855 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 3 block 47: shares 12860..12887 ({step, share, of})
+    // rank 3 block 47: shares 12856..12883 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 3 block 48: shares 12888..12915 ({step, share, of})
+    // rank 3 block 48: shares 12884..12911 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 3 block 49: shares 12916..12943 ({step, share, of})
+    // rank 3 block 49: shares 12912..12939 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 3 block 50: shares 12944..12971 ({step, share, of})
+    // rank 3 block 50: shares 12940..12967 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 3 block 51: shares 12972..12999 ({step, share, of})
+    // rank 3 block 51: shares 12968..12995 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 3 block 52: shares 13000..13027 ({step, share, of})
+    // rank 3 block 52: shares 12996..13023 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 3 block 53: shares 13028..13055 ({step, share, of})
+    // rank 3 block 53: shares 13024..13051 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 3 block 54: shares 13056..13083 ({step, share, of})
+    // rank 3 block 54: shares 13052..13079 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 3 block 55: shares 13084..13111 ({step, share, of})
+    // rank 3 block 55: shares 13080..13107 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 3 block 56: shares 13112..13139 ({step, share, of})
+    // rank 3 block 56: shares 13108..13135 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 3 block 57: shares 13140..13167 ({step, share, of})
+    // rank 3 block 57: shares 13136..13163 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 3 block 58: shares 13168..13195 ({step, share, of})
+    // rank 3 block 58: shares 13164..13191 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 3 block 59: shares 13196..13223 ({step, share, of})
+    // rank 3 block 59: shares 13192..13219 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 3 block 60: shares 13224..13251 ({step, share, of})
+    // rank 3 block 60: shares 13220..13247 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 3 block 61: shares 13252..13279 ({step, share, of})
+    // rank 3 block 61: shares 13248..13275 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 3 block 62: shares 13280..13307 ({step, share, of})
+    // rank 3 block 62: shares 13276..13303 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 3 block 63: shares 13308..13335 ({step, share, of})
+    // rank 3 block 63: shares 13304..13331 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 3 block 64: shares 13336..13363 ({step, share, of})
+    // rank 3 block 64: shares 13332..13359 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 3 block 65: shares 13364..13395 ({step, share, of})
+    // rank 3 block 65: shares 13360..13391 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 3 block 66: shares 13396..13427 ({step, share, of})
+    // rank 3 block 66: shares 13392..13423 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 3 block 67: shares 13428..13459 ({step, share, of})
+    // rank 3 block 67: shares 13424..13455 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 3 block 68: shares 13460..13491 ({step, share, of})
+    // rank 3 block 68: shares 13456..13487 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 3 block 69: shares 13492..13523 ({step, share, of})
+    // rank 3 block 69: shares 13488..13519 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 3 block 70: shares 13524..13555 ({step, share, of})
+    // rank 3 block 70: shares 13520..13551 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 3 block 71: shares 13556..13587 ({step, share, of})
+    // rank 3 block 71: shares 13552..13583 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 3 block 72: shares 13588..13619 ({step, share, of})
+    // rank 3 block 72: shares 13584..13615 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 3 block 73: shares 13620..13651 ({step, share, of})
+    // rank 3 block 73: shares 13616..13647 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 3 block 74: shares 13652..13683 ({step, share, of})
+    // rank 3 block 74: shares 13648..13679 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 3 block 75: shares 13684..13715 ({step, share, of})
+    // rank 3 block 75: shares 13680..13711 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 3 block 76: shares 13716..13747 ({step, share, of})
+    // rank 3 block 76: shares 13712..13743 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 3 block 77: shares 13748..13779 ({step, share, of})
+    // rank 3 block 77: shares 13744..13775 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 3 block 78: shares 13780..13811 ({step, share, of})
+    // rank 3 block 78: shares 13776..13807 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 3 block 79: shares 13812..13843 ({step, share, of})
+    // rank 3 block 79: shares 13808..13839 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 3 block 80: shares 13844..13875 ({step, share, of})
+    // rank 3 block 80: shares 13840..13871 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 3 block 81: shares 13876..13907 ({step, share, of})
+    // rank 3 block 81: shares 13872..13903 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 3 block 82: shares 13908..13939 ({step, share, of})
+    // rank 3 block 82: shares 13904..13935 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 3 block 83: shares 13940..13971 ({step, share, of})
+    // rank 3 block 83: shares 13936..13967 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 3 block 84: shares 13972..14003 ({step, share, of})
+    // rank 3 block 84: shares 13968..13999 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 3 block 85: shares 14004..14035 ({step, share, of})
+    // rank 3 block 85: shares 14000..14031 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 3 block 86: shares 14036..14067 ({step, share, of})
+    // rank 3 block 86: shares 14032..14063 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 3 block 87: shares 14068..14099 ({step, share, of})
+    // rank 3 block 87: shares 14064..14095 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 3 block 88: shares 14100..14131 ({step, share, of})
+    // rank 3 block 88: shares 14096..14127 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 3 block 89: shares 14132..14163 ({step, share, of})
+    // rank 3 block 89: shares 14128..14159 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 3 block 90: shares 14164..14195 ({step, share, of})
+    // rank 3 block 90: shares 14160..14191 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 3 block 91: shares 14196..14227 ({step, share, of})
+    // rank 3 block 91: shares 14192..14223 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 3 block 92: shares 14228..14259 ({step, share, of})
+    // rank 3 block 92: shares 14224..14255 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 3 block 93: shares 14260..14291 ({step, share, of})
+    // rank 3 block 93: shares 14256..14287 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 3 block 94: shares 14292..14323 ({step, share, of})
+    // rank 3 block 94: shares 14288..14319 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 3 block 95: shares 14324..14355 ({step, share, of})
+    // rank 3 block 95: shares 14320..14351 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 3 block 96: shares 14356..14387 ({step, share, of})
+    // rank 3 block 96: shares 14352..14383 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 3 block 97: shares 14388..14419 ({step, share, of})
+    // rank 3 block 97: shares 14384..14415 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 3 block 98: shares 14420..14451 ({step, share, of})
+    // rank 3 block 98: shares 14416..14447 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 3 block 99: shares 14452..14483 ({step, share, of})
+    // rank 3 block 99: shares 14448..14479 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 3 block 100: shares 14484..14515 ({step, share, of})
+    // rank 3 block 100: shares 14480..14511 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 3 block 101: shares 14516..14547 ({step, share, of})
+    // rank 3 block 101: shares 14512..14543 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 3 block 102: shares 14548..14579 ({step, share, of})
+    // rank 3 block 102: shares 14544..14575 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 3 block 103: shares 14580..14611 ({step, share, of})
+    // rank 3 block 103: shares 14576..14607 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 3 block 104: shares 14612..14643 ({step, share, of})
+    // rank 3 block 104: shares 14608..14639 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 3 block 105: shares 14644..14675 ({step, share, of})
+    // rank 3 block 105: shares 14640..14671 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 3 block 106: shares 14676..14707 ({step, share, of})
+    // rank 3 block 106: shares 14672..14703 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 3 block 107: shares 14708..14739 ({step, share, of})
+    // rank 3 block 107: shares 14704..14735 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 3 block 108: shares 14740..14771 ({step, share, of})
+    // rank 3 block 108: shares 14736..14767 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 3 block 109: shares 14772..14803 ({step, share, of})
+    // rank 3 block 109: shares 14768..14799 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 3 block 110: shares 14804..14835 ({step, share, of})
+    // rank 3 block 110: shares 14800..14831 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 3 block 111: shares 14836..14867 ({step, share, of})
+    // rank 3 block 111: shares 14832..14863 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 3 block 112: shares 14868..14899 ({step, share, of})
+    // rank 3 block 112: shares 14864..14895 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 3 block 113: shares 14900..14931 ({step, share, of})
+    // rank 3 block 113: shares 14896..14927 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 3 block 114: shares 14932..14963 ({step, share, of})
+    // rank 3 block 114: shares 14928..14959 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 3 block 115: shares 14964..14995 ({step, share, of})
+    // rank 3 block 115: shares 14960..14991 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 3 block 116: shares 14996..15027 ({step, share, of})
+    // rank 3 block 116: shares 14992..15023 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 3 block 117: shares 15028..15059 ({step, share, of})
+    // rank 3 block 117: shares 15024..15055 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 3 block 118: shares 15060..15091 ({step, share, of})
+    // rank 3 block 118: shares 15056..15087 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 3 block 119: shares 15092..15123 ({step, share, of})
+    // rank 3 block 119: shares 15088..15119 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 3 block 120: shares 15124..15155 ({step, share, of})
+    // rank 3 block 120: shares 15120..15151 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 3 block 121: shares 15156..15187 ({step, share, of})
+    // rank 3 block 121: shares 15152..15183 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 3 block 122: shares 15188..15219 ({step, share, of})
+    // rank 3 block 122: shares 15184..15215 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 3 block 123: shares 15220..15251 ({step, share, of})
+    // rank 3 block 123: shares 15216..15247 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 3 block 124: shares 15252..15283 ({step, share, of})
+    // rank 3 block 124: shares 15248..15279 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 3 block 125: shares 15284..15315 ({step, share, of})
+    // rank 3 block 125: shares 15280..15311 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 3 block 126: shares 15316..15347 ({step, share, of})
+    // rank 3 block 126: shares 15312..15343 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 3 block 127: shares 15348..15379 ({step, share, of})
+    // rank 3 block 127: shares 15344..15375 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 4 block 0: shares 15380..15412 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 4 block 1: shares 15413..15441 ({step, share, of})
+    // rank 4 block 0: shares 15376..15407 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 4 block 1: shares 15408..15436 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 4 block 2: shares 15442..15470 ({step, share, of})
+    // rank 4 block 2: shares 15437..15465 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 4 block 3: shares 15471..15499 ({step, share, of})
+    // rank 4 block 3: shares 15466..15494 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 4 block 4: shares 15500..15528 ({step, share, of})
+    // rank 4 block 4: shares 15495..15523 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 4 block 5: shares 15529..15556 ({step, share, of})
+    // rank 4 block 5: shares 15524..15551 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 4 block 6: shares 15557..15584 ({step, share, of})
+    // rank 4 block 6: shares 15552..15579 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 4 block 7: shares 15585..15612 ({step, share, of})
+    // rank 4 block 7: shares 15580..15607 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 4 block 8: shares 15613..15640 ({step, share, of})
+    // rank 4 block 8: shares 15608..15635 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 4 block 9: shares 15641..15668 ({step, share, of})
+    // rank 4 block 9: shares 15636..15663 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 4 block 10: shares 15669..15696 ({step, share, of})
+    // rank 4 block 10: shares 15664..15691 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 4 block 11: shares 15697..15724 ({step, share, of})
+    // rank 4 block 11: shares 15692..15719 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 4 block 12: shares 15725..15752 ({step, share, of})
+    // rank 4 block 12: shares 15720..15747 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 4 block 13: shares 15753..15780 ({step, share, of})
+    // rank 4 block 13: shares 15748..15775 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 4 block 14: shares 15781..15808 ({step, share, of})
+    // rank 4 block 14: shares 15776..15803 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 4 block 15: shares 15809..15836 ({step, share, of})
+    // rank 4 block 15: shares 15804..15831 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 4 block 16: shares 15837..15864 ({step, share, of})
+    // rank 4 block 16: shares 15832..15859 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 4 block 17: shares 15865..15892 ({step, share, of})
+    // rank 4 block 17: shares 15860..15887 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 4 block 18: shares 15893..15920 ({step, share, of})
+    // rank 4 block 18: shares 15888..15915 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 4 block 19: shares 15921..15948 ({step, share, of})
+    // rank 4 block 19: shares 15916..15943 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 4 block 20: shares 15949..15976 ({step, share, of})
+    // rank 4 block 20: shares 15944..15971 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 4 block 21: shares 15977..16004 ({step, share, of})
+    // rank 4 block 21: shares 15972..15999 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 4 block 22: shares 16005..16032 ({step, share, of})
+    // rank 4 block 22: shares 16000..16027 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 4 block 23: shares 16033..16060 ({step, share, of})
+    // rank 4 block 23: shares 16028..16055 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 4 block 24: shares 16061..16088 ({step, share, of})
+    // rank 4 block 24: shares 16056..16083 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 4 block 25: shares 16089..16116 ({step, share, of})
+    // rank 4 block 25: shares 16084..16111 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 4 block 26: shares 16117..16144 ({step, share, of})
+    // rank 4 block 26: shares 16112..16139 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 4 block 27: shares 16145..16172 ({step, share, of})
+    // rank 4 block 27: shares 16140..16167 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 4 block 28: shares 16173..16200 ({step, share, of})
+    // rank 4 block 28: shares 16168..16195 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 4 block 29: shares 16201..16228 ({step, share, of})
+    // rank 4 block 29: shares 16196..16223 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 4 block 30: shares 16229..16256 ({step, share, of})
+    // rank 4 block 30: shares 16224..16251 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 4 block 31: shares 16257..16284 ({step, share, of})
+    // rank 4 block 31: shares 16252..16279 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 4 block 32: shares 16285..16312 ({step, share, of})
+    // rank 4 block 32: shares 16280..16307 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 4 block 33: shares 16313..16340 ({step, share, of})
+    // rank 4 block 33: shares 16308..16335 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 4 block 34: shares 16341..16368 ({step, share, of})
+    // rank 4 block 34: shares 16336..16363 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 4 block 35: shares 16369..16396 ({step, share, of})
+    // rank 4 block 35: shares 16364..16391 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 4 block 36: shares 16397..16424 ({step, share, of})
+    // rank 4 block 36: shares 16392..16419 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 4 block 37: shares 16425..16452 ({step, share, of})
+    // rank 4 block 37: shares 16420..16447 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 4 block 38: shares 16453..16480 ({step, share, of})
+    // rank 4 block 38: shares 16448..16475 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 4 block 39: shares 16481..16508 ({step, share, of})
+    // rank 4 block 39: shares 16476..16503 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 4 block 40: shares 16509..16536 ({step, share, of})
+    // rank 4 block 40: shares 16504..16531 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 4 block 41: shares 16537..16564 ({step, share, of})
+    // rank 4 block 41: shares 16532..16559 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 4 block 42: shares 16565..16592 ({step, share, of})
+    // rank 4 block 42: shares 16560..16587 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 4 block 43: shares 16593..16620 ({step, share, of})
+    // rank 4 block 43: shares 16588..16615 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 4 block 44: shares 16621..16648 ({step, share, of})
+    // rank 4 block 44: shares 16616..16643 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 4 block 45: shares 16649..16676 ({step, share, of})
+    // rank 4 block 45: shares 16644..16671 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 4 block 46: shares 16677..16704 ({step, share, of})
+    // rank 4 block 46: shares 16672..16699 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 4 block 47: shares 16705..16732 ({step, share, of})
+    // rank 4 block 47: shares 16700..16727 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 4 block 48: shares 16733..16760 ({step, share, of})
+    // rank 4 block 48: shares 16728..16755 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 4 block 49: shares 16761..16788 ({step, share, of})
+    // rank 4 block 49: shares 16756..16783 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 4 block 50: shares 16789..16816 ({step, share, of})
+    // rank 4 block 50: shares 16784..16811 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 4 block 51: shares 16817..16844 ({step, share, of})
+    // rank 4 block 51: shares 16812..16839 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 4 block 52: shares 16845..16872 ({step, share, of})
+    // rank 4 block 52: shares 16840..16867 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 4 block 53: shares 16873..16900 ({step, share, of})
+    // rank 4 block 53: shares 16868..16895 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 4 block 54: shares 16901..16928 ({step, share, of})
+    // rank 4 block 54: shares 16896..16923 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 4 block 55: shares 16929..16956 ({step, share, of})
+    // rank 4 block 55: shares 16924..16951 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 4 block 56: shares 16957..16984 ({step, share, of})
+    // rank 4 block 56: shares 16952..16979 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 4 block 57: shares 16985..17012 ({step, share, of})
+    // rank 4 block 57: shares 16980..17007 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 4 block 58: shares 17013..17040 ({step, share, of})
+    // rank 4 block 58: shares 17008..17035 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 4 block 59: shares 17041..17068 ({step, share, of})
+    // rank 4 block 59: shares 17036..17063 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 4 block 60: shares 17069..17096 ({step, share, of})
+    // rank 4 block 60: shares 17064..17091 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 4 block 61: shares 17097..17124 ({step, share, of})
+    // rank 4 block 61: shares 17092..17119 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 4 block 62: shares 17125..17152 ({step, share, of})
+    // rank 4 block 62: shares 17120..17147 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 4 block 63: shares 17153..17180 ({step, share, of})
+    // rank 4 block 63: shares 17148..17175 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 4 block 64: shares 17181..17208 ({step, share, of})
+    // rank 4 block 64: shares 17176..17203 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 4 block 65: shares 17209..17240 ({step, share, of})
+    // rank 4 block 65: shares 17204..17235 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 4 block 66: shares 17241..17272 ({step, share, of})
+    // rank 4 block 66: shares 17236..17267 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 4 block 67: shares 17273..17304 ({step, share, of})
+    // rank 4 block 67: shares 17268..17299 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 4 block 68: shares 17305..17336 ({step, share, of})
+    // rank 4 block 68: shares 17300..17331 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 4 block 69: shares 17337..17368 ({step, share, of})
+    // rank 4 block 69: shares 17332..17363 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 4 block 70: shares 17369..17400 ({step, share, of})
+    // rank 4 block 70: shares 17364..17395 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 4 block 71: shares 17401..17432 ({step, share, of})
+    // rank 4 block 71: shares 17396..17427 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 4 block 72: shares 17433..17464 ({step, share, of})
+    // rank 4 block 72: shares 17428..17459 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 4 block 73: shares 17465..17496 ({step, share, of})
+    // rank 4 block 73: shares 17460..17491 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 4 block 74: shares 17497..17528 ({step, share, of})
+    // rank 4 block 74: shares 17492..17523 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 4 block 75: shares 17529..17560 ({step, share, of})
+    // rank 4 block 75: shares 17524..17555 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 4 block 76: shares 17561..17592 ({step, share, of})
+    // rank 4 block 76: shares 17556..17587 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 4 block 77: shares 17593..17624 ({step, share, of})
+    // rank 4 block 77: shares 17588..17619 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 4 block 78: shares 17625..17656 ({step, share, of})
+    // rank 4 block 78: shares 17620..17651 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 4 block 79: shares 17657..17688 ({step, share, of})
+    // rank 4 block 79: shares 17652..17683 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 4 block 80: shares 17689..17720 ({step, share, of})
+    // rank 4 block 80: shares 17684..17715 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 4 block 81: shares 17721..17752 ({step, share, of})
+    // rank 4 block 81: shares 17716..17747 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 4 block 82: shares 17753..17784 ({step, share, of})
+    // rank 4 block 82: shares 17748..17779 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 4 block 83: shares 17785..17816 ({step, share, of})
+    // rank 4 block 83: shares 17780..17811 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 4 block 84: shares 17817..17848 ({step, share, of})
+    // rank 4 block 84: shares 17812..17843 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 4 block 85: shares 17849..17880 ({step, share, of})
+    // rank 4 block 85: shares 17844..17875 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 4 block 86: shares 17881..17912 ({step, share, of})
+    // rank 4 block 86: shares 17876..17907 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 4 block 87: shares 17913..17944 ({step, share, of})
+    // rank 4 block 87: shares 17908..17939 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 4 block 88: shares 17945..17976 ({step, share, of})
+    // rank 4 block 88: shares 17940..17971 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 4 block 89: shares 17977..18008 ({step, share, of})
+    // rank 4 block 89: shares 17972..18003 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 4 block 90: shares 18009..18040 ({step, share, of})
+    // rank 4 block 90: shares 18004..18035 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 4 block 91: shares 18041..18072 ({step, share, of})
+    // rank 4 block 91: shares 18036..18067 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 4 block 92: shares 18073..18104 ({step, share, of})
+    // rank 4 block 92: shares 18068..18099 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 4 block 93: shares 18105..18136 ({step, share, of})
+    // rank 4 block 93: shares 18100..18131 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 4 block 94: shares 18137..18168 ({step, share, of})
+    // rank 4 block 94: shares 18132..18163 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 4 block 95: shares 18169..18200 ({step, share, of})
+    // rank 4 block 95: shares 18164..18195 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 4 block 96: shares 18201..18232 ({step, share, of})
+    // rank 4 block 96: shares 18196..18227 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 4 block 97: shares 18233..18264 ({step, share, of})
+    // rank 4 block 97: shares 18228..18259 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 4 block 98: shares 18265..18296 ({step, share, of})
+    // rank 4 block 98: shares 18260..18291 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 4 block 99: shares 18297..18328 ({step, share, of})
+    // rank 4 block 99: shares 18292..18323 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 4 block 100: shares 18329..18360 ({step, share, of})
+    // rank 4 block 100: shares 18324..18355 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 4 block 101: shares 18361..18392 ({step, share, of})
+    // rank 4 block 101: shares 18356..18387 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 4 block 102: shares 18393..18424 ({step, share, of})
+    // rank 4 block 102: shares 18388..18419 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 4 block 103: shares 18425..18456 ({step, share, of})
+    // rank 4 block 103: shares 18420..18451 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 4 block 104: shares 18457..18488 ({step, share, of})
+    // rank 4 block 104: shares 18452..18483 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 4 block 105: shares 18489..18520 ({step, share, of})
+    // rank 4 block 105: shares 18484..18515 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 4 block 106: shares 18521..18552 ({step, share, of})
+    // rank 4 block 106: shares 18516..18547 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 4 block 107: shares 18553..18584 ({step, share, of})
+    // rank 4 block 107: shares 18548..18579 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 4 block 108: shares 18585..18616 ({step, share, of})
+    // rank 4 block 108: shares 18580..18611 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 4 block 109: shares 18617..18648 ({step, share, of})
+    // rank 4 block 109: shares 18612..18643 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 4 block 110: shares 18649..18680 ({step, share, of})
+    // rank 4 block 110: shares 18644..18675 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 4 block 111: shares 18681..18712 ({step, share, of})
+    // rank 4 block 111: shares 18676..18707 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 4 block 112: shares 18713..18744 ({step, share, of})
+    // rank 4 block 112: shares 18708..18739 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 4 block 113: shares 18745..18776 ({step, share, of})
+    // rank 4 block 113: shares 18740..18771 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 4 block 114: shares 18777..18808 ({step, share, of})
+    // rank 4 block 114: shares 18772..18803 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 4 block 115: shares 18809..18840 ({step, share, of})
+    // rank 4 block 115: shares 18804..18835 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 4 block 116: shares 18841..18872 ({step, share, of})
+    // rank 4 block 116: shares 18836..18867 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 4 block 117: shares 18873..18904 ({step, share, of})
+    // rank 4 block 117: shares 18868..18899 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 4 block 118: shares 18905..18936 ({step, share, of})
+    // rank 4 block 118: shares 18900..18931 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 4 block 119: shares 18937..18968 ({step, share, of})
+    // rank 4 block 119: shares 18932..18963 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 4 block 120: shares 18969..19000 ({step, share, of})
+    // rank 4 block 120: shares 18964..18995 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 4 block 121: shares 19001..19032 ({step, share, of})
+    // rank 4 block 121: shares 18996..19027 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 4 block 122: shares 19033..19064 ({step, share, of})
+    // rank 4 block 122: shares 19028..19059 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 4 block 123: shares 19065..19096 ({step, share, of})
+    // rank 4 block 123: shares 19060..19091 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 4 block 124: shares 19097..19128 ({step, share, of})
+    // rank 4 block 124: shares 19092..19123 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 4 block 125: shares 19129..19160 ({step, share, of})
+    // rank 4 block 125: shares 19124..19155 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 4 block 126: shares 19161..19192 ({step, share, of})
+    // rank 4 block 126: shares 19156..19187 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 4 block 127: shares 19193..19224 ({step, share, of})
+    // rank 4 block 127: shares 19188..19219 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 5 block 0: shares 19225..19257 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 5 block 1: shares 19258..19286 ({step, share, of})
+    // rank 5 block 0: shares 19220..19251 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 5 block 1: shares 19252..19280 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 5 block 2: shares 19287..19315 ({step, share, of})
+    // rank 5 block 2: shares 19281..19309 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 5 block 3: shares 19316..19344 ({step, share, of})
+    // rank 5 block 3: shares 19310..19338 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 5 block 4: shares 19345..19373 ({step, share, of})
+    // rank 5 block 4: shares 19339..19367 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 5 block 5: shares 19374..19401 ({step, share, of})
+    // rank 5 block 5: shares 19368..19395 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 5 block 6: shares 19402..19429 ({step, share, of})
+    // rank 5 block 6: shares 19396..19423 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 5 block 7: shares 19430..19457 ({step, share, of})
+    // rank 5 block 7: shares 19424..19451 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 5 block 8: shares 19458..19485 ({step, share, of})
+    // rank 5 block 8: shares 19452..19479 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 5 block 9: shares 19486..19513 ({step, share, of})
+    // rank 5 block 9: shares 19480..19507 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 5 block 10: shares 19514..19541 ({step, share, of})
+    // rank 5 block 10: shares 19508..19535 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 5 block 11: shares 19542..19569 ({step, share, of})
+    // rank 5 block 11: shares 19536..19563 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 5 block 12: shares 19570..19597 ({step, share, of})
+    // rank 5 block 12: shares 19564..19591 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 5 block 13: shares 19598..19625 ({step, share, of})
+    // rank 5 block 13: shares 19592..19619 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 5 block 14: shares 19626..19653 ({step, share, of})
+    // rank 5 block 14: shares 19620..19647 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 5 block 15: shares 19654..19681 ({step, share, of})
+    // rank 5 block 15: shares 19648..19675 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 5 block 16: shares 19682..19709 ({step, share, of})
+    // rank 5 block 16: shares 19676..19703 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 5 block 17: shares 19710..19737 ({step, share, of})
+    // rank 5 block 17: shares 19704..19731 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 5 block 18: shares 19738..19765 ({step, share, of})
+    // rank 5 block 18: shares 19732..19759 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 5 block 19: shares 19766..19793 ({step, share, of})
+    // rank 5 block 19: shares 19760..19787 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 5 block 20: shares 19794..19821 ({step, share, of})
+    // rank 5 block 20: shares 19788..19815 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 5 block 21: shares 19822..19849 ({step, share, of})
+    // rank 5 block 21: shares 19816..19843 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 5 block 22: shares 19850..19877 ({step, share, of})
+    // rank 5 block 22: shares 19844..19871 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 5 block 23: shares 19878..19905 ({step, share, of})
+    // rank 5 block 23: shares 19872..19899 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 5 block 24: shares 19906..19933 ({step, share, of})
+    // rank 5 block 24: shares 19900..19927 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 5 block 25: shares 19934..19961 ({step, share, of})
+    // rank 5 block 25: shares 19928..19955 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 5 block 26: shares 19962..19989 ({step, share, of})
+    // rank 5 block 26: shares 19956..19983 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 5 block 27: shares 19990..20017 ({step, share, of})
+    // rank 5 block 27: shares 19984..20011 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 5 block 28: shares 20018..20045 ({step, share, of})
+    // rank 5 block 28: shares 20012..20039 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 5 block 29: shares 20046..20073 ({step, share, of})
+    // rank 5 block 29: shares 20040..20067 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 5 block 30: shares 20074..20101 ({step, share, of})
+    // rank 5 block 30: shares 20068..20095 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 5 block 31: shares 20102..20129 ({step, share, of})
+    // rank 5 block 31: shares 20096..20123 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 5 block 32: shares 20130..20157 ({step, share, of})
+    // rank 5 block 32: shares 20124..20151 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 5 block 33: shares 20158..20185 ({step, share, of})
+    // rank 5 block 33: shares 20152..20179 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 5 block 34: shares 20186..20213 ({step, share, of})
+    // rank 5 block 34: shares 20180..20207 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 5 block 35: shares 20214..20241 ({step, share, of})
+    // rank 5 block 35: shares 20208..20235 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 5 block 36: shares 20242..20269 ({step, share, of})
+    // rank 5 block 36: shares 20236..20263 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 5 block 37: shares 20270..20297 ({step, share, of})
+    // rank 5 block 37: shares 20264..20291 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 5 block 38: shares 20298..20325 ({step, share, of})
+    // rank 5 block 38: shares 20292..20319 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 5 block 39: shares 20326..20353 ({step, share, of})
+    // rank 5 block 39: shares 20320..20347 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 5 block 40: shares 20354..20381 ({step, share, of})
+    // rank 5 block 40: shares 20348..20375 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 5 block 41: shares 20382..20409 ({step, share, of})
+    // rank 5 block 41: shares 20376..20403 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 5 block 42: shares 20410..20437 ({step, share, of})
+    // rank 5 block 42: shares 20404..20431 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 5 block 43: shares 20438..20465 ({step, share, of})
+    // rank 5 block 43: shares 20432..20459 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 5 block 44: shares 20466..20493 ({step, share, of})
+    // rank 5 block 44: shares 20460..20487 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 5 block 45: shares 20494..20521 ({step, share, of})
+    // rank 5 block 45: shares 20488..20515 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 5 block 46: shares 20522..20549 ({step, share, of})
+    // rank 5 block 46: shares 20516..20543 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 5 block 47: shares 20550..20577 ({step, share, of})
+    // rank 5 block 47: shares 20544..20571 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 5 block 48: shares 20578..20605 ({step, share, of})
+    // rank 5 block 48: shares 20572..20599 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 5 block 49: shares 20606..20633 ({step, share, of})
+    // rank 5 block 49: shares 20600..20627 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 5 block 50: shares 20634..20661 ({step, share, of})
+    // rank 5 block 50: shares 20628..20655 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 5 block 51: shares 20662..20689 ({step, share, of})
+    // rank 5 block 51: shares 20656..20683 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 5 block 52: shares 20690..20717 ({step, share, of})
+    // rank 5 block 52: shares 20684..20711 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 5 block 53: shares 20718..20745 ({step, share, of})
+    // rank 5 block 53: shares 20712..20739 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 5 block 54: shares 20746..20773 ({step, share, of})
+    // rank 5 block 54: shares 20740..20767 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 5 block 55: shares 20774..20801 ({step, share, of})
+    // rank 5 block 55: shares 20768..20795 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 5 block 56: shares 20802..20829 ({step, share, of})
+    // rank 5 block 56: shares 20796..20823 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 5 block 57: shares 20830..20857 ({step, share, of})
+    // rank 5 block 57: shares 20824..20851 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 5 block 58: shares 20858..20885 ({step, share, of})
+    // rank 5 block 58: shares 20852..20879 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 5 block 59: shares 20886..20913 ({step, share, of})
+    // rank 5 block 59: shares 20880..20907 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 5 block 60: shares 20914..20941 ({step, share, of})
+    // rank 5 block 60: shares 20908..20935 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 5 block 61: shares 20942..20969 ({step, share, of})
+    // rank 5 block 61: shares 20936..20963 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 5 block 62: shares 20970..20997 ({step, share, of})
+    // rank 5 block 62: shares 20964..20991 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 5 block 63: shares 20998..21025 ({step, share, of})
+    // rank 5 block 63: shares 20992..21019 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 5 block 64: shares 21026..21053 ({step, share, of})
+    // rank 5 block 64: shares 21020..21047 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 5 block 65: shares 21054..21085 ({step, share, of})
+    // rank 5 block 65: shares 21048..21079 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 5 block 66: shares 21086..21117 ({step, share, of})
+    // rank 5 block 66: shares 21080..21111 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 5 block 67: shares 21118..21149 ({step, share, of})
+    // rank 5 block 67: shares 21112..21143 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 5 block 68: shares 21150..21181 ({step, share, of})
+    // rank 5 block 68: shares 21144..21175 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 5 block 69: shares 21182..21213 ({step, share, of})
+    // rank 5 block 69: shares 21176..21207 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 5 block 70: shares 21214..21245 ({step, share, of})
+    // rank 5 block 70: shares 21208..21239 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 5 block 71: shares 21246..21277 ({step, share, of})
+    // rank 5 block 71: shares 21240..21271 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 5 block 72: shares 21278..21309 ({step, share, of})
+    // rank 5 block 72: shares 21272..21303 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 5 block 73: shares 21310..21341 ({step, share, of})
+    // rank 5 block 73: shares 21304..21335 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 5 block 74: shares 21342..21373 ({step, share, of})
+    // rank 5 block 74: shares 21336..21367 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 5 block 75: shares 21374..21405 ({step, share, of})
+    // rank 5 block 75: shares 21368..21399 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 5 block 76: shares 21406..21437 ({step, share, of})
+    // rank 5 block 76: shares 21400..21431 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 5 block 77: shares 21438..21469 ({step, share, of})
+    // rank 5 block 77: shares 21432..21463 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 5 block 78: shares 21470..21501 ({step, share, of})
+    // rank 5 block 78: shares 21464..21495 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 5 block 79: shares 21502..21533 ({step, share, of})
+    // rank 5 block 79: shares 21496..21527 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 5 block 80: shares 21534..21565 ({step, share, of})
+    // rank 5 block 80: shares 21528..21559 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 5 block 81: shares 21566..21597 ({step, share, of})
+    // rank 5 block 81: shares 21560..21591 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 5 block 82: shares 21598..21629 ({step, share, of})
+    // rank 5 block 82: shares 21592..21623 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 5 block 83: shares 21630..21661 ({step, share, of})
+    // rank 5 block 83: shares 21624..21655 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 5 block 84: shares 21662..21693 ({step, share, of})
+    // rank 5 block 84: shares 21656..21687 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 5 block 85: shares 21694..21725 ({step, share, of})
+    // rank 5 block 85: shares 21688..21719 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 5 block 86: shares 21726..21757 ({step, share, of})
+    // rank 5 block 86: shares 21720..21751 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 5 block 87: shares 21758..21789 ({step, share, of})
+    // rank 5 block 87: shares 21752..21783 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 5 block 88: shares 21790..21821 ({step, share, of})
+    // rank 5 block 88: shares 21784..21815 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 5 block 89: shares 21822..21853 ({step, share, of})
+    // rank 5 block 89: shares 21816..21847 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 5 block 90: shares 21854..21885 ({step, share, of})
+    // rank 5 block 90: shares 21848..21879 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 5 block 91: shares 21886..21917 ({step, share, of})
+    // rank 5 block 91: shares 21880..21911 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 5 block 92: shares 21918..21949 ({step, share, of})
+    // rank 5 block 92: shares 21912..21943 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 5 block 93: shares 21950..21981 ({step, share, of})
+    // rank 5 block 93: shares 21944..21975 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 5 block 94: shares 21982..22013 ({step, share, of})
+    // rank 5 block 94: shares 21976..22007 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 5 block 95: shares 22014..22045 ({step, share, of})
+    // rank 5 block 95: shares 22008..22039 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 5 block 96: shares 22046..22077 ({step, share, of})
+    // rank 5 block 96: shares 22040..22071 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 5 block 97: shares 22078..22109 ({step, share, of})
+    // rank 5 block 97: shares 22072..22103 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 5 block 98: shares 22110..22141 ({step, share, of})
+    // rank 5 block 98: shares 22104..22135 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 5 block 99: shares 22142..22173 ({step, share, of})
+    // rank 5 block 99: shares 22136..22167 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 5 block 100: shares 22174..22205 ({step, share, of})
+    // rank 5 block 100: shares 22168..22199 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 5 block 101: shares 22206..22237 ({step, share, of})
+    // rank 5 block 101: shares 22200..22231 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 5 block 102: shares 22238..22269 ({step, share, of})
+    // rank 5 block 102: shares 22232..22263 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 5 block 103: shares 22270..22301 ({step, share, of})
+    // rank 5 block 103: shares 22264..22295 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 5 block 104: shares 22302..22333 ({step, share, of})
+    // rank 5 block 104: shares 22296..22327 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 5 block 105: shares 22334..22365 ({step, share, of})
+    // rank 5 block 105: shares 22328..22359 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 5 block 106: shares 22366..22397 ({step, share, of})
+    // rank 5 block 106: shares 22360..22391 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 5 block 107: shares 22398..22429 ({step, share, of})
+    // rank 5 block 107: shares 22392..22423 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 5 block 108: shares 22430..22461 ({step, share, of})
+    // rank 5 block 108: shares 22424..22455 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 5 block 109: shares 22462..22493 ({step, share, of})
+    // rank 5 block 109: shares 22456..22487 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 5 block 110: shares 22494..22525 ({step, share, of})
+    // rank 5 block 110: shares 22488..22519 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 5 block 111: shares 22526..22557 ({step, share, of})
+    // rank 5 block 111: shares 22520..22551 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 5 block 112: shares 22558..22589 ({step, share, of})
+    // rank 5 block 112: shares 22552..22583 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 5 block 113: shares 22590..22621 ({step, share, of})
+    // rank 5 block 113: shares 22584..22615 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 5 block 114: shares 22622..22653 ({step, share, of})
+    // rank 5 block 114: shares 22616..22647 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 5 block 115: shares 22654..22685 ({step, share, of})
+    // rank 5 block 115: shares 22648..22679 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 5 block 116: shares 22686..22717 ({step, share, of})
+    // rank 5 block 116: shares 22680..22711 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 5 block 117: shares 22718..22749 ({step, share, of})
+    // rank 5 block 117: shares 22712..22743 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 5 block 118: shares 22750..22781 ({step, share, of})
+    // rank 5 block 118: shares 22744..22775 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 5 block 119: shares 22782..22813 ({step, share, of})
+    // rank 5 block 119: shares 22776..22807 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 5 block 120: shares 22814..22845 ({step, share, of})
+    // rank 5 block 120: shares 22808..22839 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 5 block 121: shares 22846..22877 ({step, share, of})
+    // rank 5 block 121: shares 22840..22871 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 5 block 122: shares 22878..22909 ({step, share, of})
+    // rank 5 block 122: shares 22872..22903 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 5 block 123: shares 22910..22941 ({step, share, of})
+    // rank 5 block 123: shares 22904..22935 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 5 block 124: shares 22942..22973 ({step, share, of})
+    // rank 5 block 124: shares 22936..22967 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 5 block 125: shares 22974..23005 ({step, share, of})
+    // rank 5 block 125: shares 22968..22999 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 5 block 126: shares 23006..23037 ({step, share, of})
+    // rank 5 block 126: shares 23000..23031 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 5 block 127: shares 23038..23069 ({step, share, of})
+    // rank 5 block 127: shares 23032..23063 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 6 block 0: shares 23070..23102 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 6 block 1: shares 23103..23131 ({step, share, of})
+    // rank 6 block 0: shares 23064..23095 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 6 block 1: shares 23096..23124 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 6 block 2: shares 23132..23160 ({step, share, of})
+    // rank 6 block 2: shares 23125..23153 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 6 block 3: shares 23161..23189 ({step, share, of})
+    // rank 6 block 3: shares 23154..23182 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 6 block 4: shares 23190..23218 ({step, share, of})
+    // rank 6 block 4: shares 23183..23211 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 6 block 5: shares 23219..23246 ({step, share, of})
+    // rank 6 block 5: shares 23212..23239 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 6 block 6: shares 23247..23274 ({step, share, of})
+    // rank 6 block 6: shares 23240..23267 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 6 block 7: shares 23275..23302 ({step, share, of})
+    // rank 6 block 7: shares 23268..23295 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 6 block 8: shares 23303..23330 ({step, share, of})
+    // rank 6 block 8: shares 23296..23323 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 6 block 9: shares 23331..23358 ({step, share, of})
+    // rank 6 block 9: shares 23324..23351 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 6 block 10: shares 23359..23386 ({step, share, of})
+    // rank 6 block 10: shares 23352..23379 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 6 block 11: shares 23387..23414 ({step, share, of})
+    // rank 6 block 11: shares 23380..23407 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 6 block 12: shares 23415..23442 ({step, share, of})
+    // rank 6 block 12: shares 23408..23435 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 6 block 13: shares 23443..23470 ({step, share, of})
+    // rank 6 block 13: shares 23436..23463 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 6 block 14: shares 23471..23498 ({step, share, of})
+    // rank 6 block 14: shares 23464..23491 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 6 block 15: shares 23499..23526 ({step, share, of})
+    // rank 6 block 15: shares 23492..23519 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 6 block 16: shares 23527..23554 ({step, share, of})
+    // rank 6 block 16: shares 23520..23547 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 6 block 17: shares 23555..23582 ({step, share, of})
+    // rank 6 block 17: shares 23548..23575 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 6 block 18: shares 23583..23610 ({step, share, of})
+    // rank 6 block 18: shares 23576..23603 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 6 block 19: shares 23611..23638 ({step, share, of})
+    // rank 6 block 19: shares 23604..23631 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 6 block 20: shares 23639..23666 ({step, share, of})
+    // rank 6 block 20: shares 23632..23659 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 6 block 21: shares 23667..23694 ({step, share, of})
+    // rank 6 block 21: shares 23660..23687 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 6 block 22: shares 23695..23722 ({step, share, of})
+    // rank 6 block 22: shares 23688..23715 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 6 block 23: shares 23723..23750 ({step, share, of})
+    // rank 6 block 23: shares 23716..23743 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 6 block 24: shares 23751..23778 ({step, share, of})
+    // rank 6 block 24: shares 23744..23771 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 6 block 25: shares 23779..23806 ({step, share, of})
+    // rank 6 block 25: shares 23772..23799 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 6 block 26: shares 23807..23834 ({step, share, of})
+    // rank 6 block 26: shares 23800..23827 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 6 block 27: shares 23835..23862 ({step, share, of})
+    // rank 6 block 27: shares 23828..23855 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 6 block 28: shares 23863..23890 ({step, share, of})
+    // rank 6 block 28: shares 23856..23883 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 6 block 29: shares 23891..23918 ({step, share, of})
+    // rank 6 block 29: shares 23884..23911 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 6 block 30: shares 23919..23946 ({step, share, of})
+    // rank 6 block 30: shares 23912..23939 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 6 block 31: shares 23947..23974 ({step, share, of})
+    // rank 6 block 31: shares 23940..23967 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 6 block 32: shares 23975..24002 ({step, share, of})
+    // rank 6 block 32: shares 23968..23995 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 6 block 33: shares 24003..24030 ({step, share, of})
+    // rank 6 block 33: shares 23996..24023 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 6 block 34: shares 24031..24058 ({step, share, of})
+    // rank 6 block 34: shares 24024..24051 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 6 block 35: shares 24059..24086 ({step, share, of})
+    // rank 6 block 35: shares 24052..24079 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 6 block 36: shares 24087..24114 ({step, share, of})
+    // rank 6 block 36: shares 24080..24107 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 6 block 37: shares 24115..24142 ({step, share, of})
+    // rank 6 block 37: shares 24108..24135 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 6 block 38: shares 24143..24170 ({step, share, of})
+    // rank 6 block 38: shares 24136..24163 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 6 block 39: shares 24171..24198 ({step, share, of})
+    // rank 6 block 39: shares 24164..24191 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 6 block 40: shares 24199..24226 ({step, share, of})
+    // rank 6 block 40: shares 24192..24219 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 6 block 41: shares 24227..24254 ({step, share, of})
+    // rank 6 block 41: shares 24220..24247 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 6 block 42: shares 24255..24282 ({step, share, of})
+    // rank 6 block 42: shares 24248..24275 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 6 block 43: shares 24283..24310 ({step, share, of})
+    // rank 6 block 43: shares 24276..24303 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 6 block 44: shares 24311..24338 ({step, share, of})
+    // rank 6 block 44: shares 24304..24331 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 6 block 45: shares 24339..24366 ({step, share, of})
+    // rank 6 block 45: shares 24332..24359 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 6 block 46: shares 24367..24394 ({step, share, of})
+    // rank 6 block 46: shares 24360..24387 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 6 block 47: shares 24395..24422 ({step, share, of})
+    // rank 6 block 47: shares 24388..24415 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 6 block 48: shares 24423..24450 ({step, share, of})
+    // rank 6 block 48: shares 24416..24443 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 6 block 49: shares 24451..24478 ({step, share, of})
+    // rank 6 block 49: shares 24444..24471 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 6 block 50: shares 24479..24506 ({step, share, of})
+    // rank 6 block 50: shares 24472..24499 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 6 block 51: shares 24507..24534 ({step, share, of})
+    // rank 6 block 51: shares 24500..24527 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 6 block 52: shares 24535..24562 ({step, share, of})
+    // rank 6 block 52: shares 24528..24555 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 6 block 53: shares 24563..24590 ({step, share, of})
+    // rank 6 block 53: shares 24556..24583 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 6 block 54: shares 24591..24618 ({step, share, of})
+    // rank 6 block 54: shares 24584..24611 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 6 block 55: shares 24619..24646 ({step, share, of})
+    // rank 6 block 55: shares 24612..24639 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 6 block 56: shares 24647..24674 ({step, share, of})
+    // rank 6 block 56: shares 24640..24667 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 6 block 57: shares 24675..24702 ({step, share, of})
+    // rank 6 block 57: shares 24668..24695 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 6 block 58: shares 24703..24730 ({step, share, of})
+    // rank 6 block 58: shares 24696..24723 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 6 block 59: shares 24731..24758 ({step, share, of})
+    // rank 6 block 59: shares 24724..24751 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 6 block 60: shares 24759..24786 ({step, share, of})
+    // rank 6 block 60: shares 24752..24779 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 6 block 61: shares 24787..24814 ({step, share, of})
+    // rank 6 block 61: shares 24780..24807 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 6 block 62: shares 24815..24842 ({step, share, of})
+    // rank 6 block 62: shares 24808..24835 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 6 block 63: shares 24843..24870 ({step, share, of})
+    // rank 6 block 63: shares 24836..24863 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 6 block 64: shares 24871..24898 ({step, share, of})
+    // rank 6 block 64: shares 24864..24891 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 6 block 65: shares 24899..24930 ({step, share, of})
+    // rank 6 block 65: shares 24892..24923 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 6 block 66: shares 24931..24962 ({step, share, of})
+    // rank 6 block 66: shares 24924..24955 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 6 block 67: shares 24963..24994 ({step, share, of})
+    // rank 6 block 67: shares 24956..24987 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 6 block 68: shares 24995..25026 ({step, share, of})
+    // rank 6 block 68: shares 24988..25019 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 6 block 69: shares 25027..25058 ({step, share, of})
+    // rank 6 block 69: shares 25020..25051 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 6 block 70: shares 25059..25090 ({step, share, of})
+    // rank 6 block 70: shares 25052..25083 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 6 block 71: shares 25091..25122 ({step, share, of})
+    // rank 6 block 71: shares 25084..25115 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 6 block 72: shares 25123..25154 ({step, share, of})
+    // rank 6 block 72: shares 25116..25147 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 6 block 73: shares 25155..25186 ({step, share, of})
+    // rank 6 block 73: shares 25148..25179 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 6 block 74: shares 25187..25218 ({step, share, of})
+    // rank 6 block 74: shares 25180..25211 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 6 block 75: shares 25219..25250 ({step, share, of})
+    // rank 6 block 75: shares 25212..25243 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 6 block 76: shares 25251..25282 ({step, share, of})
+    // rank 6 block 76: shares 25244..25275 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 6 block 77: shares 25283..25314 ({step, share, of})
+    // rank 6 block 77: shares 25276..25307 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 6 block 78: shares 25315..25346 ({step, share, of})
+    // rank 6 block 78: shares 25308..25339 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 6 block 79: shares 25347..25378 ({step, share, of})
+    // rank 6 block 79: shares 25340..25371 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 6 block 80: shares 25379..25410 ({step, share, of})
+    // rank 6 block 80: shares 25372..25403 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 6 block 81: shares 25411..25442 ({step, share, of})
+    // rank 6 block 81: shares 25404..25435 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 6 block 82: shares 25443..25474 ({step, share, of})
+    // rank 6 block 82: shares 25436..25467 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 6 block 83: shares 25475..25506 ({step, share, of})
+    // rank 6 block 83: shares 25468..25499 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 6 block 84: shares 25507..25538 ({step, share, of})
+    // rank 6 block 84: shares 25500..25531 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 6 block 85: shares 25539..25570 ({step, share, of})
+    // rank 6 block 85: shares 25532..25563 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 6 block 86: shares 25571..25602 ({step, share, of})
+    // rank 6 block 86: shares 25564..25595 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 6 block 87: shares 25603..25634 ({step, share, of})
+    // rank 6 block 87: shares 25596..25627 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 6 block 88: shares 25635..25666 ({step, share, of})
+    // rank 6 block 88: shares 25628..25659 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 6 block 89: shares 25667..25698 ({step, share, of})
+    // rank 6 block 89: shares 25660..25691 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 6 block 90: shares 25699..25730 ({step, share, of})
+    // rank 6 block 90: shares 25692..25723 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 6 block 91: shares 25731..25762 ({step, share, of})
+    // rank 6 block 91: shares 25724..25755 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 6 block 92: shares 25763..25794 ({step, share, of})
+    // rank 6 block 92: shares 25756..25787 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 6 block 93: shares 25795..25826 ({step, share, of})
+    // rank 6 block 93: shares 25788..25819 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 6 block 94: shares 25827..25858 ({step, share, of})
+    // rank 6 block 94: shares 25820..25851 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 6 block 95: shares 25859..25890 ({step, share, of})
+    // rank 6 block 95: shares 25852..25883 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 6 block 96: shares 25891..25922 ({step, share, of})
+    // rank 6 block 96: shares 25884..25915 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 6 block 97: shares 25923..25954 ({step, share, of})
+    // rank 6 block 97: shares 25916..25947 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 6 block 98: shares 25955..25986 ({step, share, of})
+    // rank 6 block 98: shares 25948..25979 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 6 block 99: shares 25987..26018 ({step, share, of})
+    // rank 6 block 99: shares 25980..26011 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 6 block 100: shares 26019..26050 ({step, share, of})
+    // rank 6 block 100: shares 26012..26043 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 6 block 101: shares 26051..26082 ({step, share, of})
+    // rank 6 block 101: shares 26044..26075 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 6 block 102: shares 26083..26114 ({step, share, of})
+    // rank 6 block 102: shares 26076..26107 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 6 block 103: shares 26115..26146 ({step, share, of})
+    // rank 6 block 103: shares 26108..26139 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 6 block 104: shares 26147..26178 ({step, share, of})
+    // rank 6 block 104: shares 26140..26171 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 6 block 105: shares 26179..26210 ({step, share, of})
+    // rank 6 block 105: shares 26172..26203 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 6 block 106: shares 26211..26242 ({step, share, of})
+    // rank 6 block 106: shares 26204..26235 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 6 block 107: shares 26243..26274 ({step, share, of})
+    // rank 6 block 107: shares 26236..26267 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 6 block 108: shares 26275..26306 ({step, share, of})
+    // rank 6 block 108: shares 26268..26299 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 6 block 109: shares 26307..26338 ({step, share, of})
+    // rank 6 block 109: shares 26300..26331 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 6 block 110: shares 26339..26370 ({step, share, of})
+    // rank 6 block 110: shares 26332..26363 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 6 block 111: shares 26371..26402 ({step, share, of})
+    // rank 6 block 111: shares 26364..26395 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 6 block 112: shares 26403..26434 ({step, share, of})
+    // rank 6 block 112: shares 26396..26427 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 6 block 113: shares 26435..26466 ({step, share, of})
+    // rank 6 block 113: shares 26428..26459 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 6 block 114: shares 26467..26498 ({step, share, of})
+    // rank 6 block 114: shares 26460..26491 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 6 block 115: shares 26499..26530 ({step, share, of})
+    // rank 6 block 115: shares 26492..26523 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 6 block 116: shares 26531..26562 ({step, share, of})
+    // rank 6 block 116: shares 26524..26555 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 6 block 117: shares 26563..26594 ({step, share, of})
+    // rank 6 block 117: shares 26556..26587 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 6 block 118: shares 26595..26626 ({step, share, of})
+    // rank 6 block 118: shares 26588..26619 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 6 block 119: shares 26627..26658 ({step, share, of})
+    // rank 6 block 119: shares 26620..26651 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 6 block 120: shares 26659..26690 ({step, share, of})
+    // rank 6 block 120: shares 26652..26683 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 6 block 121: shares 26691..26722 ({step, share, of})
+    // rank 6 block 121: shares 26684..26715 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 6 block 122: shares 26723..26754 ({step, share, of})
+    // rank 6 block 122: shares 26716..26747 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 6 block 123: shares 26755..26786 ({step, share, of})
+    // rank 6 block 123: shares 26748..26779 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 6 block 124: shares 26787..26818 ({step, share, of})
+    // rank 6 block 124: shares 26780..26811 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 6 block 125: shares 26819..26850 ({step, share, of})
+    // rank 6 block 125: shares 26812..26843 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 6 block 126: shares 26851..26882 ({step, share, of})
+    // rank 6 block 126: shares 26844..26875 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 6 block 127: shares 26883..26914 ({step, share, of})
+    // rank 6 block 127: shares 26876..26907 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
     {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64}, {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64},
-    // rank 7 block 0: shares 26915..26947 ({step, share, of})
-    {0, 0, 1}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64},
-    {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64},
-    {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64},
-    {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64},
-    {60, 63, 64},
-    // rank 7 block 1: shares 26948..26976 ({step, share, of})
+    // rank 7 block 0: shares 26908..26939 ({step, share, of})
+    {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64}, {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64},
+    {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64}, {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64},
+    {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64}, {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64},
+    {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64},
+    // rank 7 block 1: shares 26940..26968 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {61, 0, 1},
-    // rank 7 block 2: shares 26977..27005 ({step, share, of})
+    // rank 7 block 2: shares 26969..26997 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {62, 0, 1},
-    // rank 7 block 3: shares 27006..27034 ({step, share, of})
+    // rank 7 block 3: shares 26998..27026 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {63, 0, 1},
-    // rank 7 block 4: shares 27035..27063 ({step, share, of})
+    // rank 7 block 4: shares 27027..27055 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {64, 0, 1},
-    // rank 7 block 5: shares 27064..27091 ({step, share, of})
+    // rank 7 block 5: shares 27056..27083 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64},
-    // rank 7 block 6: shares 27092..27119 ({step, share, of})
+    // rank 7 block 6: shares 27084..27111 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64},
-    // rank 7 block 7: shares 27120..27147 ({step, share, of})
+    // rank 7 block 7: shares 27112..27139 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64},
-    // rank 7 block 8: shares 27148..27175 ({step, share, of})
+    // rank 7 block 8: shares 27140..27167 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64},
-    // rank 7 block 9: shares 27176..27203 ({step, share, of})
+    // rank 7 block 9: shares 27168..27195 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64},
-    // rank 7 block 10: shares 27204..27231 ({step, share, of})
+    // rank 7 block 10: shares 27196..27223 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64},
-    // rank 7 block 11: shares 27232..27259 ({step, share, of})
+    // rank 7 block 11: shares 27224..27251 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64},
-    // rank 7 block 12: shares 27260..27287 ({step, share, of})
+    // rank 7 block 12: shares 27252..27279 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64},
-    // rank 7 block 13: shares 27288..27315 ({step, share, of})
+    // rank 7 block 13: shares 27280..27307 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64},
-    // rank 7 block 14: shares 27316..27343 ({step, share, of})
+    // rank 7 block 14: shares 27308..27335 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64},
-    // rank 7 block 15: shares 27344..27371 ({step, share, of})
+    // rank 7 block 15: shares 27336..27363 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64},
-    // rank 7 block 16: shares 27372..27399 ({step, share, of})
+    // rank 7 block 16: shares 27364..27391 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64},
-    // rank 7 block 17: shares 27400..27427 ({step, share, of})
+    // rank 7 block 17: shares 27392..27419 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64},
-    // rank 7 block 18: shares 27428..27455 ({step, share, of})
+    // rank 7 block 18: shares 27420..27447 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64},
-    // rank 7 block 19: shares 27456..27483 ({step, share, of})
+    // rank 7 block 19: shares 27448..27475 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64},
-    // rank 7 block 20: shares 27484..27511 ({step, share, of})
+    // rank 7 block 20: shares 27476..27503 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64},
-    // rank 7 block 21: shares 27512..27539 ({step, share, of})
+    // rank 7 block 21: shares 27504..27531 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64},
-    // rank 7 block 22: shares 27540..27567 ({step, share, of})
+    // rank 7 block 22: shares 27532..27559 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64},
-    // rank 7 block 23: shares 27568..27595 ({step, share, of})
+    // rank 7 block 23: shares 27560..27587 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64},
-    // rank 7 block 24: shares 27596..27623 ({step, share, of})
+    // rank 7 block 24: shares 27588..27615 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64},
-    // rank 7 block 25: shares 27624..27651 ({step, share, of})
+    // rank 7 block 25: shares 27616..27643 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64},
-    // rank 7 block 26: shares 27652..27679 ({step, share, of})
+    // rank 7 block 26: shares 27644..27671 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64},
-    // rank 7 block 27: shares 27680..27707 ({step, share, of})
+    // rank 7 block 27: shares 27672..27699 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64},
-    // rank 7 block 28: shares 27708..27735 ({step, share, of})
+    // rank 7 block 28: shares 27700..27727 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64},
-    // rank 7 block 29: shares 27736..27763 ({step, share, of})
+    // rank 7 block 29: shares 27728..27755 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64},
-    // rank 7 block 30: shares 27764..27791 ({step, share, of})
+    // rank 7 block 30: shares 27756..27783 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64},
-    // rank 7 block 31: shares 27792..27819 ({step, share, of})
+    // rank 7 block 31: shares 27784..27811 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64},
-    // rank 7 block 32: shares 27820..27847 ({step, share, of})
+    // rank 7 block 32: shares 27812..27839 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64},
-    // rank 7 block 33: shares 27848..27875 ({step, share, of})
+    // rank 7 block 33: shares 27840..27867 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64},
-    // rank 7 block 34: shares 27876..27903 ({step, share, of})
+    // rank 7 block 34: shares 27868..27895 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64},
-    // rank 7 block 35: shares 27904..27931 ({step, share, of})
+    // rank 7 block 35: shares 27896..27923 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64},
-    // rank 7 block 36: shares 27932..27959 ({step, share, of})
+    // rank 7 block 36: shares 27924..27951 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64},
-    // rank 7 block 37: shares 27960..27987 ({step, share, of})
+    // rank 7 block 37: shares 27952..27979 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64},
-    // rank 7 block 38: shares 27988..28015 ({step, share, of})
+    // rank 7 block 38: shares 27980..28007 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64},
-    // rank 7 block 39: shares 28016..28043 ({step, share, of})
+    // rank 7 block 39: shares 28008..28035 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64},
-    // rank 7 block 40: shares 28044..28071 ({step, share, of})
+    // rank 7 block 40: shares 28036..28063 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64},
-    // rank 7 block 41: shares 28072..28099 ({step, share, of})
+    // rank 7 block 41: shares 28064..28091 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64},
-    // rank 7 block 42: shares 28100..28127 ({step, share, of})
+    // rank 7 block 42: shares 28092..28119 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64},
-    // rank 7 block 43: shares 28128..28155 ({step, share, of})
+    // rank 7 block 43: shares 28120..28147 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64},
-    // rank 7 block 44: shares 28156..28183 ({step, share, of})
+    // rank 7 block 44: shares 28148..28175 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64},
-    // rank 7 block 45: shares 28184..28211 ({step, share, of})
+    // rank 7 block 45: shares 28176..28203 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64},
-    // rank 7 block 46: shares 28212..28239 ({step, share, of})
+    // rank 7 block 46: shares 28204..28231 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64},
-    // rank 7 block 47: shares 28240..28267 ({step, share, of})
+    // rank 7 block 47: shares 28232..28259 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64},
-    // rank 7 block 48: shares 28268..28295 ({step, share, of})
+    // rank 7 block 48: shares 28260..28287 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64},
-    // rank 7 block 49: shares 28296..28323 ({step, share, of})
+    // rank 7 block 49: shares 28288..28315 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64},
-    // rank 7 block 50: shares 28324..28351 ({step, share, of})
+    // rank 7 block 50: shares 28316..28343 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64},
-    // rank 7 block 51: shares 28352..28379 ({step, share, of})
+    // rank 7 block 51: shares 28344..28371 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64},
-    // rank 7 block 52: shares 28380..28407 ({step, share, of})
+    // rank 7 block 52: shares 28372..28399 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64},
-    // rank 7 block 53: shares 28408..28435 ({step, share, of})
+    // rank 7 block 53: shares 28400..28427 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64},
-    // rank 7 block 54: shares 28436..28463 ({step, share, of})
+    // rank 7 block 54: shares 28428..28455 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64},
-    // rank 7 block 55: shares 28464..28491 ({step, share, of})
+    // rank 7 block 55: shares 28456..28483 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64},
-    // rank 7 block 56: shares 28492..28519 ({step, share, of})
+    // rank 7 block 56: shares 28484..28511 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64},
-    // rank 7 block 57: shares 28520..28547 ({step, share, of})
+    // rank 7 block 57: shares 28512..28539 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64},
-    // rank 7 block 58: shares 28548..28575 ({step, share, of})
+    // rank 7 block 58: shares 28540..28567 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64},
-    // rank 7 block 59: shares 28576..28603 ({step, share, of})
+    // rank 7 block 59: shares 28568..28595 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64},
-    // rank 7 block 60: shares 28604..28631 ({step, share, of})
+    // rank 7 block 60: shares 28596..28623 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64},
-    // rank 7 block 61: shares 28632..28659 ({step, share, of})
+    // rank 7 block 61: shares 28624..28651 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64},
-    // rank 7 block 62: shares 28660..28687 ({step, share, of})
+    // rank 7 block 62: shares 28652..28679 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64},
-    // rank 7 block 63: shares 28688..28715 ({step, share, of})
+    // rank 7 block 63: shares 28680..28707 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64},
-    // rank 7 block 64: shares 28716..28743 ({step, share, of})
+    // rank 7 block 64: shares 28708..28735 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
     {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64},
-    // rank 7 block 65: shares 28744..28775 ({step, share, of})
+    // rank 7 block 65: shares 28736..28767 ({step, share, of})
     {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64}, {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64},
     {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64}, {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64},
     {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64}, {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64},
     {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64}, {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64},
-    // rank 7 block 66: shares 28776..28807 ({step, share, of})
+    // rank 7 block 66: shares 28768..28799 ({step, share, of})
     {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64}, {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64},
     {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64}, {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64},
     {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64}, {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64},
     {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64}, {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64},
-    // rank 7 block 67: shares 28808..28839 ({step, share, of})
+    // rank 7 block 67: shares 28800..28831 ({step, share, of})
     {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64}, {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64},
     {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64}, {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64},
     {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64}, {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64},
     {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64}, {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64},
-    // rank 7 block 68: shares 28840..28871 ({step, share, of})
+    // rank 7 block 68: shares 28832..28863 ({step, share, of})
     {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64}, {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64},
     {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64}, {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64},
     {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64}, {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64},
     {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64}, {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64},
-    // rank 7 block 69: shares 28872..28903 ({step, share, of})
+    // rank 7 block 69: shares 28864..28895 ({step, share, of})
     {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64}, {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64},
     {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64}, {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64},
     {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64}, {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64},
     {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64}, {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64},
-    // rank 7 block 70: shares 28904..28935 ({step, share, of})
+    // rank 7 block 70: shares 28896..28927 ({step, share, of})
     {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64}, {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64},
     {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64}, {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64},
     {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64}, {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64},
     {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64}, {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64},
-    // rank 7 block 71: shares 28936..28967 ({step, share, of})
+    // rank 7 block 71: shares 28928..28959 ({step, share, of})
     {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64}, {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64},
     {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64}, {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64},
     {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64}, {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64},
     {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64}, {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64},
-    // rank 7 block 72: shares 28968..28999 ({step, share, of})
+    // rank 7 block 72: shares 28960..28991 ({step, share, of})
     {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64}, {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64},
     {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64}, {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64},
     {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64}, {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64},
     {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64}, {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64},
-    // rank 7 block 73: shares 29000..29031 ({step, share, of})
+    // rank 7 block 73: shares 28992..29023 ({step, share, of})
     {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64}, {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64},
     {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64}, {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64},
     {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64}, {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64},
     {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64}, {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64},
-    // rank 7 block 74: shares 29032..29063 ({step, share, of})
+    // rank 7 block 74: shares 29024..29055 ({step, share, of})
     {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64}, {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64},
     {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64}, {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64},
     {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64}, {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64},
     {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64}, {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64},
-    // rank 7 block 75: shares 29064..29095 ({step, share, of})
+    // rank 7 block 75: shares 29056..29087 ({step, share, of})
     {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64}, {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64},
     {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64}, {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64},
     {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64}, {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64},
     {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64}, {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64},
-    // rank 7 block 76: shares 29096..29127 ({step, share, of})
+    // rank 7 block 76: shares 29088..29119 ({step, share, of})
     {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64}, {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64},
     {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64}, {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64},
     {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64}, {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64},
     {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64}, {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64},
-    // rank 7 block 77: shares 29128..29159 ({step, share, of})
+    // rank 7 block 77: shares 29120..29151 ({step, share, of})
     {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64}, {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64},
     {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64}, {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64},
     {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64}, {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64},
     {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64}, {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64},
-    // rank 7 block 78: shares 29160..29191 ({step, share, of})
+    // rank 7 block 78: shares 29152..29183 ({step, share, of})
     {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64}, {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64},
     {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64}, {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64},
     {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64}, {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64},
     {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64}, {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64},
-    // rank 7 block 79: shares 29192..29223 ({step, share, of})
+    // rank 7 block 79: shares 29184..29215 ({step, share, of})
     {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64}, {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64},
     {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64}, {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64},
     {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64}, {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64},
     {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64}, {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64},
-    // rank 7 block 80: shares 29224..29255 ({step, share, of})
+    // rank 7 block 80: shares 29216..29247 ({step, share, of})
     {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64}, {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64},
     {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64}, {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64},
     {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64}, {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64},
     {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64}, {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64},
-    // rank 7 block 81: shares 29256..29287 ({step, share, of})
+    // rank 7 block 81: shares 29248..29279 ({step, share, of})
     {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64}, {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64},
     {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64}, {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64},
     {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64}, {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64},
     {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64}, {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64},
-    // rank 7 block 82: shares 29288..29319 ({step, share, of})
+    // rank 7 block 82: shares 29280..29311 ({step, share, of})
     {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64}, {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64},
     {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64}, {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64},
     {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64}, {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64},
     {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64}, {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64},
-    // rank 7 block 83: shares 29320..29351 ({step, share, of})
+    // rank 7 block 83: shares 29312..29343 ({step, share, of})
     {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64}, {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64},
     {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64}, {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64},
     {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64}, {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64},
     {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64}, {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64},
-    // rank 7 block 84: shares 29352..29383 ({step, share, of})
+    // rank 7 block 84: shares 29344..29375 ({step, share, of})
     {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64}, {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64},
     {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64}, {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64},
     {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64}, {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64},
     {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64}, {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64},
-    // rank 7 block 85: shares 29384..29415 ({step, share, of})
+    // rank 7 block 85: shares 29376..29407 ({step, share, of})
     {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64}, {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64},
     {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64}, {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64},
     {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64}, {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64},
     {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64}, {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64},
-    // rank 7 block 86: shares 29416..29447 ({step, share, of})
+    // rank 7 block 86: shares 29408..29439 ({step, share, of})
     {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64}, {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64},
     {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64}, {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64},
     {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64}, {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64},
     {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64}, {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64},
-    // rank 7 block 87: shares 29448..29479 ({step, share, of})
+    // rank 7 block 87: shares 29440..29471 ({step, share, of})
     {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64}, {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64},
     {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64}, {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64},
     {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64}, {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64},
     {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64}, {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64},
-    // rank 7 block 88: shares 29480..29511 ({step, share, of})
+    // rank 7 block 88: shares 29472..29503 ({step, share, of})
     {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64}, {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64},
     {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64}, {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64},
     {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64}, {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64},
     {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64}, {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64},
-    // rank 7 block 89: shares 29512..29543 ({step, share, of})
+    // rank 7 block 89: shares 29504..29535 ({step, share, of})
     {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64}, {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64},
     {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64}, {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64},
     {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64}, {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64},
     {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64}, {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64},
-    // rank 7 block 90: shares 29544..29575 ({step, share, of})
+    // rank 7 block 90: shares 29536..29567 ({step, share, of})
     {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64}, {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64},
     {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64}, {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64},
     {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64}, {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64},
     {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64}, {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64},
-    // rank 7 block 91: shares 29576..29607 ({step, share, of})
+    // rank 7 block 91: shares 29568..29599 ({step, share, of})
     {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64}, {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64},
     {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64}, {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64},
     {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64}, {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64},
     {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64}, {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64},
-    // rank 7 block 92: shares 29608..29639 ({step, share, of})
+    // rank 7 block 92: shares 29600..29631 ({step, share, of})
     {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64}, {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64},
     {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64}, {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64},
     {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64}, {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64},
     {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64}, {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64},
-    // rank 7 block 93: shares 29640..29671 ({step, share, of})
+    // rank 7 block 93: shares 29632..29663 ({step, share, of})
     {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64}, {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64},
     {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64}, {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64},
     {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64}, {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64},
     {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64}, {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64},
-    // rank 7 block 94: shares 29672..29703 ({step, share, of})
+    // rank 7 block 94: shares 29664..29695 ({step, share, of})
     {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64}, {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64},
     {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64}, {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64},
     {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64}, {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64},
     {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64}, {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64},
-    // rank 7 block 95: shares 29704..29735 ({step, share, of})
+    // rank 7 block 95: shares 29696..29727 ({step, share, of})
     {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64}, {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64},
     {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64}, {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64},
     {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64}, {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64},
     {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64}, {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64},
-    // rank 7 block 96: shares 29736..29767 ({step, share, of})
+    // rank 7 block 96: shares 29728..29759 ({step, share, of})
     {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64}, {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64},
     {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64}, {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64},
     {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64}, {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64},
     {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64}, {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64},
-    // rank 7 block 97: shares 29768..29799 ({step, share, of})
+    // rank 7 block 97: shares 29760..29791 ({step, share, of})
     {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64}, {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64},
     {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64}, {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64},
     {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64}, {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64},
     {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64}, {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64},
-    // rank 7 block 98: shares 29800..29831 ({step, share, of})
+    // rank 7 block 98: shares 29792..29823 ({step, share, of})
     {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64}, {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64},
     {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64}, {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64},
     {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64}, {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64},
     {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64}, {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64},
-    // rank 7 block 99: shares 29832..29863 ({step, share, of})
+    // rank 7 block 99: shares 29824..29855 ({step, share, of})
     {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64}, {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64},
     {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64}, {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64},
     {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64}, {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64},
     {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64}, {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64},
-    // rank 7 block 100: shares 29864..29895 ({step, share, of})
+    // rank 7 block 100: shares 29856..29887 ({step, share, of})
     {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64}, {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64},
     {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64}, {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64},
     {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64}, {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64},
     {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64}, {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64},
-    // rank 7 block 101: shares 29896..29927 ({step, share, of})
+    // rank 7 block 101: shares 29888..29919 ({step, share, of})
     {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64}, {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64},
     {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64}, {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64},
     {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64}, {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64},
     {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64}, {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64},
-    // rank 7 block 102: shares 29928..29959 ({step, share, of})
+    // rank 7 block 102: shares 29920..29951 ({step, share, of})
     {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64}, {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64},
     {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64}, {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64},
     {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64}, {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64},
     {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64}, {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64},
-    // rank 7 block 103: shares 29960..29991 ({step, share, of})
+    // rank 7 block 103: shares 29952..29983 ({step, share, of})
     {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64}, {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64},
     {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64}, {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64},
     {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64}, {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64},
     {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64}, {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64},
-    // rank 7 block 104: shares 29992..30023 ({step, share, of})
+    // rank 7 block 104: shares 29984..30015 ({step, share, of})
     {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64}, {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64},
     {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64}, {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64},
     {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64}, {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64},
     {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64}, {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64},
-    // rank 7 block 105: shares 30024..30055 ({step, share, of})
+    // rank 7 block 105: shares 30016..30047 ({step, share, of})
     {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64}, {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64},
     {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64}, {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64},
     {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64}, {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64},
     {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64}, {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64},
-    // rank 7 block 106: shares 30056..30087 ({step, share, of})
+    // rank 7 block 106: shares 30048..30079 ({step, share, of})
     {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64}, {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64},
     {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64}, {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64},
     {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64}, {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64},
     {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64}, {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64},
-    // rank 7 block 107: shares 30088..30119 ({step, share, of})
+    // rank 7 block 107: shares 30080..30111 ({step, share, of})
     {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64}, {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64},
     {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64}, {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64},
     {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64}, {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64},
     {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64}, {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64},
-    // rank 7 block 108: shares 30120..30151 ({step, share, of})
+    // rank 7 block 108: shares 30112..30143 ({step, share, of})
     {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64}, {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64},
     {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64}, {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64},
     {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64}, {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64},
     {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64}, {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64},
-    // rank 7 block 109: shares 30152..30183 ({step, share, of})
+    // rank 7 block 109: shares 30144..30175 ({step, share, of})
     {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64}, {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64},
     {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64}, {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64},
     {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64}, {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64},
     {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64}, {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64},
-    // rank 7 block 110: shares 30184..30215 ({step, share, of})
+    // rank 7 block 110: shares 30176..30207 ({step, share, of})
     {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64}, {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64},
     {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64}, {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64},
     {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64}, {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64},
     {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64}, {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64},
-    // rank 7 block 111: shares 30216..30247 ({step, share, of})
+    // rank 7 block 111: shares 30208..30239 ({step, share, of})
     {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64}, {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64},
     {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64}, {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64},
     {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64}, {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64},
     {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64}, {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64},
-    // rank 7 block 112: shares 30248..30279 ({step, share, of})
+    // rank 7 block 112: shares 30240..30271 ({step, share, of})
     {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64}, {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64},
     {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64}, {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64},
     {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64}, {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64},
     {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64}, {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64},
-    // rank 7 block 113: shares 30280..30311 ({step, share, of})
+    // rank 7 block 113: shares 30272..30303 ({step, share, of})
     {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64}, {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64},
     {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64}, {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64},
     {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64}, {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64},
     {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64}, {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64},
-    // rank 7 block 114: shares 30312..30343 ({step, share, of})
+    // rank 7 block 114: shares 30304..30335 ({step, share, of})
     {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64}, {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64},
     {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64}, {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64},
     {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64}, {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64},
     {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64}, {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64},
-    // rank 7 block 115: shares 30344..30375 ({step, share, of})
+    // rank 7 block 115: shares 30336..30367 ({step, share, of})
     {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64}, {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64},
     {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64}, {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64},
     {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64}, {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64},
     {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64}, {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64},
-    // rank 7 block 116: shares 30376..30407 ({step, share, of})
+    // rank 7 block 116: shares 30368..30399 ({step, share, of})
     {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64}, {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64},
     {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64}, {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64},
     {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64}, {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64},
     {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64}, {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64},
-    // rank 7 block 117: shares 30408..30439 ({step, share, of})
+    // rank 7 block 117: shares 30400..30431 ({step, share, of})
     {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64}, {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64},
     {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64}, {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64},
     {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64}, {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64},
     {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64}, {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64},
-    // rank 7 block 118: shares 30440..30471 ({step, share, of})
+    // rank 7 block 118: shares 30432..30463 ({step, share, of})
     {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64}, {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64},
     {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64}, {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64},
     {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64}, {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64},
     {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64}, {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64},
-    // rank 7 block 119: shares 30472..30503 ({step, share, of})
+    // rank 7 block 119: shares 30464..30495 ({step, share, of})
     {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64}, {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64},
     {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64}, {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64},
     {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64}, {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64},
     {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64}, {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64},
-    // rank 7 block 120: shares 30504..30535 ({step, share, of})
+    // rank 7 block 120: shares 30496..30527 ({step, share, of})
     {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64}, {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64},
     {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64}, {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64},
     {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64}, {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64},
     {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64}, {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64},
-    // rank 7 block 121: shares 30536..30567 ({step, share, of})
+    // rank 7 block 121: shares 30528..30559 ({step, share, of})
     {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64}, {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64},
     {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64}, {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64},
     {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64}, {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64},
     {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64}, {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64},
-    // rank 7 block 122: shares 30568..30599 ({step, share, of})
+    // rank 7 block 122: shares 30560..30591 ({step, share, of})
     {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64}, {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64},
     {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64}, {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64},
     {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64}, {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64},
     {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64}, {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64},
-    // rank 7 block 123: shares 30600..30631 ({step, share, of})
+    // rank 7 block 123: shares 30592..30623 ({step, share, of})
     {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64}, {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64},
     {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64}, {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64},
     {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64}, {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64},
     {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64}, {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64},
-    // rank 7 block 124: shares 30632..30663 ({step, share, of})
+    // rank 7 block 124: shares 30624..30655 ({step, share, of})
     {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64}, {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64},
     {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64}, {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64},
     {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64}, {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64},
     {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64}, {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64},
-    // rank 7 block 125: shares 30664..30695 ({step, share, of})
+    // rank 7 block 125: shares 30656..30687 ({step, share, of})
     {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64}, {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64},
     {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64}, {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64},
     {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64}, {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64},
     {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64}, {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64},
-    // rank 7 block 126: shares 30696..30727 ({step, share, of})
+    // rank 7 block 126: shares 30688..30719 ({step, share, of})
     {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64}, {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64},
     {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64}, {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64},
     {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64}, {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64},
     {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64}, {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64},
-    // rank 7 block 127: shares 30728..30759 ({step, share, of})
+    // rank 7 block 127: shares 30720..30751 ({step, share, of})
     {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64}, {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64},
     {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64}, {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64},
     {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64}, {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64},
@@ -10842,14 +10833,14 @@ static __device__ const tsgen_share shares_w8[] = {
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][129] = {
-    { 0, 33, 62, 91, 120, 149, 177, 205, 233, 261, 289, 317, 345, 373, 401, 429, 457, 485, 513, 541, 569, 597, 625, 653, 681, 709, 737, 765, 793, 821, 849, 877, 905, 933, 961, 989, 1017, 1045, 1073, 1101, 1129, 1157, 1185, 1213, 1241, 1269, 1297, 1325, 1353, 1381, 1409, 1437, 1465, 1493, 1521, 1549, 1577, 1605, 1633, 1661, 1689, 1717, 1745, 1773, 1801, 1829, 1861, 1893, 1925, 1957, 1989, 2021, 2053, 2085, 2117, 2149, 2181, 2213, 2245, 2277, 2309, 2341, 2373, 2405, 2437, 2469, 2501, 2533, 2565, 2597, 2629, 2661, 2693, 2725, 2757, 2789, 2821, 2853, 2885, 2917, 2949, 2981, 3013, 3045, 3077, 3109, 3141, 3173, 3205, 3237, 3269, 3301, 3333, 3365, 3397, 3429, 3461, 3493, 3525, 3557, 3589, 3621, 3653, 3685, 3717, 3749, 3781, 3813, 3845 },
-    { 3845, 3878, 3907, 3936, 3965, 3994, 4022, 4050, 4078, 4106, 4134, 4162, 4190, 4218, 4246, 4274, 4302, 4330, 4358, 4386, 4414, 4442, 4470, 4498, 4526, 4554, 4582, 4610, 4638, 4666, 4694, 4722, 4750, 4778, 4806, 4834, 4862, 4890, 4918, 4946, 4974, 5002, 5030, 5058, 5086, 5114, 5142, 5170, 5198, 5226, 5254, 5282, 5310, 5338, 5366, 5394, 5422, 5450, 5478, 5506, 5534, 5562, 5590, 5618, 5646, 5674, 5706, 5738, 5770, 5802, 5834, 5866, 5898, 5930, 5962, 5994, 6026, 6058, 6090, 6122, 6154, 6186, 6218, 6250, 6282, 6314, 6346, 6378, 6410, 6442, 6474, 6506, 6538, 6570, 6602, 6634, 6666, 6698, 6730, 6762, 6794, 6826, 6858, 6890, 6922, 6954, 6986, 7018, 7050, 7082, 7114, 7146, 7178, 7210, 7242, 7274, 7306, 7338, 7370, 7402, 7434, 7466, 7498, 7530, 7562, 7594, 7626, 7658, 7690 },
-    { 7690, 7723, 7752, 7781, 7810, 7839, 7867, 7895, 7923, 7951, 7979, 8007, 8035, 8063, 8091, 8119, 8147, 8175, 8203, 8231, 8259, 8287, 8315, 8343, 8371, 8399, 8427, 8455, 8483, 8511, 8539, 8567, 8595, 8623, 8651, 8679, 8707, 8735, 8763, 8791, 8819, 8847, 8875, 8903, 8931, 8959, 8987, 9015, 9043, 9071, 9099, 9127, 9155, 9183, 9211, 9239, 9267, 9295, 9323, 9351, 9379, 9407, 9435, 9463, 9491, 9519, 9551, 9583, 9615, 9647, 9679, 9711, 9743, 9775, 9807, 9839, 9871, 9903, 9935, 9967, 9999, 10031, 10063, 10095, 10127, 10159, 10191, 10223, 10255, 10287, 10319, 10351, 10383, 10415, 10447, 10479, 10511, 10543, 10575, 10607, 10639, 10671, 10703, 10735, 10767, 10799, 10831, 10863, 10895, 10927, 10959, 10991, 11023, 11055, 11087, 11119, 11151, 11183, 11215, 11247, 11279, 11311, 11343, 11375, 11407, 11439, 11471, 11503, 11535 },
-    { 11535, 11568, 11597, 11626, 11655, 11684, 11712, 11740, 11768, 11796, 11824, 11852, 11880, 11908, 11936, 11964, 11992, 12020, 12048, 12076, 12104, 12132, 12160, 12188, 12216, 12244, 12272, 12300, 12328, 12356, 12384, 12412, 12440, 12468, 12496, 12524, 12552, 12580, 12608, 12636, 12664, 12692, 12720, 12748, 12776, 12804, 12832, 12860, 12888, 12916, 12944, 12972, 13000, 13028, 13056, 13084, 13112, 13140, 13168, 13196, 13224, 13252, 13280, 13308, 13336, 13364, 13396, 13428, 13460, 13492, 13524, 13556, 13588, 13620, 13652, 13684, 13716, 13748, 13780, 13812, 13844, 13876, 13908, 13940, 13972, 14004, 14036, 14068, 14100, 14132, 14164, 14196, 14228, 14260, 14292, 14324, 14356, 14388, 14420, 14452, 14484, 14516, 14548, 14580, 14612, 14644, 14676, 14708, 14740, 14772, 14804, 14836, 14868, 14900, 14932, 14964, 14996, 15028, 15060, 15092, 15124, 15156, 15188, 15220, 15252, 15284, 15316, 15348, 15380 },
-    { 15380, 15413, 15442, 15471, 15500, 15529, 15557, 15585, 15613, 15641, 15669, 15697, 15725, 15753, 15781, 15809, 15837, 15865, 15893, 15921, 15949, 15977, 16005, 16033, 16061, 16089, 16117, 16145, 16173, 16201, 16229, 16257, 16285, 16313, 16341, 16369, 16397, 16425, 16453, 16481, 16509, 16537, 16565, 16593, 16621, 16649, 16677, 16705, 16733, 16761, 16789, 16817, 16845, 16873, 16901, 16929, 16957, 16985, 17013, 17041, 17069, 17097, 17125, 17153, 17181, 17209, 17241, 17273, 17305, 17337, 17369, 17401, 17433, 17465, 17497, 17529, 17561, 17593, 17625, 17657, 17689, 17721, 17753, 17785, 17817, 17849, 17881, 17913, 17945, 17977, 18009, 18041, 18073, 18105, 18137, 18169, 18201, 18233, 18265, 18297, 18329, 18361, 18393, 18425, 18457, 18489, 18521, 18553, 18585, 18617, 18649, 18681, 18713, 18745, 18777, 18809, 18841, 18873, 18905, 18937, 18969, 19001, 19033, 19065, 19097, 19129, 19161, 19193, 19225 },
-    { 19225, 19258, 19287, 19316, 19345, 19374, 19402, 19430, 19458, 19486, 19514, 19542, 19570, 19598, 19626, 19654, 19682, 19710, 19738, 19766, 19794, 19822, 19850, 19878, 19906, 19934, 19962, 19990, 20018, 20046, 20074, 20102, 20130, 20158, 20186, 20214, 20242, 20270, 20298, 20326, 20354, 20382, 20410, 20438, 20466, 20494, 20522, 20550, 20578, 20606, 20634, 20662, 20690, 20718, 20746, 20774, 20802, 20830, 20858, 20886, 20914, 20942, 20970, 20998, 21026, 21054, 21086, 21118, 21150, 21182, 21214, 21246, 21278, 21310, 21342, 21374, 21406, 21438, 21470, 21502, 21534, 21566, 21598, 21630, 21662, 21694, 21726, 21758, 21790, 21822, 21854, 21886, 21918, 21950, 21982, 22014, 22046, 22078, 22110, 22142, 22174, 22206, 22238, 22270, 22302, 22334, 22366, 22398, 22430, 22462, 22494, 22526, 22558, 22590, 22622, 22654, 22686, 22718, 22750, 22782, 22814, 22846, 22878, 22910, 22942, 22974, 23006, 23038, 23070 },
-    { 23070, 23103, 23132, 23161, 23190, 23219, 23247, 23275, 23303, 23331, 23359, 23387, 23415, 23443, 23471, 23499, 23527, 23555, 23583, 23611, 23639, 23667, 23695, 23723, 23751, 23779, 23807, 23835, 23863, 23891, 23919, 23947, 23975, 24003, 24031, 24059, 24087, 24115, 24143, 24171, 24199, 24227, 24255, 24283, 24311, 24339, 24367, 24395, 24423, 24451, 24479, 24507, 24535, 24563, 24591, 24619, 24647, 24675, 24703, 24731, 24759, 24787, 24815, 24843, 24871, 24899, 24931, 24963, 24995, 25027, 25059, 25091, 25123, 25155, 25187, 25219, 25251, 25283, 25315, 25347, 25379, 25411, 25443, 25475, 25507, 25539, 25571, 25603, 25635, 25667, 25699, 25731, 25763, 25795, 25827, 25859, 25891, 25923, 25955, 25987, 26019, 26051, 26083, 26115, 26147, 26179, 26211, 26243, 26275, 26307, 26339, 26371, 26403, 26435, 26467, 26499, 26531, 26563, 26595, 26627, 26659, 26691, 26723, 26755, 26787, 26819, 26851, 26883, 26915 },
-    { 26915, 26948, 26977, 27006, 27035, 27064, 27092, 27120, 27148, 27176, 27204, 27232, 27260, 27288, 27316, 27344, 27372, 27400, 27428, 27456, 27484, 27512, 27540, 27568, 27596, 27624, 27652, 27680, 27708, 27736, 27764, 27792, 27820, 27848, 27876, 27904, 27932, 27960, 27988, 28016, 28044, 28072, 28100, 28128, 28156, 28184, 28212, 28240, 28268, 28296, 28324, 28352, 28380, 28408, 28436, 28464, 28492, 28520, 28548, 28576, 28604, 28632, 28660, 28688, 28716, 28744, 28776, 28808, 28840, 28872, 28904, 28936, 28968, 29000, 29032, 29064, 29096, 29128, 29160, 29192, 29224, 29256, 29288, 29320, 29352, 29384, 29416, 29448, 29480, 29512, 29544, 29576, 29608, 29640, 29672, 29704, 29736, 29768, 29800, 29832, 29864, 29896, 29928, 29960, 29992, 30024, 30056, 30088, 30120, 30152, 30184, 30216, 30248, 30280, 30312, 30344, 30376, 30408, 30440, 30472, 30504, 30536, 30568, 30600, 30632, 30664, 30696, 30728, 30760 },
+    { 0, 32, 61, 90, 119, 148, 176, 204, 232, 260, 288, 316, 344, 372, 400, 428, 456, 484, 512, 540, 568, 596, 624, 652, 680, 708, 736, 764, 792, 820, 848, 876, 904, 932, 960, 988, 1016, 1044, 1072, 1100, 1128, 1156, 1184, 1212, 1240, 1268, 1296, 1324, 1352, 1380, 1408, 1436, 1464, 1492, 1520, 1548, 1576, 1604, 1632, 1660, 1688, 1716, 1744, 1772, 1800, 1828, 1860, 1892, 1924, 1956, 1988, 2020, 2052, 2084, 2116, 2148, 2180, 2212, 2244, 2276, 2308, 2340, 2372, 2404, 2436, 2468, 2500, 2532, 2564, 2596, 2628, 2660, 2692, 2724, 2756, 2788, 2820, 2852, 2884, 2916, 2948, 2980, 3012, 3044, 3076, 3108, 3140, 3172, 3204, 3236, 3268, 3300, 3332, 3364, 3396, 3428, 3460, 3492, 3524, 3556, 3588, 3620, 3652, 3684, 3716, 3748, 3780, 3812, 3844 },
+    { 3844, 3876, 3905, 3934, 3963, 3992, 4020, 4048, 4076, 4104, 4132, 4160, 4188, 4216, 4244, 4272, 4300, 4328, 4356, 4384, 4412, 4440, 4468, 4496, 4524, 4552, 4580, 4608, 4636, 4664, 4692, 4720, 4748, 4776, 4804, 4832, 4860, 4888, 4916, 4944, 4972, 5000, 5028, 5056, 5084, 5112, 5140, 5168, 5196, 5224, 5252, 5280, 5308, 5336, 5364, 5392, 5420, 5448, 5476, 5504, 5532, 5560, 5588, 5616, 5644, 5672, 5704, 5736, 5768, 5800, 5832, 5864, 5896, 5928, 5960, 5992, 6024, 6056, 6088, 6120, 6152, 6184, 6216, 6248, 6280, 6312, 6344, 6376, 6408, 6440, 6472, 6504, 6536, 6568, 6600, 6632, 6664, 6696, 6728, 6760, 6792, 6824, 6856, 6888, 6920, 6952, 6984, 7016, 7048, 7080, 7112, 7144, 7176, 7208, 7240, 7272, 7304, 7336, 7368, 7400, 7432, 7464, 7496, 7528, 7560, 7592, 7624, 7656, 7688 },
+    { 7688, 7720, 7749, 7778, 7807, 7836, 7864, 7892, 7920, 7948, 7976, 8004, 8032, 8060, 8088, 8116, 8144, 8172, 8200, 8228, 8256, 8284, 8312, 8340, 8368, 8396, 8424, 8452, 8480, 8508, 8536, 8564, 8592, 8620, 8648, 8676, 8704, 8732, 8760, 8788, 8816, 8844, 8872, 8900, 8928, 8956, 8984, 9012, 9040, 9068, 9096, 9124, 9152, 9180, 9208, 9236, 9264, 9292, 9320, 9348, 9376, 9404, 9432, 9460, 9488, 9516, 9548, 9580, 9612, 9644, 9676, 9708, 9740, 9772, 9804, 9836, 9868, 9900, 9932, 9964, 9996, 10028, 10060, 10092, 10124, 10156, 10188, 10220, 10252, 10284, 10316, 10348, 10380, 10412, 10444, 10476, 10508, 10540, 10572, 10604, 10636, 10668, 10700, 10732, 10764, 10796, 10828, 10860, 10892, 10924, 10956, 10988, 11020, 11052, 11084, 11116, 11148, 11180, 11212, 11244, 11276, 11308, 11340, 11372, 11404, 11436, 11468, 11500, 11532 },
+    { 11532, 11564, 11593, 11622, 11651, 11680, 11708, 11736, 11764, 11792, 11820, 11848, 11876, 11904, 11932, 11960, 11988, 12016, 12044, 12072, 12100, 12128, 12156, 12184, 12212, 12240, 12268, 12296, 12324, 12352, 12380, 12408, 12436, 12464, 12492, 12520, 12548, 12576, 12604, 12632, 12660, 12688, 12716, 12744, 12772, 12800, 12828, 12856, 12884, 12912, 12940, 12968, 12996, 13024, 13052, 13080, 13108, 13136, 13164, 13192, 13220, 13248, 13276, 13304, 13332, 13360, 13392, 13424, 13456, 13488, 13520, 13552, 13584, 13616, 13648, 13680, 13712, 13744, 13776, 13808, 13840, 13872, 13904, 13936, 13968, 14000, 14032, 14064, 14096, 14128, 14160, 14192, 14224, 14256, 14288, 14320, 14352, 14384, 14416, 14448, 14480, 14512, 14544, 14576, 14608, 14640, 14672, 14704, 14736, 14768, 14800, 14832, 14864, 14896, 14928, 14960, 14992, 15024, 15056, 15088, 15120, 15152, 15184, 15216, 15248, 15280, 15312, 15344, 15376 },
+    { 15376, 15408, 15437, 15466, 15495, 15524, 15552, 15580, 15608, 15636, 15664, 15692, 15720, 15748, 15776, 15804, 15832, 15860, 15888, 15916, 15944, 15972, 16000, 16028, 16056, 16084, 16112, 16140, 16168, 16196, 16224, 16252, 16280, 16308, 16336, 16364, 16392, 16420, 16448, 16476, 16504, 16532, 16560, 16588, 16616, 16644, 16672, 16700, 16728, 16756, 16784, 16812, 16840, 16868, 16896, 16924, 16952, 16980, 17008, 17036, 17064, 17092, 17120, 17148, 17176, 17204, 17236, 17268, 17300, 17332, 17364, 17396, 17428, 17460, 17492, 17524, 17556, 17588, 17620, 17652, 17684, 17716, 17748, 17780, 17812, 17844, 17876, 17908, 17940, 17972, 18004, 18036, 18068, 18100, 18132, 18164, 18196, 18228, 18260, 18292, 18324, 18356, 18388, 18420, 18452, 18484, 18516, 18548, 18580, 18612, 18644, 18676, 18708, 18740, 18772, 18804, 18836, 18868, 18900, 18932, 18964, 18996, 19028, 19060, 19092, 19124, 19156, 19188, 19220 },
+    { 19220, 19252, 19281, 19310, 19339, 19368, 19396, 19424, 19452, 19480, 19508, 19536, 19564, 19592, 19620, 19648, 19676, 19704, 19732, 19760, 19788, 19816, 19844, 19872, 19900, 19928, 19956, 19984, 20012, 20040, 20068, 20096, 20124, 20152, 20180, 20208, 20236, 20264, 20292, 20320, 20348, 20376, 20404, 20432, 20460, 20488, 20516, 20544, 20572, 20600, 20628, 20656, 20684, 20712, 20740, 20768, 20796, 20824, 20852, 20880, 20908, 20936, 20964, 20992, 21020, 21048, 21080, 21112, 21144, 21176, 21208, 21240, 21272, 21304, 21336, 21368, 21400, 21432, 21464, 21496, 21528, 21560, 21592, 21624, 21656, 21688, 21720, 21752, 21784, 21816, 21848, 21880, 21912, 21944, 21976, 22008, 22040, 22072, 22104, 22136, 22168, 22200, 22232, 22264, 22296, 22328, 22360, 22392, 22424, 22456, 22488, 22520, 22552, 22584, 22616, 22648, 22680, 22712, 22744, 22776, 22808, 22840, 22872, 22904, 22936, 22968, 23000, 23032, 23064 },
+    { 23064, 23096, 23125, 23154, 23183, 23212, 23240, 23268, 23296, 23324, 23352, 23380, 23408, 23436, 23464, 23492, 23520, 23548, 23576, 23604, 23632, 23660, 23688, 23716, 23744, 23772, 23800, 23828, 23856, 23884, 23912, 23940, 23968, 23996, 24024, 24052, 24080, 24108, 24136, 24164, 24192, 24220, 24248, 24276, 24304, 24332, 24360, 24388, 24416, 24444, 24472, 24500, 24528, 24556, 24584, 24612, 24640, 24668, 24696, 24724, 24752, 24780, 24808, 24836, 24864, 24892, 24924, 24956, 24988, 25020, 25052, 25084, 25116, 25148, 25180, 25212, 25244, 25276, 25308, 25340, 25372, 25404, 25436, 25468, 25500, 25532, 25564, 25596, 25628, 25660, 25692, 25724, 25756, 25788, 25820, 25852, 25884, 25916, 25948, 25980, 26012, 26044, 26076, 26108, 26140, 26172, 26204, 26236, 26268, 26300, 26332, 26364, 26396, 26428, 26460, 26492, 26524, 26556, 26588, 26620, 26652, 26684, 26716, 26748, 26780, 26812, 26844, 26876, 26908 },
+    { 26908, 26940, 26969, 26998, 27027, 27056, 27084, 27112, 27140, 27168, 27196, 27224, 27252, 27280, 27308, 27336, 27364, 27392, 27420, 27448, 27476, 27504, 27532, 27560, 27588, 27616, 27644, 27672, 27700, 27728, 27756, 27784, 27812, 27840, 27868, 27896, 27924, 27952, 27980, 28008, 28036, 28064, 28092, 28120, 28148, 28176, 28204, 28232, 28260, 28288, 28316, 28344, 28372, 28400, 28428, 28456, 28484, 28512, 28540, 28568, 28596, 28624, 28652, 28680, 28708, 28736, 28768, 28800, 28832, 28864, 28896, 28928, 28960, 28992, 29024, 29056, 29088, 29120, 29152, 29184, 29216, 29248, 29280, 29312, 29344, 29376, 29408, 29440, 29472, 29504, 29536, 29568, 29600, 29632, 29664, 29696, 29728, 29760, 29792, 29824, 29856, 29888, 29920, 29952, 29984, 30016, 30048, 30080, 30112, 30144, 30176, 30208, 30240, 30272, 30304, 30336, 30368, 30400, 30432, 30464, 30496, 30528, 30560, 30592, 30624, 30656, 30688, 30720, 30752 },
 };
 
 template <int WORLD> struct plan;
@@ -10857,27 +10848,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x4u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x8u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      case 3: mask = 0x4u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x80u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      case 3: mask = 0x4u, index = 3; break;
+      case 4: mask = 0x8u, index = 4; break;
+      case 5: mask = 0x10u, index = 5; break;
+      case 6: mask = 0x20u, index = 6; break;
+      case 7: mask = 0x40u, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1078,12 +1078,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1127,11 +1135,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1161,7 +1166,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 52 steps, 772 block shares over 113 blocks.
+// Plan for world size 2: 52 steps, 770 block shares over 113 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1272,215 +1277,211 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 26 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..8 ({step, share, of})
+    // rank 0 block 1: shares 0..7 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 2: shares 9..16 ({step, share, of})
+    // rank 0 block 2: shares 8..15 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 3: shares 17..24 ({step, share, of})
+    // rank 0 block 3: shares 16..23 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 4: shares 25..32 ({step, share, of})
+    // rank 0 block 4: shares 24..31 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 5: shares 33..40 ({step, share, of})
+    // rank 0 block 5: shares 32..39 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 6: shares 41..48 ({step, share, of})
+    // rank 0 block 6: shares 40..47 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 7: shares 49..56 ({step, share, of})
+    // rank 0 block 7: shares 48..55 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 8: shares 57..64 ({step, share, of})
+    // rank 0 block 8: shares 56..63 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 9: shares 65..72 ({step, share, of})
+    // rank 0 block 9: shares 64..71 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 10: shares 73..80 ({step, share, of})
+    // rank 0 block 10: shares 72..79 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 11: shares 81..88 ({step, share, of})
+    // rank 0 block 11: shares 80..87 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 12: shares 89..96 ({step, share, of})
+    // rank 0 block 12: shares 88..95 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 13: shares 97..104 ({step, share, of})
+    // rank 0 block 13: shares 96..103 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 14: shares 105..112 ({step, share, of})
+    // rank 0 block 14: shares 104..111 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 15: shares 113..120 ({step, share, of})
+    // rank 0 block 15: shares 112..119 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 0 block 16: shares 121..128 ({step, share, of})
+    // rank 0 block 16: shares 120..127 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 17: shares 129..136 ({step, share, of})
+    // rank 0 block 17: shares 128..135 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 0 block 18: shares 137..144 ({step, share, of})
+    // rank 0 block 18: shares 136..143 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 0 block 19: shares 145..152 ({step, share, of})
+    // rank 0 block 19: shares 144..151 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 0 block 20: shares 153..160 ({step, share, of})
+    // rank 0 block 20: shares 152..159 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 0 block 21: shares 161..168 ({step, share, of})
+    // rank 0 block 21: shares 160..167 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 0 block 22: shares 169..176 ({step, share, of})
+    // rank 0 block 22: shares 168..175 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 0 block 23: shares 177..184 ({step, share, of})
+    // rank 0 block 23: shares 176..183 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 0 block 24: shares 185..192 ({step, share, of})
+    // rank 0 block 24: shares 184..191 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 0 block 25: shares 193..200 ({step, share, of})
+    // rank 0 block 25: shares 192..199 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 0 block 26: shares 201..208 ({step, share, of})
+    // rank 0 block 26: shares 200..207 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 0 block 27: shares 209..216 ({step, share, of})
+    // rank 0 block 27: shares 208..215 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 0 block 28: shares 217..224 ({step, share, of})
+    // rank 0 block 28: shares 216..223 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 0 block 29: shares 225..232 ({step, share, of})
+    // rank 0 block 29: shares 224..231 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 0 block 30: shares 233..240 ({step, share, of})
+    // rank 0 block 30: shares 232..239 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 0 block 31: shares 241..248 ({step, share, of})
+    // rank 0 block 31: shares 240..247 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 0 block 32: shares 249..256 ({step, share, of})
+    // rank 0 block 32: shares 248..255 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 0 block 33: shares 257..264 ({step, share, of})
+    // rank 0 block 33: shares 256..263 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 0 block 34: shares 265..272 ({step, share, of})
+    // rank 0 block 34: shares 264..271 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 0 block 35: shares 273..280 ({step, share, of})
+    // rank 0 block 35: shares 272..279 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 0 block 36: shares 281..288 ({step, share, of})
+    // rank 0 block 36: shares 280..287 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 0 block 37: shares 289..296 ({step, share, of})
+    // rank 0 block 37: shares 288..295 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 0 block 38: shares 297..304 ({step, share, of})
+    // rank 0 block 38: shares 296..303 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 0 block 39: shares 305..312 ({step, share, of})
+    // rank 0 block 39: shares 304..311 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 0 block 40: shares 313..320 ({step, share, of})
+    // rank 0 block 40: shares 312..319 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 0 block 41: shares 321..328 ({step, share, of})
+    // rank 0 block 41: shares 320..327 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 0 block 42: shares 329..336 ({step, share, of})
+    // rank 0 block 42: shares 328..335 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 0 block 43: shares 337..344 ({step, share, of})
+    // rank 0 block 43: shares 336..343 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 0 block 44: shares 345..352 ({step, share, of})
+    // rank 0 block 44: shares 344..351 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 0 block 45: shares 353..360 ({step, share, of})
+    // rank 0 block 45: shares 352..359 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 0 block 46: shares 361..368 ({step, share, of})
+    // rank 0 block 46: shares 360..367 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 0 block 47: shares 369..376 ({step, share, of})
+    // rank 0 block 47: shares 368..375 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 0 block 48: shares 377..384 ({step, share, of})
+    // rank 0 block 48: shares 376..383 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 0 block 49: shares 385..385 ({step, share, of})
+    // rank 0 block 49: shares 384..384 ({step, share, of})
     {25, 0, 1},
-    // rank 1 block 0: shares 386..386 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 387..394 ({step, share, of})
+    // rank 1 block 1: shares 385..392 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 2: shares 395..402 ({step, share, of})
+    // rank 1 block 2: shares 393..400 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 3: shares 403..410 ({step, share, of})
+    // rank 1 block 3: shares 401..408 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 4: shares 411..418 ({step, share, of})
+    // rank 1 block 4: shares 409..416 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 5: shares 419..426 ({step, share, of})
+    // rank 1 block 5: shares 417..424 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 6: shares 427..434 ({step, share, of})
+    // rank 1 block 6: shares 425..432 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 7: shares 435..442 ({step, share, of})
+    // rank 1 block 7: shares 433..440 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 8: shares 443..450 ({step, share, of})
+    // rank 1 block 8: shares 441..448 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 9: shares 451..458 ({step, share, of})
+    // rank 1 block 9: shares 449..456 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 10: shares 459..466 ({step, share, of})
+    // rank 1 block 10: shares 457..464 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 11: shares 467..474 ({step, share, of})
+    // rank 1 block 11: shares 465..472 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 12: shares 475..482 ({step, share, of})
+    // rank 1 block 12: shares 473..480 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 13: shares 483..490 ({step, share, of})
+    // rank 1 block 13: shares 481..488 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 14: shares 491..498 ({step, share, of})
+    // rank 1 block 14: shares 489..496 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 15: shares 499..506 ({step, share, of})
+    // rank 1 block 15: shares 497..504 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 16: shares 507..514 ({step, share, of})
+    // rank 1 block 16: shares 505..512 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 17: shares 515..522 ({step, share, of})
+    // rank 1 block 17: shares 513..520 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 1 block 18: shares 523..530 ({step, share, of})
+    // rank 1 block 18: shares 521..528 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 1 block 19: shares 531..538 ({step, share, of})
+    // rank 1 block 19: shares 529..536 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 1 block 20: shares 539..546 ({step, share, of})
+    // rank 1 block 20: shares 537..544 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 1 block 21: shares 547..554 ({step, share, of})
+    // rank 1 block 21: shares 545..552 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 1 block 22: shares 555..562 ({step, share, of})
+    // rank 1 block 22: shares 553..560 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 1 block 23: shares 563..570 ({step, share, of})
+    // rank 1 block 23: shares 561..568 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 1 block 24: shares 571..578 ({step, share, of})
+    // rank 1 block 24: shares 569..576 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 1 block 25: shares 579..586 ({step, share, of})
+    // rank 1 block 25: shares 577..584 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 1 block 26: shares 587..594 ({step, share, of})
+    // rank 1 block 26: shares 585..592 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 1 block 27: shares 595..602 ({step, share, of})
+    // rank 1 block 27: shares 593..600 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 1 block 28: shares 603..610 ({step, share, of})
+    // rank 1 block 28: shares 601..608 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 1 block 29: shares 611..618 ({step, share, of})
+    // rank 1 block 29: shares 609..616 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 1 block 30: shares 619..626 ({step, share, of})
+    // rank 1 block 30: shares 617..624 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 1 block 31: shares 627..634 ({step, share, of})
+    // rank 1 block 31: shares 625..632 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 1 block 32: shares 635..642 ({step, share, of})
+    // rank 1 block 32: shares 633..640 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 1 block 33: shares 643..650 ({step, share, of})
+    // rank 1 block 33: shares 641..648 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 1 block 34: shares 651..658 ({step, share, of})
+    // rank 1 block 34: shares 649..656 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 1 block 35: shares 659..666 ({step, share, of})
+    // rank 1 block 35: shares 657..664 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 1 block 36: shares 667..674 ({step, share, of})
+    // rank 1 block 36: shares 665..672 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 1 block 37: shares 675..682 ({step, share, of})
+    // rank 1 block 37: shares 673..680 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 1 block 38: shares 683..690 ({step, share, of})
+    // rank 1 block 38: shares 681..688 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 1 block 39: shares 691..698 ({step, share, of})
+    // rank 1 block 39: shares 689..696 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 1 block 40: shares 699..706 ({step, share, of})
+    // rank 1 block 40: shares 697..704 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 1 block 41: shares 707..714 ({step, share, of})
+    // rank 1 block 41: shares 705..712 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 1 block 42: shares 715..722 ({step, share, of})
+    // rank 1 block 42: shares 713..720 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 1 block 43: shares 723..730 ({step, share, of})
+    // rank 1 block 43: shares 721..728 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 1 block 44: shares 731..738 ({step, share, of})
+    // rank 1 block 44: shares 729..736 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 1 block 45: shares 739..746 ({step, share, of})
+    // rank 1 block 45: shares 737..744 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 1 block 46: shares 747..754 ({step, share, of})
+    // rank 1 block 46: shares 745..752 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 1 block 47: shares 755..762 ({step, share, of})
+    // rank 1 block 47: shares 753..760 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 1 block 48: shares 763..770 ({step, share, of})
+    // rank 1 block 48: shares 761..768 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 1 block 49: shares 771..771 ({step, share, of})
+    // rank 1 block 49: shares 769..769 ({step, share, of})
     {25, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][114] = {
-    { 0, 1, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121, 129, 137, 145, 153, 161, 169, 177, 185, 193, 201, 209, 217, 225, 233, 241, 249, 257, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386, 386 },
-    { 386, 387, 395, 403, 411, 419, 427, 435, 443, 451, 459, 467, 475, 483, 491, 499, 507, 515, 523, 531, 539, 547, 555, 563, 571, 579, 587, 595, 603, 611, 619, 627, 635, 643, 651, 659, 667, 675, 683, 691, 699, 707, 715, 723, 731, 739, 747, 755, 763, 771, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772, 772 },
+    { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385, 385 },
+    { 385, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 521, 529, 537, 545, 553, 561, 569, 577, 585, 593, 601, 609, 617, 625, 633, 641, 649, 657, 665, 673, 681, 689, 697, 705, 713, 721, 729, 737, 745, 753, 761, 769, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770, 770 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 129 steps, 1929 block shares over 113 blocks.
+// Plan for world size 3: 129 steps, 1926 block shares over 113 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1745,514 +1746,508 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 43, 86 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..8 ({step, share, of})
+    // rank 0 block 1: shares 0..7 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 2: shares 9..16 ({step, share, of})
+    // rank 0 block 2: shares 8..15 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 3: shares 17..24 ({step, share, of})
+    // rank 0 block 3: shares 16..23 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 4: shares 25..32 ({step, share, of})
+    // rank 0 block 4: shares 24..31 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 5: shares 33..40 ({step, share, of})
+    // rank 0 block 5: shares 32..39 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 6: shares 41..48 ({step, share, of})
+    // rank 0 block 6: shares 40..47 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 7: shares 49..56 ({step, share, of})
+    // rank 0 block 7: shares 48..55 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 8: shares 57..64 ({step, share, of})
+    // rank 0 block 8: shares 56..63 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 9: shares 65..72 ({step, share, of})
+    // rank 0 block 9: shares 64..71 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 10: shares 73..80 ({step, share, of})
+    // rank 0 block 10: shares 72..79 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 11: shares 81..88 ({step, share, of})
+    // rank 0 block 11: shares 80..87 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 12: shares 89..96 ({step, share, of})
+    // rank 0 block 12: shares 88..95 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 13: shares 97..104 ({step, share, of})
+    // rank 0 block 13: shares 96..103 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 14: shares 105..112 ({step, share, of})
+    // rank 0 block 14: shares 104..111 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 15: shares 113..120 ({step, share, of})
+    // rank 0 block 15: shares 112..119 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 0 block 16: shares 121..128 ({step, share, of})
+    // rank 0 block 16: shares 120..127 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 17: shares 129..136 ({step, share, of})
+    // rank 0 block 17: shares 128..135 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 0 block 18: shares 137..144 ({step, share, of})
+    // rank 0 block 18: shares 136..143 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 0 block 19: shares 145..152 ({step, share, of})
+    // rank 0 block 19: shares 144..151 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 0 block 20: shares 153..160 ({step, share, of})
+    // rank 0 block 20: shares 152..159 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 0 block 21: shares 161..168 ({step, share, of})
+    // rank 0 block 21: shares 160..167 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 0 block 22: shares 169..176 ({step, share, of})
+    // rank 0 block 22: shares 168..175 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 0 block 23: shares 177..184 ({step, share, of})
+    // rank 0 block 23: shares 176..183 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 0 block 24: shares 185..192 ({step, share, of})
+    // rank 0 block 24: shares 184..191 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 0 block 25: shares 193..200 ({step, share, of})
+    // rank 0 block 25: shares 192..199 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 0 block 26: shares 201..208 ({step, share, of})
+    // rank 0 block 26: shares 200..207 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 0 block 27: shares 209..216 ({step, share, of})
+    // rank 0 block 27: shares 208..215 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 0 block 28: shares 217..224 ({step, share, of})
+    // rank 0 block 28: shares 216..223 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 0 block 29: shares 225..232 ({step, share, of})
+    // rank 0 block 29: shares 224..231 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 0 block 30: shares 233..240 ({step, share, of})
+    // rank 0 block 30: shares 232..239 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 0 block 31: shares 241..248 ({step, share, of})
+    // rank 0 block 31: shares 240..247 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 0 block 32: shares 249..256 ({step, share, of})
+    // rank 0 block 32: shares 248..255 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 0 block 33: shares 257..264 ({step, share, of})
+    // rank 0 block 33: shares 256..263 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 0 block 34: shares 265..272 ({step, share, of})
+    // rank 0 block 34: shares 264..271 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 0 block 35: shares 273..280 ({step, share, of})
+    // rank 0 block 35: shares 272..279 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 0 block 36: shares 281..288 ({step, share, of})
+    // rank 0 block 36: shares 280..287 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 0 block 37: shares 289..296 ({step, share, of})
+    // rank 0 block 37: shares 288..295 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 0 block 38: shares 297..304 ({step, share, of})
+    // rank 0 block 38: shares 296..303 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 0 block 39: shares 305..312 ({step, share, of})
+    // rank 0 block 39: shares 304..311 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 0 block 40: shares 313..320 ({step, share, of})
+    // rank 0 block 40: shares 312..319 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 0 block 41: shares 321..328 ({step, share, of})
+    // rank 0 block 41: shares 320..327 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 0 block 42: shares 329..336 ({step, share, of})
+    // rank 0 block 42: shares 328..335 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 0 block 43: shares 337..344 ({step, share, of})
+    // rank 0 block 43: shares 336..343 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 0 block 44: shares 345..352 ({step, share, of})
+    // rank 0 block 44: shares 344..351 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 0 block 45: shares 353..360 ({step, share, of})
+    // rank 0 block 45: shares 352..359 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 0 block 46: shares 361..368 ({step, share, of})
+    // rank 0 block 46: shares 360..367 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 0 block 47: shares 369..376 ({step, share, of})
+    // rank 0 block 47: shares 368..375 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 0 block 48: shares 377..384 ({step, share, of})
+    // rank 0 block 48: shares 376..383 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 0 block 49: shares 385..392 ({step, share, of})
+    // rank 0 block 49: shares 384..391 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 0 block 50: shares 393..400 ({step, share, of})
+    // rank 0 block 50: shares 392..399 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 0 block 51: shares 401..408 ({step, share, of})
+    // rank 0 block 51: shares 400..407 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 0 block 52: shares 409..416 ({step, share, of})
+    // rank 0 block 52: shares 408..415 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 0 block 53: shares 417..424 ({step, share, of})
+    // rank 0 block 53: shares 416..423 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 0 block 54: shares 425..432 ({step, share, of})
+    // rank 0 block 54: shares 424..431 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 0 block 55: shares 433..440 ({step, share, of})
+    // rank 0 block 55: shares 432..439 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 0 block 56: shares 441..448 ({step, share, of})
+    // rank 0 block 56: shares 440..447 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 0 block 57: shares 449..456 ({step, share, of})
+    // rank 0 block 57: shares 448..455 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 0 block 58: shares 457..464 ({step, share, of})
+    // rank 0 block 58: shares 456..463 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 0 block 59: shares 465..472 ({step, share, of})
+    // rank 0 block 59: shares 464..471 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 0 block 60: shares 473..480 ({step, share, of})
+    // rank 0 block 60: shares 472..479 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 0 block 61: shares 481..488 ({step, share, of})
+    // rank 0 block 61: shares 480..487 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 0 block 62: shares 489..496 ({step, share, of})
+    // rank 0 block 62: shares 488..495 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 0 block 63: shares 497..504 ({step, share, of})
+    // rank 0 block 63: shares 496..503 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 0 block 64: shares 505..512 ({step, share, of})
+    // rank 0 block 64: shares 504..511 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 0 block 65: shares 513..520 ({step, share, of})
+    // rank 0 block 65: shares 512..519 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 0 block 66: shares 521..528 ({step, share, of})
+    // rank 0 block 66: shares 520..527 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 0 block 67: shares 529..536 ({step, share, of})
+    // rank 0 block 67: shares 528..535 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 0 block 68: shares 537..544 ({step, share, of})
+    // rank 0 block 68: shares 536..543 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 0 block 69: shares 545..552 ({step, share, of})
+    // rank 0 block 69: shares 544..551 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 0 block 70: shares 553..560 ({step, share, of})
+    // rank 0 block 70: shares 552..559 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 0 block 71: shares 561..568 ({step, share, of})
+    // rank 0 block 71: shares 560..567 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 0 block 72: shares 569..576 ({step, share, of})
+    // rank 0 block 72: shares 568..575 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 0 block 73: shares 577..584 ({step, share, of})
+    // rank 0 block 73: shares 576..583 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 0 block 74: shares 585..592 ({step, share, of})
+    // rank 0 block 74: shares 584..591 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 0 block 75: shares 593..600 ({step, share, of})
+    // rank 0 block 75: shares 592..599 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 0 block 76: shares 601..608 ({step, share, of})
+    // rank 0 block 76: shares 600..607 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 0 block 77: shares 609..616 ({step, share, of})
+    // rank 0 block 77: shares 608..615 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 0 block 78: shares 617..624 ({step, share, of})
+    // rank 0 block 78: shares 616..623 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 0 block 79: shares 625..632 ({step, share, of})
+    // rank 0 block 79: shares 624..631 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 0 block 80: shares 633..640 ({step, share, of})
+    // rank 0 block 80: shares 632..639 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 0 block 81: shares 641..641 ({step, share, of})
+    // rank 0 block 81: shares 640..640 ({step, share, of})
     {41, 0, 1},
-    // rank 0 block 82: shares 642..642 ({step, share, of})
+    // rank 0 block 82: shares 641..641 ({step, share, of})
     {42, 0, 1},
-    // rank 1 block 0: shares 643..643 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 644..651 ({step, share, of})
+    // rank 1 block 1: shares 642..649 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 2: shares 652..659 ({step, share, of})
+    // rank 1 block 2: shares 650..657 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 3: shares 660..667 ({step, share, of})
+    // rank 1 block 3: shares 658..665 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 4: shares 668..675 ({step, share, of})
+    // rank 1 block 4: shares 666..673 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 5: shares 676..683 ({step, share, of})
+    // rank 1 block 5: shares 674..681 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 6: shares 684..691 ({step, share, of})
+    // rank 1 block 6: shares 682..689 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 7: shares 692..699 ({step, share, of})
+    // rank 1 block 7: shares 690..697 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 8: shares 700..707 ({step, share, of})
+    // rank 1 block 8: shares 698..705 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 9: shares 708..715 ({step, share, of})
+    // rank 1 block 9: shares 706..713 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 10: shares 716..723 ({step, share, of})
+    // rank 1 block 10: shares 714..721 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 11: shares 724..731 ({step, share, of})
+    // rank 1 block 11: shares 722..729 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 12: shares 732..739 ({step, share, of})
+    // rank 1 block 12: shares 730..737 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 13: shares 740..747 ({step, share, of})
+    // rank 1 block 13: shares 738..745 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 14: shares 748..755 ({step, share, of})
+    // rank 1 block 14: shares 746..753 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 15: shares 756..763 ({step, share, of})
+    // rank 1 block 15: shares 754..761 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 16: shares 764..771 ({step, share, of})
+    // rank 1 block 16: shares 762..769 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 17: shares 772..779 ({step, share, of})
+    // rank 1 block 17: shares 770..777 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 1 block 18: shares 780..787 ({step, share, of})
+    // rank 1 block 18: shares 778..785 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 1 block 19: shares 788..795 ({step, share, of})
+    // rank 1 block 19: shares 786..793 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 1 block 20: shares 796..803 ({step, share, of})
+    // rank 1 block 20: shares 794..801 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 1 block 21: shares 804..811 ({step, share, of})
+    // rank 1 block 21: shares 802..809 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 1 block 22: shares 812..819 ({step, share, of})
+    // rank 1 block 22: shares 810..817 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 1 block 23: shares 820..827 ({step, share, of})
+    // rank 1 block 23: shares 818..825 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 1 block 24: shares 828..835 ({step, share, of})
+    // rank 1 block 24: shares 826..833 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 1 block 25: shares 836..843 ({step, share, of})
+    // rank 1 block 25: shares 834..841 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 1 block 26: shares 844..851 ({step, share, of})
+    // rank 1 block 26: shares 842..849 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 1 block 27: shares 852..859 ({step, share, of})
+    // rank 1 block 27: shares 850..857 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 1 block 28: shares 860..867 ({step, share, of})
+    // rank 1 block 28: shares 858..865 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 1 block 29: shares 868..875 ({step, share, of})
+    // rank 1 block 29: shares 866..873 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 1 block 30: shares 876..883 ({step, share, of})
+    // rank 1 block 30: shares 874..881 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 1 block 31: shares 884..891 ({step, share, of})
+    // rank 1 block 31: shares 882..889 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 1 block 32: shares 892..899 ({step, share, of})
+    // rank 1 block 32: shares 890..897 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 1 block 33: shares 900..907 ({step, share, of})
+    // rank 1 block 33: shares 898..905 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 1 block 34: shares 908..915 ({step, share, of})
+    // rank 1 block 34: shares 906..913 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 1 block 35: shares 916..923 ({step, share, of})
+    // rank 1 block 35: shares 914..921 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 1 block 36: shares 924..931 ({step, share, of})
+    // rank 1 block 36: shares 922..929 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 1 block 37: shares 932..939 ({step, share, of})
+    // rank 1 block 37: shares 930..937 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 1 block 38: shares 940..947 ({step, share, of})
+    // rank 1 block 38: shares 938..945 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 1 block 39: shares 948..955 ({step, share, of})
+    // rank 1 block 39: shares 946..953 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 1 block 40: shares 956..963 ({step, share, of})
+    // rank 1 block 40: shares 954..961 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 1 block 41: shares 964..971 ({step, share, of})
+    // rank 1 block 41: shares 962..969 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 1 block 42: shares 972..979 ({step, share, of})
+    // rank 1 block 42: shares 970..977 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 1 block 43: shares 980..987 ({step, share, of})
+    // rank 1 block 43: shares 978..985 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 1 block 44: shares 988..995 ({step, share, of})
+    // rank 1 block 44: shares 986..993 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 1 block 45: shares 996..1003 ({step, share, of})
+    // rank 1 block 45: shares 994..1001 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 1 block 46: shares 1004..1011 ({step, share, of})
+    // rank 1 block 46: shares 1002..1009 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 1 block 47: shares 1012..1019 ({step, share, of})
+    // rank 1 block 47: shares 1010..1017 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 1 block 48: shares 1020..1027 ({step, share, of})
+    // rank 1 block 48: shares 1018..1025 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 1 block 49: shares 1028..1035 ({step, share, of})
+    // rank 1 block 49: shares 1026..1033 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 1 block 50: shares 1036..1043 ({step, share, of})
+    // rank 1 block 50: shares 1034..1041 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 1 block 51: shares 1044..1051 ({step, share, of})
+    // rank 1 block 51: shares 1042..1049 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 1 block 52: shares 1052..1059 ({step, share, of})
+    // rank 1 block 52: shares 1050..1057 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 1 block 53: shares 1060..1067 ({step, share, of})
+    // rank 1 block 53: shares 1058..1065 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 1 block 54: shares 1068..1075 ({step, share, of})
+    // rank 1 block 54: shares 1066..1073 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 1 block 55: shares 1076..1083 ({step, share, of})
+    // rank 1 block 55: shares 1074..1081 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 1 block 56: shares 1084..1091 ({step, share, of})
+    // rank 1 block 56: shares 1082..1089 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 1 block 57: shares 1092..1099 ({step, share, of})
+    // rank 1 block 57: shares 1090..1097 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 1 block 58: shares 1100..1107 ({step, share, of})
+    // rank 1 block 58: shares 1098..1105 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 1 block 59: shares 1108..1115 ({step, share, of})
+    // rank 1 block 59: shares 1106..1113 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 1 block 60: shares 1116..1123 ({step, share, of})
+    // rank 1 block 60: shares 1114..1121 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 1 block 61: shares 1124..1131 ({step, share, of})
+    // rank 1 block 61: shares 1122..1129 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 1 block 62: shares 1132..1139 ({step, share, of})
+    // rank 1 block 62: shares 1130..1137 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 1 block 63: shares 1140..1147 ({step, share, of})
+    // rank 1 block 63: shares 1138..1145 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 1 block 64: shares 1148..1155 ({step, share, of})
+    // rank 1 block 64: shares 1146..1153 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 1 block 65: shares 1156..1163 ({step, share, of})
+    // rank 1 block 65: shares 1154..1161 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 1 block 66: shares 1164..1171 ({step, share, of})
+    // rank 1 block 66: shares 1162..1169 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 1 block 67: shares 1172..1179 ({step, share, of})
+    // rank 1 block 67: shares 1170..1177 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 1 block 68: shares 1180..1187 ({step, share, of})
+    // rank 1 block 68: shares 1178..1185 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 1 block 69: shares 1188..1195 ({step, share, of})
+    // rank 1 block 69: shares 1186..1193 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 1 block 70: shares 1196..1203 ({step, share, of})
+    // rank 1 block 70: shares 1194..1201 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 1 block 71: shares 1204..1211 ({step, share, of})
+    // rank 1 block 71: shares 1202..1209 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 1 block 72: shares 1212..1219 ({step, share, of})
+    // rank 1 block 72: shares 1210..1217 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 1 block 73: shares 1220..1227 ({step, share, of})
+    // rank 1 block 73: shares 1218..1225 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 1 block 74: shares 1228..1235 ({step, share, of})
+    // rank 1 block 74: shares 1226..1233 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 1 block 75: shares 1236..1243 ({step, share, of})
+    // rank 1 block 75: shares 1234..1241 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 1 block 76: shares 1244..1251 ({step, share, of})
+    // rank 1 block 76: shares 1242..1249 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 1 block 77: shares 1252..1259 ({step, share, of})
+    // rank 1 block 77: shares 1250..1257 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 1 block 78: shares 1260..1267 ({step, share, of})
+    // rank 1 block 78: shares 1258..1265 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 1 block 79: shares 1268..1275 ({step, share, of})
+    // rank 1 block 79: shares 1266..1273 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 1 block 80: shares 1276..1283 ({step, share, of})
+    // rank 1 block 80: shares 1274..1281 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 1 block 81: shares 1284..1284 ({step, share, of})
+    // rank 1 block 81: shares 1282..1282 ({step, share, of})
     {41, 0, 1},
-    // rank 1 block 82: shares 1285..1285 ({step, share, of})
+    // rank 1 block 82: shares 1283..1283 ({step, share, of})
     {42, 0, 1},
-    // rank 2 block 0: shares 1286..1286 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 1287..1294 ({step, share, of})
+    // rank 2 block 1: shares 1284..1291 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
-    // rank 2 block 2: shares 1295..1302 ({step, share, of})
+    // rank 2 block 2: shares 1292..1299 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 3: shares 1303..1310 ({step, share, of})
+    // rank 2 block 3: shares 1300..1307 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 4: shares 1311..1318 ({step, share, of})
+    // rank 2 block 4: shares 1308..1315 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 5: shares 1319..1326 ({step, share, of})
+    // rank 2 block 5: shares 1316..1323 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 6: shares 1327..1334 ({step, share, of})
+    // rank 2 block 6: shares 1324..1331 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 7: shares 1335..1342 ({step, share, of})
+    // rank 2 block 7: shares 1332..1339 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 8: shares 1343..1350 ({step, share, of})
+    // rank 2 block 8: shares 1340..1347 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 9: shares 1351..1358 ({step, share, of})
+    // rank 2 block 9: shares 1348..1355 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 10: shares 1359..1366 ({step, share, of})
+    // rank 2 block 10: shares 1356..1363 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 11: shares 1367..1374 ({step, share, of})
+    // rank 2 block 11: shares 1364..1371 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 12: shares 1375..1382 ({step, share, of})
+    // rank 2 block 12: shares 1372..1379 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 13: shares 1383..1390 ({step, share, of})
+    // rank 2 block 13: shares 1380..1387 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 14: shares 1391..1398 ({step, share, of})
+    // rank 2 block 14: shares 1388..1395 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 15: shares 1399..1406 ({step, share, of})
+    // rank 2 block 15: shares 1396..1403 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 16: shares 1407..1414 ({step, share, of})
+    // rank 2 block 16: shares 1404..1411 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 17: shares 1415..1422 ({step, share, of})
+    // rank 2 block 17: shares 1412..1419 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 2 block 18: shares 1423..1430 ({step, share, of})
+    // rank 2 block 18: shares 1420..1427 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 2 block 19: shares 1431..1438 ({step, share, of})
+    // rank 2 block 19: shares 1428..1435 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 2 block 20: shares 1439..1446 ({step, share, of})
+    // rank 2 block 20: shares 1436..1443 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 2 block 21: shares 1447..1454 ({step, share, of})
+    // rank 2 block 21: shares 1444..1451 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 2 block 22: shares 1455..1462 ({step, share, of})
+    // rank 2 block 22: shares 1452..1459 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 2 block 23: shares 1463..1470 ({step, share, of})
+    // rank 2 block 23: shares 1460..1467 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 2 block 24: shares 1471..1478 ({step, share, of})
+    // rank 2 block 24: shares 1468..1475 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 2 block 25: shares 1479..1486 ({step, share, of})
+    // rank 2 block 25: shares 1476..1483 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 2 block 26: shares 1487..1494 ({step, share, of})
+    // rank 2 block 26: shares 1484..1491 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 2 block 27: shares 1495..1502 ({step, share, of})
+    // rank 2 block 27: shares 1492..1499 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 2 block 28: shares 1503..1510 ({step, share, of})
+    // rank 2 block 28: shares 1500..1507 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 2 block 29: shares 1511..1518 ({step, share, of})
+    // rank 2 block 29: shares 1508..1515 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 2 block 30: shares 1519..1526 ({step, share, of})
+    // rank 2 block 30: shares 1516..1523 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 2 block 31: shares 1527..1534 ({step, share, of})
+    // rank 2 block 31: shares 1524..1531 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 2 block 32: shares 1535..1542 ({step, share, of})
+    // rank 2 block 32: shares 1532..1539 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 2 block 33: shares 1543..1550 ({step, share, of})
+    // rank 2 block 33: shares 1540..1547 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 2 block 34: shares 1551..1558 ({step, share, of})
+    // rank 2 block 34: shares 1548..1555 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 2 block 35: shares 1559..1566 ({step, share, of})
+    // rank 2 block 35: shares 1556..1563 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 2 block 36: shares 1567..1574 ({step, share, of})
+    // rank 2 block 36: shares 1564..1571 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 2 block 37: shares 1575..1582 ({step, share, of})
+    // rank 2 block 37: shares 1572..1579 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 2 block 38: shares 1583..1590 ({step, share, of})
+    // rank 2 block 38: shares 1580..1587 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 2 block 39: shares 1591..1598 ({step, share, of})
+    // rank 2 block 39: shares 1588..1595 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 2 block 40: shares 1599..1606 ({step, share, of})
+    // rank 2 block 40: shares 1596..1603 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 2 block 41: shares 1607..1614 ({step, share, of})
+    // rank 2 block 41: shares 1604..1611 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 2 block 42: shares 1615..1622 ({step, share, of})
+    // rank 2 block 42: shares 1612..1619 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 2 block 43: shares 1623..1630 ({step, share, of})
+    // rank 2 block 43: shares 1620..1627 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 2 block 44: shares 1631..1638 ({step, share, of})
+    // rank 2 block 44: shares 1628..1635 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 2 block 45: shares 1639..1646 ({step, share, of})
+    // rank 2 block 45: shares 1636..1643 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 2 block 46: shares 1647..1654 ({step, share, of})
+    // rank 2 block 46: shares 1644..1651 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 2 block 47: shares 1655..1662 ({step, share, of})
+    // rank 2 block 47: shares 1652..1659 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 2 block 48: shares 1663..1670 ({step, share, of})
+    // rank 2 block 48: shares 1660..1667 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 2 block 49: shares 1671..1678 ({step, share, of})
+    // rank 2 block 49: shares 1668..1675 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 2 block 50: shares 1679..1686 ({step, share, of})
+    // rank 2 block 50: shares 1676..1683 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 2 block 51: shares 1687..1694 ({step, share, of})
+    // rank 2 block 51: shares 1684..1691 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 2 block 52: shares 1695..1702 ({step, share, of})
+    // rank 2 block 52: shares 1692..1699 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 2 block 53: shares 1703..1710 ({step, share, of})
+    // rank 2 block 53: shares 1700..1707 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 2 block 54: shares 1711..1718 ({step, share, of})
+    // rank 2 block 54: shares 1708..1715 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 2 block 55: shares 1719..1726 ({step, share, of})
+    // rank 2 block 55: shares 1716..1723 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 2 block 56: shares 1727..1734 ({step, share, of})
+    // rank 2 block 56: shares 1724..1731 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 2 block 57: shares 1735..1742 ({step, share, of})
+    // rank 2 block 57: shares 1732..1739 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 2 block 58: shares 1743..1750 ({step, share, of})
+    // rank 2 block 58: shares 1740..1747 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 2 block 59: shares 1751..1758 ({step, share, of})
+    // rank 2 block 59: shares 1748..1755 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 2 block 60: shares 1759..1766 ({step, share, of})
+    // rank 2 block 60: shares 1756..1763 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 2 block 61: shares 1767..1774 ({step, share, of})
+    // rank 2 block 61: shares 1764..1771 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 2 block 62: shares 1775..1782 ({step, share, of})
+    // rank 2 block 62: shares 1772..1779 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 2 block 63: shares 1783..1790 ({step, share, of})
+    // rank 2 block 63: shares 1780..1787 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 2 block 64: shares 1791..1798 ({step, share, of})
+    // rank 2 block 64: shares 1788..1795 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 2 block 65: shares 1799..1806 ({step, share, of})
+    // rank 2 block 65: shares 1796..1803 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 2 block 66: shares 1807..1814 ({step, share, of})
+    // rank 2 block 66: shares 1804..1811 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 2 block 67: shares 1815..1822 ({step, share, of})
+    // rank 2 block 67: shares 1812..1819 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 2 block 68: shares 1823..1830 ({step, share, of})
+    // rank 2 block 68: shares 1820..1827 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 2 block 69: shares 1831..1838 ({step, share, of})
+    // rank 2 block 69: shares 1828..1835 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 2 block 70: shares 1839..1846 ({step, share, of})
+    // rank 2 block 70: shares 1836..1843 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 2 block 71: shares 1847..1854 ({step, share, of})
+    // rank 2 block 71: shares 1844..1851 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 2 block 72: shares 1855..1862 ({step, share, of})
+    // rank 2 block 72: shares 1852..1859 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 2 block 73: shares 1863..1870 ({step, share, of})
+    // rank 2 block 73: shares 1860..1867 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 2 block 74: shares 1871..1878 ({step, share, of})
+    // rank 2 block 74: shares 1868..1875 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 2 block 75: shares 1879..1886 ({step, share, of})
+    // rank 2 block 75: shares 1876..1883 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 2 block 76: shares 1887..1894 ({step, share, of})
+    // rank 2 block 76: shares 1884..1891 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 2 block 77: shares 1895..1902 ({step, share, of})
+    // rank 2 block 77: shares 1892..1899 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 2 block 78: shares 1903..1910 ({step, share, of})
+    // rank 2 block 78: shares 1900..1907 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 2 block 79: shares 1911..1918 ({step, share, of})
+    // rank 2 block 79: shares 1908..1915 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 2 block 80: shares 1919..1926 ({step, share, of})
+    // rank 2 block 80: shares 1916..1923 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 2 block 81: shares 1927..1927 ({step, share, of})
+    // rank 2 block 81: shares 1924..1924 ({step, share, of})
     {41, 0, 1},
-    // rank 2 block 82: shares 1928..1928 ({step, share, of})
+    // rank 2 block 82: shares 1925..1925 ({step, share, of})
     {42, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][114] = {
-    { 0, 1, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121, 129, 137, 145, 153, 161, 169, 177, 185, 193, 201, 209, 217, 225, 233, 241, 249, 257, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 521, 529, 537, 545, 553, 561, 569, 577, 585, 593, 601, 609, 617, 625, 633, 641, 642, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643, 643 },
-    { 643, 644, 652, 660, 668, 676, 684, 692, 700, 708, 716, 724, 732, 740, 748, 756, 764, 772, 780, 788, 796, 804, 812, 820, 828, 836, 844, 852, 860, 868, 876, 884, 892, 900, 908, 916, 924, 932, 940, 948, 956, 964, 972, 980, 988, 996, 1004, 1012, 1020, 1028, 1036, 1044, 1052, 1060, 1068, 1076, 1084, 1092, 1100, 1108, 1116, 1124, 1132, 1140, 1148, 1156, 1164, 1172, 1180, 1188, 1196, 1204, 1212, 1220, 1228, 1236, 1244, 1252, 1260, 1268, 1276, 1284, 1285, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286, 1286 },
-    { 1286, 1287, 1295, 1303, 1311, 1319, 1327, 1335, 1343, 1351, 1359, 1367, 1375, 1383, 1391, 1399, 1407, 1415, 1423, 1431, 1439, 1447, 1455, 1463, 1471, 1479, 1487, 1495, 1503, 1511, 1519, 1527, 1535, 1543, 1551, 1559, 1567, 1575, 1583, 1591, 1599, 1607, 1615, 1623, 1631, 1639, 1647, 1655, 1663, 1671, 1679, 1687, 1695, 1703, 1711, 1719, 1727, 1735, 1743, 1751, 1759, 1767, 1775, 1783, 1791, 1799, 1807, 1815, 1823, 1831, 1839, 1847, 1855, 1863, 1871, 1879, 1887, 1895, 1903, 1911, 1919, 1927, 1928, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929, 1929 },
+    { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 392, 400, 408, 416, 424, 432, 440, 448, 456, 464, 472, 480, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 641, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642 },
+    { 642, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 778, 786, 794, 802, 810, 818, 826, 834, 842, 850, 858, 866, 874, 882, 890, 898, 906, 914, 922, 930, 938, 946, 954, 962, 970, 978, 986, 994, 1002, 1010, 1018, 1026, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1283, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284 },
+    { 1284, 1284, 1292, 1300, 1308, 1316, 1324, 1332, 1340, 1348, 1356, 1364, 1372, 1380, 1388, 1396, 1404, 1412, 1420, 1428, 1436, 1444, 1452, 1460, 1468, 1476, 1484, 1492, 1500, 1508, 1516, 1524, 1532, 1540, 1548, 1556, 1564, 1572, 1580, 1588, 1596, 1604, 1612, 1620, 1628, 1636, 1644, 1652, 1660, 1668, 1676, 1684, 1692, 1700, 1708, 1716, 1724, 1732, 1740, 1748, 1756, 1764, 1772, 1780, 1788, 1796, 1804, 1812, 1820, 1828, 1836, 1844, 1852, 1860, 1868, 1876, 1884, 1892, 1900, 1908, 1916, 1924, 1925, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 240 steps, 3600 block shares over 113 blocks.
+// Plan for world size 4: 240 steps, 3596 block shares over 113 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -2739,929 +2734,929 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 60, 120, 180 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {57, 0, 1},
-    // rank 0 block 1: shares 2..10 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {57, 0, 1},
+    // rank 0 block 1: shares 1..9 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {58, 0, 1},
-    // rank 0 block 2: shares 11..19 ({step, share, of})
+    // rank 0 block 2: shares 10..18 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {59, 0, 1},
-    // rank 0 block 3: shares 20..27 ({step, share, of})
+    // rank 0 block 3: shares 19..26 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 4: shares 28..35 ({step, share, of})
+    // rank 0 block 4: shares 27..34 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 5: shares 36..43 ({step, share, of})
+    // rank 0 block 5: shares 35..42 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 6: shares 44..51 ({step, share, of})
+    // rank 0 block 6: shares 43..50 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 7: shares 52..59 ({step, share, of})
+    // rank 0 block 7: shares 51..58 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 8: shares 60..67 ({step, share, of})
+    // rank 0 block 8: shares 59..66 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 9: shares 68..75 ({step, share, of})
+    // rank 0 block 9: shares 67..74 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 10: shares 76..83 ({step, share, of})
+    // rank 0 block 10: shares 75..82 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 11: shares 84..91 ({step, share, of})
+    // rank 0 block 11: shares 83..90 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 12: shares 92..99 ({step, share, of})
+    // rank 0 block 12: shares 91..98 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 13: shares 100..107 ({step, share, of})
+    // rank 0 block 13: shares 99..106 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 14: shares 108..115 ({step, share, of})
+    // rank 0 block 14: shares 107..114 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 15: shares 116..123 ({step, share, of})
+    // rank 0 block 15: shares 115..122 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 0 block 16: shares 124..131 ({step, share, of})
+    // rank 0 block 16: shares 123..130 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 17: shares 132..139 ({step, share, of})
+    // rank 0 block 17: shares 131..138 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 0 block 18: shares 140..147 ({step, share, of})
+    // rank 0 block 18: shares 139..146 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 0 block 19: shares 148..155 ({step, share, of})
+    // rank 0 block 19: shares 147..154 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 0 block 20: shares 156..163 ({step, share, of})
+    // rank 0 block 20: shares 155..162 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 0 block 21: shares 164..171 ({step, share, of})
+    // rank 0 block 21: shares 163..170 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 0 block 22: shares 172..179 ({step, share, of})
+    // rank 0 block 22: shares 171..178 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 0 block 23: shares 180..187 ({step, share, of})
+    // rank 0 block 23: shares 179..186 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 0 block 24: shares 188..195 ({step, share, of})
+    // rank 0 block 24: shares 187..194 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 0 block 25: shares 196..203 ({step, share, of})
+    // rank 0 block 25: shares 195..202 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 0 block 26: shares 204..211 ({step, share, of})
+    // rank 0 block 26: shares 203..210 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 0 block 27: shares 212..219 ({step, share, of})
+    // rank 0 block 27: shares 211..218 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 0 block 28: shares 220..227 ({step, share, of})
+    // rank 0 block 28: shares 219..226 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 0 block 29: shares 228..235 ({step, share, of})
+    // rank 0 block 29: shares 227..234 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 0 block 30: shares 236..243 ({step, share, of})
+    // rank 0 block 30: shares 235..242 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 0 block 31: shares 244..251 ({step, share, of})
+    // rank 0 block 31: shares 243..250 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 0 block 32: shares 252..259 ({step, share, of})
+    // rank 0 block 32: shares 251..258 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 0 block 33: shares 260..267 ({step, share, of})
+    // rank 0 block 33: shares 259..266 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 0 block 34: shares 268..275 ({step, share, of})
+    // rank 0 block 34: shares 267..274 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 0 block 35: shares 276..283 ({step, share, of})
+    // rank 0 block 35: shares 275..282 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 0 block 36: shares 284..291 ({step, share, of})
+    // rank 0 block 36: shares 283..290 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 0 block 37: shares 292..299 ({step, share, of})
+    // rank 0 block 37: shares 291..298 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 0 block 38: shares 300..307 ({step, share, of})
+    // rank 0 block 38: shares 299..306 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 0 block 39: shares 308..315 ({step, share, of})
+    // rank 0 block 39: shares 307..314 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 0 block 40: shares 316..323 ({step, share, of})
+    // rank 0 block 40: shares 315..322 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 0 block 41: shares 324..331 ({step, share, of})
+    // rank 0 block 41: shares 323..330 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 0 block 42: shares 332..339 ({step, share, of})
+    // rank 0 block 42: shares 331..338 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 0 block 43: shares 340..347 ({step, share, of})
+    // rank 0 block 43: shares 339..346 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 0 block 44: shares 348..355 ({step, share, of})
+    // rank 0 block 44: shares 347..354 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 0 block 45: shares 356..363 ({step, share, of})
+    // rank 0 block 45: shares 355..362 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 0 block 46: shares 364..371 ({step, share, of})
+    // rank 0 block 46: shares 363..370 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 0 block 47: shares 372..379 ({step, share, of})
+    // rank 0 block 47: shares 371..378 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 0 block 48: shares 380..387 ({step, share, of})
+    // rank 0 block 48: shares 379..386 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 0 block 49: shares 388..395 ({step, share, of})
+    // rank 0 block 49: shares 387..394 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 0 block 50: shares 396..403 ({step, share, of})
+    // rank 0 block 50: shares 395..402 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 0 block 51: shares 404..411 ({step, share, of})
+    // rank 0 block 51: shares 403..410 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 0 block 52: shares 412..419 ({step, share, of})
+    // rank 0 block 52: shares 411..418 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 0 block 53: shares 420..427 ({step, share, of})
+    // rank 0 block 53: shares 419..426 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 0 block 54: shares 428..435 ({step, share, of})
+    // rank 0 block 54: shares 427..434 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 0 block 55: shares 436..443 ({step, share, of})
+    // rank 0 block 55: shares 435..442 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 0 block 56: shares 444..451 ({step, share, of})
+    // rank 0 block 56: shares 443..450 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 0 block 57: shares 452..459 ({step, share, of})
+    // rank 0 block 57: shares 451..458 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 0 block 58: shares 460..467 ({step, share, of})
+    // rank 0 block 58: shares 459..466 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 0 block 59: shares 468..475 ({step, share, of})
+    // rank 0 block 59: shares 467..474 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 0 block 60: shares 476..483 ({step, share, of})
+    // rank 0 block 60: shares 475..482 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 0 block 61: shares 484..491 ({step, share, of})
+    // rank 0 block 61: shares 483..490 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 0 block 62: shares 492..499 ({step, share, of})
+    // rank 0 block 62: shares 491..498 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 0 block 63: shares 500..507 ({step, share, of})
+    // rank 0 block 63: shares 499..506 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 0 block 64: shares 508..515 ({step, share, of})
+    // rank 0 block 64: shares 507..514 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 0 block 65: shares 516..523 ({step, share, of})
+    // rank 0 block 65: shares 515..522 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 0 block 66: shares 524..531 ({step, share, of})
+    // rank 0 block 66: shares 523..530 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 0 block 67: shares 532..539 ({step, share, of})
+    // rank 0 block 67: shares 531..538 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 0 block 68: shares 540..547 ({step, share, of})
+    // rank 0 block 68: shares 539..546 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 0 block 69: shares 548..555 ({step, share, of})
+    // rank 0 block 69: shares 547..554 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 0 block 70: shares 556..563 ({step, share, of})
+    // rank 0 block 70: shares 555..562 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 0 block 71: shares 564..571 ({step, share, of})
+    // rank 0 block 71: shares 563..570 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 0 block 72: shares 572..579 ({step, share, of})
+    // rank 0 block 72: shares 571..578 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 0 block 73: shares 580..587 ({step, share, of})
+    // rank 0 block 73: shares 579..586 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 0 block 74: shares 588..595 ({step, share, of})
+    // rank 0 block 74: shares 587..594 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 0 block 75: shares 596..603 ({step, share, of})
+    // rank 0 block 75: shares 595..602 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 0 block 76: shares 604..611 ({step, share, of})
+    // rank 0 block 76: shares 603..610 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 0 block 77: shares 612..619 ({step, share, of})
+    // rank 0 block 77: shares 611..618 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 0 block 78: shares 620..627 ({step, share, of})
+    // rank 0 block 78: shares 619..626 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 0 block 79: shares 628..635 ({step, share, of})
+    // rank 0 block 79: shares 627..634 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 0 block 80: shares 636..643 ({step, share, of})
+    // rank 0 block 80: shares 635..642 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 0 block 81: shares 644..651 ({step, share, of})
+    // rank 0 block 81: shares 643..650 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
-    // rank 0 block 82: shares 652..659 ({step, share, of})
+    // rank 0 block 82: shares 651..658 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
-    // rank 0 block 83: shares 660..667 ({step, share, of})
+    // rank 0 block 83: shares 659..666 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
-    // rank 0 block 84: shares 668..675 ({step, share, of})
+    // rank 0 block 84: shares 667..674 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
-    // rank 0 block 85: shares 676..683 ({step, share, of})
+    // rank 0 block 85: shares 675..682 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
-    // rank 0 block 86: shares 684..691 ({step, share, of})
+    // rank 0 block 86: shares 683..690 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
-    // rank 0 block 87: shares 692..699 ({step, share, of})
+    // rank 0 block 87: shares 691..698 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
-    // rank 0 block 88: shares 700..707 ({step, share, of})
+    // rank 0 block 88: shares 699..706 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
-    // rank 0 block 89: shares 708..715 ({step, share, of})
+    // rank 0 block 89: shares 707..714 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
-    // rank 0 block 90: shares 716..723 ({step, share, of})
+    // rank 0 block 90: shares 715..722 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
-    // rank 0 block 91: shares 724..731 ({step, share, of})
+    // rank 0 block 91: shares 723..730 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
-    // rank 0 block 92: shares 732..739 ({step, share, of})
+    // rank 0 block 92: shares 731..738 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
-    // rank 0 block 93: shares 740..747 ({step, share, of})
+    // rank 0 block 93: shares 739..746 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
-    // rank 0 block 94: shares 748..755 ({step, share, of})
+    // rank 0 block 94: shares 747..754 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
-    // rank 0 block 95: shares 756..763 ({step, share, of})
+    // rank 0 block 95: shares 755..762 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
-    // rank 0 block 96: shares 764..771 ({step, share, of})
+    // rank 0 block 96: shares 763..770 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
-    // rank 0 block 97: shares 772..779 ({step, share, of})
+    // rank 0 block 97: shares 771..778 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
-    // rank 0 block 98: shares 780..787 ({step, share, of})
+    // rank 0 block 98: shares 779..786 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
-    // rank 0 block 99: shares 788..795 ({step, share, of})
+    // rank 0 block 99: shares 787..794 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
-    // rank 0 block 100: shares 796..803 ({step, share, of})
+    // rank 0 block 100: shares 795..802 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
-    // rank 0 block 101: shares 804..811 ({step, share, of})
+    // rank 0 block 101: shares 803..810 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
-    // rank 0 block 102: shares 812..819 ({step, share, of})
+    // rank 0 block 102: shares 811..818 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
-    // rank 0 block 103: shares 820..827 ({step, share, of})
+    // rank 0 block 103: shares 819..826 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
-    // rank 0 block 104: shares 828..835 ({step, share, of})
+    // rank 0 block 104: shares 827..834 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
-    // rank 0 block 105: shares 836..843 ({step, share, of})
+    // rank 0 block 105: shares 835..842 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
-    // rank 0 block 106: shares 844..851 ({step, share, of})
+    // rank 0 block 106: shares 843..850 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
-    // rank 0 block 107: shares 852..859 ({step, share, of})
+    // rank 0 block 107: shares 851..858 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
-    // rank 0 block 108: shares 860..867 ({step, share, of})
+    // rank 0 block 108: shares 859..866 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
-    // rank 0 block 109: shares 868..875 ({step, share, of})
+    // rank 0 block 109: shares 867..874 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
-    // rank 0 block 110: shares 876..883 ({step, share, of})
+    // rank 0 block 110: shares 875..882 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
-    // rank 0 block 111: shares 884..891 ({step, share, of})
+    // rank 0 block 111: shares 883..890 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
-    // rank 0 block 112: shares 892..899 ({step, share, of})
+    // rank 0 block 112: shares 891..898 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
-    // rank 1 block 0: shares 900..901 ({step, share, of})
-    {0, 0, 1}, {57, 0, 1},
-    // rank 1 block 1: shares 902..910 ({step, share, of})
+    // rank 1 block 0: shares 899..899 ({step, share, of})
+    {57, 0, 1},
+    // rank 1 block 1: shares 900..908 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {58, 0, 1},
-    // rank 1 block 2: shares 911..919 ({step, share, of})
+    // rank 1 block 2: shares 909..917 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {59, 0, 1},
-    // rank 1 block 3: shares 920..927 ({step, share, of})
+    // rank 1 block 3: shares 918..925 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 4: shares 928..935 ({step, share, of})
+    // rank 1 block 4: shares 926..933 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 5: shares 936..943 ({step, share, of})
+    // rank 1 block 5: shares 934..941 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 6: shares 944..951 ({step, share, of})
+    // rank 1 block 6: shares 942..949 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 7: shares 952..959 ({step, share, of})
+    // rank 1 block 7: shares 950..957 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 8: shares 960..967 ({step, share, of})
+    // rank 1 block 8: shares 958..965 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 9: shares 968..975 ({step, share, of})
+    // rank 1 block 9: shares 966..973 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 10: shares 976..983 ({step, share, of})
+    // rank 1 block 10: shares 974..981 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 11: shares 984..991 ({step, share, of})
+    // rank 1 block 11: shares 982..989 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 12: shares 992..999 ({step, share, of})
+    // rank 1 block 12: shares 990..997 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 13: shares 1000..1007 ({step, share, of})
+    // rank 1 block 13: shares 998..1005 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 14: shares 1008..1015 ({step, share, of})
+    // rank 1 block 14: shares 1006..1013 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 15: shares 1016..1023 ({step, share, of})
+    // rank 1 block 15: shares 1014..1021 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 16: shares 1024..1031 ({step, share, of})
+    // rank 1 block 16: shares 1022..1029 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 17: shares 1032..1039 ({step, share, of})
+    // rank 1 block 17: shares 1030..1037 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 1 block 18: shares 1040..1047 ({step, share, of})
+    // rank 1 block 18: shares 1038..1045 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 1 block 19: shares 1048..1055 ({step, share, of})
+    // rank 1 block 19: shares 1046..1053 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 1 block 20: shares 1056..1063 ({step, share, of})
+    // rank 1 block 20: shares 1054..1061 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 1 block 21: shares 1064..1071 ({step, share, of})
+    // rank 1 block 21: shares 1062..1069 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 1 block 22: shares 1072..1079 ({step, share, of})
+    // rank 1 block 22: shares 1070..1077 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 1 block 23: shares 1080..1087 ({step, share, of})
+    // rank 1 block 23: shares 1078..1085 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 1 block 24: shares 1088..1095 ({step, share, of})
+    // rank 1 block 24: shares 1086..1093 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 1 block 25: shares 1096..1103 ({step, share, of})
+    // rank 1 block 25: shares 1094..1101 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 1 block 26: shares 1104..1111 ({step, share, of})
+    // rank 1 block 26: shares 1102..1109 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 1 block 27: shares 1112..1119 ({step, share, of})
+    // rank 1 block 27: shares 1110..1117 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 1 block 28: shares 1120..1127 ({step, share, of})
+    // rank 1 block 28: shares 1118..1125 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 1 block 29: shares 1128..1135 ({step, share, of})
+    // rank 1 block 29: shares 1126..1133 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 1 block 30: shares 1136..1143 ({step, share, of})
+    // rank 1 block 30: shares 1134..1141 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 1 block 31: shares 1144..1151 ({step, share, of})
+    // rank 1 block 31: shares 1142..1149 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 1 block 32: shares 1152..1159 ({step, share, of})
+    // rank 1 block 32: shares 1150..1157 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 1 block 33: shares 1160..1167 ({step, share, of})
+    // rank 1 block 33: shares 1158..1165 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 1 block 34: shares 1168..1175 ({step, share, of})
+    // rank 1 block 34: shares 1166..1173 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 1 block 35: shares 1176..1183 ({step, share, of})
+    // rank 1 block 35: shares 1174..1181 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 1 block 36: shares 1184..1191 ({step, share, of})
+    // rank 1 block 36: shares 1182..1189 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 1 block 37: shares 1192..1199 ({step, share, of})
+    // rank 1 block 37: shares 1190..1197 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 1 block 38: shares 1200..1207 ({step, share, of})
+    // rank 1 block 38: shares 1198..1205 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 1 block 39: shares 1208..1215 ({step, share, of})
+    // rank 1 block 39: shares 1206..1213 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 1 block 40: shares 1216..1223 ({step, share, of})
+    // rank 1 block 40: shares 1214..1221 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 1 block 41: shares 1224..1231 ({step, share, of})
+    // rank 1 block 41: shares 1222..1229 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 1 block 42: shares 1232..1239 ({step, share, of})
+    // rank 1 block 42: shares 1230..1237 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 1 block 43: shares 1240..1247 ({step, share, of})
+    // rank 1 block 43: shares 1238..1245 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 1 block 44: shares 1248..1255 ({step, share, of})
+    // rank 1 block 44: shares 1246..1253 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 1 block 45: shares 1256..1263 ({step, share, of})
+    // rank 1 block 45: shares 1254..1261 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 1 block 46: shares 1264..1271 ({step, share, of})
+    // rank 1 block 46: shares 1262..1269 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 1 block 47: shares 1272..1279 ({step, share, of})
+    // rank 1 block 47: shares 1270..1277 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 1 block 48: shares 1280..1287 ({step, share, of})
+    // rank 1 block 48: shares 1278..1285 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 1 block 49: shares 1288..1295 ({step, share, of})
+    // rank 1 block 49: shares 1286..1293 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 1 block 50: shares 1296..1303 ({step, share, of})
+    // rank 1 block 50: shares 1294..1301 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 1 block 51: shares 1304..1311 ({step, share, of})
+    // rank 1 block 51: shares 1302..1309 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 1 block 52: shares 1312..1319 ({step, share, of})
+    // rank 1 block 52: shares 1310..1317 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 1 block 53: shares 1320..1327 ({step, share, of})
+    // rank 1 block 53: shares 1318..1325 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 1 block 54: shares 1328..1335 ({step, share, of})
+    // rank 1 block 54: shares 1326..1333 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 1 block 55: shares 1336..1343 ({step, share, of})
+    // rank 1 block 55: shares 1334..1341 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 1 block 56: shares 1344..1351 ({step, share, of})
+    // rank 1 block 56: shares 1342..1349 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 1 block 57: shares 1352..1359 ({step, share, of})
+    // rank 1 block 57: shares 1350..1357 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 1 block 58: shares 1360..1367 ({step, share, of})
+    // rank 1 block 58: shares 1358..1365 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 1 block 59: shares 1368..1375 ({step, share, of})
+    // rank 1 block 59: shares 1366..1373 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 1 block 60: shares 1376..1383 ({step, share, of})
+    // rank 1 block 60: shares 1374..1381 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 1 block 61: shares 1384..1391 ({step, share, of})
+    // rank 1 block 61: shares 1382..1389 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 1 block 62: shares 1392..1399 ({step, share, of})
+    // rank 1 block 62: shares 1390..1397 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 1 block 63: shares 1400..1407 ({step, share, of})
+    // rank 1 block 63: shares 1398..1405 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 1 block 64: shares 1408..1415 ({step, share, of})
+    // rank 1 block 64: shares 1406..1413 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 1 block 65: shares 1416..1423 ({step, share, of})
+    // rank 1 block 65: shares 1414..1421 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 1 block 66: shares 1424..1431 ({step, share, of})
+    // rank 1 block 66: shares 1422..1429 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 1 block 67: shares 1432..1439 ({step, share, of})
+    // rank 1 block 67: shares 1430..1437 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 1 block 68: shares 1440..1447 ({step, share, of})
+    // rank 1 block 68: shares 1438..1445 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 1 block 69: shares 1448..1455 ({step, share, of})
+    // rank 1 block 69: shares 1446..1453 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 1 block 70: shares 1456..1463 ({step, share, of})
+    // rank 1 block 70: shares 1454..1461 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 1 block 71: shares 1464..1471 ({step, share, of})
+    // rank 1 block 71: shares 1462..1469 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 1 block 72: shares 1472..1479 ({step, share, of})
+    // rank 1 block 72: shares 1470..1477 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 1 block 73: shares 1480..1487 ({step, share, of})
+    // rank 1 block 73: shares 1478..1485 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 1 block 74: shares 1488..1495 ({step, share, of})
+    // rank 1 block 74: shares 1486..1493 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 1 block 75: shares 1496..1503 ({step, share, of})
+    // rank 1 block 75: shares 1494..1501 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 1 block 76: shares 1504..1511 ({step, share, of})
+    // rank 1 block 76: shares 1502..1509 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 1 block 77: shares 1512..1519 ({step, share, of})
+    // rank 1 block 77: shares 1510..1517 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 1 block 78: shares 1520..1527 ({step, share, of})
+    // rank 1 block 78: shares 1518..1525 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 1 block 79: shares 1528..1535 ({step, share, of})
+    // rank 1 block 79: shares 1526..1533 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 1 block 80: shares 1536..1543 ({step, share, of})
+    // rank 1 block 80: shares 1534..1541 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 1 block 81: shares 1544..1551 ({step, share, of})
+    // rank 1 block 81: shares 1542..1549 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
-    // rank 1 block 82: shares 1552..1559 ({step, share, of})
+    // rank 1 block 82: shares 1550..1557 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
-    // rank 1 block 83: shares 1560..1567 ({step, share, of})
+    // rank 1 block 83: shares 1558..1565 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
-    // rank 1 block 84: shares 1568..1575 ({step, share, of})
+    // rank 1 block 84: shares 1566..1573 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
-    // rank 1 block 85: shares 1576..1583 ({step, share, of})
+    // rank 1 block 85: shares 1574..1581 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
-    // rank 1 block 86: shares 1584..1591 ({step, share, of})
+    // rank 1 block 86: shares 1582..1589 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
-    // rank 1 block 87: shares 1592..1599 ({step, share, of})
+    // rank 1 block 87: shares 1590..1597 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
-    // rank 1 block 88: shares 1600..1607 ({step, share, of})
+    // rank 1 block 88: shares 1598..1605 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
-    // rank 1 block 89: shares 1608..1615 ({step, share, of})
+    // rank 1 block 89: shares 1606..1613 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
-    // rank 1 block 90: shares 1616..1623 ({step, share, of})
+    // rank 1 block 90: shares 1614..1621 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
-    // rank 1 block 91: shares 1624..1631 ({step, share, of})
+    // rank 1 block 91: shares 1622..1629 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
-    // rank 1 block 92: shares 1632..1639 ({step, share, of})
+    // rank 1 block 92: shares 1630..1637 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
-    // rank 1 block 93: shares 1640..1647 ({step, share, of})
+    // rank 1 block 93: shares 1638..1645 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
-    // rank 1 block 94: shares 1648..1655 ({step, share, of})
+    // rank 1 block 94: shares 1646..1653 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
-    // rank 1 block 95: shares 1656..1663 ({step, share, of})
+    // rank 1 block 95: shares 1654..1661 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
-    // rank 1 block 96: shares 1664..1671 ({step, share, of})
+    // rank 1 block 96: shares 1662..1669 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
-    // rank 1 block 97: shares 1672..1679 ({step, share, of})
+    // rank 1 block 97: shares 1670..1677 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
-    // rank 1 block 98: shares 1680..1687 ({step, share, of})
+    // rank 1 block 98: shares 1678..1685 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
-    // rank 1 block 99: shares 1688..1695 ({step, share, of})
+    // rank 1 block 99: shares 1686..1693 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
-    // rank 1 block 100: shares 1696..1703 ({step, share, of})
+    // rank 1 block 100: shares 1694..1701 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
-    // rank 1 block 101: shares 1704..1711 ({step, share, of})
+    // rank 1 block 101: shares 1702..1709 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
-    // rank 1 block 102: shares 1712..1719 ({step, share, of})
+    // rank 1 block 102: shares 1710..1717 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
-    // rank 1 block 103: shares 1720..1727 ({step, share, of})
+    // rank 1 block 103: shares 1718..1725 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
-    // rank 1 block 104: shares 1728..1735 ({step, share, of})
+    // rank 1 block 104: shares 1726..1733 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
-    // rank 1 block 105: shares 1736..1743 ({step, share, of})
+    // rank 1 block 105: shares 1734..1741 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
-    // rank 1 block 106: shares 1744..1751 ({step, share, of})
+    // rank 1 block 106: shares 1742..1749 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
-    // rank 1 block 107: shares 1752..1759 ({step, share, of})
+    // rank 1 block 107: shares 1750..1757 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
-    // rank 1 block 108: shares 1760..1767 ({step, share, of})
+    // rank 1 block 108: shares 1758..1765 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
-    // rank 1 block 109: shares 1768..1775 ({step, share, of})
+    // rank 1 block 109: shares 1766..1773 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
-    // rank 1 block 110: shares 1776..1783 ({step, share, of})
+    // rank 1 block 110: shares 1774..1781 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
-    // rank 1 block 111: shares 1784..1791 ({step, share, of})
+    // rank 1 block 111: shares 1782..1789 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
-    // rank 1 block 112: shares 1792..1799 ({step, share, of})
+    // rank 1 block 112: shares 1790..1797 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
-    // rank 2 block 0: shares 1800..1801 ({step, share, of})
-    {0, 0, 1}, {57, 0, 1},
-    // rank 2 block 1: shares 1802..1810 ({step, share, of})
+    // rank 2 block 0: shares 1798..1798 ({step, share, of})
+    {57, 0, 1},
+    // rank 2 block 1: shares 1799..1807 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {58, 0, 1},
-    // rank 2 block 2: shares 1811..1819 ({step, share, of})
+    // rank 2 block 2: shares 1808..1816 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {59, 0, 1},
-    // rank 2 block 3: shares 1820..1827 ({step, share, of})
+    // rank 2 block 3: shares 1817..1824 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 4: shares 1828..1835 ({step, share, of})
+    // rank 2 block 4: shares 1825..1832 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 5: shares 1836..1843 ({step, share, of})
+    // rank 2 block 5: shares 1833..1840 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 6: shares 1844..1851 ({step, share, of})
+    // rank 2 block 6: shares 1841..1848 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 7: shares 1852..1859 ({step, share, of})
+    // rank 2 block 7: shares 1849..1856 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 8: shares 1860..1867 ({step, share, of})
+    // rank 2 block 8: shares 1857..1864 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 9: shares 1868..1875 ({step, share, of})
+    // rank 2 block 9: shares 1865..1872 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 10: shares 1876..1883 ({step, share, of})
+    // rank 2 block 10: shares 1873..1880 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 11: shares 1884..1891 ({step, share, of})
+    // rank 2 block 11: shares 1881..1888 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 12: shares 1892..1899 ({step, share, of})
+    // rank 2 block 12: shares 1889..1896 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 13: shares 1900..1907 ({step, share, of})
+    // rank 2 block 13: shares 1897..1904 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 14: shares 1908..1915 ({step, share, of})
+    // rank 2 block 14: shares 1905..1912 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 15: shares 1916..1923 ({step, share, of})
+    // rank 2 block 15: shares 1913..1920 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 16: shares 1924..1931 ({step, share, of})
+    // rank 2 block 16: shares 1921..1928 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 17: shares 1932..1939 ({step, share, of})
+    // rank 2 block 17: shares 1929..1936 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 2 block 18: shares 1940..1947 ({step, share, of})
+    // rank 2 block 18: shares 1937..1944 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 2 block 19: shares 1948..1955 ({step, share, of})
+    // rank 2 block 19: shares 1945..1952 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 2 block 20: shares 1956..1963 ({step, share, of})
+    // rank 2 block 20: shares 1953..1960 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 2 block 21: shares 1964..1971 ({step, share, of})
+    // rank 2 block 21: shares 1961..1968 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 2 block 22: shares 1972..1979 ({step, share, of})
+    // rank 2 block 22: shares 1969..1976 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 2 block 23: shares 1980..1987 ({step, share, of})
+    // rank 2 block 23: shares 1977..1984 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 2 block 24: shares 1988..1995 ({step, share, of})
+    // rank 2 block 24: shares 1985..1992 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 2 block 25: shares 1996..2003 ({step, share, of})
+    // rank 2 block 25: shares 1993..2000 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 2 block 26: shares 2004..2011 ({step, share, of})
+    // rank 2 block 26: shares 2001..2008 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 2 block 27: shares 2012..2019 ({step, share, of})
+    // rank 2 block 27: shares 2009..2016 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 2 block 28: shares 2020..2027 ({step, share, of})
+    // rank 2 block 28: shares 2017..2024 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 2 block 29: shares 2028..2035 ({step, share, of})
+    // rank 2 block 29: shares 2025..2032 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 2 block 30: shares 2036..2043 ({step, share, of})
+    // rank 2 block 30: shares 2033..2040 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 2 block 31: shares 2044..2051 ({step, share, of})
+    // rank 2 block 31: shares 2041..2048 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 2 block 32: shares 2052..2059 ({step, share, of})
+    // rank 2 block 32: shares 2049..2056 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 2 block 33: shares 2060..2067 ({step, share, of})
+    // rank 2 block 33: shares 2057..2064 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 2 block 34: shares 2068..2075 ({step, share, of})
+    // rank 2 block 34: shares 2065..2072 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 2 block 35: shares 2076..2083 ({step, share, of})
+    // rank 2 block 35: shares 2073..2080 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 2 block 36: shares 2084..2091 ({step, share, of})
+    // rank 2 block 36: shares 2081..2088 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 2 block 37: shares 2092..2099 ({step, share, of})
+    // rank 2 block 37: shares 2089..2096 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 2 block 38: shares 2100..2107 ({step, share, of})
+    // rank 2 block 38: shares 2097..2104 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 2 block 39: shares 2108..2115 ({step, share, of})
+    // rank 2 block 39: shares 2105..2112 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 2 block 40: shares 2116..2123 ({step, share, of})
+    // rank 2 block 40: shares 2113..2120 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 2 block 41: shares 2124..2131 ({step, share, of})
+    // rank 2 block 41: shares 2121..2128 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 2 block 42: shares 2132..2139 ({step, share, of})
+    // rank 2 block 42: shares 2129..2136 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 2 block 43: shares 2140..2147 ({step, share, of})
+    // rank 2 block 43: shares 2137..2144 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 2 block 44: shares 2148..2155 ({step, share, of})
+    // rank 2 block 44: shares 2145..2152 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 2 block 45: shares 2156..2163 ({step, share, of})
+    // rank 2 block 45: shares 2153..2160 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 2 block 46: shares 2164..2171 ({step, share, of})
+    // rank 2 block 46: shares 2161..2168 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 2 block 47: shares 2172..2179 ({step, share, of})
+    // rank 2 block 47: shares 2169..2176 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 2 block 48: shares 2180..2187 ({step, share, of})
+    // rank 2 block 48: shares 2177..2184 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 2 block 49: shares 2188..2195 ({step, share, of})
+    // rank 2 block 49: shares 2185..2192 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 2 block 50: shares 2196..2203 ({step, share, of})
+    // rank 2 block 50: shares 2193..2200 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 2 block 51: shares 2204..2211 ({step, share, of})
+    // rank 2 block 51: shares 2201..2208 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 2 block 52: shares 2212..2219 ({step, share, of})
+    // rank 2 block 52: shares 2209..2216 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 2 block 53: shares 2220..2227 ({step, share, of})
+    // rank 2 block 53: shares 2217..2224 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 2 block 54: shares 2228..2235 ({step, share, of})
+    // rank 2 block 54: shares 2225..2232 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 2 block 55: shares 2236..2243 ({step, share, of})
+    // rank 2 block 55: shares 2233..2240 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 2 block 56: shares 2244..2251 ({step, share, of})
+    // rank 2 block 56: shares 2241..2248 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 2 block 57: shares 2252..2259 ({step, share, of})
+    // rank 2 block 57: shares 2249..2256 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 2 block 58: shares 2260..2267 ({step, share, of})
+    // rank 2 block 58: shares 2257..2264 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 2 block 59: shares 2268..2275 ({step, share, of})
+    // rank 2 block 59: shares 2265..2272 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 2 block 60: shares 2276..2283 ({step, share, of})
+    // rank 2 block 60: shares 2273..2280 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 2 block 61: shares 2284..2291 ({step, share, of})
+    // rank 2 block 61: shares 2281..2288 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 2 block 62: shares 2292..2299 ({step, share, of})
+    // rank 2 block 62: shares 2289..2296 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 2 block 63: shares 2300..2307 ({step, share, of})
+    // rank 2 block 63: shares 2297..2304 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 2 block 64: shares 2308..2315 ({step, share, of})
+    // rank 2 block 64: shares 2305..2312 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 2 block 65: shares 2316..2323 ({step, share, of})
+    // rank 2 block 65: shares 2313..2320 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 2 block 66: shares 2324..2331 ({step, share, of})
+    // rank 2 block 66: shares 2321..2328 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 2 block 67: shares 2332..2339 ({step, share, of})
+    // rank 2 block 67: shares 2329..2336 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 2 block 68: shares 2340..2347 ({step, share, of})
+    // rank 2 block 68: shares 2337..2344 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 2 block 69: shares 2348..2355 ({step, share, of})
+    // rank 2 block 69: shares 2345..2352 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 2 block 70: shares 2356..2363 ({step, share, of})
+    // rank 2 block 70: shares 2353..2360 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 2 block 71: shares 2364..2371 ({step, share, of})
+    // rank 2 block 71: shares 2361..2368 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 2 block 72: shares 2372..2379 ({step, share, of})
+    // rank 2 block 72: shares 2369..2376 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 2 block 73: shares 2380..2387 ({step, share, of})
+    // rank 2 block 73: shares 2377..2384 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 2 block 74: shares 2388..2395 ({step, share, of})
+    // rank 2 block 74: shares 2385..2392 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 2 block 75: shares 2396..2403 ({step, share, of})
+    // rank 2 block 75: shares 2393..2400 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 2 block 76: shares 2404..2411 ({step, share, of})
+    // rank 2 block 76: shares 2401..2408 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 2 block 77: shares 2412..2419 ({step, share, of})
+    // rank 2 block 77: shares 2409..2416 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 2 block 78: shares 2420..2427 ({step, share, of})
+    // rank 2 block 78: shares 2417..2424 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 2 block 79: shares 2428..2435 ({step, share, of})
+    // rank 2 block 79: shares 2425..2432 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 2 block 80: shares 2436..2443 ({step, share, of})
+    // rank 2 block 80: shares 2433..2440 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 2 block 81: shares 2444..2451 ({step, share, of})
+    // rank 2 block 81: shares 2441..2448 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
-    // rank 2 block 82: shares 2452..2459 ({step, share, of})
+    // rank 2 block 82: shares 2449..2456 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
-    // rank 2 block 83: shares 2460..2467 ({step, share, of})
+    // rank 2 block 83: shares 2457..2464 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
-    // rank 2 block 84: shares 2468..2475 ({step, share, of})
+    // rank 2 block 84: shares 2465..2472 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
-    // rank 2 block 85: shares 2476..2483 ({step, share, of})
+    // rank 2 block 85: shares 2473..2480 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
-    // rank 2 block 86: shares 2484..2491 ({step, share, of})
+    // rank 2 block 86: shares 2481..2488 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
-    // rank 2 block 87: shares 2492..2499 ({step, share, of})
+    // rank 2 block 87: shares 2489..2496 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
-    // rank 2 block 88: shares 2500..2507 ({step, share, of})
+    // rank 2 block 88: shares 2497..2504 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
-    // rank 2 block 89: shares 2508..2515 ({step, share, of})
+    // rank 2 block 89: shares 2505..2512 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
-    // rank 2 block 90: shares 2516..2523 ({step, share, of})
+    // rank 2 block 90: shares 2513..2520 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
-    // rank 2 block 91: shares 2524..2531 ({step, share, of})
+    // rank 2 block 91: shares 2521..2528 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
-    // rank 2 block 92: shares 2532..2539 ({step, share, of})
+    // rank 2 block 92: shares 2529..2536 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
-    // rank 2 block 93: shares 2540..2547 ({step, share, of})
+    // rank 2 block 93: shares 2537..2544 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
-    // rank 2 block 94: shares 2548..2555 ({step, share, of})
+    // rank 2 block 94: shares 2545..2552 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
-    // rank 2 block 95: shares 2556..2563 ({step, share, of})
+    // rank 2 block 95: shares 2553..2560 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
-    // rank 2 block 96: shares 2564..2571 ({step, share, of})
+    // rank 2 block 96: shares 2561..2568 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
-    // rank 2 block 97: shares 2572..2579 ({step, share, of})
+    // rank 2 block 97: shares 2569..2576 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
-    // rank 2 block 98: shares 2580..2587 ({step, share, of})
+    // rank 2 block 98: shares 2577..2584 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
-    // rank 2 block 99: shares 2588..2595 ({step, share, of})
+    // rank 2 block 99: shares 2585..2592 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
-    // rank 2 block 100: shares 2596..2603 ({step, share, of})
+    // rank 2 block 100: shares 2593..2600 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
-    // rank 2 block 101: shares 2604..2611 ({step, share, of})
+    // rank 2 block 101: shares 2601..2608 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
-    // rank 2 block 102: shares 2612..2619 ({step, share, of})
+    // rank 2 block 102: shares 2609..2616 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
-    // rank 2 block 103: shares 2620..2627 ({step, share, of})
+    // rank 2 block 103: shares 2617..2624 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
-    // rank 2 block 104: shares 2628..2635 ({step, share, of})
+    // rank 2 block 104: shares 2625..2632 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
-    // rank 2 block 105: shares 2636..2643 ({step, share, of})
+    // rank 2 block 105: shares 2633..2640 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
-    // rank 2 block 106: shares 2644..2651 ({step, share, of})
+    // rank 2 block 106: shares 2641..2648 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
-    // rank 2 block 107: shares 2652..2659 ({step, share, of})
+    // rank 2 block 107: shares 2649..2656 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
-    // rank 2 block 108: shares 2660..2667 ({step, share, of})
+    // rank 2 block 108: shares 2657..2664 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
-    // rank 2 block 109: shares 2668..2675 ({step, share, of})
+    // rank 2 block 109: shares 2665..2672 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
-    // rank 2 block 110: shares 2676..2683 ({step, share, of})
+    // rank 2 block 110: shares 2673..2680 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
-    // rank 2 block 111: shares 2684..2691 ({step, share, of})
+    // rank 2 block 111: shares 2681..2688 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
-    // rank 2 block 112: shares 2692..2699 ({step, share, of})
+    // rank 2 block 112: shares 2689..2696 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
-    // rank 3 block 0: shares 2700..2701 ({step, share, of})
-    {0, 0, 1}, {57, 0, 1},
-    // rank 3 block 1: shares 2702..2710 ({step, share, of})
+    // rank 3 block 0: shares 2697..2697 ({step, share, of})
+    {57, 0, 1},
+    // rank 3 block 1: shares 2698..2706 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {58, 0, 1},
-    // rank 3 block 2: shares 2711..2719 ({step, share, of})
+    // rank 3 block 2: shares 2707..2715 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {59, 0, 1},
-    // rank 3 block 3: shares 2720..2727 ({step, share, of})
+    // rank 3 block 3: shares 2716..2723 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
-    // rank 3 block 4: shares 2728..2735 ({step, share, of})
+    // rank 3 block 4: shares 2724..2731 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
-    // rank 3 block 5: shares 2736..2743 ({step, share, of})
+    // rank 3 block 5: shares 2732..2739 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
-    // rank 3 block 6: shares 2744..2751 ({step, share, of})
+    // rank 3 block 6: shares 2740..2747 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
-    // rank 3 block 7: shares 2752..2759 ({step, share, of})
+    // rank 3 block 7: shares 2748..2755 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
-    // rank 3 block 8: shares 2760..2767 ({step, share, of})
+    // rank 3 block 8: shares 2756..2763 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
-    // rank 3 block 9: shares 2768..2775 ({step, share, of})
+    // rank 3 block 9: shares 2764..2771 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
-    // rank 3 block 10: shares 2776..2783 ({step, share, of})
+    // rank 3 block 10: shares 2772..2779 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
-    // rank 3 block 11: shares 2784..2791 ({step, share, of})
+    // rank 3 block 11: shares 2780..2787 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
-    // rank 3 block 12: shares 2792..2799 ({step, share, of})
+    // rank 3 block 12: shares 2788..2795 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
-    // rank 3 block 13: shares 2800..2807 ({step, share, of})
+    // rank 3 block 13: shares 2796..2803 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
-    // rank 3 block 14: shares 2808..2815 ({step, share, of})
+    // rank 3 block 14: shares 2804..2811 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
-    // rank 3 block 15: shares 2816..2823 ({step, share, of})
+    // rank 3 block 15: shares 2812..2819 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
-    // rank 3 block 16: shares 2824..2831 ({step, share, of})
+    // rank 3 block 16: shares 2820..2827 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
-    // rank 3 block 17: shares 2832..2839 ({step, share, of})
+    // rank 3 block 17: shares 2828..2835 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 3 block 18: shares 2840..2847 ({step, share, of})
+    // rank 3 block 18: shares 2836..2843 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 3 block 19: shares 2848..2855 ({step, share, of})
+    // rank 3 block 19: shares 2844..2851 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 3 block 20: shares 2856..2863 ({step, share, of})
+    // rank 3 block 20: shares 2852..2859 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 3 block 21: shares 2864..2871 ({step, share, of})
+    // rank 3 block 21: shares 2860..2867 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 3 block 22: shares 2872..2879 ({step, share, of})
+    // rank 3 block 22: shares 2868..2875 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 3 block 23: shares 2880..2887 ({step, share, of})
+    // rank 3 block 23: shares 2876..2883 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 3 block 24: shares 2888..2895 ({step, share, of})
+    // rank 3 block 24: shares 2884..2891 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 3 block 25: shares 2896..2903 ({step, share, of})
+    // rank 3 block 25: shares 2892..2899 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 3 block 26: shares 2904..2911 ({step, share, of})
+    // rank 3 block 26: shares 2900..2907 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 3 block 27: shares 2912..2919 ({step, share, of})
+    // rank 3 block 27: shares 2908..2915 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 3 block 28: shares 2920..2927 ({step, share, of})
+    // rank 3 block 28: shares 2916..2923 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 3 block 29: shares 2928..2935 ({step, share, of})
+    // rank 3 block 29: shares 2924..2931 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 3 block 30: shares 2936..2943 ({step, share, of})
+    // rank 3 block 30: shares 2932..2939 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 3 block 31: shares 2944..2951 ({step, share, of})
+    // rank 3 block 31: shares 2940..2947 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 3 block 32: shares 2952..2959 ({step, share, of})
+    // rank 3 block 32: shares 2948..2955 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 3 block 33: shares 2960..2967 ({step, share, of})
+    // rank 3 block 33: shares 2956..2963 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
-    // rank 3 block 34: shares 2968..2975 ({step, share, of})
+    // rank 3 block 34: shares 2964..2971 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
-    // rank 3 block 35: shares 2976..2983 ({step, share, of})
+    // rank 3 block 35: shares 2972..2979 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 3 block 36: shares 2984..2991 ({step, share, of})
+    // rank 3 block 36: shares 2980..2987 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 3 block 37: shares 2992..2999 ({step, share, of})
+    // rank 3 block 37: shares 2988..2995 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 3 block 38: shares 3000..3007 ({step, share, of})
+    // rank 3 block 38: shares 2996..3003 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 3 block 39: shares 3008..3015 ({step, share, of})
+    // rank 3 block 39: shares 3004..3011 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 3 block 40: shares 3016..3023 ({step, share, of})
+    // rank 3 block 40: shares 3012..3019 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 3 block 41: shares 3024..3031 ({step, share, of})
+    // rank 3 block 41: shares 3020..3027 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 3 block 42: shares 3032..3039 ({step, share, of})
+    // rank 3 block 42: shares 3028..3035 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 3 block 43: shares 3040..3047 ({step, share, of})
+    // rank 3 block 43: shares 3036..3043 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 3 block 44: shares 3048..3055 ({step, share, of})
+    // rank 3 block 44: shares 3044..3051 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 3 block 45: shares 3056..3063 ({step, share, of})
+    // rank 3 block 45: shares 3052..3059 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 3 block 46: shares 3064..3071 ({step, share, of})
+    // rank 3 block 46: shares 3060..3067 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 3 block 47: shares 3072..3079 ({step, share, of})
+    // rank 3 block 47: shares 3068..3075 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 3 block 48: shares 3080..3087 ({step, share, of})
+    // rank 3 block 48: shares 3076..3083 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 3 block 49: shares 3088..3095 ({step, share, of})
+    // rank 3 block 49: shares 3084..3091 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
-    // rank 3 block 50: shares 3096..3103 ({step, share, of})
+    // rank 3 block 50: shares 3092..3099 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
-    // rank 3 block 51: shares 3104..3111 ({step, share, of})
+    // rank 3 block 51: shares 3100..3107 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
-    // rank 3 block 52: shares 3112..3119 ({step, share, of})
+    // rank 3 block 52: shares 3108..3115 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
-    // rank 3 block 53: shares 3120..3127 ({step, share, of})
+    // rank 3 block 53: shares 3116..3123 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
-    // rank 3 block 54: shares 3128..3135 ({step, share, of})
+    // rank 3 block 54: shares 3124..3131 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
-    // rank 3 block 55: shares 3136..3143 ({step, share, of})
+    // rank 3 block 55: shares 3132..3139 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
-    // rank 3 block 56: shares 3144..3151 ({step, share, of})
+    // rank 3 block 56: shares 3140..3147 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
-    // rank 3 block 57: shares 3152..3159 ({step, share, of})
+    // rank 3 block 57: shares 3148..3155 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
-    // rank 3 block 58: shares 3160..3167 ({step, share, of})
+    // rank 3 block 58: shares 3156..3163 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
-    // rank 3 block 59: shares 3168..3175 ({step, share, of})
+    // rank 3 block 59: shares 3164..3171 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
-    // rank 3 block 60: shares 3176..3183 ({step, share, of})
+    // rank 3 block 60: shares 3172..3179 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
-    // rank 3 block 61: shares 3184..3191 ({step, share, of})
+    // rank 3 block 61: shares 3180..3187 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
-    // rank 3 block 62: shares 3192..3199 ({step, share, of})
+    // rank 3 block 62: shares 3188..3195 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
-    // rank 3 block 63: shares 3200..3207 ({step, share, of})
+    // rank 3 block 63: shares 3196..3203 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
-    // rank 3 block 64: shares 3208..3215 ({step, share, of})
+    // rank 3 block 64: shares 3204..3211 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
-    // rank 3 block 65: shares 3216..3223 ({step, share, of})
+    // rank 3 block 65: shares 3212..3219 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
-    // rank 3 block 66: shares 3224..3231 ({step, share, of})
+    // rank 3 block 66: shares 3220..3227 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
-    // rank 3 block 67: shares 3232..3239 ({step, share, of})
+    // rank 3 block 67: shares 3228..3235 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
-    // rank 3 block 68: shares 3240..3247 ({step, share, of})
+    // rank 3 block 68: shares 3236..3243 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
-    // rank 3 block 69: shares 3248..3255 ({step, share, of})
+    // rank 3 block 69: shares 3244..3251 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
-    // rank 3 block 70: shares 3256..3263 ({step, share, of})
+    // rank 3 block 70: shares 3252..3259 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
-    // rank 3 block 71: shares 3264..3271 ({step, share, of})
+    // rank 3 block 71: shares 3260..3267 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
-    // rank 3 block 72: shares 3272..3279 ({step, share, of})
+    // rank 3 block 72: shares 3268..3275 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
-    // rank 3 block 73: shares 3280..3287 ({step, share, of})
+    // rank 3 block 73: shares 3276..3283 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
-    // rank 3 block 74: shares 3288..3295 ({step, share, of})
+    // rank 3 block 74: shares 3284..3291 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
-    // rank 3 block 75: shares 3296..3303 ({step, share, of})
+    // rank 3 block 75: shares 3292..3299 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
-    // rank 3 block 76: shares 3304..3311 ({step, share, of})
+    // rank 3 block 76: shares 3300..3307 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
-    // rank 3 block 77: shares 3312..3319 ({step, share, of})
+    // rank 3 block 77: shares 3308..3315 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
-    // rank 3 block 78: shares 3320..3327 ({step, share, of})
+    // rank 3 block 78: shares 3316..3323 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
-    // rank 3 block 79: shares 3328..3335 ({step, share, of})
+    // rank 3 block 79: shares 3324..3331 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
-    // rank 3 block 80: shares 3336..3343 ({step, share, of})
+    // rank 3 block 80: shares 3332..3339 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
-    // rank 3 block 81: shares 3344..3351 ({step, share, of})
+    // rank 3 block 81: shares 3340..3347 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
-    // rank 3 block 82: shares 3352..3359 ({step, share, of})
+    // rank 3 block 82: shares 3348..3355 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
-    // rank 3 block 83: shares 3360..3367 ({step, share, of})
+    // rank 3 block 83: shares 3356..3363 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
-    // rank 3 block 84: shares 3368..3375 ({step, share, of})
+    // rank 3 block 84: shares 3364..3371 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
-    // rank 3 block 85: shares 3376..3383 ({step, share, of})
+    // rank 3 block 85: shares 3372..3379 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
-    // rank 3 block 86: shares 3384..3391 ({step, share, of})
+    // rank 3 block 86: shares 3380..3387 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
-    // rank 3 block 87: shares 3392..3399 ({step, share, of})
+    // rank 3 block 87: shares 3388..3395 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
-    // rank 3 block 88: shares 3400..3407 ({step, share, of})
+    // rank 3 block 88: shares 3396..3403 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
-    // rank 3 block 89: shares 3408..3415 ({step, share, of})
+    // rank 3 block 89: shares 3404..3411 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
-    // rank 3 block 90: shares 3416..3423 ({step, share, of})
+    // rank 3 block 90: shares 3412..3419 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
-    // rank 3 block 91: shares 3424..3431 ({step, share, of})
+    // rank 3 block 91: shares 3420..3427 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
-    // rank 3 block 92: shares 3432..3439 ({step, share, of})
+    // rank 3 block 92: shares 3428..3435 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
-    // rank 3 block 93: shares 3440..3447 ({step, share, of})
+    // rank 3 block 93: shares 3436..3443 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
-    // rank 3 block 94: shares 3448..3455 ({step, share, of})
+    // rank 3 block 94: shares 3444..3451 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
-    // rank 3 block 95: shares 3456..3463 ({step, share, of})
+    // rank 3 block 95: shares 3452..3459 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
-    // rank 3 block 96: shares 3464..3471 ({step, share, of})
+    // rank 3 block 96: shares 3460..3467 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
-    // rank 3 block 97: shares 3472..3479 ({step, share, of})
+    // rank 3 block 97: shares 3468..3475 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
-    // rank 3 block 98: shares 3480..3487 ({step, share, of})
+    // rank 3 block 98: shares 3476..3483 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
-    // rank 3 block 99: shares 3488..3495 ({step, share, of})
+    // rank 3 block 99: shares 3484..3491 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
-    // rank 3 block 100: shares 3496..3503 ({step, share, of})
+    // rank 3 block 100: shares 3492..3499 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
-    // rank 3 block 101: shares 3504..3511 ({step, share, of})
+    // rank 3 block 101: shares 3500..3507 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
-    // rank 3 block 102: shares 3512..3519 ({step, share, of})
+    // rank 3 block 102: shares 3508..3515 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
-    // rank 3 block 103: shares 3520..3527 ({step, share, of})
+    // rank 3 block 103: shares 3516..3523 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
-    // rank 3 block 104: shares 3528..3535 ({step, share, of})
+    // rank 3 block 104: shares 3524..3531 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
-    // rank 3 block 105: shares 3536..3543 ({step, share, of})
+    // rank 3 block 105: shares 3532..3539 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
-    // rank 3 block 106: shares 3544..3551 ({step, share, of})
+    // rank 3 block 106: shares 3540..3547 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
-    // rank 3 block 107: shares 3552..3559 ({step, share, of})
+    // rank 3 block 107: shares 3548..3555 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
-    // rank 3 block 108: shares 3560..3567 ({step, share, of})
+    // rank 3 block 108: shares 3556..3563 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
-    // rank 3 block 109: shares 3568..3575 ({step, share, of})
+    // rank 3 block 109: shares 3564..3571 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
-    // rank 3 block 110: shares 3576..3583 ({step, share, of})
+    // rank 3 block 110: shares 3572..3579 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
-    // rank 3 block 111: shares 3584..3591 ({step, share, of})
+    // rank 3 block 111: shares 3580..3587 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
-    // rank 3 block 112: shares 3592..3599 ({step, share, of})
+    // rank 3 block 112: shares 3588..3595 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][114] = {
-    { 0, 2, 11, 20, 28, 36, 44, 52, 60, 68, 76, 84, 92, 100, 108, 116, 124, 132, 140, 148, 156, 164, 172, 180, 188, 196, 204, 212, 220, 228, 236, 244, 252, 260, 268, 276, 284, 292, 300, 308, 316, 324, 332, 340, 348, 356, 364, 372, 380, 388, 396, 404, 412, 420, 428, 436, 444, 452, 460, 468, 476, 484, 492, 500, 508, 516, 524, 532, 540, 548, 556, 564, 572, 580, 588, 596, 604, 612, 620, 628, 636, 644, 652, 660, 668, 676, 684, 692, 700, 708, 716, 724, 732, 740, 748, 756, 764, 772, 780, 788, 796, 804, 812, 820, 828, 836, 844, 852, 860, 868, 876, 884, 892, 900 },
-    { 900, 902, 911, 920, 928, 936, 944, 952, 960, 968, 976, 984, 992, 1000, 1008, 1016, 1024, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800 },
-    { 1800, 1802, 1811, 1820, 1828, 1836, 1844, 1852, 1860, 1868, 1876, 1884, 1892, 1900, 1908, 1916, 1924, 1932, 1940, 1948, 1956, 1964, 1972, 1980, 1988, 1996, 2004, 2012, 2020, 2028, 2036, 2044, 2052, 2060, 2068, 2076, 2084, 2092, 2100, 2108, 2116, 2124, 2132, 2140, 2148, 2156, 2164, 2172, 2180, 2188, 2196, 2204, 2212, 2220, 2228, 2236, 2244, 2252, 2260, 2268, 2276, 2284, 2292, 2300, 2308, 2316, 2324, 2332, 2340, 2348, 2356, 2364, 2372, 2380, 2388, 2396, 2404, 2412, 2420, 2428, 2436, 2444, 2452, 2460, 2468, 2476, 2484, 2492, 2500, 2508, 2516, 2524, 2532, 2540, 2548, 2556, 2564, 2572, 2580, 2588, 2596, 2604, 2612, 2620, 2628, 2636, 2644, 2652, 2660, 2668, 2676, 2684, 2692, 2700 },
-    { 2700, 2702, 2711, 2720, 2728, 2736, 2744, 2752, 2760, 2768, 2776, 2784, 2792, 2800, 2808, 2816, 2824, 2832, 2840, 2848, 2856, 2864, 2872, 2880, 2888, 2896, 2904, 2912, 2920, 2928, 2936, 2944, 2952, 2960, 2968, 2976, 2984, 2992, 3000, 3008, 3016, 3024, 3032, 3040, 3048, 3056, 3064, 3072, 3080, 3088, 3096, 3104, 3112, 3120, 3128, 3136, 3144, 3152, 3160, 3168, 3176, 3184, 3192, 3200, 3208, 3216, 3224, 3232, 3240, 3248, 3256, 3264, 3272, 3280, 3288, 3296, 3304, 3312, 3320, 3328, 3336, 3344, 3352, 3360, 3368, 3376, 3384, 3392, 3400, 3408, 3416, 3424, 3432, 3440, 3448, 3456, 3464, 3472, 3480, 3488, 3496, 3504, 3512, 3520, 3528, 3536, 3544, 3552, 3560, 3568, 3576, 3584, 3592, 3600 },
+    { 0, 1, 10, 19, 27, 35, 43, 51, 59, 67, 75, 83, 91, 99, 107, 115, 123, 131, 139, 147, 155, 163, 171, 179, 187, 195, 203, 211, 219, 227, 235, 243, 251, 259, 267, 275, 283, 291, 299, 307, 315, 323, 331, 339, 347, 355, 363, 371, 379, 387, 395, 403, 411, 419, 427, 435, 443, 451, 459, 467, 475, 483, 491, 499, 507, 515, 523, 531, 539, 547, 555, 563, 571, 579, 587, 595, 603, 611, 619, 627, 635, 643, 651, 659, 667, 675, 683, 691, 699, 707, 715, 723, 731, 739, 747, 755, 763, 771, 779, 787, 795, 803, 811, 819, 827, 835, 843, 851, 859, 867, 875, 883, 891, 899 },
+    { 899, 900, 909, 918, 926, 934, 942, 950, 958, 966, 974, 982, 990, 998, 1006, 1014, 1022, 1030, 1038, 1046, 1054, 1062, 1070, 1078, 1086, 1094, 1102, 1110, 1118, 1126, 1134, 1142, 1150, 1158, 1166, 1174, 1182, 1190, 1198, 1206, 1214, 1222, 1230, 1238, 1246, 1254, 1262, 1270, 1278, 1286, 1294, 1302, 1310, 1318, 1326, 1334, 1342, 1350, 1358, 1366, 1374, 1382, 1390, 1398, 1406, 1414, 1422, 1430, 1438, 1446, 1454, 1462, 1470, 1478, 1486, 1494, 1502, 1510, 1518, 1526, 1534, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798 },
+    { 1798, 1799, 1808, 1817, 1825, 1833, 1841, 1849, 1857, 1865, 1873, 1881, 1889, 1897, 1905, 1913, 1921, 1929, 1937, 1945, 1953, 1961, 1969, 1977, 1985, 1993, 2001, 2009, 2017, 2025, 2033, 2041, 2049, 2057, 2065, 2073, 2081, 2089, 2097, 2105, 2113, 2121, 2129, 2137, 2145, 2153, 2161, 2169, 2177, 2185, 2193, 2201, 2209, 2217, 2225, 2233, 2241, 2249, 2257, 2265, 2273, 2281, 2289, 2297, 2305, 2313, 2321, 2329, 2337, 2345, 2353, 2361, 2369, 2377, 2385, 2393, 2401, 2409, 2417, 2425, 2433, 2441, 2449, 2457, 2465, 2473, 2481, 2489, 2497, 2505, 2513, 2521, 2529, 2537, 2545, 2553, 2561, 2569, 2577, 2585, 2593, 2601, 2609, 2617, 2625, 2633, 2641, 2649, 2657, 2665, 2673, 2681, 2689, 2697 },
+    { 2697, 2698, 2707, 2716, 2724, 2732, 2740, 2748, 2756, 2764, 2772, 2780, 2788, 2796, 2804, 2812, 2820, 2828, 2836, 2844, 2852, 2860, 2868, 2876, 2884, 2892, 2900, 2908, 2916, 2924, 2932, 2940, 2948, 2956, 2964, 2972, 2980, 2988, 2996, 3004, 3012, 3020, 3028, 3036, 3044, 3052, 3060, 3068, 3076, 3084, 3092, 3100, 3108, 3116, 3124, 3132, 3140, 3148, 3156, 3164, 3172, 3180, 3188, 3196, 3204, 3212, 3220, 3228, 3236, 3244, 3252, 3260, 3268, 3276, 3284, 3292, 3300, 3308, 3316, 3324, 3332, 3340, 3348, 3356, 3364, 3372, 3380, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 1024 steps, 15424 block shares over 113 blocks.
+// Plan for world size 8: 1024 steps, 15416 block shares over 113 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -5716,2905 +5711,2897 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 128, 256, 384, 512, 640, 768, 896 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..16 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 0 block 1: shares 17..40 ({step, share, of})
+    // rank 0 block 0: shares 0..15 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 0 block 1: shares 16..39 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 0 block 2: shares 41..64 ({step, share, of})
+    // rank 0 block 2: shares 40..63 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 0 block 3: shares 65..88 ({step, share, of})
+    // rank 0 block 3: shares 64..87 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 0 block 4: shares 89..112 ({step, share, of})
+    // rank 0 block 4: shares 88..111 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 0 block 5: shares 113..136 ({step, share, of})
+    // rank 0 block 5: shares 112..135 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 0 block 6: shares 137..160 ({step, share, of})
+    // rank 0 block 6: shares 136..159 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 0 block 7: shares 161..184 ({step, share, of})
+    // rank 0 block 7: shares 160..183 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 0 block 8: shares 185..208 ({step, share, of})
+    // rank 0 block 8: shares 184..207 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 0 block 9: shares 209..232 ({step, share, of})
+    // rank 0 block 9: shares 208..231 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 0 block 10: shares 233..256 ({step, share, of})
+    // rank 0 block 10: shares 232..255 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 0 block 11: shares 257..280 ({step, share, of})
+    // rank 0 block 11: shares 256..279 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 0 block 12: shares 281..304 ({step, share, of})
+    // rank 0 block 12: shares 280..303 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 0 block 13: shares 305..328 ({step, share, of})
+    // rank 0 block 13: shares 304..327 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 0 block 14: shares 329..352 ({step, share, of})
+    // rank 0 block 14: shares 328..351 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 0 block 15: shares 353..369 ({step, share, of})
+    // rank 0 block 15: shares 352..368 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 0 block 16: shares 370..386 ({step, share, of})
+    // rank 0 block 16: shares 369..385 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 0 block 17: shares 387..403 ({step, share, of})
+    // rank 0 block 17: shares 386..402 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 0 block 18: shares 404..420 ({step, share, of})
+    // rank 0 block 18: shares 403..419 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 0 block 19: shares 421..437 ({step, share, of})
+    // rank 0 block 19: shares 420..436 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 0 block 20: shares 438..454 ({step, share, of})
+    // rank 0 block 20: shares 437..453 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 0 block 21: shares 455..471 ({step, share, of})
+    // rank 0 block 21: shares 454..470 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 0 block 22: shares 472..487 ({step, share, of})
+    // rank 0 block 22: shares 471..486 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 0 block 23: shares 488..503 ({step, share, of})
+    // rank 0 block 23: shares 487..502 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 0 block 24: shares 504..519 ({step, share, of})
+    // rank 0 block 24: shares 503..518 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 0 block 25: shares 520..535 ({step, share, of})
+    // rank 0 block 25: shares 519..534 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 0 block 26: shares 536..551 ({step, share, of})
+    // rank 0 block 26: shares 535..550 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 0 block 27: shares 552..567 ({step, share, of})
+    // rank 0 block 27: shares 551..566 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 0 block 28: shares 568..583 ({step, share, of})
+    // rank 0 block 28: shares 567..582 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 0 block 29: shares 584..599 ({step, share, of})
+    // rank 0 block 29: shares 583..598 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 0 block 30: shares 600..615 ({step, share, of})
+    // rank 0 block 30: shares 599..614 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 0 block 31: shares 616..631 ({step, share, of})
+    // rank 0 block 31: shares 615..630 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 0 block 32: shares 632..647 ({step, share, of})
+    // rank 0 block 32: shares 631..646 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 0 block 33: shares 648..663 ({step, share, of})
+    // rank 0 block 33: shares 647..662 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 0 block 34: shares 664..679 ({step, share, of})
+    // rank 0 block 34: shares 663..678 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 0 block 35: shares 680..695 ({step, share, of})
+    // rank 0 block 35: shares 679..694 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 0 block 36: shares 696..711 ({step, share, of})
+    // rank 0 block 36: shares 695..710 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 0 block 37: shares 712..727 ({step, share, of})
+    // rank 0 block 37: shares 711..726 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 0 block 38: shares 728..743 ({step, share, of})
+    // rank 0 block 38: shares 727..742 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 0 block 39: shares 744..759 ({step, share, of})
+    // rank 0 block 39: shares 743..758 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 0 block 40: shares 760..775 ({step, share, of})
+    // rank 0 block 40: shares 759..774 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 0 block 41: shares 776..791 ({step, share, of})
+    // rank 0 block 41: shares 775..790 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 0 block 42: shares 792..807 ({step, share, of})
+    // rank 0 block 42: shares 791..806 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 0 block 43: shares 808..823 ({step, share, of})
+    // rank 0 block 43: shares 807..822 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 0 block 44: shares 824..839 ({step, share, of})
+    // rank 0 block 44: shares 823..838 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 0 block 45: shares 840..855 ({step, share, of})
+    // rank 0 block 45: shares 839..854 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 0 block 46: shares 856..871 ({step, share, of})
+    // rank 0 block 46: shares 855..870 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 0 block 47: shares 872..887 ({step, share, of})
+    // rank 0 block 47: shares 871..886 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 0 block 48: shares 888..903 ({step, share, of})
+    // rank 0 block 48: shares 887..902 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 0 block 49: shares 904..919 ({step, share, of})
+    // rank 0 block 49: shares 903..918 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 0 block 50: shares 920..935 ({step, share, of})
+    // rank 0 block 50: shares 919..934 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 0 block 51: shares 936..951 ({step, share, of})
+    // rank 0 block 51: shares 935..950 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 0 block 52: shares 952..967 ({step, share, of})
+    // rank 0 block 52: shares 951..966 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 0 block 53: shares 968..983 ({step, share, of})
+    // rank 0 block 53: shares 967..982 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 0 block 54: shares 984..999 ({step, share, of})
+    // rank 0 block 54: shares 983..998 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 0 block 55: shares 1000..1015 ({step, share, of})
+    // rank 0 block 55: shares 999..1014 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 0 block 56: shares 1016..1031 ({step, share, of})
+    // rank 0 block 56: shares 1015..1030 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 0 block 57: shares 1032..1047 ({step, share, of})
+    // rank 0 block 57: shares 1031..1046 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 0 block 58: shares 1048..1063 ({step, share, of})
+    // rank 0 block 58: shares 1047..1062 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 0 block 59: shares 1064..1079 ({step, share, of})
+    // rank 0 block 59: shares 1063..1078 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 0 block 60: shares 1080..1095 ({step, share, of})
+    // rank 0 block 60: shares 1079..1094 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 0 block 61: shares 1096..1111 ({step, share, of})
+    // rank 0 block 61: shares 1095..1110 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 0 block 62: shares 1112..1127 ({step, share, of})
+    // rank 0 block 62: shares 1111..1126 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 0 block 63: shares 1128..1143 ({step, share, of})
+    // rank 0 block 63: shares 1127..1142 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 0 block 64: shares 1144..1159 ({step, share, of})
+    // rank 0 block 64: shares 1143..1158 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 0 block 65: shares 1160..1175 ({step, share, of})
+    // rank 0 block 65: shares 1159..1174 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 0 block 66: shares 1176..1191 ({step, share, of})
+    // rank 0 block 66: shares 1175..1190 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 0 block 67: shares 1192..1207 ({step, share, of})
+    // rank 0 block 67: shares 1191..1206 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 0 block 68: shares 1208..1223 ({step, share, of})
+    // rank 0 block 68: shares 1207..1222 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 0 block 69: shares 1224..1239 ({step, share, of})
+    // rank 0 block 69: shares 1223..1238 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 0 block 70: shares 1240..1255 ({step, share, of})
+    // rank 0 block 70: shares 1239..1254 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 0 block 71: shares 1256..1271 ({step, share, of})
+    // rank 0 block 71: shares 1255..1270 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 0 block 72: shares 1272..1287 ({step, share, of})
+    // rank 0 block 72: shares 1271..1286 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 0 block 73: shares 1288..1303 ({step, share, of})
+    // rank 0 block 73: shares 1287..1302 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 0 block 74: shares 1304..1319 ({step, share, of})
+    // rank 0 block 74: shares 1303..1318 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 0 block 75: shares 1320..1335 ({step, share, of})
+    // rank 0 block 75: shares 1319..1334 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 0 block 76: shares 1336..1351 ({step, share, of})
+    // rank 0 block 76: shares 1335..1350 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 0 block 77: shares 1352..1367 ({step, share, of})
+    // rank 0 block 77: shares 1351..1366 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 0 block 78: shares 1368..1383 ({step, share, of})
+    // rank 0 block 78: shares 1367..1382 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 0 block 79: shares 1384..1399 ({step, share, of})
+    // rank 0 block 79: shares 1383..1398 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 0 block 80: shares 1400..1415 ({step, share, of})
+    // rank 0 block 80: shares 1399..1414 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 0 block 81: shares 1416..1431 ({step, share, of})
+    // rank 0 block 81: shares 1415..1430 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 0 block 82: shares 1432..1447 ({step, share, of})
+    // rank 0 block 82: shares 1431..1446 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 0 block 83: shares 1448..1463 ({step, share, of})
+    // rank 0 block 83: shares 1447..1462 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 0 block 84: shares 1464..1479 ({step, share, of})
+    // rank 0 block 84: shares 1463..1478 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 0 block 85: shares 1480..1495 ({step, share, of})
+    // rank 0 block 85: shares 1479..1494 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 0 block 86: shares 1496..1511 ({step, share, of})
+    // rank 0 block 86: shares 1495..1510 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 0 block 87: shares 1512..1527 ({step, share, of})
+    // rank 0 block 87: shares 1511..1526 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 0 block 88: shares 1528..1543 ({step, share, of})
+    // rank 0 block 88: shares 1527..1542 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 0 block 89: shares 1544..1559 ({step, share, of})
+    // rank 0 block 89: shares 1543..1558 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 0 block 90: shares 1560..1575 ({step, share, of})
+    // rank 0 block 90: shares 1559..1574 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 0 block 91: shares 1576..1591 ({step, share, of})
+    // rank 0 block 91: shares 1575..1590 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 0 block 92: shares 1592..1607 ({step, share, of})
+    // rank 0 block 92: shares 1591..1606 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 0 block 93: shares 1608..1623 ({step, share, of})
+    // rank 0 block 93: shares 1607..1622 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 0 block 94: shares 1624..1639 ({step, share, of})
+    // rank 0 block 94: shares 1623..1638 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 0 block 95: shares 1640..1655 ({step, share, of})
+    // rank 0 block 95: shares 1639..1654 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 0 block 96: shares 1656..1671 ({step, share, of})
+    // rank 0 block 96: shares 1655..1670 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 0 block 97: shares 1672..1687 ({step, share, of})
+    // rank 0 block 97: shares 1671..1686 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 0 block 98: shares 1688..1703 ({step, share, of})
+    // rank 0 block 98: shares 1687..1702 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 0 block 99: shares 1704..1719 ({step, share, of})
+    // rank 0 block 99: shares 1703..1718 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 0 block 100: shares 1720..1735 ({step, share, of})
+    // rank 0 block 100: shares 1719..1734 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 0 block 101: shares 1736..1751 ({step, share, of})
+    // rank 0 block 101: shares 1735..1750 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 0 block 102: shares 1752..1767 ({step, share, of})
+    // rank 0 block 102: shares 1751..1766 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 0 block 103: shares 1768..1783 ({step, share, of})
+    // rank 0 block 103: shares 1767..1782 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 0 block 104: shares 1784..1799 ({step, share, of})
+    // rank 0 block 104: shares 1783..1798 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 0 block 105: shares 1800..1815 ({step, share, of})
+    // rank 0 block 105: shares 1799..1814 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 0 block 106: shares 1816..1831 ({step, share, of})
+    // rank 0 block 106: shares 1815..1830 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 0 block 107: shares 1832..1847 ({step, share, of})
+    // rank 0 block 107: shares 1831..1846 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 0 block 108: shares 1848..1863 ({step, share, of})
+    // rank 0 block 108: shares 1847..1862 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 0 block 109: shares 1864..1879 ({step, share, of})
+    // rank 0 block 109: shares 1863..1878 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 0 block 110: shares 1880..1895 ({step, share, of})
+    // rank 0 block 110: shares 1879..1894 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 0 block 111: shares 1896..1911 ({step, share, of})
+    // rank 0 block 111: shares 1895..1910 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 0 block 112: shares 1912..1927 ({step, share, of})
+    // rank 0 block 112: shares 1911..1926 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 1 block 0: shares 1928..1944 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 1 block 1: shares 1945..1968 ({step, share, of})
+    // rank 1 block 0: shares 1927..1942 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 1 block 1: shares 1943..1966 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 1 block 2: shares 1969..1992 ({step, share, of})
+    // rank 1 block 2: shares 1967..1990 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 1 block 3: shares 1993..2016 ({step, share, of})
+    // rank 1 block 3: shares 1991..2014 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 1 block 4: shares 2017..2040 ({step, share, of})
+    // rank 1 block 4: shares 2015..2038 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 1 block 5: shares 2041..2064 ({step, share, of})
+    // rank 1 block 5: shares 2039..2062 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 1 block 6: shares 2065..2088 ({step, share, of})
+    // rank 1 block 6: shares 2063..2086 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 1 block 7: shares 2089..2112 ({step, share, of})
+    // rank 1 block 7: shares 2087..2110 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 1 block 8: shares 2113..2136 ({step, share, of})
+    // rank 1 block 8: shares 2111..2134 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 1 block 9: shares 2137..2160 ({step, share, of})
+    // rank 1 block 9: shares 2135..2158 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 1 block 10: shares 2161..2184 ({step, share, of})
+    // rank 1 block 10: shares 2159..2182 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 1 block 11: shares 2185..2208 ({step, share, of})
+    // rank 1 block 11: shares 2183..2206 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 1 block 12: shares 2209..2232 ({step, share, of})
+    // rank 1 block 12: shares 2207..2230 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 1 block 13: shares 2233..2256 ({step, share, of})
+    // rank 1 block 13: shares 2231..2254 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 1 block 14: shares 2257..2280 ({step, share, of})
+    // rank 1 block 14: shares 2255..2278 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 1 block 15: shares 2281..2297 ({step, share, of})
+    // rank 1 block 15: shares 2279..2295 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 1 block 16: shares 2298..2314 ({step, share, of})
+    // rank 1 block 16: shares 2296..2312 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 1 block 17: shares 2315..2331 ({step, share, of})
+    // rank 1 block 17: shares 2313..2329 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 1 block 18: shares 2332..2348 ({step, share, of})
+    // rank 1 block 18: shares 2330..2346 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 1 block 19: shares 2349..2365 ({step, share, of})
+    // rank 1 block 19: shares 2347..2363 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 1 block 20: shares 2366..2382 ({step, share, of})
+    // rank 1 block 20: shares 2364..2380 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 1 block 21: shares 2383..2399 ({step, share, of})
+    // rank 1 block 21: shares 2381..2397 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 1 block 22: shares 2400..2415 ({step, share, of})
+    // rank 1 block 22: shares 2398..2413 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 1 block 23: shares 2416..2431 ({step, share, of})
+    // rank 1 block 23: shares 2414..2429 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 1 block 24: shares 2432..2447 ({step, share, of})
+    // rank 1 block 24: shares 2430..2445 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 1 block 25: shares 2448..2463 ({step, share, of})
+    // rank 1 block 25: shares 2446..2461 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 1 block 26: shares 2464..2479 ({step, share, of})
+    // rank 1 block 26: shares 2462..2477 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 1 block 27: shares 2480..2495 ({step, share, of})
+    // rank 1 block 27: shares 2478..2493 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 1 block 28: shares 2496..2511 ({step, share, of})
+    // rank 1 block 28: shares 2494..2509 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 1 block 29: shares 2512..2527 ({step, share, of})
+    // rank 1 block 29: shares 2510..2525 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 1 block 30: shares 2528..2543 ({step, share, of})
+    // rank 1 block 30: shares 2526..2541 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 1 block 31: shares 2544..2559 ({step, share, of})
+    // rank 1 block 31: shares 2542..2557 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 1 block 32: shares 2560..2575 ({step, share, of})
+    // rank 1 block 32: shares 2558..2573 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 1 block 33: shares 2576..2591 ({step, share, of})
+    // rank 1 block 33: shares 2574..2589 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 1 block 34: shares 2592..2607 ({step, share, of})
+    // rank 1 block 34: shares 2590..2605 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 1 block 35: shares 2608..2623 ({step, share, of})
+    // rank 1 block 35: shares 2606..2621 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 1 block 36: shares 2624..2639 ({step, share, of})
+    // rank 1 block 36: shares 2622..2637 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 1 block 37: shares 2640..2655 ({step, share, of})
+    // rank 1 block 37: shares 2638..2653 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 1 block 38: shares 2656..2671 ({step, share, of})
+    // rank 1 block 38: shares 2654..2669 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 1 block 39: shares 2672..2687 ({step, share, of})
+    // rank 1 block 39: shares 2670..2685 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 1 block 40: shares 2688..2703 ({step, share, of})
+    // rank 1 block 40: shares 2686..2701 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 1 block 41: shares 2704..2719 ({step, share, of})
+    // rank 1 block 41: shares 2702..2717 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 1 block 42: shares 2720..2735 ({step, share, of})
+    // rank 1 block 42: shares 2718..2733 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 1 block 43: shares 2736..2751 ({step, share, of})
+    // rank 1 block 43: shares 2734..2749 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 1 block 44: shares 2752..2767 ({step, share, of})
+    // rank 1 block 44: shares 2750..2765 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 1 block 45: shares 2768..2783 ({step, share, of})
+    // rank 1 block 45: shares 2766..2781 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 1 block 46: shares 2784..2799 ({step, share, of})
+    // rank 1 block 46: shares 2782..2797 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 1 block 47: shares 2800..2815 ({step, share, of})
+    // rank 1 block 47: shares 2798..2813 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 1 block 48: shares 2816..2831 ({step, share, of})
+    // rank 1 block 48: shares 2814..2829 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 1 block 49: shares 2832..2847 ({step, share, of})
+    // rank 1 block 49: shares 2830..2845 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 1 block 50: shares 2848..2863 ({step, share, of})
+    // rank 1 block 50: shares 2846..2861 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 1 block 51: shares 2864..2879 ({step, share, of})
+    // rank 1 block 51: shares 2862..2877 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 1 block 52: shares 2880..2895 ({step, share, of})
+    // rank 1 block 52: shares 2878..2893 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 1 block 53: shares 2896..2911 ({step, share, of})
+    // rank 1 block 53: shares 2894..2909 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 1 block 54: shares 2912..2927 ({step, share, of})
+    // rank 1 block 54: shares 2910..2925 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 1 block 55: shares 2928..2943 ({step, share, of})
+    // rank 1 block 55: shares 2926..2941 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 1 block 56: shares 2944..2959 ({step, share, of})
+    // rank 1 block 56: shares 2942..2957 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 1 block 57: shares 2960..2975 ({step, share, of})
+    // rank 1 block 57: shares 2958..2973 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 1 block 58: shares 2976..2991 ({step, share, of})
+    // rank 1 block 58: shares 2974..2989 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 1 block 59: shares 2992..3007 ({step, share, of})
+    // rank 1 block 59: shares 2990..3005 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 1 block 60: shares 3008..3023 ({step, share, of})
+    // rank 1 block 60: shares 3006..3021 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 1 block 61: shares 3024..3039 ({step, share, of})
+    // rank 1 block 61: shares 3022..3037 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 1 block 62: shares 3040..3055 ({step, share, of})
+    // rank 1 block 62: shares 3038..3053 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 1 block 63: shares 3056..3071 ({step, share, of})
+    // rank 1 block 63: shares 3054..3069 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 1 block 64: shares 3072..3087 ({step, share, of})
+    // rank 1 block 64: shares 3070..3085 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 1 block 65: shares 3088..3103 ({step, share, of})
+    // rank 1 block 65: shares 3086..3101 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 1 block 66: shares 3104..3119 ({step, share, of})
+    // rank 1 block 66: shares 3102..3117 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 1 block 67: shares 3120..3135 ({step, share, of})
+    // rank 1 block 67: shares 3118..3133 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 1 block 68: shares 3136..3151 ({step, share, of})
+    // rank 1 block 68: shares 3134..3149 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 1 block 69: shares 3152..3167 ({step, share, of})
+    // rank 1 block 69: shares 3150..3165 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 1 block 70: shares 3168..3183 ({step, share, of})
+    // rank 1 block 70: shares 3166..3181 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 1 block 71: shares 3184..3199 ({step, share, of})
+    // rank 1 block 71: shares 3182..3197 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 1 block 72: shares 3200..3215 ({step, share, of})
+    // rank 1 block 72: shares 3198..3213 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 1 block 73: shares 3216..3231 ({step, share, of})
+    // rank 1 block 73: shares 3214..3229 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 1 block 74: shares 3232..3247 ({step, share, of})
+    // rank 1 block 74: shares 3230..3245 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 1 block 75: shares 3248..3263 ({step, share, of})
+    // rank 1 block 75: shares 3246..3261 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 1 block 76: shares 3264..3279 ({step, share, of})
+    // rank 1 block 76: shares 3262..3277 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 1 block 77: shares 3280..3295 ({step, share, of})
+    // rank 1 block 77: shares 3278..3293 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 1 block 78: shares 3296..3311 ({step, share, of})
+    // rank 1 block 78: shares 3294..3309 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 1 block 79: shares 3312..3327 ({step, share, of})
+    // rank 1 block 79: shares 3310..3325 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 1 block 80: shares 3328..3343 ({step, share, of})
+    // rank 1 block 80: shares 3326..3341 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 1 block 81: shares 3344..3359 ({step, share, of})
+    // rank 1 block 81: shares 3342..3357 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 1 block 82: shares 3360..3375 ({step, share, of})
+    // rank 1 block 82: shares 3358..3373 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 1 block 83: shares 3376..3391 ({step, share, of})
+    // rank 1 block 83: shares 3374..3389 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 1 block 84: shares 3392..3407 ({step, share, of})
+    // rank 1 block 84: shares 3390..3405 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 1 block 85: shares 3408..3423 ({step, share, of})
+    // rank 1 block 85: shares 3406..3421 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 1 block 86: shares 3424..3439 ({step, share, of})
+    // rank 1 block 86: shares 3422..3437 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 1 block 87: shares 3440..3455 ({step, share, of})
+    // rank 1 block 87: shares 3438..3453 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 1 block 88: shares 3456..3471 ({step, share, of})
+    // rank 1 block 88: shares 3454..3469 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 1 block 89: shares 3472..3487 ({step, share, of})
+    // rank 1 block 89: shares 3470..3485 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 1 block 90: shares 3488..3503 ({step, share, of})
+    // rank 1 block 90: shares 3486..3501 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 1 block 91: shares 3504..3519 ({step, share, of})
+    // rank 1 block 91: shares 3502..3517 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 1 block 92: shares 3520..3535 ({step, share, of})
+    // rank 1 block 92: shares 3518..3533 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 1 block 93: shares 3536..3551 ({step, share, of})
+    // rank 1 block 93: shares 3534..3549 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 1 block 94: shares 3552..3567 ({step, share, of})
+    // rank 1 block 94: shares 3550..3565 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 1 block 95: shares 3568..3583 ({step, share, of})
+    // rank 1 block 95: shares 3566..3581 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 1 block 96: shares 3584..3599 ({step, share, of})
+    // rank 1 block 96: shares 3582..3597 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 1 block 97: shares 3600..3615 ({step, share, of})
+    // rank 1 block 97: shares 3598..3613 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 1 block 98: shares 3616..3631 ({step, share, of})
+    // rank 1 block 98: shares 3614..3629 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 1 block 99: shares 3632..3647 ({step, share, of})
+    // rank 1 block 99: shares 3630..3645 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 1 block 100: shares 3648..3663 ({step, share, of})
+    // rank 1 block 100: shares 3646..3661 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 1 block 101: shares 3664..3679 ({step, share, of})
+    // rank 1 block 101: shares 3662..3677 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 1 block 102: shares 3680..3695 ({step, share, of})
+    // rank 1 block 102: shares 3678..3693 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 1 block 103: shares 3696..3711 ({step, share, of})
+    // rank 1 block 103: shares 3694..3709 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 1 block 104: shares 3712..3727 ({step, share, of})
+    // rank 1 block 104: shares 3710..3725 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 1 block 105: shares 3728..3743 ({step, share, of})
+    // rank 1 block 105: shares 3726..3741 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 1 block 106: shares 3744..3759 ({step, share, of})
+    // rank 1 block 106: shares 3742..3757 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 1 block 107: shares 3760..3775 ({step, share, of})
+    // rank 1 block 107: shares 3758..3773 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 1 block 108: shares 3776..3791 ({step, share, of})
+    // rank 1 block 108: shares 3774..3789 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 1 block 109: shares 3792..3807 ({step, share, of})
+    // rank 1 block 109: shares 3790..3805 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 1 block 110: shares 3808..3823 ({step, share, of})
+    // rank 1 block 110: shares 3806..3821 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 1 block 111: shares 3824..3839 ({step, share, of})
+    // rank 1 block 111: shares 3822..3837 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 1 block 112: shares 3840..3855 ({step, share, of})
+    // rank 1 block 112: shares 3838..3853 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 2 block 0: shares 3856..3872 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 2 block 1: shares 3873..3896 ({step, share, of})
+    // rank 2 block 0: shares 3854..3869 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 2 block 1: shares 3870..3893 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 2 block 2: shares 3897..3920 ({step, share, of})
+    // rank 2 block 2: shares 3894..3917 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 2 block 3: shares 3921..3944 ({step, share, of})
+    // rank 2 block 3: shares 3918..3941 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 2 block 4: shares 3945..3968 ({step, share, of})
+    // rank 2 block 4: shares 3942..3965 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 2 block 5: shares 3969..3992 ({step, share, of})
+    // rank 2 block 5: shares 3966..3989 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 2 block 6: shares 3993..4016 ({step, share, of})
+    // rank 2 block 6: shares 3990..4013 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 2 block 7: shares 4017..4040 ({step, share, of})
+    // rank 2 block 7: shares 4014..4037 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 2 block 8: shares 4041..4064 ({step, share, of})
+    // rank 2 block 8: shares 4038..4061 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 2 block 9: shares 4065..4088 ({step, share, of})
+    // rank 2 block 9: shares 4062..4085 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 2 block 10: shares 4089..4112 ({step, share, of})
+    // rank 2 block 10: shares 4086..4109 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 2 block 11: shares 4113..4136 ({step, share, of})
+    // rank 2 block 11: shares 4110..4133 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 2 block 12: shares 4137..4160 ({step, share, of})
+    // rank 2 block 12: shares 4134..4157 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 2 block 13: shares 4161..4184 ({step, share, of})
+    // rank 2 block 13: shares 4158..4181 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 2 block 14: shares 4185..4208 ({step, share, of})
+    // rank 2 block 14: shares 4182..4205 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 2 block 15: shares 4209..4225 ({step, share, of})
+    // rank 2 block 15: shares 4206..4222 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 2 block 16: shares 4226..4242 ({step, share, of})
+    // rank 2 block 16: shares 4223..4239 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 2 block 17: shares 4243..4259 ({step, share, of})
+    // rank 2 block 17: shares 4240..4256 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 2 block 18: shares 4260..4276 ({step, share, of})
+    // rank 2 block 18: shares 4257..4273 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 2 block 19: shares 4277..4293 ({step, share, of})
+    // rank 2 block 19: shares 4274..4290 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 2 block 20: shares 4294..4310 ({step, share, of})
+    // rank 2 block 20: shares 4291..4307 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 2 block 21: shares 4311..4327 ({step, share, of})
+    // rank 2 block 21: shares 4308..4324 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 2 block 22: shares 4328..4343 ({step, share, of})
+    // rank 2 block 22: shares 4325..4340 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 2 block 23: shares 4344..4359 ({step, share, of})
+    // rank 2 block 23: shares 4341..4356 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 2 block 24: shares 4360..4375 ({step, share, of})
+    // rank 2 block 24: shares 4357..4372 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 2 block 25: shares 4376..4391 ({step, share, of})
+    // rank 2 block 25: shares 4373..4388 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 2 block 26: shares 4392..4407 ({step, share, of})
+    // rank 2 block 26: shares 4389..4404 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 2 block 27: shares 4408..4423 ({step, share, of})
+    // rank 2 block 27: shares 4405..4420 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 2 block 28: shares 4424..4439 ({step, share, of})
+    // rank 2 block 28: shares 4421..4436 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 2 block 29: shares 4440..4455 ({step, share, of})
+    // rank 2 block 29: shares 4437..4452 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 2 block 30: shares 4456..4471 ({step, share, of})
+    // rank 2 block 30: shares 4453..4468 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 2 block 31: shares 4472..4487 ({step, share, of})
+    // rank 2 block 31: shares 4469..4484 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 2 block 32: shares 4488..4503 ({step, share, of})
+    // rank 2 block 32: shares 4485..4500 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 2 block 33: shares 4504..4519 ({step, share, of})
+    // rank 2 block 33: shares 4501..4516 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 2 block 34: shares 4520..4535 ({step, share, of})
+    // rank 2 block 34: shares 4517..4532 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 2 block 35: shares 4536..4551 ({step, share, of})
+    // rank 2 block 35: shares 4533..4548 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 2 block 36: shares 4552..4567 ({step, share, of})
+    // rank 2 block 36: shares 4549..4564 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 2 block 37: shares 4568..4583 ({step, share, of})
+    // rank 2 block 37: shares 4565..4580 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 2 block 38: shares 4584..4599 ({step, share, of})
+    // rank 2 block 38: shares 4581..4596 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 2 block 39: shares 4600..4615 ({step, share, of})
+    // rank 2 block 39: shares 4597..4612 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 2 block 40: shares 4616..4631 ({step, share, of})
+    // rank 2 block 40: shares 4613..4628 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 2 block 41: shares 4632..4647 ({step, share, of})
+    // rank 2 block 41: shares 4629..4644 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 2 block 42: shares 4648..4663 ({step, share, of})
+    // rank 2 block 42: shares 4645..4660 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 2 block 43: shares 4664..4679 ({step, share, of})
+    // rank 2 block 43: shares 4661..4676 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 2 block 44: shares 4680..4695 ({step, share, of})
+    // rank 2 block 44: shares 4677..4692 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 2 block 45: shares 4696..4711 ({step, share, of})
+    // rank 2 block 45: shares 4693..4708 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 2 block 46: shares 4712..4727 ({step, share, of})
+    // rank 2 block 46: shares 4709..4724 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 2 block 47: shares 4728..4743 ({step, share, of})
+    // rank 2 block 47: shares 4725..4740 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 2 block 48: shares 4744..4759 ({step, share, of})
+    // rank 2 block 48: shares 4741..4756 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 2 block 49: shares 4760..4775 ({step, share, of})
+    // rank 2 block 49: shares 4757..4772 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 2 block 50: shares 4776..4791 ({step, share, of})
+    // rank 2 block 50: shares 4773..4788 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 2 block 51: shares 4792..4807 ({step, share, of})
+    // rank 2 block 51: shares 4789..4804 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 2 block 52: shares 4808..4823 ({step, share, of})
+    // rank 2 block 52: shares 4805..4820 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 2 block 53: shares 4824..4839 ({step, share, of})
+    // rank 2 block 53: shares 4821..4836 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 2 block 54: shares 4840..4855 ({step, share, of})
+    // rank 2 block 54: shares 4837..4852 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 2 block 55: shares 4856..4871 ({step, share, of})
+    // rank 2 block 55: shares 4853..4868 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 2 block 56: shares 4872..4887 ({step, share, of})
+    // rank 2 block 56: shares 4869..4884 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 2 block 57: shares 4888..4903 ({step, share, of})
+    // rank 2 block 57: shares 4885..4900 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 2 block 58: shares 4904..4919 ({step, share, of})
+    // rank 2 block 58: shares 4901..4916 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 2 block 59: shares 4920..4935 ({step, share, of})
+    // rank 2 block 59: shares 4917..4932 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 2 block 60: shares 4936..4951 ({step, share, of})
+    // rank 2 block 60: shares 4933..4948 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 2 block 61: shares 4952..4967 ({step, share, of})
+    // rank 2 block 61: shares 4949..4964 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 2 block 62: shares 4968..4983 ({step, share, of})
+    // rank 2 block 62: shares 4965..4980 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 2 block 63: shares 4984..4999 ({step, share, of})
+    // rank 2 block 63: shares 4981..4996 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 2 block 64: shares 5000..5015 ({step, share, of})
+    // rank 2 block 64: shares 4997..5012 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 2 block 65: shares 5016..5031 ({step, share, of})
+    // rank 2 block 65: shares 5013..5028 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 2 block 66: shares 5032..5047 ({step, share, of})
+    // rank 2 block 66: shares 5029..5044 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 2 block 67: shares 5048..5063 ({step, share, of})
+    // rank 2 block 67: shares 5045..5060 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 2 block 68: shares 5064..5079 ({step, share, of})
+    // rank 2 block 68: shares 5061..5076 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 2 block 69: shares 5080..5095 ({step, share, of})
+    // rank 2 block 69: shares 5077..5092 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 2 block 70: shares 5096..5111 ({step, share, of})
+    // rank 2 block 70: shares 5093..5108 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 2 block 71: shares 5112..5127 ({step, share, of})
+    // rank 2 block 71: shares 5109..5124 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 2 block 72: shares 5128..5143 ({step, share, of})
+    // rank 2 block 72: shares 5125..5140 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 2 block 73: shares 5144..5159 ({step, share, of})
+    // rank 2 block 73: shares 5141..5156 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 2 block 74: shares 5160..5175 ({step, share, of})
+    // rank 2 block 74: shares 5157..5172 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 2 block 75: shares 5176..5191 ({step, share, of})
+    // rank 2 block 75: shares 5173..5188 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 2 block 76: shares 5192..5207 ({step, share, of})
+    // rank 2 block 76: shares 5189..5204 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 2 block 77: shares 5208..5223 ({step, share, of})
+    // rank 2 block 77: shares 5205..5220 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 2 block 78: shares 5224..5239 ({step, share, of})
+    // rank 2 block 78: shares 5221..5236 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 2 block 79: shares 5240..5255 ({step, share, of})
+    // rank 2 block 79: shares 5237..5252 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 2 block 80: shares 5256..5271 ({step, share, of})
+    // rank 2 block 80: shares 5253..5268 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 2 block 81: shares 5272..5287 ({step, share, of})
+    // rank 2 block 81: shares 5269..5284 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 2 block 82: shares 5288..5303 ({step, share, of})
+    // rank 2 block 82: shares 5285..5300 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 2 block 83: shares 5304..5319 ({step, share, of})
+    // rank 2 block 83: shares 5301..5316 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 2 block 84: shares 5320..5335 ({step, share, of})
+    // rank 2 block 84: shares 5317..5332 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 2 block 85: shares 5336..5351 ({step, share, of})
+    // rank 2 block 85: shares 5333..5348 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 2 block 86: shares 5352..5367 ({step, share, of})
+    // rank 2 block 86: shares 5349..5364 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 2 block 87: shares 5368..5383 ({step, share, of})
+    // rank 2 block 87: shares 5365..5380 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 2 block 88: shares 5384..5399 ({step, share, of})
+    // rank 2 block 88: shares 5381..5396 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 2 block 89: shares 5400..5415 ({step, share, of})
+    // rank 2 block 89: shares 5397..5412 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 2 block 90: shares 5416..5431 ({step, share, of})
+    // rank 2 block 90: shares 5413..5428 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 2 block 91: shares 5432..5447 ({step, share, of})
+    // rank 2 block 91: shares 5429..5444 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 2 block 92: shares 5448..5463 ({step, share, of})
+    // rank 2 block 92: shares 5445..5460 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 2 block 93: shares 5464..5479 ({step, share, of})
+    // rank 2 block 93: shares 5461..5476 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 2 block 94: shares 5480..5495 ({step, share, of})
+    // rank 2 block 94: shares 5477..5492 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 2 block 95: shares 5496..5511 ({step, share, of})
+    // rank 2 block 95: shares 5493..5508 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 2 block 96: shares 5512..5527 ({step, share, of})
+    // rank 2 block 96: shares 5509..5524 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 2 block 97: shares 5528..5543 ({step, share, of})
+    // rank 2 block 97: shares 5525..5540 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 2 block 98: shares 5544..5559 ({step, share, of})
+    // rank 2 block 98: shares 5541..5556 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 2 block 99: shares 5560..5575 ({step, share, of})
+    // rank 2 block 99: shares 5557..5572 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 2 block 100: shares 5576..5591 ({step, share, of})
+    // rank 2 block 100: shares 5573..5588 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 2 block 101: shares 5592..5607 ({step, share, of})
+    // rank 2 block 101: shares 5589..5604 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 2 block 102: shares 5608..5623 ({step, share, of})
+    // rank 2 block 102: shares 5605..5620 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 2 block 103: shares 5624..5639 ({step, share, of})
+    // rank 2 block 103: shares 5621..5636 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 2 block 104: shares 5640..5655 ({step, share, of})
+    // rank 2 block 104: shares 5637..5652 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 2 block 105: shares 5656..5671 ({step, share, of})
+    // rank 2 block 105: shares 5653..5668 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 2 block 106: shares 5672..5687 ({step, share, of})
+    // rank 2 block 106: shares 5669..5684 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 2 block 107: shares 5688..5703 ({step, share, of})
+    // rank 2 block 107: shares 5685..5700 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 2 block 108: shares 5704..5719 ({step, share, of})
+    // rank 2 block 108: shares 5701..5716 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 2 block 109: shares 5720..5735 ({step, share, of})
+    // rank 2 block 109: shares 5717..5732 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 2 block 110: shares 5736..5751 ({step, share, of})
+    // rank 2 block 110: shares 5733..5748 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 2 block 111: shares 5752..5767 ({step, share, of})
+    // rank 2 block 111: shares 5749..5764 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 2 block 112: shares 5768..5783 ({step, share, of})
+    // rank 2 block 112: shares 5765..5780 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 3 block 0: shares 5784..5800 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 3 block 1: shares 5801..5824 ({step, share, of})
+    // rank 3 block 0: shares 5781..5796 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 3 block 1: shares 5797..5820 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 3 block 2: shares 5825..5848 ({step, share, of})
+    // rank 3 block 2: shares 5821..5844 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 3 block 3: shares 5849..5872 ({step, share, of})
+    // rank 3 block 3: shares 5845..5868 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 3 block 4: shares 5873..5896 ({step, share, of})
+    // rank 3 block 4: shares 5869..5892 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 3 block 5: shares 5897..5920 ({step, share, of})
+    // rank 3 block 5: shares 5893..5916 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 3 block 6: shares 5921..5944 ({step, share, of})
+    // rank 3 block 6: shares 5917..5940 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 3 block 7: shares 5945..5968 ({step, share, of})
+    // rank 3 block 7: shares 5941..5964 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 3 block 8: shares 5969..5992 ({step, share, of})
+    // rank 3 block 8: shares 5965..5988 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 3 block 9: shares 5993..6016 ({step, share, of})
+    // rank 3 block 9: shares 5989..6012 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 3 block 10: shares 6017..6040 ({step, share, of})
+    // rank 3 block 10: shares 6013..6036 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 3 block 11: shares 6041..6064 ({step, share, of})
+    // rank 3 block 11: shares 6037..6060 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 3 block 12: shares 6065..6088 ({step, share, of})
+    // rank 3 block 12: shares 6061..6084 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 3 block 13: shares 6089..6112 ({step, share, of})
+    // rank 3 block 13: shares 6085..6108 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 3 block 14: shares 6113..6136 ({step, share, of})
+    // rank 3 block 14: shares 6109..6132 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 3 block 15: shares 6137..6153 ({step, share, of})
+    // rank 3 block 15: shares 6133..6149 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 3 block 16: shares 6154..6170 ({step, share, of})
+    // rank 3 block 16: shares 6150..6166 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 3 block 17: shares 6171..6187 ({step, share, of})
+    // rank 3 block 17: shares 6167..6183 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 3 block 18: shares 6188..6204 ({step, share, of})
+    // rank 3 block 18: shares 6184..6200 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 3 block 19: shares 6205..6221 ({step, share, of})
+    // rank 3 block 19: shares 6201..6217 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 3 block 20: shares 6222..6238 ({step, share, of})
+    // rank 3 block 20: shares 6218..6234 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 3 block 21: shares 6239..6255 ({step, share, of})
+    // rank 3 block 21: shares 6235..6251 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 3 block 22: shares 6256..6271 ({step, share, of})
+    // rank 3 block 22: shares 6252..6267 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 3 block 23: shares 6272..6287 ({step, share, of})
+    // rank 3 block 23: shares 6268..6283 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 3 block 24: shares 6288..6303 ({step, share, of})
+    // rank 3 block 24: shares 6284..6299 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 3 block 25: shares 6304..6319 ({step, share, of})
+    // rank 3 block 25: shares 6300..6315 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 3 block 26: shares 6320..6335 ({step, share, of})
+    // rank 3 block 26: shares 6316..6331 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 3 block 27: shares 6336..6351 ({step, share, of})
+    // rank 3 block 27: shares 6332..6347 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 3 block 28: shares 6352..6367 ({step, share, of})
+    // rank 3 block 28: shares 6348..6363 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 3 block 29: shares 6368..6383 ({step, share, of})
+    // rank 3 block 29: shares 6364..6379 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 3 block 30: shares 6384..6399 ({step, share, of})
+    // rank 3 block 30: shares 6380..6395 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 3 block 31: shares 6400..6415 ({step, share, of})
+    // rank 3 block 31: shares 6396..6411 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 3 block 32: shares 6416..6431 ({step, share, of})
+    // rank 3 block 32: shares 6412..6427 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 3 block 33: shares 6432..6447 ({step, share, of})
+    // rank 3 block 33: shares 6428..6443 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 3 block 34: shares 6448..6463 ({step, share, of})
+    // rank 3 block 34: shares 6444..6459 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 3 block 35: shares 6464..6479 ({step, share, of})
+    // rank 3 block 35: shares 6460..6475 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 3 block 36: shares 6480..6495 ({step, share, of})
+    // rank 3 block 36: shares 6476..6491 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 3 block 37: shares 6496..6511 ({step, share, of})
+    // rank 3 block 37: shares 6492..6507 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 3 block 38: shares 6512..6527 ({step, share, of})
+    // rank 3 block 38: shares 6508..6523 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 3 block 39: shares 6528..6543 ({step, share, of})
+    // rank 3 block 39: shares 6524..6539 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 3 block 40: shares 6544..6559 ({step, share, of})
+    // rank 3 block 40: shares 6540..6555 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 3 block 41: shares 6560..6575 ({step, share, of})
+    // rank 3 block 41: shares 6556..6571 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 3 block 42: shares 6576..6591 ({step, share, of})
+    // rank 3 block 42: shares 6572..6587 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 3 block 43: shares 6592..6607 ({step, share, of})
+    // rank 3 block 43: shares 6588..6603 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 3 block 44: shares 6608..6623 ({step, share, of})
+    // rank 3 block 44: shares 6604..6619 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 3 block 45: shares 6624..6639 ({step, share, of})
+    // rank 3 block 45: shares 6620..6635 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 3 block 46: shares 6640..6655 ({step, share, of})
+    // rank 3 block 46: shares 6636..6651 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 3 block 47: shares 6656..6671 ({step, share, of})
+    // rank 3 block 47: shares 6652..6667 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 3 block 48: shares 6672..6687 ({step, share, of})
+    // rank 3 block 48: shares 6668..6683 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 3 block 49: shares 6688..6703 ({step, share, of})
+    // rank 3 block 49: shares 6684..6699 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 3 block 50: shares 6704..6719 ({step, share, of})
+    // rank 3 block 50: shares 6700..6715 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 3 block 51: shares 6720..6735 ({step, share, of})
+    // rank 3 block 51: shares 6716..6731 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 3 block 52: shares 6736..6751 ({step, share, of})
+    // rank 3 block 52: shares 6732..6747 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 3 block 53: shares 6752..6767 ({step, share, of})
+    // rank 3 block 53: shares 6748..6763 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 3 block 54: shares 6768..6783 ({step, share, of})
+    // rank 3 block 54: shares 6764..6779 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 3 block 55: shares 6784..6799 ({step, share, of})
+    // rank 3 block 55: shares 6780..6795 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 3 block 56: shares 6800..6815 ({step, share, of})
+    // rank 3 block 56: shares 6796..6811 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 3 block 57: shares 6816..6831 ({step, share, of})
+    // rank 3 block 57: shares 6812..6827 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 3 block 58: shares 6832..6847 ({step, share, of})
+    // rank 3 block 58: shares 6828..6843 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 3 block 59: shares 6848..6863 ({step, share, of})
+    // rank 3 block 59: shares 6844..6859 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 3 block 60: shares 6864..6879 ({step, share, of})
+    // rank 3 block 60: shares 6860..6875 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 3 block 61: shares 6880..6895 ({step, share, of})
+    // rank 3 block 61: shares 6876..6891 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 3 block 62: shares 6896..6911 ({step, share, of})
+    // rank 3 block 62: shares 6892..6907 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 3 block 63: shares 6912..6927 ({step, share, of})
+    // rank 3 block 63: shares 6908..6923 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 3 block 64: shares 6928..6943 ({step, share, of})
+    // rank 3 block 64: shares 6924..6939 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 3 block 65: shares 6944..6959 ({step, share, of})
+    // rank 3 block 65: shares 6940..6955 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 3 block 66: shares 6960..6975 ({step, share, of})
+    // rank 3 block 66: shares 6956..6971 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 3 block 67: shares 6976..6991 ({step, share, of})
+    // rank 3 block 67: shares 6972..6987 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 3 block 68: shares 6992..7007 ({step, share, of})
+    // rank 3 block 68: shares 6988..7003 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 3 block 69: shares 7008..7023 ({step, share, of})
+    // rank 3 block 69: shares 7004..7019 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 3 block 70: shares 7024..7039 ({step, share, of})
+    // rank 3 block 70: shares 7020..7035 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 3 block 71: shares 7040..7055 ({step, share, of})
+    // rank 3 block 71: shares 7036..7051 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 3 block 72: shares 7056..7071 ({step, share, of})
+    // rank 3 block 72: shares 7052..7067 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 3 block 73: shares 7072..7087 ({step, share, of})
+    // rank 3 block 73: shares 7068..7083 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 3 block 74: shares 7088..7103 ({step, share, of})
+    // rank 3 block 74: shares 7084..7099 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 3 block 75: shares 7104..7119 ({step, share, of})
+    // rank 3 block 75: shares 7100..7115 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 3 block 76: shares 7120..7135 ({step, share, of})
+    // rank 3 block 76: shares 7116..7131 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 3 block 77: shares 7136..7151 ({step, share, of})
+    // rank 3 block 77: shares 7132..7147 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 3 block 78: shares 7152..7167 ({step, share, of})
+    // rank 3 block 78: shares 7148..7163 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 3 block 79: shares 7168..7183 ({step, share, of})
+    // rank 3 block 79: shares 7164..7179 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 3 block 80: shares 7184..7199 ({step, share, of})
+    // rank 3 block 80: shares 7180..7195 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 3 block 81: shares 7200..7215 ({step, share, of})
+    // rank 3 block 81: shares 7196..7211 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 3 block 82: shares 7216..7231 ({step, share, of})
+    // rank 3 block 82: shares 7212..7227 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 3 block 83: shares 7232..7247 ({step, share, of})
+    // rank 3 block 83: shares 7228..7243 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 3 block 84: shares 7248..7263 ({step, share, of})
+    // rank 3 block 84: shares 7244..7259 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 3 block 85: shares 7264..7279 ({step, share, of})
+    // rank 3 block 85: shares 7260..7275 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 3 block 86: shares 7280..7295 ({step, share, of})
+    // rank 3 block 86: shares 7276..7291 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 3 block 87: shares 7296..7311 ({step, share, of})
+    // rank 3 block 87: shares 7292..7307 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 3 block 88: shares 7312..7327 ({step, share, of})
+    // rank 3 block 88: shares 7308..7323 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 3 block 89: shares 7328..7343 ({step, share, of})
+    // rank 3 block 89: shares 7324..7339 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 3 block 90: shares 7344..7359 ({step, share, of})
+    // rank 3 block 90: shares 7340..7355 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 3 block 91: shares 7360..7375 ({step, share, of})
+    // rank 3 block 91: shares 7356..7371 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 3 block 92: shares 7376..7391 ({step, share, of})
+    // rank 3 block 92: shares 7372..7387 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 3 block 93: shares 7392..7407 ({step, share, of})
+    // rank 3 block 93: shares 7388..7403 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 3 block 94: shares 7408..7423 ({step, share, of})
+    // rank 3 block 94: shares 7404..7419 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 3 block 95: shares 7424..7439 ({step, share, of})
+    // rank 3 block 95: shares 7420..7435 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 3 block 96: shares 7440..7455 ({step, share, of})
+    // rank 3 block 96: shares 7436..7451 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 3 block 97: shares 7456..7471 ({step, share, of})
+    // rank 3 block 97: shares 7452..7467 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 3 block 98: shares 7472..7487 ({step, share, of})
+    // rank 3 block 98: shares 7468..7483 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 3 block 99: shares 7488..7503 ({step, share, of})
+    // rank 3 block 99: shares 7484..7499 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 3 block 100: shares 7504..7519 ({step, share, of})
+    // rank 3 block 100: shares 7500..7515 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 3 block 101: shares 7520..7535 ({step, share, of})
+    // rank 3 block 101: shares 7516..7531 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 3 block 102: shares 7536..7551 ({step, share, of})
+    // rank 3 block 102: shares 7532..7547 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 3 block 103: shares 7552..7567 ({step, share, of})
+    // rank 3 block 103: shares 7548..7563 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 3 block 104: shares 7568..7583 ({step, share, of})
+    // rank 3 block 104: shares 7564..7579 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 3 block 105: shares 7584..7599 ({step, share, of})
+    // rank 3 block 105: shares 7580..7595 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 3 block 106: shares 7600..7615 ({step, share, of})
+    // rank 3 block 106: shares 7596..7611 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 3 block 107: shares 7616..7631 ({step, share, of})
+    // rank 3 block 107: shares 7612..7627 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 3 block 108: shares 7632..7647 ({step, share, of})
+    // rank 3 block 108: shares 7628..7643 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 3 block 109: shares 7648..7663 ({step, share, of})
+    // rank 3 block 109: shares 7644..7659 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 3 block 110: shares 7664..7679 ({step, share, of})
+    // rank 3 block 110: shares 7660..7675 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 3 block 111: shares 7680..7695 ({step, share, of})
+    // rank 3 block 111: shares 7676..7691 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 3 block 112: shares 7696..7711 ({step, share, of})
+    // rank 3 block 112: shares 7692..7707 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 4 block 0: shares 7712..7728 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 4 block 1: shares 7729..7752 ({step, share, of})
+    // rank 4 block 0: shares 7708..7723 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 4 block 1: shares 7724..7747 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 4 block 2: shares 7753..7776 ({step, share, of})
+    // rank 4 block 2: shares 7748..7771 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 4 block 3: shares 7777..7800 ({step, share, of})
+    // rank 4 block 3: shares 7772..7795 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 4 block 4: shares 7801..7824 ({step, share, of})
+    // rank 4 block 4: shares 7796..7819 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 4 block 5: shares 7825..7848 ({step, share, of})
+    // rank 4 block 5: shares 7820..7843 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 4 block 6: shares 7849..7872 ({step, share, of})
+    // rank 4 block 6: shares 7844..7867 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 4 block 7: shares 7873..7896 ({step, share, of})
+    // rank 4 block 7: shares 7868..7891 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 4 block 8: shares 7897..7920 ({step, share, of})
+    // rank 4 block 8: shares 7892..7915 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 4 block 9: shares 7921..7944 ({step, share, of})
+    // rank 4 block 9: shares 7916..7939 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 4 block 10: shares 7945..7968 ({step, share, of})
+    // rank 4 block 10: shares 7940..7963 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 4 block 11: shares 7969..7992 ({step, share, of})
+    // rank 4 block 11: shares 7964..7987 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 4 block 12: shares 7993..8016 ({step, share, of})
+    // rank 4 block 12: shares 7988..8011 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 4 block 13: shares 8017..8040 ({step, share, of})
+    // rank 4 block 13: shares 8012..8035 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 4 block 14: shares 8041..8064 ({step, share, of})
+    // rank 4 block 14: shares 8036..8059 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 4 block 15: shares 8065..8081 ({step, share, of})
+    // rank 4 block 15: shares 8060..8076 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 4 block 16: shares 8082..8098 ({step, share, of})
+    // rank 4 block 16: shares 8077..8093 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 4 block 17: shares 8099..8115 ({step, share, of})
+    // rank 4 block 17: shares 8094..8110 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 4 block 18: shares 8116..8132 ({step, share, of})
+    // rank 4 block 18: shares 8111..8127 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 4 block 19: shares 8133..8149 ({step, share, of})
+    // rank 4 block 19: shares 8128..8144 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 4 block 20: shares 8150..8166 ({step, share, of})
+    // rank 4 block 20: shares 8145..8161 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 4 block 21: shares 8167..8183 ({step, share, of})
+    // rank 4 block 21: shares 8162..8178 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 4 block 22: shares 8184..8199 ({step, share, of})
+    // rank 4 block 22: shares 8179..8194 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 4 block 23: shares 8200..8215 ({step, share, of})
+    // rank 4 block 23: shares 8195..8210 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 4 block 24: shares 8216..8231 ({step, share, of})
+    // rank 4 block 24: shares 8211..8226 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 4 block 25: shares 8232..8247 ({step, share, of})
+    // rank 4 block 25: shares 8227..8242 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 4 block 26: shares 8248..8263 ({step, share, of})
+    // rank 4 block 26: shares 8243..8258 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 4 block 27: shares 8264..8279 ({step, share, of})
+    // rank 4 block 27: shares 8259..8274 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 4 block 28: shares 8280..8295 ({step, share, of})
+    // rank 4 block 28: shares 8275..8290 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 4 block 29: shares 8296..8311 ({step, share, of})
+    // rank 4 block 29: shares 8291..8306 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 4 block 30: shares 8312..8327 ({step, share, of})
+    // rank 4 block 30: shares 8307..8322 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 4 block 31: shares 8328..8343 ({step, share, of})
+    // rank 4 block 31: shares 8323..8338 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 4 block 32: shares 8344..8359 ({step, share, of})
+    // rank 4 block 32: shares 8339..8354 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 4 block 33: shares 8360..8375 ({step, share, of})
+    // rank 4 block 33: shares 8355..8370 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 4 block 34: shares 8376..8391 ({step, share, of})
+    // rank 4 block 34: shares 8371..8386 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 4 block 35: shares 8392..8407 ({step, share, of})
+    // rank 4 block 35: shares 8387..8402 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 4 block 36: shares 8408..8423 ({step, share, of})
+    // rank 4 block 36: shares 8403..8418 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 4 block 37: shares 8424..8439 ({step, share, of})
+    // rank 4 block 37: shares 8419..8434 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 4 block 38: shares 8440..8455 ({step, share, of})
+    // rank 4 block 38: shares 8435..8450 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 4 block 39: shares 8456..8471 ({step, share, of})
+    // rank 4 block 39: shares 8451..8466 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 4 block 40: shares 8472..8487 ({step, share, of})
+    // rank 4 block 40: shares 8467..8482 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 4 block 41: shares 8488..8503 ({step, share, of})
+    // rank 4 block 41: shares 8483..8498 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 4 block 42: shares 8504..8519 ({step, share, of})
+    // rank 4 block 42: shares 8499..8514 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 4 block 43: shares 8520..8535 ({step, share, of})
+    // rank 4 block 43: shares 8515..8530 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 4 block 44: shares 8536..8551 ({step, share, of})
+    // rank 4 block 44: shares 8531..8546 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 4 block 45: shares 8552..8567 ({step, share, of})
+    // rank 4 block 45: shares 8547..8562 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 4 block 46: shares 8568..8583 ({step, share, of})
+    // rank 4 block 46: shares 8563..8578 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 4 block 47: shares 8584..8599 ({step, share, of})
+    // rank 4 block 47: shares 8579..8594 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 4 block 48: shares 8600..8615 ({step, share, of})
+    // rank 4 block 48: shares 8595..8610 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 4 block 49: shares 8616..8631 ({step, share, of})
+    // rank 4 block 49: shares 8611..8626 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 4 block 50: shares 8632..8647 ({step, share, of})
+    // rank 4 block 50: shares 8627..8642 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 4 block 51: shares 8648..8663 ({step, share, of})
+    // rank 4 block 51: shares 8643..8658 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 4 block 52: shares 8664..8679 ({step, share, of})
+    // rank 4 block 52: shares 8659..8674 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 4 block 53: shares 8680..8695 ({step, share, of})
+    // rank 4 block 53: shares 8675..8690 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 4 block 54: shares 8696..8711 ({step, share, of})
+    // rank 4 block 54: shares 8691..8706 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 4 block 55: shares 8712..8727 ({step, share, of})
+    // rank 4 block 55: shares 8707..8722 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 4 block 56: shares 8728..8743 ({step, share, of})
+    // rank 4 block 56: shares 8723..8738 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 4 block 57: shares 8744..8759 ({step, share, of})
+    // rank 4 block 57: shares 8739..8754 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 4 block 58: shares 8760..8775 ({step, share, of})
+    // rank 4 block 58: shares 8755..8770 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 4 block 59: shares 8776..8791 ({step, share, of})
+    // rank 4 block 59: shares 8771..8786 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 4 block 60: shares 8792..8807 ({step, share, of})
+    // rank 4 block 60: shares 8787..8802 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 4 block 61: shares 8808..8823 ({step, share, of})
+    // rank 4 block 61: shares 8803..8818 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 4 block 62: shares 8824..8839 ({step, share, of})
+    // rank 4 block 62: shares 8819..8834 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 4 block 63: shares 8840..8855 ({step, share, of})
+    // rank 4 block 63: shares 8835..8850 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 4 block 64: shares 8856..8871 ({step, share, of})
+    // rank 4 block 64: shares 8851..8866 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 4 block 65: shares 8872..8887 ({step, share, of})
+    // rank 4 block 65: shares 8867..8882 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 4 block 66: shares 8888..8903 ({step, share, of})
+    // rank 4 block 66: shares 8883..8898 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 4 block 67: shares 8904..8919 ({step, share, of})
+    // rank 4 block 67: shares 8899..8914 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 4 block 68: shares 8920..8935 ({step, share, of})
+    // rank 4 block 68: shares 8915..8930 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 4 block 69: shares 8936..8951 ({step, share, of})
+    // rank 4 block 69: shares 8931..8946 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 4 block 70: shares 8952..8967 ({step, share, of})
+    // rank 4 block 70: shares 8947..8962 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 4 block 71: shares 8968..8983 ({step, share, of})
+    // rank 4 block 71: shares 8963..8978 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 4 block 72: shares 8984..8999 ({step, share, of})
+    // rank 4 block 72: shares 8979..8994 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 4 block 73: shares 9000..9015 ({step, share, of})
+    // rank 4 block 73: shares 8995..9010 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 4 block 74: shares 9016..9031 ({step, share, of})
+    // rank 4 block 74: shares 9011..9026 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 4 block 75: shares 9032..9047 ({step, share, of})
+    // rank 4 block 75: shares 9027..9042 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 4 block 76: shares 9048..9063 ({step, share, of})
+    // rank 4 block 76: shares 9043..9058 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 4 block 77: shares 9064..9079 ({step, share, of})
+    // rank 4 block 77: shares 9059..9074 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 4 block 78: shares 9080..9095 ({step, share, of})
+    // rank 4 block 78: shares 9075..9090 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 4 block 79: shares 9096..9111 ({step, share, of})
+    // rank 4 block 79: shares 9091..9106 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 4 block 80: shares 9112..9127 ({step, share, of})
+    // rank 4 block 80: shares 9107..9122 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 4 block 81: shares 9128..9143 ({step, share, of})
+    // rank 4 block 81: shares 9123..9138 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 4 block 82: shares 9144..9159 ({step, share, of})
+    // rank 4 block 82: shares 9139..9154 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 4 block 83: shares 9160..9175 ({step, share, of})
+    // rank 4 block 83: shares 9155..9170 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 4 block 84: shares 9176..9191 ({step, share, of})
+    // rank 4 block 84: shares 9171..9186 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 4 block 85: shares 9192..9207 ({step, share, of})
+    // rank 4 block 85: shares 9187..9202 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 4 block 86: shares 9208..9223 ({step, share, of})
+    // rank 4 block 86: shares 9203..9218 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 4 block 87: shares 9224..9239 ({step, share, of})
+    // rank 4 block 87: shares 9219..9234 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 4 block 88: shares 9240..9255 ({step, share, of})
+    // rank 4 block 88: shares 9235..9250 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 4 block 89: shares 9256..9271 ({step, share, of})
+    // rank 4 block 89: shares 9251..9266 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 4 block 90: shares 9272..9287 ({step, share, of})
+    // rank 4 block 90: shares 9267..9282 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 4 block 91: shares 9288..9303 ({step, share, of})
+    // rank 4 block 91: shares 9283..9298 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 4 block 92: shares 9304..9319 ({step, share, of})
+    // rank 4 block 92: shares 9299..9314 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 4 block 93: shares 9320..9335 ({step, share, of})
+    // rank 4 block 93: shares 9315..9330 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 4 block 94: shares 9336..9351 ({step, share, of})
+    // rank 4 block 94: shares 9331..9346 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 4 block 95: shares 9352..9367 ({step, share, of})
+    // rank 4 block 95: shares 9347..9362 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 4 block 96: shares 9368..9383 ({step, share, of})
+    // rank 4 block 96: shares 9363..9378 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 4 block 97: shares 9384..9399 ({step, share, of})
+    // rank 4 block 97: shares 9379..9394 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 4 block 98: shares 9400..9415 ({step, share, of})
+    // rank 4 block 98: shares 9395..9410 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 4 block 99: shares 9416..9431 ({step, share, of})
+    // rank 4 block 99: shares 9411..9426 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 4 block 100: shares 9432..9447 ({step, share, of})
+    // rank 4 block 100: shares 9427..9442 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 4 block 101: shares 9448..9463 ({step, share, of})
+    // rank 4 block 101: shares 9443..9458 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 4 block 102: shares 9464..9479 ({step, share, of})
+    // rank 4 block 102: shares 9459..9474 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 4 block 103: shares 9480..9495 ({step, share, of})
+    // rank 4 block 103: shares 9475..9490 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 4 block 104: shares 9496..9511 ({step, share, of})
+    // rank 4 block 104: shares 9491..9506 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 4 block 105: shares 9512..9527 ({step, share, of})
+    // rank 4 block 105: shares 9507..9522 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 4 block 106: shares 9528..9543 ({step, share, of})
+    // rank 4 block 106: shares 9523..9538 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 4 block 107: shares 9544..9559 ({step, share, of})
+    // rank 4 block 107: shares 9539..9554 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 4 block 108: shares 9560..9575 ({step, share, of})
+    // rank 4 block 108: shares 9555..9570 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 4 block 109: shares 9576..9591 ({step, share, of})
+    // rank 4 block 109: shares 9571..9586 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 4 block 110: shares 9592..9607 ({step, share, of})
+    // rank 4 block 110: shares 9587..9602 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 4 block 111: shares 9608..9623 ({step, share, of})
+    // rank 4 block 111: shares 9603..9618 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 4 block 112: shares 9624..9639 ({step, share, of})
+    // rank 4 block 112: shares 9619..9634 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 5 block 0: shares 9640..9656 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 5 block 1: shares 9657..9680 ({step, share, of})
+    // rank 5 block 0: shares 9635..9650 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 5 block 1: shares 9651..9674 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 5 block 2: shares 9681..9704 ({step, share, of})
+    // rank 5 block 2: shares 9675..9698 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 5 block 3: shares 9705..9728 ({step, share, of})
+    // rank 5 block 3: shares 9699..9722 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 5 block 4: shares 9729..9752 ({step, share, of})
+    // rank 5 block 4: shares 9723..9746 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 5 block 5: shares 9753..9776 ({step, share, of})
+    // rank 5 block 5: shares 9747..9770 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 5 block 6: shares 9777..9800 ({step, share, of})
+    // rank 5 block 6: shares 9771..9794 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 5 block 7: shares 9801..9824 ({step, share, of})
+    // rank 5 block 7: shares 9795..9818 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 5 block 8: shares 9825..9848 ({step, share, of})
+    // rank 5 block 8: shares 9819..9842 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 5 block 9: shares 9849..9872 ({step, share, of})
+    // rank 5 block 9: shares 9843..9866 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 5 block 10: shares 9873..9896 ({step, share, of})
+    // rank 5 block 10: shares 9867..9890 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 5 block 11: shares 9897..9920 ({step, share, of})
+    // rank 5 block 11: shares 9891..9914 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 5 block 12: shares 9921..9944 ({step, share, of})
+    // rank 5 block 12: shares 9915..9938 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 5 block 13: shares 9945..9968 ({step, share, of})
+    // rank 5 block 13: shares 9939..9962 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 5 block 14: shares 9969..9992 ({step, share, of})
+    // rank 5 block 14: shares 9963..9986 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 5 block 15: shares 9993..10009 ({step, share, of})
+    // rank 5 block 15: shares 9987..10003 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 5 block 16: shares 10010..10026 ({step, share, of})
+    // rank 5 block 16: shares 10004..10020 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 5 block 17: shares 10027..10043 ({step, share, of})
+    // rank 5 block 17: shares 10021..10037 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 5 block 18: shares 10044..10060 ({step, share, of})
+    // rank 5 block 18: shares 10038..10054 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 5 block 19: shares 10061..10077 ({step, share, of})
+    // rank 5 block 19: shares 10055..10071 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 5 block 20: shares 10078..10094 ({step, share, of})
+    // rank 5 block 20: shares 10072..10088 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 5 block 21: shares 10095..10111 ({step, share, of})
+    // rank 5 block 21: shares 10089..10105 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 5 block 22: shares 10112..10127 ({step, share, of})
+    // rank 5 block 22: shares 10106..10121 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 5 block 23: shares 10128..10143 ({step, share, of})
+    // rank 5 block 23: shares 10122..10137 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 5 block 24: shares 10144..10159 ({step, share, of})
+    // rank 5 block 24: shares 10138..10153 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 5 block 25: shares 10160..10175 ({step, share, of})
+    // rank 5 block 25: shares 10154..10169 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 5 block 26: shares 10176..10191 ({step, share, of})
+    // rank 5 block 26: shares 10170..10185 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 5 block 27: shares 10192..10207 ({step, share, of})
+    // rank 5 block 27: shares 10186..10201 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 5 block 28: shares 10208..10223 ({step, share, of})
+    // rank 5 block 28: shares 10202..10217 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 5 block 29: shares 10224..10239 ({step, share, of})
+    // rank 5 block 29: shares 10218..10233 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 5 block 30: shares 10240..10255 ({step, share, of})
+    // rank 5 block 30: shares 10234..10249 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 5 block 31: shares 10256..10271 ({step, share, of})
+    // rank 5 block 31: shares 10250..10265 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 5 block 32: shares 10272..10287 ({step, share, of})
+    // rank 5 block 32: shares 10266..10281 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 5 block 33: shares 10288..10303 ({step, share, of})
+    // rank 5 block 33: shares 10282..10297 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 5 block 34: shares 10304..10319 ({step, share, of})
+    // rank 5 block 34: shares 10298..10313 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 5 block 35: shares 10320..10335 ({step, share, of})
+    // rank 5 block 35: shares 10314..10329 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 5 block 36: shares 10336..10351 ({step, share, of})
+    // rank 5 block 36: shares 10330..10345 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 5 block 37: shares 10352..10367 ({step, share, of})
+    // rank 5 block 37: shares 10346..10361 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 5 block 38: shares 10368..10383 ({step, share, of})
+    // rank 5 block 38: shares 10362..10377 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 5 block 39: shares 10384..10399 ({step, share, of})
+    // rank 5 block 39: shares 10378..10393 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 5 block 40: shares 10400..10415 ({step, share, of})
+    // rank 5 block 40: shares 10394..10409 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 5 block 41: shares 10416..10431 ({step, share, of})
+    // rank 5 block 41: shares 10410..10425 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 5 block 42: shares 10432..10447 ({step, share, of})
+    // rank 5 block 42: shares 10426..10441 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 5 block 43: shares 10448..10463 ({step, share, of})
+    // rank 5 block 43: shares 10442..10457 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 5 block 44: shares 10464..10479 ({step, share, of})
+    // rank 5 block 44: shares 10458..10473 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 5 block 45: shares 10480..10495 ({step, share, of})
+    // rank 5 block 45: shares 10474..10489 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 5 block 46: shares 10496..10511 ({step, share, of})
+    // rank 5 block 46: shares 10490..10505 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 5 block 47: shares 10512..10527 ({step, share, of})
+    // rank 5 block 47: shares 10506..10521 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 5 block 48: shares 10528..10543 ({step, share, of})
+    // rank 5 block 48: shares 10522..10537 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 5 block 49: shares 10544..10559 ({step, share, of})
+    // rank 5 block 49: shares 10538..10553 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 5 block 50: shares 10560..10575 ({step, share, of})
+    // rank 5 block 50: shares 10554..10569 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 5 block 51: shares 10576..10591 ({step, share, of})
+    // rank 5 block 51: shares 10570..10585 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 5 block 52: shares 10592..10607 ({step, share, of})
+    // rank 5 block 52: shares 10586..10601 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 5 block 53: shares 10608..10623 ({step, share, of})
+    // rank 5 block 53: shares 10602..10617 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 5 block 54: shares 10624..10639 ({step, share, of})
+    // rank 5 block 54: shares 10618..10633 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 5 block 55: shares 10640..10655 ({step, share, of})
+    // rank 5 block 55: shares 10634..10649 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 5 block 56: shares 10656..10671 ({step, share, of})
+    // rank 5 block 56: shares 10650..10665 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 5 block 57: shares 10672..10687 ({step, share, of})
+    // rank 5 block 57: shares 10666..10681 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 5 block 58: shares 10688..10703 ({step, share, of})
+    // rank 5 block 58: shares 10682..10697 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 5 block 59: shares 10704..10719 ({step, share, of})
+    // rank 5 block 59: shares 10698..10713 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 5 block 60: shares 10720..10735 ({step, share, of})
+    // rank 5 block 60: shares 10714..10729 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 5 block 61: shares 10736..10751 ({step, share, of})
+    // rank 5 block 61: shares 10730..10745 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 5 block 62: shares 10752..10767 ({step, share, of})
+    // rank 5 block 62: shares 10746..10761 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 5 block 63: shares 10768..10783 ({step, share, of})
+    // rank 5 block 63: shares 10762..10777 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 5 block 64: shares 10784..10799 ({step, share, of})
+    // rank 5 block 64: shares 10778..10793 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 5 block 65: shares 10800..10815 ({step, share, of})
+    // rank 5 block 65: shares 10794..10809 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 5 block 66: shares 10816..10831 ({step, share, of})
+    // rank 5 block 66: shares 10810..10825 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 5 block 67: shares 10832..10847 ({step, share, of})
+    // rank 5 block 67: shares 10826..10841 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 5 block 68: shares 10848..10863 ({step, share, of})
+    // rank 5 block 68: shares 10842..10857 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 5 block 69: shares 10864..10879 ({step, share, of})
+    // rank 5 block 69: shares 10858..10873 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 5 block 70: shares 10880..10895 ({step, share, of})
+    // rank 5 block 70: shares 10874..10889 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 5 block 71: shares 10896..10911 ({step, share, of})
+    // rank 5 block 71: shares 10890..10905 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 5 block 72: shares 10912..10927 ({step, share, of})
+    // rank 5 block 72: shares 10906..10921 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 5 block 73: shares 10928..10943 ({step, share, of})
+    // rank 5 block 73: shares 10922..10937 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 5 block 74: shares 10944..10959 ({step, share, of})
+    // rank 5 block 74: shares 10938..10953 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 5 block 75: shares 10960..10975 ({step, share, of})
+    // rank 5 block 75: shares 10954..10969 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 5 block 76: shares 10976..10991 ({step, share, of})
+    // rank 5 block 76: shares 10970..10985 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 5 block 77: shares 10992..11007 ({step, share, of})
+    // rank 5 block 77: shares 10986..11001 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 5 block 78: shares 11008..11023 ({step, share, of})
+    // rank 5 block 78: shares 11002..11017 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 5 block 79: shares 11024..11039 ({step, share, of})
+    // rank 5 block 79: shares 11018..11033 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 5 block 80: shares 11040..11055 ({step, share, of})
+    // rank 5 block 80: shares 11034..11049 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 5 block 81: shares 11056..11071 ({step, share, of})
+    // rank 5 block 81: shares 11050..11065 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 5 block 82: shares 11072..11087 ({step, share, of})
+    // rank 5 block 82: shares 11066..11081 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 5 block 83: shares 11088..11103 ({step, share, of})
+    // rank 5 block 83: shares 11082..11097 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 5 block 84: shares 11104..11119 ({step, share, of})
+    // rank 5 block 84: shares 11098..11113 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 5 block 85: shares 11120..11135 ({step, share, of})
+    // rank 5 block 85: shares 11114..11129 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 5 block 86: shares 11136..11151 ({step, share, of})
+    // rank 5 block 86: shares 11130..11145 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 5 block 87: shares 11152..11167 ({step, share, of})
+    // rank 5 block 87: shares 11146..11161 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 5 block 88: shares 11168..11183 ({step, share, of})
+    // rank 5 block 88: shares 11162..11177 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 5 block 89: shares 11184..11199 ({step, share, of})
+    // rank 5 block 89: shares 11178..11193 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 5 block 90: shares 11200..11215 ({step, share, of})
+    // rank 5 block 90: shares 11194..11209 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 5 block 91: shares 11216..11231 ({step, share, of})
+    // rank 5 block 91: shares 11210..11225 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 5 block 92: shares 11232..11247 ({step, share, of})
+    // rank 5 block 92: shares 11226..11241 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 5 block 93: shares 11248..11263 ({step, share, of})
+    // rank 5 block 93: shares 11242..11257 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 5 block 94: shares 11264..11279 ({step, share, of})
+    // rank 5 block 94: shares 11258..11273 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 5 block 95: shares 11280..11295 ({step, share, of})
+    // rank 5 block 95: shares 11274..11289 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 5 block 96: shares 11296..11311 ({step, share, of})
+    // rank 5 block 96: shares 11290..11305 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 5 block 97: shares 11312..11327 ({step, share, of})
+    // rank 5 block 97: shares 11306..11321 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 5 block 98: shares 11328..11343 ({step, share, of})
+    // rank 5 block 98: shares 11322..11337 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 5 block 99: shares 11344..11359 ({step, share, of})
+    // rank 5 block 99: shares 11338..11353 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 5 block 100: shares 11360..11375 ({step, share, of})
+    // rank 5 block 100: shares 11354..11369 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 5 block 101: shares 11376..11391 ({step, share, of})
+    // rank 5 block 101: shares 11370..11385 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 5 block 102: shares 11392..11407 ({step, share, of})
+    // rank 5 block 102: shares 11386..11401 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 5 block 103: shares 11408..11423 ({step, share, of})
+    // rank 5 block 103: shares 11402..11417 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 5 block 104: shares 11424..11439 ({step, share, of})
+    // rank 5 block 104: shares 11418..11433 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 5 block 105: shares 11440..11455 ({step, share, of})
+    // rank 5 block 105: shares 11434..11449 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 5 block 106: shares 11456..11471 ({step, share, of})
+    // rank 5 block 106: shares 11450..11465 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 5 block 107: shares 11472..11487 ({step, share, of})
+    // rank 5 block 107: shares 11466..11481 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 5 block 108: shares 11488..11503 ({step, share, of})
+    // rank 5 block 108: shares 11482..11497 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 5 block 109: shares 11504..11519 ({step, share, of})
+    // rank 5 block 109: shares 11498..11513 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 5 block 110: shares 11520..11535 ({step, share, of})
+    // rank 5 block 110: shares 11514..11529 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 5 block 111: shares 11536..11551 ({step, share, of})
+    // rank 5 block 111: shares 11530..11545 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 5 block 112: shares 11552..11567 ({step, share, of})
+    // rank 5 block 112: shares 11546..11561 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 6 block 0: shares 11568..11584 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 6 block 1: shares 11585..11608 ({step, share, of})
+    // rank 6 block 0: shares 11562..11577 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 6 block 1: shares 11578..11601 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 6 block 2: shares 11609..11632 ({step, share, of})
+    // rank 6 block 2: shares 11602..11625 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 6 block 3: shares 11633..11656 ({step, share, of})
+    // rank 6 block 3: shares 11626..11649 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 6 block 4: shares 11657..11680 ({step, share, of})
+    // rank 6 block 4: shares 11650..11673 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 6 block 5: shares 11681..11704 ({step, share, of})
+    // rank 6 block 5: shares 11674..11697 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 6 block 6: shares 11705..11728 ({step, share, of})
+    // rank 6 block 6: shares 11698..11721 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 6 block 7: shares 11729..11752 ({step, share, of})
+    // rank 6 block 7: shares 11722..11745 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 6 block 8: shares 11753..11776 ({step, share, of})
+    // rank 6 block 8: shares 11746..11769 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 6 block 9: shares 11777..11800 ({step, share, of})
+    // rank 6 block 9: shares 11770..11793 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 6 block 10: shares 11801..11824 ({step, share, of})
+    // rank 6 block 10: shares 11794..11817 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 6 block 11: shares 11825..11848 ({step, share, of})
+    // rank 6 block 11: shares 11818..11841 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 6 block 12: shares 11849..11872 ({step, share, of})
+    // rank 6 block 12: shares 11842..11865 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 6 block 13: shares 11873..11896 ({step, share, of})
+    // rank 6 block 13: shares 11866..11889 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 6 block 14: shares 11897..11920 ({step, share, of})
+    // rank 6 block 14: shares 11890..11913 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 6 block 15: shares 11921..11937 ({step, share, of})
+    // rank 6 block 15: shares 11914..11930 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 6 block 16: shares 11938..11954 ({step, share, of})
+    // rank 6 block 16: shares 11931..11947 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 6 block 17: shares 11955..11971 ({step, share, of})
+    // rank 6 block 17: shares 11948..11964 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 6 block 18: shares 11972..11988 ({step, share, of})
+    // rank 6 block 18: shares 11965..11981 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 6 block 19: shares 11989..12005 ({step, share, of})
+    // rank 6 block 19: shares 11982..11998 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 6 block 20: shares 12006..12022 ({step, share, of})
+    // rank 6 block 20: shares 11999..12015 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 6 block 21: shares 12023..12039 ({step, share, of})
+    // rank 6 block 21: shares 12016..12032 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 6 block 22: shares 12040..12055 ({step, share, of})
+    // rank 6 block 22: shares 12033..12048 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 6 block 23: shares 12056..12071 ({step, share, of})
+    // rank 6 block 23: shares 12049..12064 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 6 block 24: shares 12072..12087 ({step, share, of})
+    // rank 6 block 24: shares 12065..12080 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 6 block 25: shares 12088..12103 ({step, share, of})
+    // rank 6 block 25: shares 12081..12096 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 6 block 26: shares 12104..12119 ({step, share, of})
+    // rank 6 block 26: shares 12097..12112 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 6 block 27: shares 12120..12135 ({step, share, of})
+    // rank 6 block 27: shares 12113..12128 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 6 block 28: shares 12136..12151 ({step, share, of})
+    // rank 6 block 28: shares 12129..12144 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 6 block 29: shares 12152..12167 ({step, share, of})
+    // rank 6 block 29: shares 12145..12160 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 6 block 30: shares 12168..12183 ({step, share, of})
+    // rank 6 block 30: shares 12161..12176 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 6 block 31: shares 12184..12199 ({step, share, of})
+    // rank 6 block 31: shares 12177..12192 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 6 block 32: shares 12200..12215 ({step, share, of})
+    // rank 6 block 32: shares 12193..12208 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 6 block 33: shares 12216..12231 ({step, share, of})
+    // rank 6 block 33: shares 12209..12224 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 6 block 34: shares 12232..12247 ({step, share, of})
+    // rank 6 block 34: shares 12225..12240 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 6 block 35: shares 12248..12263 ({step, share, of})
+    // rank 6 block 35: shares 12241..12256 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 6 block 36: shares 12264..12279 ({step, share, of})
+    // rank 6 block 36: shares 12257..12272 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 6 block 37: shares 12280..12295 ({step, share, of})
+    // rank 6 block 37: shares 12273..12288 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 6 block 38: shares 12296..12311 ({step, share, of})
+    // rank 6 block 38: shares 12289..12304 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 6 block 39: shares 12312..12327 ({step, share, of})
+    // rank 6 block 39: shares 12305..12320 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 6 block 40: shares 12328..12343 ({step, share, of})
+    // rank 6 block 40: shares 12321..12336 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 6 block 41: shares 12344..12359 ({step, share, of})
+    // rank 6 block 41: shares 12337..12352 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 6 block 42: shares 12360..12375 ({step, share, of})
+    // rank 6 block 42: shares 12353..12368 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 6 block 43: shares 12376..12391 ({step, share, of})
+    // rank 6 block 43: shares 12369..12384 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 6 block 44: shares 12392..12407 ({step, share, of})
+    // rank 6 block 44: shares 12385..12400 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 6 block 45: shares 12408..12423 ({step, share, of})
+    // rank 6 block 45: shares 12401..12416 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 6 block 46: shares 12424..12439 ({step, share, of})
+    // rank 6 block 46: shares 12417..12432 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 6 block 47: shares 12440..12455 ({step, share, of})
+    // rank 6 block 47: shares 12433..12448 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 6 block 48: shares 12456..12471 ({step, share, of})
+    // rank 6 block 48: shares 12449..12464 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 6 block 49: shares 12472..12487 ({step, share, of})
+    // rank 6 block 49: shares 12465..12480 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 6 block 50: shares 12488..12503 ({step, share, of})
+    // rank 6 block 50: shares 12481..12496 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 6 block 51: shares 12504..12519 ({step, share, of})
+    // rank 6 block 51: shares 12497..12512 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 6 block 52: shares 12520..12535 ({step, share, of})
+    // rank 6 block 52: shares 12513..12528 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 6 block 53: shares 12536..12551 ({step, share, of})
+    // rank 6 block 53: shares 12529..12544 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 6 block 54: shares 12552..12567 ({step, share, of})
+    // rank 6 block 54: shares 12545..12560 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 6 block 55: shares 12568..12583 ({step, share, of})
+    // rank 6 block 55: shares 12561..12576 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 6 block 56: shares 12584..12599 ({step, share, of})
+    // rank 6 block 56: shares 12577..12592 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 6 block 57: shares 12600..12615 ({step, share, of})
+    // rank 6 block 57: shares 12593..12608 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 6 block 58: shares 12616..12631 ({step, share, of})
+    // rank 6 block 58: shares 12609..12624 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 6 block 59: shares 12632..12647 ({step, share, of})
+    // rank 6 block 59: shares 12625..12640 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 6 block 60: shares 12648..12663 ({step, share, of})
+    // rank 6 block 60: shares 12641..12656 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 6 block 61: shares 12664..12679 ({step, share, of})
+    // rank 6 block 61: shares 12657..12672 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 6 block 62: shares 12680..12695 ({step, share, of})
+    // rank 6 block 62: shares 12673..12688 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 6 block 63: shares 12696..12711 ({step, share, of})
+    // rank 6 block 63: shares 12689..12704 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 6 block 64: shares 12712..12727 ({step, share, of})
+    // rank 6 block 64: shares 12705..12720 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 6 block 65: shares 12728..12743 ({step, share, of})
+    // rank 6 block 65: shares 12721..12736 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 6 block 66: shares 12744..12759 ({step, share, of})
+    // rank 6 block 66: shares 12737..12752 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 6 block 67: shares 12760..12775 ({step, share, of})
+    // rank 6 block 67: shares 12753..12768 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 6 block 68: shares 12776..12791 ({step, share, of})
+    // rank 6 block 68: shares 12769..12784 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 6 block 69: shares 12792..12807 ({step, share, of})
+    // rank 6 block 69: shares 12785..12800 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 6 block 70: shares 12808..12823 ({step, share, of})
+    // rank 6 block 70: shares 12801..12816 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 6 block 71: shares 12824..12839 ({step, share, of})
+    // rank 6 block 71: shares 12817..12832 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 6 block 72: shares 12840..12855 ({step, share, of})
+    // rank 6 block 72: shares 12833..12848 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 6 block 73: shares 12856..12871 ({step, share, of})
+    // rank 6 block 73: shares 12849..12864 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 6 block 74: shares 12872..12887 ({step, share, of})
+    // rank 6 block 74: shares 12865..12880 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 6 block 75: shares 12888..12903 ({step, share, of})
+    // rank 6 block 75: shares 12881..12896 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 6 block 76: shares 12904..12919 ({step, share, of})
+    // rank 6 block 76: shares 12897..12912 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 6 block 77: shares 12920..12935 ({step, share, of})
+    // rank 6 block 77: shares 12913..12928 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 6 block 78: shares 12936..12951 ({step, share, of})
+    // rank 6 block 78: shares 12929..12944 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 6 block 79: shares 12952..12967 ({step, share, of})
+    // rank 6 block 79: shares 12945..12960 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 6 block 80: shares 12968..12983 ({step, share, of})
+    // rank 6 block 80: shares 12961..12976 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 6 block 81: shares 12984..12999 ({step, share, of})
+    // rank 6 block 81: shares 12977..12992 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 6 block 82: shares 13000..13015 ({step, share, of})
+    // rank 6 block 82: shares 12993..13008 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 6 block 83: shares 13016..13031 ({step, share, of})
+    // rank 6 block 83: shares 13009..13024 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 6 block 84: shares 13032..13047 ({step, share, of})
+    // rank 6 block 84: shares 13025..13040 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 6 block 85: shares 13048..13063 ({step, share, of})
+    // rank 6 block 85: shares 13041..13056 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 6 block 86: shares 13064..13079 ({step, share, of})
+    // rank 6 block 86: shares 13057..13072 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 6 block 87: shares 13080..13095 ({step, share, of})
+    // rank 6 block 87: shares 13073..13088 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 6 block 88: shares 13096..13111 ({step, share, of})
+    // rank 6 block 88: shares 13089..13104 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 6 block 89: shares 13112..13127 ({step, share, of})
+    // rank 6 block 89: shares 13105..13120 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 6 block 90: shares 13128..13143 ({step, share, of})
+    // rank 6 block 90: shares 13121..13136 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 6 block 91: shares 13144..13159 ({step, share, of})
+    // rank 6 block 91: shares 13137..13152 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 6 block 92: shares 13160..13175 ({step, share, of})
+    // rank 6 block 92: shares 13153..13168 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 6 block 93: shares 13176..13191 ({step, share, of})
+    // rank 6 block 93: shares 13169..13184 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 6 block 94: shares 13192..13207 ({step, share, of})
+    // rank 6 block 94: shares 13185..13200 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 6 block 95: shares 13208..13223 ({step, share, of})
+    // rank 6 block 95: shares 13201..13216 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 6 block 96: shares 13224..13239 ({step, share, of})
+    // rank 6 block 96: shares 13217..13232 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 6 block 97: shares 13240..13255 ({step, share, of})
+    // rank 6 block 97: shares 13233..13248 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 6 block 98: shares 13256..13271 ({step, share, of})
+    // rank 6 block 98: shares 13249..13264 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 6 block 99: shares 13272..13287 ({step, share, of})
+    // rank 6 block 99: shares 13265..13280 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 6 block 100: shares 13288..13303 ({step, share, of})
+    // rank 6 block 100: shares 13281..13296 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 6 block 101: shares 13304..13319 ({step, share, of})
+    // rank 6 block 101: shares 13297..13312 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 6 block 102: shares 13320..13335 ({step, share, of})
+    // rank 6 block 102: shares 13313..13328 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 6 block 103: shares 13336..13351 ({step, share, of})
+    // rank 6 block 103: shares 13329..13344 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 6 block 104: shares 13352..13367 ({step, share, of})
+    // rank 6 block 104: shares 13345..13360 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 6 block 105: shares 13368..13383 ({step, share, of})
+    // rank 6 block 105: shares 13361..13376 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 6 block 106: shares 13384..13399 ({step, share, of})
+    // rank 6 block 106: shares 13377..13392 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 6 block 107: shares 13400..13415 ({step, share, of})
+    // rank 6 block 107: shares 13393..13408 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 6 block 108: shares 13416..13431 ({step, share, of})
+    // rank 6 block 108: shares 13409..13424 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 6 block 109: shares 13432..13447 ({step, share, of})
+    // rank 6 block 109: shares 13425..13440 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 6 block 110: shares 13448..13463 ({step, share, of})
+    // rank 6 block 110: shares 13441..13456 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 6 block 111: shares 13464..13479 ({step, share, of})
+    // rank 6 block 111: shares 13457..13472 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 6 block 112: shares 13480..13495 ({step, share, of})
+    // rank 6 block 112: shares 13473..13488 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
-    // rank 7 block 0: shares 13496..13512 ({step, share, of})
-    {0, 0, 1}, {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16},
-    {64, 0, 16}, {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16},
-    {120, 1, 16},
-    // rank 7 block 1: shares 13513..13536 ({step, share, of})
+    // rank 7 block 0: shares 13489..13504 ({step, share, of})
+    {57, 0, 16}, {58, 0, 16}, {59, 0, 16}, {60, 0, 16}, {61, 0, 16}, {62, 0, 16}, {63, 0, 16}, {64, 0, 16},
+    {113, 1, 16}, {114, 1, 16}, {115, 1, 16}, {116, 1, 16}, {117, 1, 16}, {118, 1, 16}, {119, 1, 16}, {120, 1, 16},
+    // rank 7 block 1: shares 13505..13528 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {3, 0, 16}, {4, 0, 16}, {5, 0, 16}, {6, 0, 16}, {7, 0, 16}, {8, 0, 16},
     {57, 1, 16}, {58, 1, 16}, {59, 1, 16}, {60, 1, 16}, {61, 1, 16}, {62, 1, 16}, {63, 1, 16}, {64, 1, 16},
     {113, 2, 16}, {114, 2, 16}, {115, 2, 16}, {116, 2, 16}, {117, 2, 16}, {118, 2, 16}, {119, 2, 16}, {120, 2, 16},
-    // rank 7 block 2: shares 13537..13560 ({step, share, of})
+    // rank 7 block 2: shares 13529..13552 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {3, 1, 16}, {4, 1, 16}, {5, 1, 16}, {6, 1, 16}, {7, 1, 16}, {8, 1, 16},
     {57, 2, 16}, {58, 2, 16}, {59, 2, 16}, {60, 2, 16}, {61, 2, 16}, {62, 2, 16}, {63, 2, 16}, {64, 2, 16},
     {113, 3, 16}, {114, 3, 16}, {115, 3, 16}, {116, 3, 16}, {117, 3, 16}, {118, 3, 16}, {119, 3, 16}, {120, 3, 16},
-    // rank 7 block 3: shares 13561..13584 ({step, share, of})
+    // rank 7 block 3: shares 13553..13576 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {3, 2, 16}, {4, 2, 16}, {5, 2, 16}, {6, 2, 16}, {7, 2, 16}, {8, 2, 16},
     {57, 3, 16}, {58, 3, 16}, {59, 3, 16}, {60, 3, 16}, {61, 3, 16}, {62, 3, 16}, {63, 3, 16}, {64, 3, 16},
     {113, 4, 16}, {114, 4, 16}, {115, 4, 16}, {116, 4, 16}, {117, 4, 16}, {118, 4, 16}, {119, 4, 16}, {120, 4, 16},
-    // rank 7 block 4: shares 13585..13608 ({step, share, of})
+    // rank 7 block 4: shares 13577..13600 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {3, 3, 16}, {4, 3, 16}, {5, 3, 16}, {6, 3, 16}, {7, 3, 16}, {8, 3, 16},
     {57, 4, 16}, {58, 4, 16}, {59, 4, 16}, {60, 4, 16}, {61, 4, 16}, {62, 4, 16}, {63, 4, 16}, {64, 4, 16},
     {113, 5, 16}, {114, 5, 16}, {115, 5, 16}, {116, 5, 16}, {117, 5, 16}, {118, 5, 16}, {119, 5, 16}, {120, 5, 16},
-    // rank 7 block 5: shares 13609..13632 ({step, share, of})
+    // rank 7 block 5: shares 13601..13624 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {3, 4, 16}, {4, 4, 16}, {5, 4, 16}, {6, 4, 16}, {7, 4, 16}, {8, 4, 16},
     {57, 5, 16}, {58, 5, 16}, {59, 5, 16}, {60, 5, 16}, {61, 5, 16}, {62, 5, 16}, {63, 5, 16}, {64, 5, 16},
     {113, 6, 16}, {114, 6, 16}, {115, 6, 16}, {116, 6, 16}, {117, 6, 16}, {118, 6, 16}, {119, 6, 16}, {120, 6, 16},
-    // rank 7 block 6: shares 13633..13656 ({step, share, of})
+    // rank 7 block 6: shares 13625..13648 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {3, 5, 16}, {4, 5, 16}, {5, 5, 16}, {6, 5, 16}, {7, 5, 16}, {8, 5, 16},
     {57, 6, 16}, {58, 6, 16}, {59, 6, 16}, {60, 6, 16}, {61, 6, 16}, {62, 6, 16}, {63, 6, 16}, {64, 6, 16},
     {113, 7, 16}, {114, 7, 16}, {115, 7, 16}, {116, 7, 16}, {117, 7, 16}, {118, 7, 16}, {119, 7, 16}, {120, 7, 16},
-    // rank 7 block 7: shares 13657..13680 ({step, share, of})
+    // rank 7 block 7: shares 13649..13672 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {3, 6, 16}, {4, 6, 16}, {5, 6, 16}, {6, 6, 16}, {7, 6, 16}, {8, 6, 16},
     {57, 7, 16}, {58, 7, 16}, {59, 7, 16}, {60, 7, 16}, {61, 7, 16}, {62, 7, 16}, {63, 7, 16}, {64, 7, 16},
     {113, 8, 16}, {114, 8, 16}, {115, 8, 16}, {116, 8, 16}, {117, 8, 16}, {118, 8, 16}, {119, 8, 16}, {120, 8, 16},
-    // rank 7 block 8: shares 13681..13704 ({step, share, of})
+    // rank 7 block 8: shares 13673..13696 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {3, 7, 16}, {4, 7, 16}, {5, 7, 16}, {6, 7, 16}, {7, 7, 16}, {8, 7, 16},
     {57, 8, 16}, {58, 8, 16}, {59, 8, 16}, {60, 8, 16}, {61, 8, 16}, {62, 8, 16}, {63, 8, 16}, {64, 8, 16},
     {113, 9, 16}, {114, 9, 16}, {115, 9, 16}, {116, 9, 16}, {117, 9, 16}, {118, 9, 16}, {119, 9, 16}, {120, 9, 16},
-    // rank 7 block 9: shares 13705..13728 ({step, share, of})
+    // rank 7 block 9: shares 13697..13720 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {3, 8, 16}, {4, 8, 16}, {5, 8, 16}, {6, 8, 16}, {7, 8, 16}, {8, 8, 16},
     {57, 9, 16}, {58, 9, 16}, {59, 9, 16}, {60, 9, 16}, {61, 9, 16}, {62, 9, 16}, {63, 9, 16}, {64, 9, 16},
     {113, 10, 16}, {114, 10, 16}, {115, 10, 16}, {116, 10, 16}, {117, 10, 16}, {118, 10, 16}, {119, 10, 16}, {120, 10, 16},
-    // rank 7 block 10: shares 13729..13752 ({step, share, of})
+    // rank 7 block 10: shares 13721..13744 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {3, 9, 16}, {4, 9, 16}, {5, 9, 16}, {6, 9, 16}, {7, 9, 16}, {8, 9, 16},
     {57, 10, 16}, {58, 10, 16}, {59, 10, 16}, {60, 10, 16}, {61, 10, 16}, {62, 10, 16}, {63, 10, 16}, {64, 10, 16},
     {113, 11, 16}, {114, 11, 16}, {115, 11, 16}, {116, 11, 16}, {117, 11, 16}, {118, 11, 16}, {119, 11, 16}, {120, 11, 16},
-    // rank 7 block 11: shares 13753..13776 ({step, share, of})
+    // rank 7 block 11: shares 13745..13768 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {3, 10, 16}, {4, 10, 16}, {5, 10, 16}, {6, 10, 16}, {7, 10, 16}, {8, 10, 16},
     {57, 11, 16}, {58, 11, 16}, {59, 11, 16}, {60, 11, 16}, {61, 11, 16}, {62, 11, 16}, {63, 11, 16}, {64, 11, 16},
     {113, 12, 16}, {114, 12, 16}, {115, 12, 16}, {116, 12, 16}, {117, 12, 16}, {118, 12, 16}, {119, 12, 16}, {120, 12, 16},
-    // rank 7 block 12: shares 13777..13800 ({step, share, of})
+    // rank 7 block 12: shares 13769..13792 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {3, 11, 16}, {4, 11, 16}, {5, 11, 16}, {6, 11, 16}, {7, 11, 16}, {8, 11, 16},
     {57, 12, 16}, {58, 12, 16}, {59, 12, 16}, {60, 12, 16}, {61, 12, 16}, {62, 12, 16}, {63, 12, 16}, {64, 12, 16},
     {113, 13, 16}, {114, 13, 16}, {115, 13, 16}, {116, 13, 16}, {117, 13, 16}, {118, 13, 16}, {119, 13, 16}, {120, 13, 16},
-    // rank 7 block 13: shares 13801..13824 ({step, share, of})
+    // rank 7 block 13: shares 13793..13816 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {3, 12, 16}, {4, 12, 16}, {5, 12, 16}, {6, 12, 16}, {7, 12, 16}, {8, 12, 16},
     {57, 13, 16}, {58, 13, 16}, {59, 13, 16}, {60, 13, 16}, {61, 13, 16}, {62, 13, 16}, {63, 13, 16}, {64, 13, 16},
     {113, 14, 16}, {114, 14, 16}, {115, 14, 16}, {116, 14, 16}, {117, 14, 16}, {118, 14, 16}, {119, 14, 16}, {120, 14, 16},
-    // rank 7 block 14: shares 13825..13848 ({step, share, of})
+    // rank 7 block 14: shares 13817..13840 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {3, 13, 16}, {4, 13, 16}, {5, 13, 16}, {6, 13, 16}, {7, 13, 16}, {8, 13, 16},
     {57, 14, 16}, {58, 14, 16}, {59, 14, 16}, {60, 14, 16}, {61, 14, 16}, {62, 14, 16}, {63, 14, 16}, {64, 14, 16},
     {113, 15, 16}, {114, 15, 16}, {115, 15, 16}, {116, 15, 16}, {117, 15, 16}, {118, 15, 16}, {119, 15, 16}, {120, 15, 16},
-    // rank 7 block 15: shares 13849..13865 ({step, share, of})
+    // rank 7 block 15: shares 13841..13857 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {3, 14, 16}, {4, 14, 16}, {5, 14, 16}, {6, 14, 16}, {7, 14, 16}, {8, 14, 16},
     {57, 15, 16}, {58, 15, 16}, {59, 15, 16}, {60, 15, 16}, {61, 15, 16}, {62, 15, 16}, {63, 15, 16}, {64, 15, 16},
     {121, 0, 1},
-    // rank 7 block 16: shares 13866..13882 ({step, share, of})
+    // rank 7 block 16: shares 13858..13874 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {3, 15, 16}, {4, 15, 16}, {5, 15, 16}, {6, 15, 16}, {7, 15, 16}, {8, 15, 16},
     {65, 0, 16}, {66, 0, 16}, {67, 0, 16}, {68, 0, 16}, {69, 0, 16}, {70, 0, 16}, {71, 0, 16}, {72, 0, 16},
     {122, 0, 1},
-    // rank 7 block 17: shares 13883..13899 ({step, share, of})
+    // rank 7 block 17: shares 13875..13891 ({step, share, of})
     {9, 0, 16}, {10, 0, 16}, {11, 0, 16}, {12, 0, 16}, {13, 0, 16}, {14, 0, 16}, {15, 0, 16}, {16, 0, 16},
     {65, 1, 16}, {66, 1, 16}, {67, 1, 16}, {68, 1, 16}, {69, 1, 16}, {70, 1, 16}, {71, 1, 16}, {72, 1, 16},
     {123, 0, 1},
-    // rank 7 block 18: shares 13900..13916 ({step, share, of})
+    // rank 7 block 18: shares 13892..13908 ({step, share, of})
     {9, 1, 16}, {10, 1, 16}, {11, 1, 16}, {12, 1, 16}, {13, 1, 16}, {14, 1, 16}, {15, 1, 16}, {16, 1, 16},
     {65, 2, 16}, {66, 2, 16}, {67, 2, 16}, {68, 2, 16}, {69, 2, 16}, {70, 2, 16}, {71, 2, 16}, {72, 2, 16},
     {124, 0, 1},
-    // rank 7 block 19: shares 13917..13933 ({step, share, of})
+    // rank 7 block 19: shares 13909..13925 ({step, share, of})
     {9, 2, 16}, {10, 2, 16}, {11, 2, 16}, {12, 2, 16}, {13, 2, 16}, {14, 2, 16}, {15, 2, 16}, {16, 2, 16},
     {65, 3, 16}, {66, 3, 16}, {67, 3, 16}, {68, 3, 16}, {69, 3, 16}, {70, 3, 16}, {71, 3, 16}, {72, 3, 16},
     {125, 0, 1},
-    // rank 7 block 20: shares 13934..13950 ({step, share, of})
+    // rank 7 block 20: shares 13926..13942 ({step, share, of})
     {9, 3, 16}, {10, 3, 16}, {11, 3, 16}, {12, 3, 16}, {13, 3, 16}, {14, 3, 16}, {15, 3, 16}, {16, 3, 16},
     {65, 4, 16}, {66, 4, 16}, {67, 4, 16}, {68, 4, 16}, {69, 4, 16}, {70, 4, 16}, {71, 4, 16}, {72, 4, 16},
     {126, 0, 1},
-    // rank 7 block 21: shares 13951..13967 ({step, share, of})
+    // rank 7 block 21: shares 13943..13959 ({step, share, of})
     {9, 4, 16}, {10, 4, 16}, {11, 4, 16}, {12, 4, 16}, {13, 4, 16}, {14, 4, 16}, {15, 4, 16}, {16, 4, 16},
     {65, 5, 16}, {66, 5, 16}, {67, 5, 16}, {68, 5, 16}, {69, 5, 16}, {70, 5, 16}, {71, 5, 16}, {72, 5, 16},
     {127, 0, 1},
-    // rank 7 block 22: shares 13968..13983 ({step, share, of})
+    // rank 7 block 22: shares 13960..13975 ({step, share, of})
     {9, 5, 16}, {10, 5, 16}, {11, 5, 16}, {12, 5, 16}, {13, 5, 16}, {14, 5, 16}, {15, 5, 16}, {16, 5, 16},
     {65, 6, 16}, {66, 6, 16}, {67, 6, 16}, {68, 6, 16}, {69, 6, 16}, {70, 6, 16}, {71, 6, 16}, {72, 6, 16},
-    // rank 7 block 23: shares 13984..13999 ({step, share, of})
+    // rank 7 block 23: shares 13976..13991 ({step, share, of})
     {9, 6, 16}, {10, 6, 16}, {11, 6, 16}, {12, 6, 16}, {13, 6, 16}, {14, 6, 16}, {15, 6, 16}, {16, 6, 16},
     {65, 7, 16}, {66, 7, 16}, {67, 7, 16}, {68, 7, 16}, {69, 7, 16}, {70, 7, 16}, {71, 7, 16}, {72, 7, 16},
-    // rank 7 block 24: shares 14000..14015 ({step, share, of})
+    // rank 7 block 24: shares 13992..14007 ({step, share, of})
     {9, 7, 16}, {10, 7, 16}, {11, 7, 16}, {12, 7, 16}, {13, 7, 16}, {14, 7, 16}, {15, 7, 16}, {16, 7, 16},
     {65, 8, 16}, {66, 8, 16}, {67, 8, 16}, {68, 8, 16}, {69, 8, 16}, {70, 8, 16}, {71, 8, 16}, {72, 8, 16},
-    // rank 7 block 25: shares 14016..14031 ({step, share, of})
+    // rank 7 block 25: shares 14008..14023 ({step, share, of})
     {9, 8, 16}, {10, 8, 16}, {11, 8, 16}, {12, 8, 16}, {13, 8, 16}, {14, 8, 16}, {15, 8, 16}, {16, 8, 16},
     {65, 9, 16}, {66, 9, 16}, {67, 9, 16}, {68, 9, 16}, {69, 9, 16}, {70, 9, 16}, {71, 9, 16}, {72, 9, 16},
-    // rank 7 block 26: shares 14032..14047 ({step, share, of})
+    // rank 7 block 26: shares 14024..14039 ({step, share, of})
     {9, 9, 16}, {10, 9, 16}, {11, 9, 16}, {12, 9, 16}, {13, 9, 16}, {14, 9, 16}, {15, 9, 16}, {16, 9, 16},
     {65, 10, 16}, {66, 10, 16}, {67, 10, 16}, {68, 10, 16}, {69, 10, 16}, {70, 10, 16}, {71, 10, 16}, {72, 10, 16},
-    // rank 7 block 27: shares 14048..14063 ({step, share, of})
+    // rank 7 block 27: shares 14040..14055 ({step, share, of})
     {9, 10, 16}, {10, 10, 16}, {11, 10, 16}, {12, 10, 16}, {13, 10, 16}, {14, 10, 16}, {15, 10, 16}, {16, 10, 16},
     {65, 11, 16}, {66, 11, 16}, {67, 11, 16}, {68, 11, 16}, {69, 11, 16}, {70, 11, 16}, {71, 11, 16}, {72, 11, 16},
-    // rank 7 block 28: shares 14064..14079 ({step, share, of})
+    // rank 7 block 28: shares 14056..14071 ({step, share, of})
     {9, 11, 16}, {10, 11, 16}, {11, 11, 16}, {12, 11, 16}, {13, 11, 16}, {14, 11, 16}, {15, 11, 16}, {16, 11, 16},
     {65, 12, 16}, {66, 12, 16}, {67, 12, 16}, {68, 12, 16}, {69, 12, 16}, {70, 12, 16}, {71, 12, 16}, {72, 12, 16},
-    // rank 7 block 29: shares 14080..14095 ({step, share, of})
+    // rank 7 block 29: shares 14072..14087 ({step, share, of})
     {9, 12, 16}, {10, 12, 16}, {11, 12, 16}, {12, 12, 16}, {13, 12, 16}, {14, 12, 16}, {15, 12, 16}, {16, 12, 16},
     {65, 13, 16}, {66, 13, 16}, {67, 13, 16}, {68, 13, 16}, {69, 13, 16}, {70, 13, 16}, {71, 13, 16}, {72, 13, 16},
-    // rank 7 block 30: shares 14096..14111 ({step, share, of})
+    // rank 7 block 30: shares 14088..14103 ({step, share, of})
     {9, 13, 16}, {10, 13, 16}, {11, 13, 16}, {12, 13, 16}, {13, 13, 16}, {14, 13, 16}, {15, 13, 16}, {16, 13, 16},
     {65, 14, 16}, {66, 14, 16}, {67, 14, 16}, {68, 14, 16}, {69, 14, 16}, {70, 14, 16}, {71, 14, 16}, {72, 14, 16},
-    // rank 7 block 31: shares 14112..14127 ({step, share, of})
+    // rank 7 block 31: shares 14104..14119 ({step, share, of})
     {9, 14, 16}, {10, 14, 16}, {11, 14, 16}, {12, 14, 16}, {13, 14, 16}, {14, 14, 16}, {15, 14, 16}, {16, 14, 16},
     {65, 15, 16}, {66, 15, 16}, {67, 15, 16}, {68, 15, 16}, {69, 15, 16}, {70, 15, 16}, {71, 15, 16}, {72, 15, 16},
-    // rank 7 block 32: shares 14128..14143 ({step, share, of})
+    // rank 7 block 32: shares 14120..14135 ({step, share, of})
     {9, 15, 16}, {10, 15, 16}, {11, 15, 16}, {12, 15, 16}, {13, 15, 16}, {14, 15, 16}, {15, 15, 16}, {16, 15, 16},
     {73, 0, 16}, {74, 0, 16}, {75, 0, 16}, {76, 0, 16}, {77, 0, 16}, {78, 0, 16}, {79, 0, 16}, {80, 0, 16},
-    // rank 7 block 33: shares 14144..14159 ({step, share, of})
+    // rank 7 block 33: shares 14136..14151 ({step, share, of})
     {17, 0, 16}, {18, 0, 16}, {19, 0, 16}, {20, 0, 16}, {21, 0, 16}, {22, 0, 16}, {23, 0, 16}, {24, 0, 16},
     {73, 1, 16}, {74, 1, 16}, {75, 1, 16}, {76, 1, 16}, {77, 1, 16}, {78, 1, 16}, {79, 1, 16}, {80, 1, 16},
-    // rank 7 block 34: shares 14160..14175 ({step, share, of})
+    // rank 7 block 34: shares 14152..14167 ({step, share, of})
     {17, 1, 16}, {18, 1, 16}, {19, 1, 16}, {20, 1, 16}, {21, 1, 16}, {22, 1, 16}, {23, 1, 16}, {24, 1, 16},
     {73, 2, 16}, {74, 2, 16}, {75, 2, 16}, {76, 2, 16}, {77, 2, 16}, {78, 2, 16}, {79, 2, 16}, {80, 2, 16},
-    // rank 7 block 35: shares 14176..14191 ({step, share, of})
+    // rank 7 block 35: shares 14168..14183 ({step, share, of})
     {17, 2, 16}, {18, 2, 16}, {19, 2, 16}, {20, 2, 16}, {21, 2, 16}, {22, 2, 16}, {23, 2, 16}, {24, 2, 16},
     {73, 3, 16}, {74, 3, 16}, {75, 3, 16}, {76, 3, 16}, {77, 3, 16}, {78, 3, 16}, {79, 3, 16}, {80, 3, 16},
-    // rank 7 block 36: shares 14192..14207 ({step, share, of})
+    // rank 7 block 36: shares 14184..14199 ({step, share, of})
     {17, 3, 16}, {18, 3, 16}, {19, 3, 16}, {20, 3, 16}, {21, 3, 16}, {22, 3, 16}, {23, 3, 16}, {24, 3, 16},
     {73, 4, 16}, {74, 4, 16}, {75, 4, 16}, {76, 4, 16}, {77, 4, 16}, {78, 4, 16}, {79, 4, 16}, {80, 4, 16},
-    // rank 7 block 37: shares 14208..14223 ({step, share, of})
+    // rank 7 block 37: shares 14200..14215 ({step, share, of})
     {17, 4, 16}, {18, 4, 16}, {19, 4, 16}, {20, 4, 16}, {21, 4, 16}, {22, 4, 16}, {23, 4, 16}, {24, 4, 16},
     {73, 5, 16}, {74, 5, 16}, {75, 5, 16}, {76, 5, 16}, {77, 5, 16}, {78, 5, 16}, {79, 5, 16}, {80, 5, 16},
-    // rank 7 block 38: shares 14224..14239 ({step, share, of})
+    // rank 7 block 38: shares 14216..14231 ({step, share, of})
     {17, 5, 16}, {18, 5, 16}, {19, 5, 16}, {20, 5, 16}, {21, 5, 16}, {22, 5, 16}, {23, 5, 16}, {24, 5, 16},
     {73, 6, 16}, {74, 6, 16}, {75, 6, 16}, {76, 6, 16}, {77, 6, 16}, {78, 6, 16}, {79, 6, 16}, {80, 6, 16},
-    // rank 7 block 39: shares 14240..14255 ({step, share, of})
+    // rank 7 block 39: shares 14232..14247 ({step, share, of})
     {17, 6, 16}, {18, 6, 16}, {19, 6, 16}, {20, 6, 16}, {21, 6, 16}, {22, 6, 16}, {23, 6, 16}, {24, 6, 16},
     {73, 7, 16}, {74, 7, 16}, {75, 7, 16}, {76, 7, 16}, {77, 7, 16}, {78, 7, 16}, {79, 7, 16}, {80, 7, 16},
-    // rank 7 block 40: shares 14256..14271 ({step, share, of})
+    // rank 7 block 40: shares 14248..14263 ({step, share, of})
     {17, 7, 16}, {18, 7, 16}, {19, 7, 16}, {20, 7, 16}, {21, 7, 16}, {22, 7, 16}, {23, 7, 16}, {24, 7, 16},
     {73, 8, 16}, {74, 8, 16}, {75, 8, 16}, {76, 8, 16}, {77, 8, 16}, {78, 8, 16}, {79, 8, 16}, {80, 8, 16},
-    // rank 7 block 41: shares 14272..14287 ({step, share, of})
+    // rank 7 block 41: shares 14264..14279 ({step, share, of})
     {17, 8, 16}, {18, 8, 16}, {19, 8, 16}, {20, 8, 16}, {21, 8, 16}, {22, 8, 16}, {23, 8, 16}, {24, 8, 16},
     {73, 9, 16}, {74, 9, 16}, {75, 9, 16}, {76, 9, 16}, {77, 9, 16}, {78, 9, 16}, {79, 9, 16}, {80, 9, 16},
-    // rank 7 block 42: shares 14288..14303 ({step, share, of})
+    // rank 7 block 42: shares 14280..14295 ({step, share, of})
     {17, 9, 16}, {18, 9, 16}, {19, 9, 16}, {20, 9, 16}, {21, 9, 16}, {22, 9, 16}, {23, 9, 16}, {24, 9, 16},
     {73, 10, 16}, {74, 10, 16}, {75, 10, 16}, {76, 10, 16}, {77, 10, 16}, {78, 10, 16}, {79, 10, 16}, {80, 10, 16},
-    // rank 7 block 43: shares 14304..14319 ({step, share, of})
+    // rank 7 block 43: shares 14296..14311 ({step, share, of})
     {17, 10, 16}, {18, 10, 16}, {19, 10, 16}, {20, 10, 16}, {21, 10, 16}, {22, 10, 16}, {23, 10, 16}, {24, 10, 16},
     {73, 11, 16}, {74, 11, 16}, {75, 11, 16}, {76, 11, 16}, {77, 11, 16}, {78, 11, 16}, {79, 11, 16}, {80, 11, 16},
-    // rank 7 block 44: shares 14320..14335 ({step, share, of})
+    // rank 7 block 44: shares 14312..14327 ({step, share, of})
     {17, 11, 16}, {18, 11, 16}, {19, 11, 16}, {20, 11, 16}, {21, 11, 16}, {22, 11, 16}, {23, 11, 16}, {24, 11, 16},
     {73, 12, 16}, {74, 12, 16}, {75, 12, 16}, {76, 12, 16}, {77, 12, 16}, {78, 12, 16}, {79, 12, 16}, {80, 12, 16},
-    // rank 7 block 45: shares 14336..14351 ({step, share, of})
+    // rank 7 block 45: shares 14328..14343 ({step, share, of})
     {17, 12, 16}, {18, 12, 16}, {19, 12, 16}, {20, 12, 16}, {21, 12, 16}, {22, 12, 16}, {23, 12, 16}, {24, 12, 16},
     {73, 13, 16}, {74, 13, 16}, {75, 13, 16}, {76, 13, 16}, {77, 13, 16}, {78, 13, 16}, {79, 13, 16}, {80, 13, 16},
-    // rank 7 block 46: shares 14352..14367 ({step, share, of})
+    // rank 7 block 46: shares 14344..14359 ({step, share, of})
     {17, 13, 16}, {18, 13, 16}, {19, 13, 16}, {20, 13, 16}, {21, 13, 16}, {22, 13, 16}, {23, 13, 16}, {24, 13, 16},
     {73, 14, 16}, {74, 14, 16}, {75, 14, 16}, {76, 14, 16}, {77, 14, 16}, {78, 14, 16}, {79, 14, 16}, {80, 14, 16},
-    // rank 7 block 47: shares 14368..14383 ({step, share, of})
+    // rank 7 block 47: shares 14360..14375 ({step, share, of})
     {17, 14, 16}, {18, 14, 16}, {19, 14, 16}, {20, 14, 16}, {21, 14, 16}, {22, 14, 16}, {23, 14, 16}, {24, 14, 16},
     {73, 15, 16}, {74, 15, 16}, {75, 15, 16}, {76, 15, 16}, {77, 15, 16}, {78, 15, 16}, {79, 15, 16}, {80, 15, 16},
-    // rank 7 block 48: shares 14384..14399 ({step, share, of})
+    // rank 7 block 48: shares 14376..14391 ({step, share, of})
     {17, 15, 16}, {18, 15, 16}, {19, 15, 16}, {20, 15, 16}, {21, 15, 16}, {22, 15, 16}, {23, 15, 16}, {24, 15, 16},
     {81, 0, 16}, {82, 0, 16}, {83, 0, 16}, {84, 0, 16}, {85, 0, 16}, {86, 0, 16}, {87, 0, 16}, {88, 0, 16},
-    // rank 7 block 49: shares 14400..14415 ({step, share, of})
+    // rank 7 block 49: shares 14392..14407 ({step, share, of})
     {25, 0, 16}, {26, 0, 16}, {27, 0, 16}, {28, 0, 16}, {29, 0, 16}, {30, 0, 16}, {31, 0, 16}, {32, 0, 16},
     {81, 1, 16}, {82, 1, 16}, {83, 1, 16}, {84, 1, 16}, {85, 1, 16}, {86, 1, 16}, {87, 1, 16}, {88, 1, 16},
-    // rank 7 block 50: shares 14416..14431 ({step, share, of})
+    // rank 7 block 50: shares 14408..14423 ({step, share, of})
     {25, 1, 16}, {26, 1, 16}, {27, 1, 16}, {28, 1, 16}, {29, 1, 16}, {30, 1, 16}, {31, 1, 16}, {32, 1, 16},
     {81, 2, 16}, {82, 2, 16}, {83, 2, 16}, {84, 2, 16}, {85, 2, 16}, {86, 2, 16}, {87, 2, 16}, {88, 2, 16},
-    // rank 7 block 51: shares 14432..14447 ({step, share, of})
+    // rank 7 block 51: shares 14424..14439 ({step, share, of})
     {25, 2, 16}, {26, 2, 16}, {27, 2, 16}, {28, 2, 16}, {29, 2, 16}, {30, 2, 16}, {31, 2, 16}, {32, 2, 16},
     {81, 3, 16}, {82, 3, 16}, {83, 3, 16}, {84, 3, 16}, {85, 3, 16}, {86, 3, 16}, {87, 3, 16}, {88, 3, 16},
-    // rank 7 block 52: shares 14448..14463 ({step, share, of})
+    // rank 7 block 52: shares 14440..14455 ({step, share, of})
     {25, 3, 16}, {26, 3, 16}, {27, 3, 16}, {28, 3, 16}, {29, 3, 16}, {30, 3, 16}, {31, 3, 16}, {32, 3, 16},
     {81, 4, 16}, {82, 4, 16}, {83, 4, 16}, {84, 4, 16}, {85, 4, 16}, {86, 4, 16}, {87, 4, 16}, {88, 4, 16},
-    // rank 7 block 53: shares 14464..14479 ({step, share, of})
+    // rank 7 block 53: shares 14456..14471 ({step, share, of})
     {25, 4, 16}, {26, 4, 16}, {27, 4, 16}, {28, 4, 16}, {29, 4, 16}, {30, 4, 16}, {31, 4, 16}, {32, 4, 16},
     {81, 5, 16}, {82, 5, 16}, {83, 5, 16}, {84, 5, 16}, {85, 5, 16}, {86, 5, 16}, {87, 5, 16}, {88, 5, 16},
-    // rank 7 block 54: shares 14480..14495 ({step, share, of})
+    // rank 7 block 54: shares 14472..14487 ({step, share, of})
     {25, 5, 16}, {26, 5, 16}, {27, 5, 16}, {28, 5, 16}, {29, 5, 16}, {30, 5, 16}, {31, 5, 16}, {32, 5, 16},
     {81, 6, 16}, {82, 6, 16}, {83, 6, 16}, {84, 6, 16}, {85, 6, 16}, {86, 6, 16}, {87, 6, 16}, {88, 6, 16},
-    // rank 7 block 55: shares 14496..14511 ({step, share, of})
+    // rank 7 block 55: shares 14488..14503 ({step, share, of})
     {25, 6, 16}, {26, 6, 16}, {27, 6, 16}, {28, 6, 16}, {29, 6, 16}, {30, 6, 16}, {31, 6, 16}, {32, 6, 16},
     {81, 7, 16}, {82, 7, 16}, {83, 7, 16}, {84, 7, 16}, {85, 7, 16}, {86, 7, 16}, {87, 7, 16}, {88, 7, 16},
-    // rank 7 block 56: shares 14512..14527 ({step, share, of})
+    // rank 7 block 56: shares 14504..14519 ({step, share, of})
     {25, 7, 16}, {26, 7, 16}, {27, 7, 16}, {28, 7, 16}, {29, 7, 16}, {30, 7, 16}, {31, 7, 16}, {32, 7, 16},
     {81, 8, 16}, {82, 8, 16}, {83, 8, 16}, {84, 8, 16}, {85, 8, 16}, {86, 8, 16}, {87, 8, 16}, {88, 8, 16},
-    // rank 7 block 57: shares 14528..14543 ({step, share, of})
+    // rank 7 block 57: shares 14520..14535 ({step, share, of})
     {25, 8, 16}, {26, 8, 16}, {27, 8, 16}, {28, 8, 16}, {29, 8, 16}, {30, 8, 16}, {31, 8, 16}, {32, 8, 16},
     {81, 9, 16}, {82, 9, 16}, {83, 9, 16}, {84, 9, 16}, {85, 9, 16}, {86, 9, 16}, {87, 9, 16}, {88, 9, 16},
-    // rank 7 block 58: shares 14544..14559 ({step, share, of})
+    // rank 7 block 58: shares 14536..14551 ({step, share, of})
     {25, 9, 16}, {26, 9, 16}, {27, 9, 16}, {28, 9, 16}, {29, 9, 16}, {30, 9, 16}, {31, 9, 16}, {32, 9, 16},
     {81, 10, 16}, {82, 10, 16}, {83, 10, 16}, {84, 10, 16}, {85, 10, 16}, {86, 10, 16}, {87, 10, 16}, {88, 10, 16},
-    // rank 7 block 59: shares 14560..14575 ({step, share, of})
+    // rank 7 block 59: shares 14552..14567 ({step, share, of})
     {25, 10, 16}, {26, 10, 16}, {27, 10, 16}, {28, 10, 16}, {29, 10, 16}, {30, 10, 16}, {31, 10, 16}, {32, 10, 16},
     {81, 11, 16}, {82, 11, 16}, {83, 11, 16}, {84, 11, 16}, {85, 11, 16}, {86, 11, 16}, {87, 11, 16}, {88, 11, 16},
-    // rank 7 block 60: shares 14576..14591 ({step, share, of})
+    // rank 7 block 60: shares 14568..14583 ({step, share, of})
     {25, 11, 16}, {26, 11, 16}, {27, 11, 16}, {28, 11, 16}, {29, 11, 16}, {30, 11, 16}, {31, 11, 16}, {32, 11, 16},
     {81, 12, 16}, {82, 12, 16}, {83, 12, 16}, {84, 12, 16}, {85, 12, 16}, {86, 12, 16}, {87, 12, 16}, {88, 12, 16},
-    // rank 7 block 61: shares 14592..14607 ({step, share, of})
+    // rank 7 block 61: shares 14584..14599 ({step, share, of})
     {25, 12, 16}, {26, 12, 16}, {27, 12, 16}, {28, 12, 16}, {29, 12, 16}, {30, 12, 16}, {31, 12, 16}, {32, 12, 16},
     {81, 13, 16}, {82, 13, 16}, {83, 13, 16}, {84, 13, 16}, {85, 13, 16}, {86, 13, 16}, {87, 13, 16}, {88, 13, 16},
-    // rank 7 block 62: shares 14608..14623 ({step, share, of})
+    // rank 7 block 62: shares 14600..14615 ({step, share, of})
     {25, 13, 16}, {26, 13, 16}, {27, 13, 16}, {28, 13, 16}, {29, 13, 16}, {30, 13, 16}, {31, 13, 16}, {32, 13, 16},
     {81, 14, 16}, {82, 14, 16}, {83, 14, 16}, {84, 14, 16}, {85, 14, 16}, {86, 14, 16}, {87, 14, 16}, {88, 14, 16},
-    // rank 7 block 63: shares 14624..14639 ({step, share, of})
+    // rank 7 block 63: shares 14616..14631 ({step, share, of})
     {25, 14, 16}, {26, 14, 16}, {27, 14, 16}, {28, 14, 16}, {29, 14, 16}, {30, 14, 16}, {31, 14, 16}, {32, 14, 16},
     {81, 15, 16}, {82, 15, 16}, {83, 15, 16}, {84, 15, 16}, {85, 15, 16}, {86, 15, 16}, {87, 15, 16}, {88, 15, 16},
-    // rank 7 block 64: shares 14640..14655 ({step, share, of})
+    // rank 7 block 64: shares 14632..14647 ({step, share, of})
     {25, 15, 16}, {26, 15, 16}, {27, 15, 16}, {28, 15, 16}, {29, 15, 16}, {30, 15, 16}, {31, 15, 16}, {32, 15, 16},
     {89, 0, 16}, {90, 0, 16}, {91, 0, 16}, {92, 0, 16}, {93, 0, 16}, {94, 0, 16}, {95, 0, 16}, {96, 0, 16},
-    // rank 7 block 65: shares 14656..14671 ({step, share, of})
+    // rank 7 block 65: shares 14648..14663 ({step, share, of})
     {33, 0, 16}, {34, 0, 16}, {35, 0, 16}, {36, 0, 16}, {37, 0, 16}, {38, 0, 16}, {39, 0, 16}, {40, 0, 16},
     {89, 1, 16}, {90, 1, 16}, {91, 1, 16}, {92, 1, 16}, {93, 1, 16}, {94, 1, 16}, {95, 1, 16}, {96, 1, 16},
-    // rank 7 block 66: shares 14672..14687 ({step, share, of})
+    // rank 7 block 66: shares 14664..14679 ({step, share, of})
     {33, 1, 16}, {34, 1, 16}, {35, 1, 16}, {36, 1, 16}, {37, 1, 16}, {38, 1, 16}, {39, 1, 16}, {40, 1, 16},
     {89, 2, 16}, {90, 2, 16}, {91, 2, 16}, {92, 2, 16}, {93, 2, 16}, {94, 2, 16}, {95, 2, 16}, {96, 2, 16},
-    // rank 7 block 67: shares 14688..14703 ({step, share, of})
+    // rank 7 block 67: shares 14680..14695 ({step, share, of})
     {33, 2, 16}, {34, 2, 16}, {35, 2, 16}, {36, 2, 16}, {37, 2, 16}, {38, 2, 16}, {39, 2, 16}, {40, 2, 16},
     {89, 3, 16}, {90, 3, 16}, {91, 3, 16}, {92, 3, 16}, {93, 3, 16}, {94, 3, 16}, {95, 3, 16}, {96, 3, 16},
-    // rank 7 block 68: shares 14704..14719 ({step, share, of})
+    // rank 7 block 68: shares 14696..14711 ({step, share, of})
     {33, 3, 16}, {34, 3, 16}, {35, 3, 16}, {36, 3, 16}, {37, 3, 16}, {38, 3, 16}, {39, 3, 16}, {40, 3, 16},
     {89, 4, 16}, {90, 4, 16}, {91, 4, 16}, {92, 4, 16}, {93, 4, 16}, {94, 4, 16}, {95, 4, 16}, {96, 4, 16},
-    // rank 7 block 69: shares 14720..14735 ({step, share, of})
+    // rank 7 block 69: shares 14712..14727 ({step, share, of})
     {33, 4, 16}, {34, 4, 16}, {35, 4, 16}, {36, 4, 16}, {37, 4, 16}, {38, 4, 16}, {39, 4, 16}, {40, 4, 16},
     {89, 5, 16}, {90, 5, 16}, {91, 5, 16}, {92, 5, 16}, {93, 5, 16}, {94, 5, 16}, {95, 5, 16}, {96, 5, 16},
-    // rank 7 block 70: shares 14736..14751 ({step, share, of})
+    // rank 7 block 70: shares 14728..14743 ({step, share, of})
     {33, 5, 16}, {34, 5, 16}, {35, 5, 16}, {36, 5, 16}, {37, 5, 16}, {38, 5, 16}, {39, 5, 16}, {40, 5, 16},
     {89, 6, 16}, {90, 6, 16}, {91, 6, 16}, {92, 6, 16}, {93, 6, 16}, {94, 6, 16}, {95, 6, 16}, {96, 6, 16},
-    // rank 7 block 71: shares 14752..14767 ({step, share, of})
+    // rank 7 block 71: shares 14744..14759 ({step, share, of})
     {33, 6, 16}, {34, 6, 16}, {35, 6, 16}, {36, 6, 16}, {37, 6, 16}, {38, 6, 16}, {39, 6, 16}, {40, 6, 16},
     {89, 7, 16}, {90, 7, 16}, {91, 7, 16}, {92, 7, 16}, {93, 7, 16}, {94, 7, 16}, {95, 7, 16}, {96, 7, 16},
-    // rank 7 block 72: shares 14768..14783 ({step, share, of})
+    // rank 7 block 72: shares 14760..14775 ({step, share, of})
     {33, 7, 16}, {34, 7, 16}, {35, 7, 16}, {36, 7, 16}, {37, 7, 16}, {38, 7, 16}, {39, 7, 16}, {40, 7, 16},
     {89, 8, 16}, {90, 8, 16}, {91, 8, 16}, {92, 8, 16}, {93, 8, 16}, {94, 8, 16}, {95, 8, 16}, {96, 8, 16},
-    // rank 7 block 73: shares 14784..14799 ({step, share, of})
+    // rank 7 block 73: shares 14776..14791 ({step, share, of})
     {33, 8, 16}, {34, 8, 16}, {35, 8, 16}, {36, 8, 16}, {37, 8, 16}, {38, 8, 16}, {39, 8, 16}, {40, 8, 16},
     {89, 9, 16}, {90, 9, 16}, {91, 9, 16}, {92, 9, 16}, {93, 9, 16}, {94, 9, 16}, {95, 9, 16}, {96, 9, 16},
-    // rank 7 block 74: shares 14800..14815 ({step, share, of})
+    // rank 7 block 74: shares 14792..14807 ({step, share, of})
     {33, 9, 16}, {34, 9, 16}, {35, 9, 16}, {36, 9, 16}, {37, 9, 16}, {38, 9, 16}, {39, 9, 16}, {40, 9, 16},
     {89, 10, 16}, {90, 10, 16}, {91, 10, 16}, {92, 10, 16}, {93, 10, 16}, {94, 10, 16}, {95, 10, 16}, {96, 10, 16},
-    // rank 7 block 75: shares 14816..14831 ({step, share, of})
+    // rank 7 block 75: shares 14808..14823 ({step, share, of})
     {33, 10, 16}, {34, 10, 16}, {35, 10, 16}, {36, 10, 16}, {37, 10, 16}, {38, 10, 16}, {39, 10, 16}, {40, 10, 16},
     {89, 11, 16}, {90, 11, 16}, {91, 11, 16}, {92, 11, 16}, {93, 11, 16}, {94, 11, 16}, {95, 11, 16}, {96, 11, 16},
-    // rank 7 block 76: shares 14832..14847 ({step, share, of})
+    // rank 7 block 76: shares 14824..14839 ({step, share, of})
     {33, 11, 16}, {34, 11, 16}, {35, 11, 16}, {36, 11, 16}, {37, 11, 16}, {38, 11, 16}, {39, 11, 16}, {40, 11, 16},
     {89, 12, 16}, {90, 12, 16}, {91, 12, 16}, {92, 12, 16}, {93, 12, 16}, {94, 12, 16}, {95, 12, 16}, {96, 12, 16},
-    // rank 7 block 77: shares 14848..14863 ({step, share, of})
+    // rank 7 block 77: shares 14840..14855 ({step, share, of})
     {33, 12, 16}, {34, 12, 16}, {35, 12, 16}, {36, 12, 16}, {37, 12, 16}, {38, 12, 16}, {39, 12, 16}, {40, 12, 16},
     {89, 13, 16}, {90, 13, 16}, {91, 13, 16}, {92, 13, 16}, {93, 13, 16}, {94, 13, 16}, {95, 13, 16}, {96, 13, 16},
-    // rank 7 block 78: shares 14864..14879 ({step, share, of})
+    // rank 7 block 78: shares 14856..14871 ({step, share, of})
     {33, 13, 16}, {34, 13, 16}, {35, 13, 16}, {36, 13, 16}, {37, 13, 16}, {38, 13, 16}, {39, 13, 16}, {40, 13, 16},
     {89, 14, 16}, {90, 14, 16}, {91, 14, 16}, {92, 14, 16}, {93, 14, 16}, {94, 14, 16}, {95, 14, 16}, {96, 14, 16},
-    // rank 7 block 79: shares 14880..14895 ({step, share, of})
+    // rank 7 block 79: shares 14872..14887 ({step, share, of})
     {33, 14, 16}, {34, 14, 16}, {35, 14, 16}, {36, 14, 16}, {37, 14, 16}, {38, 14, 16}, {39, 14, 16}, {40, 14, 16},
     {89, 15, 16}, {90, 15, 16}, {91, 15, 16}, {92, 15, 16}, {93, 15, 16}, {94, 15, 16}, {95, 15, 16}, {96, 15, 16},
-    // rank 7 block 80: shares 14896..14911 ({step, share, of})
+    // rank 7 block 80: shares 14888..14903 ({step, share, of})
     {33, 15, 16}, {34, 15, 16}, {35, 15, 16}, {36, 15, 16}, {37, 15, 16}, {38, 15, 16}, {39, 15, 16}, {40, 15, 16},
     {97, 0, 16}, {98, 0, 16}, {99, 0, 16}, {100, 0, 16}, {101, 0, 16}, {102, 0, 16}, {103, 0, 16}, {104, 0, 16},
-    // rank 7 block 81: shares 14912..14927 ({step, share, of})
+    // rank 7 block 81: shares 14904..14919 ({step, share, of})
     {41, 0, 16}, {42, 0, 16}, {43, 0, 16}, {44, 0, 16}, {45, 0, 16}, {46, 0, 16}, {47, 0, 16}, {48, 0, 16},
     {97, 1, 16}, {98, 1, 16}, {99, 1, 16}, {100, 1, 16}, {101, 1, 16}, {102, 1, 16}, {103, 1, 16}, {104, 1, 16},
-    // rank 7 block 82: shares 14928..14943 ({step, share, of})
+    // rank 7 block 82: shares 14920..14935 ({step, share, of})
     {41, 1, 16}, {42, 1, 16}, {43, 1, 16}, {44, 1, 16}, {45, 1, 16}, {46, 1, 16}, {47, 1, 16}, {48, 1, 16},
     {97, 2, 16}, {98, 2, 16}, {99, 2, 16}, {100, 2, 16}, {101, 2, 16}, {102, 2, 16}, {103, 2, 16}, {104, 2, 16},
-    // rank 7 block 83: shares 14944..14959 ({step, share, of})
+    // rank 7 block 83: shares 14936..14951 ({step, share, of})
     {41, 2, 16}, {42, 2, 16}, {43, 2, 16}, {44, 2, 16}, {45, 2, 16}, {46, 2, 16}, {47, 2, 16}, {48, 2, 16},
     {97, 3, 16}, {98, 3, 16}, {99, 3, 16}, {100, 3, 16}, {101, 3, 16}, {102, 3, 16}, {103, 3, 16}, {104, 3, 16},
-    // rank 7 block 84: shares 14960..14975 ({step, share, of})
+    // rank 7 block 84: shares 14952..14967 ({step, share, of})
     {41, 3, 16}, {42, 3, 16}, {43, 3, 16}, {44, 3, 16}, {45, 3, 16}, {46, 3, 16}, {47, 3, 16}, {48, 3, 16},
     {97, 4, 16}, {98, 4, 16}, {99, 4, 16}, {100, 4, 16}, {101, 4, 16}, {102, 4, 16}, {103, 4, 16}, {104, 4, 16},
-    // rank 7 block 85: shares 14976..14991 ({step, share, of})
+    // rank 7 block 85: shares 14968..14983 ({step, share, of})
     {41, 4, 16}, {42, 4, 16}, {43, 4, 16}, {44, 4, 16}, {45, 4, 16}, {46, 4, 16}, {47, 4, 16}, {48, 4, 16},
     {97, 5, 16}, {98, 5, 16}, {99, 5, 16}, {100, 5, 16}, {101, 5, 16}, {102, 5, 16}, {103, 5, 16}, {104, 5, 16},
-    // rank 7 block 86: shares 14992..15007 ({step, share, of})
+    // rank 7 block 86: shares 14984..14999 ({step, share, of})
     {41, 5, 16}, {42, 5, 16}, {43, 5, 16}, {44, 5, 16}, {45, 5, 16}, {46, 5, 16}, {47, 5, 16}, {48, 5, 16},
     {97, 6, 16}, {98, 6, 16}, {99, 6, 16}, {100, 6, 16}, {101, 6, 16}, {102, 6, 16}, {103, 6, 16}, {104, 6, 16},
-    // rank 7 block 87: shares 15008..15023 ({step, share, of})
+    // rank 7 block 87: shares 15000..15015 ({step, share, of})
     {41, 6, 16}, {42, 6, 16}, {43, 6, 16}, {44, 6, 16}, {45, 6, 16}, {46, 6, 16}, {47, 6, 16}, {48, 6, 16},
     {97, 7, 16}, {98, 7, 16}, {99, 7, 16}, {100, 7, 16}, {101, 7, 16}, {102, 7, 16}, {103, 7, 16}, {104, 7, 16},
-    // rank 7 block 88: shares 15024..15039 ({step, share, of})
+    // rank 7 block 88: shares 15016..15031 ({step, share, of})
     {41, 7, 16}, {42, 7, 16}, {43, 7, 16}, {44, 7, 16}, {45, 7, 16}, {46, 7, 16}, {47, 7, 16}, {48, 7, 16},
     {97, 8, 16}, {98, 8, 16}, {99, 8, 16}, {100, 8, 16}, {101, 8, 16}, {102, 8, 16}, {103, 8, 16}, {104, 8, 16},
-    // rank 7 block 89: shares 15040..15055 ({step, share, of})
+    // rank 7 block 89: shares 15032..15047 ({step, share, of})
     {41, 8, 16}, {42, 8, 16}, {43, 8, 16}, {44, 8, 16}, {45, 8, 16}, {46, 8, 16}, {47, 8, 16}, {48, 8, 16},
     {97, 9, 16}, {98, 9, 16}, {99, 9, 16}, {100, 9, 16}, {101, 9, 16}, {102, 9, 16}, {103, 9, 16}, {104, 9, 16},
-    // rank 7 block 90: shares 15056..15071 ({step, share, of})
+    // rank 7 block 90: shares 15048..15063 ({step, share, of})
     {41, 9, 16}, {42, 9, 16}, {43, 9, 16}, {44, 9, 16}, {45, 9, 16}, {46, 9, 16}, {47, 9, 16}, {48, 9, 16},
     {97, 10, 16}, {98, 10, 16}, {99, 10, 16}, {100, 10, 16}, {101, 10, 16}, {102, 10, 16}, {103, 10, 16}, {104, 10, 16},
-    // rank 7 block 91: shares 15072..15087 ({step, share, of})
+    // rank 7 block 91: shares 15064..15079 ({step, share, of})
     {41, 10, 16}, {42, 10, 16}, {43, 10, 16}, {44, 10, 16}, {45, 10, 16}, {46, 10, 16}, {47, 10, 16}, {48, 10, 16},
     {97, 11, 16}, {98, 11, 16}, {99, 11, 16}, {100, 11, 16}, {101, 11, 16}, {102, 11, 16}, {103, 11, 16}, {104, 11, 16},
-    // rank 7 block 92: shares 15088..15103 ({step, share, of})
+    // rank 7 block 92: shares 15080..15095 ({step, share, of})
     {41, 11, 16}, {42, 11, 16}, {43, 11, 16}, {44, 11, 16}, {45, 11, 16}, {46, 11, 16}, {47, 11, 16}, {48, 11, 16},
     {97, 12, 16}, {98, 12, 16}, {99, 12, 16}, {100, 12, 16}, {101, 12, 16}, {102, 12, 16}, {103, 12, 16}, {104, 12, 16},
-    // rank 7 block 93: shares 15104..15119 ({step, share, of})
+    // rank 7 block 93: shares 15096..15111 ({step, share, of})
     {41, 12, 16}, {42, 12, 16}, {43, 12, 16}, {44, 12, 16}, {45, 12, 16}, {46, 12, 16}, {47, 12, 16}, {48, 12, 16},
     {97, 13, 16}, {98, 13, 16}, {99, 13, 16}, {100, 13, 16}, {101, 13, 16}, {102, 13, 16}, {103, 13, 16}, {104, 13, 16},
-    // rank 7 block 94: shares 15120..15135 ({step, share, of})
+    // rank 7 block 94: shares 15112..15127 ({step, share, of})
     {41, 13, 16}, {42, 13, 16}, {43, 13, 16}, {44, 13, 16}, {45, 13, 16}, {46, 13, 16}, {47, 13, 16}, {48, 13, 16},
     {97, 14, 16}, {98, 14, 16}, {99, 14, 16}, {100, 14, 16}, {101, 14, 16}, {102, 14, 16}, {103, 14, 16}, {104, 14, 16},
-    // rank 7 block 95: shares 15136..15151 ({step, share, of})
+    // rank 7 block 95: shares 15128..15143 ({step, share, of})
     {41, 14, 16}, {42, 14, 16}, {43, 14, 16}, {44, 14, 16}, {45, 14, 16}, {46, 14, 16}, {47, 14, 16}, {48, 14, 16},
     {97, 15, 16}, {98, 15, 16}, {99, 15, 16}, {100, 15, 16}, {101, 15, 16}, {102, 15, 16}, {103, 15, 16}, {104, 15, 16},
-    // rank 7 block 96: shares 15152..15167 ({step, share, of})
+    // rank 7 block 96: shares 15144..15159 ({step, share, of})
     {41, 15, 16}, {42, 15, 16}, {43, 15, 16}, {44, 15, 16}, {45, 15, 16}, {46, 15, 16}, {47, 15, 16}, {48, 15, 16},
     {105, 0, 16}, {106, 0, 16}, {107, 0, 16}, {108, 0, 16}, {109, 0, 16}, {110, 0, 16}, {111, 0, 16}, {112, 0, 16},
-    // rank 7 block 97: shares 15168..15183 ({step, share, of})
+    // rank 7 block 97: shares 15160..15175 ({step, share, of})
     {49, 0, 16}, {50, 0, 16}, {51, 0, 16}, {52, 0, 16}, {53, 0, 16}, {54, 0, 16}, {55, 0, 16}, {56, 0, 16},
     {105, 1, 16}, {106, 1, 16}, {107, 1, 16}, {108, 1, 16}, {109, 1, 16}, {110, 1, 16}, {111, 1, 16}, {112, 1, 16},
-    // rank 7 block 98: shares 15184..15199 ({step, share, of})
+    // rank 7 block 98: shares 15176..15191 ({step, share, of})
     {49, 1, 16}, {50, 1, 16}, {51, 1, 16}, {52, 1, 16}, {53, 1, 16}, {54, 1, 16}, {55, 1, 16}, {56, 1, 16},
     {105, 2, 16}, {106, 2, 16}, {107, 2, 16}, {108, 2, 16}, {109, 2, 16}, {110, 2, 16}, {111, 2, 16}, {112, 2, 16},
-    // rank 7 block 99: shares 15200..15215 ({step, share, of})
+    // rank 7 block 99: shares 15192..15207 ({step, share, of})
     {49, 2, 16}, {50, 2, 16}, {51, 2, 16}, {52, 2, 16}, {53, 2, 16}, {54, 2, 16}, {55, 2, 16}, {56, 2, 16},
     {105, 3, 16}, {106, 3, 16}, {107, 3, 16}, {108, 3, 16}, {109, 3, 16}, {110, 3, 16}, {111, 3, 16}, {112, 3, 16},
-    // rank 7 block 100: shares 15216..15231 ({step, share, of})
+    // rank 7 block 100: shares 15208..15223 ({step, share, of})
     {49, 3, 16}, {50, 3, 16}, {51, 3, 16}, {52, 3, 16}, {53, 3, 16}, {54, 3, 16}, {55, 3, 16}, {56, 3, 16},
     {105, 4, 16}, {106, 4, 16}, {107, 4, 16}, {108, 4, 16}, {109, 4, 16}, {110, 4, 16}, {111, 4, 16}, {112, 4, 16},
-    // rank 7 block 101: shares 15232..15247 ({step, share, of})
+    // rank 7 block 101: shares 15224..15239 ({step, share, of})
     {49, 4, 16}, {50, 4, 16}, {51, 4, 16}, {52, 4, 16}, {53, 4, 16}, {54, 4, 16}, {55, 4, 16}, {56, 4, 16},
     {105, 5, 16}, {106, 5, 16}, {107, 5, 16}, {108, 5, 16}, {109, 5, 16}, {110, 5, 16}, {111, 5, 16}, {112, 5, 16},
-    // rank 7 block 102: shares 15248..15263 ({step, share, of})
+    // rank 7 block 102: shares 15240..15255 ({step, share, of})
     {49, 5, 16}, {50, 5, 16}, {51, 5, 16}, {52, 5, 16}, {53, 5, 16}, {54, 5, 16}, {55, 5, 16}, {56, 5, 16},
     {105, 6, 16}, {106, 6, 16}, {107, 6, 16}, {108, 6, 16}, {109, 6, 16}, {110, 6, 16}, {111, 6, 16}, {112, 6, 16},
-    // rank 7 block 103: shares 15264..15279 ({step, share, of})
+    // rank 7 block 103: shares 15256..15271 ({step, share, of})
     {49, 6, 16}, {50, 6, 16}, {51, 6, 16}, {52, 6, 16}, {53, 6, 16}, {54, 6, 16}, {55, 6, 16}, {56, 6, 16},
     {105, 7, 16}, {106, 7, 16}, {107, 7, 16}, {108, 7, 16}, {109, 7, 16}, {110, 7, 16}, {111, 7, 16}, {112, 7, 16},
-    // rank 7 block 104: shares 15280..15295 ({step, share, of})
+    // rank 7 block 104: shares 15272..15287 ({step, share, of})
     {49, 7, 16}, {50, 7, 16}, {51, 7, 16}, {52, 7, 16}, {53, 7, 16}, {54, 7, 16}, {55, 7, 16}, {56, 7, 16},
     {105, 8, 16}, {106, 8, 16}, {107, 8, 16}, {108, 8, 16}, {109, 8, 16}, {110, 8, 16}, {111, 8, 16}, {112, 8, 16},
-    // rank 7 block 105: shares 15296..15311 ({step, share, of})
+    // rank 7 block 105: shares 15288..15303 ({step, share, of})
     {49, 8, 16}, {50, 8, 16}, {51, 8, 16}, {52, 8, 16}, {53, 8, 16}, {54, 8, 16}, {55, 8, 16}, {56, 8, 16},
     {105, 9, 16}, {106, 9, 16}, {107, 9, 16}, {108, 9, 16}, {109, 9, 16}, {110, 9, 16}, {111, 9, 16}, {112, 9, 16},
-    // rank 7 block 106: shares 15312..15327 ({step, share, of})
+    // rank 7 block 106: shares 15304..15319 ({step, share, of})
     {49, 9, 16}, {50, 9, 16}, {51, 9, 16}, {52, 9, 16}, {53, 9, 16}, {54, 9, 16}, {55, 9, 16}, {56, 9, 16},
     {105, 10, 16}, {106, 10, 16}, {107, 10, 16}, {108, 10, 16}, {109, 10, 16}, {110, 10, 16}, {111, 10, 16}, {112, 10, 16},
-    // rank 7 block 107: shares 15328..15343 ({step, share, of})
+    // rank 7 block 107: shares 15320..15335 ({step, share, of})
     {49, 10, 16}, {50, 10, 16}, {51, 10, 16}, {52, 10, 16}, {53, 10, 16}, {54, 10, 16}, {55, 10, 16}, {56, 10, 16},
     {105, 11, 16}, {106, 11, 16}, {107, 11, 16}, {108, 11, 16}, {109, 11, 16}, {110, 11, 16}, {111, 11, 16}, {112, 11, 16},
-    // rank 7 block 108: shares 15344..15359 ({step, share, of})
+    // rank 7 block 108: shares 15336..15351 ({step, share, of})
     {49, 11, 16}, {50, 11, 16}, {51, 11, 16}, {52, 11, 16}, {53, 11, 16}, {54, 11, 16}, {55, 11, 16}, {56, 11, 16},
     {105, 12, 16}, {106, 12, 16}, {107, 12, 16}, {108, 12, 16}, {109, 12, 16}, {110, 12, 16}, {111, 12, 16}, {112, 12, 16},
-    // rank 7 block 109: shares 15360..15375 ({step, share, of})
+    // rank 7 block 109: shares 15352..15367 ({step, share, of})
     {49, 12, 16}, {50, 12, 16}, {51, 12, 16}, {52, 12, 16}, {53, 12, 16}, {54, 12, 16}, {55, 12, 16}, {56, 12, 16},
     {105, 13, 16}, {106, 13, 16}, {107, 13, 16}, {108, 13, 16}, {109, 13, 16}, {110, 13, 16}, {111, 13, 16}, {112, 13, 16},
-    // rank 7 block 110: shares 15376..15391 ({step, share, of})
+    // rank 7 block 110: shares 15368..15383 ({step, share, of})
     {49, 13, 16}, {50, 13, 16}, {51, 13, 16}, {52, 13, 16}, {53, 13, 16}, {54, 13, 16}, {55, 13, 16}, {56, 13, 16},
     {105, 14, 16}, {106, 14, 16}, {107, 14, 16}, {108, 14, 16}, {109, 14, 16}, {110, 14, 16}, {111, 14, 16}, {112, 14, 16},
-    // rank 7 block 111: shares 15392..15407 ({step, share, of})
+    // rank 7 block 111: shares 15384..15399 ({step, share, of})
     {49, 14, 16}, {50, 14, 16}, {51, 14, 16}, {52, 14, 16}, {53, 14, 16}, {54, 14, 16}, {55, 14, 16}, {56, 14, 16},
     {105, 15, 16}, {106, 15, 16}, {107, 15, 16}, {108, 15, 16}, {109, 15, 16}, {110, 15, 16}, {111, 15, 16}, {112, 15, 16},
-    // rank 7 block 112: shares 15408..15423 ({step, share, of})
+    // rank 7 block 112: shares 15400..15415 ({step, share, of})
     {49, 15, 16}, {50, 15, 16}, {51, 15, 16}, {52, 15, 16}, {53, 15, 16}, {54, 15, 16}, {55, 15, 16}, {56, 15, 16},
     {113, 0, 16}, {114, 0, 16}, {115, 0, 16}, {116, 0, 16}, {117, 0, 16}, {118, 0, 16}, {119, 0, 16}, {120, 0, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][114] = {
-    { 0, 17, 41, 65, 89, 113, 137, 161, 185, 209, 233, 257, 281, 305, 329, 353, 370, 387, 404, 421, 438, 455, 472, 488, 504, 520, 536, 552, 568, 584, 600, 616, 632, 648, 664, 680, 696, 712, 728, 744, 760, 776, 792, 808, 824, 840, 856, 872, 888, 904, 920, 936, 952, 968, 984, 1000, 1016, 1032, 1048, 1064, 1080, 1096, 1112, 1128, 1144, 1160, 1176, 1192, 1208, 1224, 1240, 1256, 1272, 1288, 1304, 1320, 1336, 1352, 1368, 1384, 1400, 1416, 1432, 1448, 1464, 1480, 1496, 1512, 1528, 1544, 1560, 1576, 1592, 1608, 1624, 1640, 1656, 1672, 1688, 1704, 1720, 1736, 1752, 1768, 1784, 1800, 1816, 1832, 1848, 1864, 1880, 1896, 1912, 1928 },
-    { 1928, 1945, 1969, 1993, 2017, 2041, 2065, 2089, 2113, 2137, 2161, 2185, 2209, 2233, 2257, 2281, 2298, 2315, 2332, 2349, 2366, 2383, 2400, 2416, 2432, 2448, 2464, 2480, 2496, 2512, 2528, 2544, 2560, 2576, 2592, 2608, 2624, 2640, 2656, 2672, 2688, 2704, 2720, 2736, 2752, 2768, 2784, 2800, 2816, 2832, 2848, 2864, 2880, 2896, 2912, 2928, 2944, 2960, 2976, 2992, 3008, 3024, 3040, 3056, 3072, 3088, 3104, 3120, 3136, 3152, 3168, 3184, 3200, 3216, 3232, 3248, 3264, 3280, 3296, 3312, 3328, 3344, 3360, 3376, 3392, 3408, 3424, 3440, 3456, 3472, 3488, 3504, 3520, 3536, 3552, 3568, 3584, 3600, 3616, 3632, 3648, 3664, 3680, 3696, 3712, 3728, 3744, 3760, 3776, 3792, 3808, 3824, 3840, 3856 },
-    { 3856, 3873, 3897, 3921, 3945, 3969, 3993, 4017, 4041, 4065, 4089, 4113, 4137, 4161, 4185, 4209, 4226, 4243, 4260, 4277, 4294, 4311, 4328, 4344, 4360, 4376, 4392, 4408, 4424, 4440, 4456, 4472, 4488, 4504, 4520, 4536, 4552, 4568, 4584, 4600, 4616, 4632, 4648, 4664, 4680, 4696, 4712, 4728, 4744, 4760, 4776, 4792, 4808, 4824, 4840, 4856, 4872, 4888, 4904, 4920, 4936, 4952, 4968, 4984, 5000, 5016, 5032, 5048, 5064, 5080, 5096, 5112, 5128, 5144, 5160, 5176, 5192, 5208, 5224, 5240, 5256, 5272, 5288, 5304, 5320, 5336, 5352, 5368, 5384, 5400, 5416, 5432, 5448, 5464, 5480, 5496, 5512, 5528, 5544, 5560, 5576, 5592, 5608, 5624, 5640, 5656, 5672, 5688, 5704, 5720, 5736, 5752, 5768, 5784 },
-    { 5784, 5801, 5825, 5849, 5873, 5897, 5921, 5945, 5969, 5993, 6017, 6041, 6065, 6089, 6113, 6137, 6154, 6171, 6188, 6205, 6222, 6239, 6256, 6272, 6288, 6304, 6320, 6336, 6352, 6368, 6384, 6400, 6416, 6432, 6448, 6464, 6480, 6496, 6512, 6528, 6544, 6560, 6576, 6592, 6608, 6624, 6640, 6656, 6672, 6688, 6704, 6720, 6736, 6752, 6768, 6784, 6800, 6816, 6832, 6848, 6864, 6880, 6896, 6912, 6928, 6944, 6960, 6976, 6992, 7008, 7024, 7040, 7056, 7072, 7088, 7104, 7120, 7136, 7152, 7168, 7184, 7200, 7216, 7232, 7248, 7264, 7280, 7296, 7312, 7328, 7344, 7360, 7376, 7392, 7408, 7424, 7440, 7456, 7472, 7488, 7504, 7520, 7536, 7552, 7568, 7584, 7600, 7616, 7632, 7648, 7664, 7680, 7696, 7712 },
-    { 7712, 7729, 7753, 7777, 7801, 7825, 7849, 7873, 7897, 7921, 7945, 7969, 7993, 8017, 8041, 8065, 8082, 8099, 8116, 8133, 8150, 8167, 8184, 8200, 8216, 8232, 8248, 8264, 8280, 8296, 8312, 8328, 8344, 8360, 8376, 8392, 8408, 8424, 8440, 8456, 8472, 8488, 8504, 8520, 8536, 8552, 8568, 8584, 8600, 8616, 8632, 8648, 8664, 8680, 8696, 8712, 8728, 8744, 8760, 8776, 8792, 8808, 8824, 8840, 8856, 8872, 8888, 8904, 8920, 8936, 8952, 8968, 8984, 9000, 9016, 9032, 9048, 9064, 9080, 9096, 9112, 9128, 9144, 9160, 9176, 9192, 9208, 9224, 9240, 9256, 9272, 9288, 9304, 9320, 9336, 9352, 9368, 9384, 9400, 9416, 9432, 9448, 9464, 9480, 9496, 9512, 9528, 9544, 9560, 9576, 9592, 9608, 9624, 9640 },
-    { 9640, 9657, 9681, 9705, 9729, 9753, 9777, 9801, 9825, 9849, 9873, 9897, 9921, 9945, 9969, 9993, 10010, 10027, 10044, 10061, 10078, 10095, 10112, 10128, 10144, 10160, 10176, 10192, 10208, 10224, 10240, 10256, 10272, 10288, 10304, 10320, 10336, 10352, 10368, 10384, 10400, 10416, 10432, 10448, 10464, 10480, 10496, 10512, 10528, 10544, 10560, 10576, 10592, 10608, 10624, 10640, 10656, 10672, 10688, 10704, 10720, 10736, 10752, 10768, 10784, 10800, 10816, 10832, 10848, 10864, 10880, 10896, 10912, 10928, 10944, 10960, 10976, 10992, 11008, 11024, 11040, 11056, 11072, 11088, 11104, 11120, 11136, 11152, 11168, 11184, 11200, 11216, 11232, 11248, 11264, 11280, 11296, 11312, 11328, 11344, 11360, 11376, 11392, 11408, 11424, 11440, 11456, 11472, 11488, 11504, 11520, 11536, 11552, 11568 },
-    { 11568, 11585, 11609, 11633, 11657, 11681, 11705, 11729, 11753, 11777, 11801, 11825, 11849, 11873, 11897, 11921, 11938, 11955, 11972, 11989, 12006, 12023, 12040, 12056, 12072, 12088, 12104, 12120, 12136, 12152, 12168, 12184, 12200, 12216, 12232, 12248, 12264, 12280, 12296, 12312, 12328, 12344, 12360, 12376, 12392, 12408, 12424, 12440, 12456, 12472, 12488, 12504, 12520, 12536, 12552, 12568, 12584, 12600, 12616, 12632, 12648, 12664, 12680, 12696, 12712, 12728, 12744, 12760, 12776, 12792, 12808, 12824, 12840, 12856, 12872, 12888, 12904, 12920, 12936, 12952, 12968, 12984, 13000, 13016, 13032, 13048, 13064, 13080, 13096, 13112, 13128, 13144, 13160, 13176, 13192, 13208, 13224, 13240, 13256, 13272, 13288, 13304, 13320, 13336, 13352, 13368, 13384, 13400, 13416, 13432, 13448, 13464, 13480, 13496 },
-    { 13496, 13513, 13537, 13561, 13585, 13609, 13633, 13657, 13681, 13705, 13729, 13753, 13777, 13801, 13825, 13849, 13866, 13883, 13900, 13917, 13934, 13951, 13968, 13984, 14000, 14016, 14032, 14048, 14064, 14080, 14096, 14112, 14128, 14144, 14160, 14176, 14192, 14208, 14224, 14240, 14256, 14272, 14288, 14304, 14320, 14336, 14352, 14368, 14384, 14400, 14416, 14432, 14448, 14464, 14480, 14496, 14512, 14528, 14544, 14560, 14576, 14592, 14608, 14624, 14640, 14656, 14672, 14688, 14704, 14720, 14736, 14752, 14768, 14784, 14800, 14816, 14832, 14848, 14864, 14880, 14896, 14912, 14928, 14944, 14960, 14976, 14992, 15008, 15024, 15040, 15056, 15072, 15088, 15104, 15120, 15136, 15152, 15168, 15184, 15200, 15216, 15232, 15248, 15264, 15280, 15296, 15312, 15328, 15344, 15360, 15376, 15392, 15408, 15424 },
+    { 0, 16, 40, 64, 88, 112, 136, 160, 184, 208, 232, 256, 280, 304, 328, 352, 369, 386, 403, 420, 437, 454, 471, 487, 503, 519, 535, 551, 567, 583, 599, 615, 631, 647, 663, 679, 695, 711, 727, 743, 759, 775, 791, 807, 823, 839, 855, 871, 887, 903, 919, 935, 951, 967, 983, 999, 1015, 1031, 1047, 1063, 1079, 1095, 1111, 1127, 1143, 1159, 1175, 1191, 1207, 1223, 1239, 1255, 1271, 1287, 1303, 1319, 1335, 1351, 1367, 1383, 1399, 1415, 1431, 1447, 1463, 1479, 1495, 1511, 1527, 1543, 1559, 1575, 1591, 1607, 1623, 1639, 1655, 1671, 1687, 1703, 1719, 1735, 1751, 1767, 1783, 1799, 1815, 1831, 1847, 1863, 1879, 1895, 1911, 1927 },
+    { 1927, 1943, 1967, 1991, 2015, 2039, 2063, 2087, 2111, 2135, 2159, 2183, 2207, 2231, 2255, 2279, 2296, 2313, 2330, 2347, 2364, 2381, 2398, 2414, 2430, 2446, 2462, 2478, 2494, 2510, 2526, 2542, 2558, 2574, 2590, 2606, 2622, 2638, 2654, 2670, 2686, 2702, 2718, 2734, 2750, 2766, 2782, 2798, 2814, 2830, 2846, 2862, 2878, 2894, 2910, 2926, 2942, 2958, 2974, 2990, 3006, 3022, 3038, 3054, 3070, 3086, 3102, 3118, 3134, 3150, 3166, 3182, 3198, 3214, 3230, 3246, 3262, 3278, 3294, 3310, 3326, 3342, 3358, 3374, 3390, 3406, 3422, 3438, 3454, 3470, 3486, 3502, 3518, 3534, 3550, 3566, 3582, 3598, 3614, 3630, 3646, 3662, 3678, 3694, 3710, 3726, 3742, 3758, 3774, 3790, 3806, 3822, 3838, 3854 },
+    { 3854, 3870, 3894, 3918, 3942, 3966, 3990, 4014, 4038, 4062, 4086, 4110, 4134, 4158, 4182, 4206, 4223, 4240, 4257, 4274, 4291, 4308, 4325, 4341, 4357, 4373, 4389, 4405, 4421, 4437, 4453, 4469, 4485, 4501, 4517, 4533, 4549, 4565, 4581, 4597, 4613, 4629, 4645, 4661, 4677, 4693, 4709, 4725, 4741, 4757, 4773, 4789, 4805, 4821, 4837, 4853, 4869, 4885, 4901, 4917, 4933, 4949, 4965, 4981, 4997, 5013, 5029, 5045, 5061, 5077, 5093, 5109, 5125, 5141, 5157, 5173, 5189, 5205, 5221, 5237, 5253, 5269, 5285, 5301, 5317, 5333, 5349, 5365, 5381, 5397, 5413, 5429, 5445, 5461, 5477, 5493, 5509, 5525, 5541, 5557, 5573, 5589, 5605, 5621, 5637, 5653, 5669, 5685, 5701, 5717, 5733, 5749, 5765, 5781 },
+    { 5781, 5797, 5821, 5845, 5869, 5893, 5917, 5941, 5965, 5989, 6013, 6037, 6061, 6085, 6109, 6133, 6150, 6167, 6184, 6201, 6218, 6235, 6252, 6268, 6284, 6300, 6316, 6332, 6348, 6364, 6380, 6396, 6412, 6428, 6444, 6460, 6476, 6492, 6508, 6524, 6540, 6556, 6572, 6588, 6604, 6620, 6636, 6652, 6668, 6684, 6700, 6716, 6732, 6748, 6764, 6780, 6796, 6812, 6828, 6844, 6860, 6876, 6892, 6908, 6924, 6940, 6956, 6972, 6988, 7004, 7020, 7036, 7052, 7068, 7084, 7100, 7116, 7132, 7148, 7164, 7180, 7196, 7212, 7228, 7244, 7260, 7276, 7292, 7308, 7324, 7340, 7356, 7372, 7388, 7404, 7420, 7436, 7452, 7468, 7484, 7500, 7516, 7532, 7548, 7564, 7580, 7596, 7612, 7628, 7644, 7660, 7676, 7692, 7708 },
+    { 7708, 7724, 7748, 7772, 7796, 7820, 7844, 7868, 7892, 7916, 7940, 7964, 7988, 8012, 8036, 8060, 8077, 8094, 8111, 8128, 8145, 8162, 8179, 8195, 8211, 8227, 8243, 8259, 8275, 8291, 8307, 8323, 8339, 8355, 8371, 8387, 8403, 8419, 8435, 8451, 8467, 8483, 8499, 8515, 8531, 8547, 8563, 8579, 8595, 8611, 8627, 8643, 8659, 8675, 8691, 8707, 8723, 8739, 8755, 8771, 8787, 8803, 8819, 8835, 8851, 8867, 8883, 8899, 8915, 8931, 8947, 8963, 8979, 8995, 9011, 9027, 9043, 9059, 9075, 9091, 9107, 9123, 9139, 9155, 9171, 9187, 9203, 9219, 9235, 9251, 9267, 9283, 9299, 9315, 9331, 9347, 9363, 9379, 9395, 9411, 9427, 9443, 9459, 9475, 9491, 9507, 9523, 9539, 9555, 9571, 9587, 9603, 9619, 9635 },
+    { 9635, 9651, 9675, 9699, 9723, 9747, 9771, 9795, 9819, 9843, 9867, 9891, 9915, 9939, 9963, 9987, 10004, 10021, 10038, 10055, 10072, 10089, 10106, 10122, 10138, 10154, 10170, 10186, 10202, 10218, 10234, 10250, 10266, 10282, 10298, 10314, 10330, 10346, 10362, 10378, 10394, 10410, 10426, 10442, 10458, 10474, 10490, 10506, 10522, 10538, 10554, 10570, 10586, 10602, 10618, 10634, 10650, 10666, 10682, 10698, 10714, 10730, 10746, 10762, 10778, 10794, 10810, 10826, 10842, 10858, 10874, 10890, 10906, 10922, 10938, 10954, 10970, 10986, 11002, 11018, 11034, 11050, 11066, 11082, 11098, 11114, 11130, 11146, 11162, 11178, 11194, 11210, 11226, 11242, 11258, 11274, 11290, 11306, 11322, 11338, 11354, 11370, 11386, 11402, 11418, 11434, 11450, 11466, 11482, 11498, 11514, 11530, 11546, 11562 },
+    { 11562, 11578, 11602, 11626, 11650, 11674, 11698, 11722, 11746, 11770, 11794, 11818, 11842, 11866, 11890, 11914, 11931, 11948, 11965, 11982, 11999, 12016, 12033, 12049, 12065, 12081, 12097, 12113, 12129, 12145, 12161, 12177, 12193, 12209, 12225, 12241, 12257, 12273, 12289, 12305, 12321, 12337, 12353, 12369, 12385, 12401, 12417, 12433, 12449, 12465, 12481, 12497, 12513, 12529, 12545, 12561, 12577, 12593, 12609, 12625, 12641, 12657, 12673, 12689, 12705, 12721, 12737, 12753, 12769, 12785, 12801, 12817, 12833, 12849, 12865, 12881, 12897, 12913, 12929, 12945, 12961, 12977, 12993, 13009, 13025, 13041, 13057, 13073, 13089, 13105, 13121, 13137, 13153, 13169, 13185, 13201, 13217, 13233, 13249, 13265, 13281, 13297, 13313, 13329, 13345, 13361, 13377, 13393, 13409, 13425, 13441, 13457, 13473, 13489 },
+    { 13489, 13505, 13529, 13553, 13577, 13601, 13625, 13649, 13673, 13697, 13721, 13745, 13769, 13793, 13817, 13841, 13858, 13875, 13892, 13909, 13926, 13943, 13960, 13976, 13992, 14008, 14024, 14040, 14056, 14072, 14088, 14104, 14120, 14136, 14152, 14168, 14184, 14200, 14216, 14232, 14248, 14264, 14280, 14296, 14312, 14328, 14344, 14360, 14376, 14392, 14408, 14424, 14440, 14456, 14472, 14488, 14504, 14520, 14536, 14552, 14568, 14584, 14600, 14616, 14632, 14648, 14664, 14680, 14696, 14712, 14728, 14744, 14760, 14776, 14792, 14808, 14824, 14840, 14856, 14872, 14888, 14904, 14920, 14936, 14952, 14968, 14984, 15000, 15016, 15032, 15048, 15064, 15080, 15096, 15112, 15128, 15144, 15160, 15176, 15192, 15208, 15224, 15240, 15256, 15272, 15288, 15304, 15320, 15336, 15352, 15368, 15384, 15400, 15416 },
 };
 
 template <int WORLD> struct plan;
@@ -8622,27 +8609,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1077,12 +1077,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1126,11 +1134,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1159,7 +1164,7 @@ typedef int32_t T;
 static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 16 steps, 196 block shares over 64 blocks.
+// Plan for world size 2: 16 steps, 194 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1198,215 +1203,211 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
+    // rank 0 block 1: shares 0..1 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
+    // rank 0 block 2: shares 2..3 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
+    // rank 0 block 3: shares 4..5 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
+    // rank 0 block 4: shares 6..7 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
+    // rank 0 block 5: shares 8..9 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
+    // rank 0 block 6: shares 10..11 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
+    // rank 0 block 7: shares 12..13 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
+    // rank 0 block 8: shares 14..15 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
+    // rank 0 block 9: shares 16..17 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
+    // rank 0 block 10: shares 18..19 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
+    // rank 0 block 11: shares 20..21 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
+    // rank 0 block 12: shares 22..23 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
+    // rank 0 block 13: shares 24..25 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
+    // rank 0 block 14: shares 26..27 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
+    // rank 0 block 15: shares 28..29 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
+    // rank 0 block 16: shares 30..31 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
+    // rank 0 block 17: shares 32..33 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
+    // rank 0 block 18: shares 34..35 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
+    // rank 0 block 19: shares 36..37 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
+    // rank 0 block 20: shares 38..39 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
+    // rank 0 block 21: shares 40..41 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
+    // rank 0 block 22: shares 42..43 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
+    // rank 0 block 23: shares 44..45 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
+    // rank 0 block 24: shares 46..47 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
+    // rank 0 block 25: shares 48..49 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
+    // rank 0 block 26: shares 50..51 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
+    // rank 0 block 27: shares 52..53 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
+    // rank 0 block 28: shares 54..55 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
+    // rank 0 block 29: shares 56..57 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
+    // rank 0 block 30: shares 58..59 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
+    // rank 0 block 31: shares 60..61 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
+    // rank 0 block 32: shares 62..63 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 65..66 ({step, share, of})
+    // rank 0 block 33: shares 64..65 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 67..68 ({step, share, of})
+    // rank 0 block 34: shares 66..67 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 69..70 ({step, share, of})
+    // rank 0 block 35: shares 68..69 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 71..72 ({step, share, of})
+    // rank 0 block 36: shares 70..71 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 73..74 ({step, share, of})
+    // rank 0 block 37: shares 72..73 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 75..76 ({step, share, of})
+    // rank 0 block 38: shares 74..75 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 77..78 ({step, share, of})
+    // rank 0 block 39: shares 76..77 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 79..80 ({step, share, of})
+    // rank 0 block 40: shares 78..79 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 81..82 ({step, share, of})
+    // rank 0 block 41: shares 80..81 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 83..84 ({step, share, of})
+    // rank 0 block 42: shares 82..83 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 85..86 ({step, share, of})
+    // rank 0 block 43: shares 84..85 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 87..88 ({step, share, of})
+    // rank 0 block 44: shares 86..87 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 89..90 ({step, share, of})
+    // rank 0 block 45: shares 88..89 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 91..92 ({step, share, of})
+    // rank 0 block 46: shares 90..91 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 93..94 ({step, share, of})
+    // rank 0 block 47: shares 92..93 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 95..96 ({step, share, of})
+    // rank 0 block 48: shares 94..95 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 97..97 ({step, share, of})
+    // rank 0 block 49: shares 96..96 ({step, share, of})
     {7, 0, 1},
-    // rank 1 block 0: shares 98..98 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 99..100 ({step, share, of})
+    // rank 1 block 1: shares 97..98 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 101..102 ({step, share, of})
+    // rank 1 block 2: shares 99..100 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 103..104 ({step, share, of})
+    // rank 1 block 3: shares 101..102 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 105..106 ({step, share, of})
+    // rank 1 block 4: shares 103..104 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 107..108 ({step, share, of})
+    // rank 1 block 5: shares 105..106 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 109..110 ({step, share, of})
+    // rank 1 block 6: shares 107..108 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 111..112 ({step, share, of})
+    // rank 1 block 7: shares 109..110 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 113..114 ({step, share, of})
+    // rank 1 block 8: shares 111..112 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 115..116 ({step, share, of})
+    // rank 1 block 9: shares 113..114 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 117..118 ({step, share, of})
+    // rank 1 block 10: shares 115..116 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 119..120 ({step, share, of})
+    // rank 1 block 11: shares 117..118 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 121..122 ({step, share, of})
+    // rank 1 block 12: shares 119..120 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 123..124 ({step, share, of})
+    // rank 1 block 13: shares 121..122 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 125..126 ({step, share, of})
+    // rank 1 block 14: shares 123..124 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 127..128 ({step, share, of})
+    // rank 1 block 15: shares 125..126 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 129..130 ({step, share, of})
+    // rank 1 block 16: shares 127..128 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 131..132 ({step, share, of})
+    // rank 1 block 17: shares 129..130 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 133..134 ({step, share, of})
+    // rank 1 block 18: shares 131..132 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 135..136 ({step, share, of})
+    // rank 1 block 19: shares 133..134 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 137..138 ({step, share, of})
+    // rank 1 block 20: shares 135..136 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 139..140 ({step, share, of})
+    // rank 1 block 21: shares 137..138 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 141..142 ({step, share, of})
+    // rank 1 block 22: shares 139..140 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 143..144 ({step, share, of})
+    // rank 1 block 23: shares 141..142 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 145..146 ({step, share, of})
+    // rank 1 block 24: shares 143..144 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 147..148 ({step, share, of})
+    // rank 1 block 25: shares 145..146 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 149..150 ({step, share, of})
+    // rank 1 block 26: shares 147..148 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 151..152 ({step, share, of})
+    // rank 1 block 27: shares 149..150 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 153..154 ({step, share, of})
+    // rank 1 block 28: shares 151..152 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 155..156 ({step, share, of})
+    // rank 1 block 29: shares 153..154 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 157..158 ({step, share, of})
+    // rank 1 block 30: shares 155..156 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 159..160 ({step, share, of})
+    // rank 1 block 31: shares 157..158 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 161..162 ({step, share, of})
+    // rank 1 block 32: shares 159..160 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 163..164 ({step, share, of})
+    // rank 1 block 33: shares 161..162 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 165..166 ({step, share, of})
+    // rank 1 block 34: shares 163..164 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 167..168 ({step, share, of})
+    // rank 1 block 35: shares 165..166 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 169..170 ({step, share, of})
+    // rank 1 block 36: shares 167..168 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 171..172 ({step, share, of})
+    // rank 1 block 37: shares 169..170 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 173..174 ({step, share, of})
+    // rank 1 block 38: shares 171..172 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 175..176 ({step, share, of})
+    // rank 1 block 39: shares 173..174 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 177..178 ({step, share, of})
+    // rank 1 block 40: shares 175..176 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 179..180 ({step, share, of})
+    // rank 1 block 41: shares 177..178 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 181..182 ({step, share, of})
+    // rank 1 block 42: shares 179..180 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 183..184 ({step, share, of})
+    // rank 1 block 43: shares 181..182 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 185..186 ({step, share, of})
+    // rank 1 block 44: shares 183..184 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 187..188 ({step, share, of})
+    // rank 1 block 45: shares 185..186 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 189..190 ({step, share, of})
+    // rank 1 block 46: shares 187..188 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 191..192 ({step, share, of})
+    // rank 1 block 47: shares 189..190 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 193..194 ({step, share, of})
+    // rank 1 block 48: shares 191..192 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 195..195 ({step, share, of})
+    // rank 1 block 49: shares 193..193 ({step, share, of})
     {7, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
-    { 98, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173, 175, 177, 179, 181, 183, 185, 187, 189, 191, 193, 195, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196 },
+    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97 },
+    { 97, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173, 175, 177, 179, 181, 183, 185, 187, 189, 191, 193, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 36 steps, 486 block shares over 64 blocks.
+// Plan for world size 3: 36 steps, 483 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1485,400 +1486,400 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 3..6 ({step, share, of})
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 2..5 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 7..10 ({step, share, of})
+    // rank 0 block 2: shares 6..9 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 11..14 ({step, share, of})
+    // rank 0 block 3: shares 10..13 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 15..18 ({step, share, of})
+    // rank 0 block 4: shares 14..17 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 19..22 ({step, share, of})
+    // rank 0 block 5: shares 18..21 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 23..26 ({step, share, of})
+    // rank 0 block 6: shares 22..25 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 27..30 ({step, share, of})
+    // rank 0 block 7: shares 26..29 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 31..34 ({step, share, of})
+    // rank 0 block 8: shares 30..33 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 35..38 ({step, share, of})
+    // rank 0 block 9: shares 34..37 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 39..42 ({step, share, of})
+    // rank 0 block 10: shares 38..41 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 43..46 ({step, share, of})
+    // rank 0 block 11: shares 42..45 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 47..50 ({step, share, of})
+    // rank 0 block 12: shares 46..49 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 51..54 ({step, share, of})
+    // rank 0 block 13: shares 50..53 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 55..58 ({step, share, of})
+    // rank 0 block 14: shares 54..57 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 59..62 ({step, share, of})
+    // rank 0 block 15: shares 58..61 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 63..66 ({step, share, of})
+    // rank 0 block 16: shares 62..65 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 67..69 ({step, share, of})
+    // rank 0 block 17: shares 66..68 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 0 block 18: shares 70..71 ({step, share, of})
+    // rank 0 block 18: shares 69..70 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 72..73 ({step, share, of})
+    // rank 0 block 19: shares 71..72 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 74..75 ({step, share, of})
+    // rank 0 block 20: shares 73..74 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 76..77 ({step, share, of})
+    // rank 0 block 21: shares 75..76 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 78..79 ({step, share, of})
+    // rank 0 block 22: shares 77..78 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 80..81 ({step, share, of})
+    // rank 0 block 23: shares 79..80 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 82..83 ({step, share, of})
+    // rank 0 block 24: shares 81..82 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 84..85 ({step, share, of})
+    // rank 0 block 25: shares 83..84 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 86..87 ({step, share, of})
+    // rank 0 block 26: shares 85..86 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 88..89 ({step, share, of})
+    // rank 0 block 27: shares 87..88 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 90..91 ({step, share, of})
+    // rank 0 block 28: shares 89..90 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 92..93 ({step, share, of})
+    // rank 0 block 29: shares 91..92 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 94..95 ({step, share, of})
+    // rank 0 block 30: shares 93..94 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 96..97 ({step, share, of})
+    // rank 0 block 31: shares 95..96 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 98..99 ({step, share, of})
+    // rank 0 block 32: shares 97..98 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 100..101 ({step, share, of})
+    // rank 0 block 33: shares 99..100 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 102..103 ({step, share, of})
+    // rank 0 block 34: shares 101..102 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 104..105 ({step, share, of})
+    // rank 0 block 35: shares 103..104 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 106..107 ({step, share, of})
+    // rank 0 block 36: shares 105..106 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 108..109 ({step, share, of})
+    // rank 0 block 37: shares 107..108 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 110..111 ({step, share, of})
+    // rank 0 block 38: shares 109..110 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 112..113 ({step, share, of})
+    // rank 0 block 39: shares 111..112 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 114..115 ({step, share, of})
+    // rank 0 block 40: shares 113..114 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 116..117 ({step, share, of})
+    // rank 0 block 41: shares 115..116 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 118..119 ({step, share, of})
+    // rank 0 block 42: shares 117..118 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 120..121 ({step, share, of})
+    // rank 0 block 43: shares 119..120 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 122..123 ({step, share, of})
+    // rank 0 block 44: shares 121..122 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 124..125 ({step, share, of})
+    // rank 0 block 45: shares 123..124 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 126..127 ({step, share, of})
+    // rank 0 block 46: shares 125..126 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 128..129 ({step, share, of})
+    // rank 0 block 47: shares 127..128 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 130..131 ({step, share, of})
+    // rank 0 block 48: shares 129..130 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 132..133 ({step, share, of})
+    // rank 0 block 49: shares 131..132 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 134..135 ({step, share, of})
+    // rank 0 block 50: shares 133..134 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 136..137 ({step, share, of})
+    // rank 0 block 51: shares 135..136 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 138..139 ({step, share, of})
+    // rank 0 block 52: shares 137..138 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 140..141 ({step, share, of})
+    // rank 0 block 53: shares 139..140 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 142..143 ({step, share, of})
+    // rank 0 block 54: shares 141..142 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 144..145 ({step, share, of})
+    // rank 0 block 55: shares 143..144 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 146..147 ({step, share, of})
+    // rank 0 block 56: shares 145..146 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 148..149 ({step, share, of})
+    // rank 0 block 57: shares 147..148 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 150..151 ({step, share, of})
+    // rank 0 block 58: shares 149..150 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 152..153 ({step, share, of})
+    // rank 0 block 59: shares 151..152 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 154..155 ({step, share, of})
+    // rank 0 block 60: shares 153..154 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 156..157 ({step, share, of})
+    // rank 0 block 61: shares 155..156 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 158..159 ({step, share, of})
+    // rank 0 block 62: shares 157..158 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 160..161 ({step, share, of})
+    // rank 0 block 63: shares 159..160 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 162..164 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 165..168 ({step, share, of})
+    // rank 1 block 0: shares 161..162 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 163..166 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 169..172 ({step, share, of})
+    // rank 1 block 2: shares 167..170 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 173..176 ({step, share, of})
+    // rank 1 block 3: shares 171..174 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 177..180 ({step, share, of})
+    // rank 1 block 4: shares 175..178 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 181..184 ({step, share, of})
+    // rank 1 block 5: shares 179..182 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 185..188 ({step, share, of})
+    // rank 1 block 6: shares 183..186 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 189..192 ({step, share, of})
+    // rank 1 block 7: shares 187..190 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 193..196 ({step, share, of})
+    // rank 1 block 8: shares 191..194 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 197..200 ({step, share, of})
+    // rank 1 block 9: shares 195..198 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 201..204 ({step, share, of})
+    // rank 1 block 10: shares 199..202 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 205..208 ({step, share, of})
+    // rank 1 block 11: shares 203..206 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 209..212 ({step, share, of})
+    // rank 1 block 12: shares 207..210 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 213..216 ({step, share, of})
+    // rank 1 block 13: shares 211..214 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 217..220 ({step, share, of})
+    // rank 1 block 14: shares 215..218 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 221..224 ({step, share, of})
+    // rank 1 block 15: shares 219..222 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 225..228 ({step, share, of})
+    // rank 1 block 16: shares 223..226 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 229..231 ({step, share, of})
+    // rank 1 block 17: shares 227..229 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 1 block 18: shares 232..233 ({step, share, of})
+    // rank 1 block 18: shares 230..231 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 234..235 ({step, share, of})
+    // rank 1 block 19: shares 232..233 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 236..237 ({step, share, of})
+    // rank 1 block 20: shares 234..235 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 238..239 ({step, share, of})
+    // rank 1 block 21: shares 236..237 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 240..241 ({step, share, of})
+    // rank 1 block 22: shares 238..239 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 242..243 ({step, share, of})
+    // rank 1 block 23: shares 240..241 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 244..245 ({step, share, of})
+    // rank 1 block 24: shares 242..243 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 246..247 ({step, share, of})
+    // rank 1 block 25: shares 244..245 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 248..249 ({step, share, of})
+    // rank 1 block 26: shares 246..247 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 250..251 ({step, share, of})
+    // rank 1 block 27: shares 248..249 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 252..253 ({step, share, of})
+    // rank 1 block 28: shares 250..251 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 254..255 ({step, share, of})
+    // rank 1 block 29: shares 252..253 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 256..257 ({step, share, of})
+    // rank 1 block 30: shares 254..255 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 258..259 ({step, share, of})
+    // rank 1 block 31: shares 256..257 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 260..261 ({step, share, of})
+    // rank 1 block 32: shares 258..259 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 262..263 ({step, share, of})
+    // rank 1 block 33: shares 260..261 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 264..265 ({step, share, of})
+    // rank 1 block 34: shares 262..263 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 266..267 ({step, share, of})
+    // rank 1 block 35: shares 264..265 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 268..269 ({step, share, of})
+    // rank 1 block 36: shares 266..267 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 270..271 ({step, share, of})
+    // rank 1 block 37: shares 268..269 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 272..273 ({step, share, of})
+    // rank 1 block 38: shares 270..271 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 274..275 ({step, share, of})
+    // rank 1 block 39: shares 272..273 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 276..277 ({step, share, of})
+    // rank 1 block 40: shares 274..275 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 278..279 ({step, share, of})
+    // rank 1 block 41: shares 276..277 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 280..281 ({step, share, of})
+    // rank 1 block 42: shares 278..279 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 282..283 ({step, share, of})
+    // rank 1 block 43: shares 280..281 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 284..285 ({step, share, of})
+    // rank 1 block 44: shares 282..283 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 286..287 ({step, share, of})
+    // rank 1 block 45: shares 284..285 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 288..289 ({step, share, of})
+    // rank 1 block 46: shares 286..287 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 290..291 ({step, share, of})
+    // rank 1 block 47: shares 288..289 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 292..293 ({step, share, of})
+    // rank 1 block 48: shares 290..291 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 294..295 ({step, share, of})
+    // rank 1 block 49: shares 292..293 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 296..297 ({step, share, of})
+    // rank 1 block 50: shares 294..295 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 298..299 ({step, share, of})
+    // rank 1 block 51: shares 296..297 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 300..301 ({step, share, of})
+    // rank 1 block 52: shares 298..299 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 302..303 ({step, share, of})
+    // rank 1 block 53: shares 300..301 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 304..305 ({step, share, of})
+    // rank 1 block 54: shares 302..303 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 306..307 ({step, share, of})
+    // rank 1 block 55: shares 304..305 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 308..309 ({step, share, of})
+    // rank 1 block 56: shares 306..307 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 310..311 ({step, share, of})
+    // rank 1 block 57: shares 308..309 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 312..313 ({step, share, of})
+    // rank 1 block 58: shares 310..311 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 314..315 ({step, share, of})
+    // rank 1 block 59: shares 312..313 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 316..317 ({step, share, of})
+    // rank 1 block 60: shares 314..315 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 318..319 ({step, share, of})
+    // rank 1 block 61: shares 316..317 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 320..321 ({step, share, of})
+    // rank 1 block 62: shares 318..319 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 322..323 ({step, share, of})
+    // rank 1 block 63: shares 320..321 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 324..326 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 327..330 ({step, share, of})
+    // rank 2 block 0: shares 322..323 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 324..327 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 331..334 ({step, share, of})
+    // rank 2 block 2: shares 328..331 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 335..338 ({step, share, of})
+    // rank 2 block 3: shares 332..335 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 339..342 ({step, share, of})
+    // rank 2 block 4: shares 336..339 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 343..346 ({step, share, of})
+    // rank 2 block 5: shares 340..343 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 347..350 ({step, share, of})
+    // rank 2 block 6: shares 344..347 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 351..354 ({step, share, of})
+    // rank 2 block 7: shares 348..351 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 355..358 ({step, share, of})
+    // rank 2 block 8: shares 352..355 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 359..362 ({step, share, of})
+    // rank 2 block 9: shares 356..359 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 363..366 ({step, share, of})
+    // rank 2 block 10: shares 360..363 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 367..370 ({step, share, of})
+    // rank 2 block 11: shares 364..367 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 371..374 ({step, share, of})
+    // rank 2 block 12: shares 368..371 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 375..378 ({step, share, of})
+    // rank 2 block 13: shares 372..375 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 379..382 ({step, share, of})
+    // rank 2 block 14: shares 376..379 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 383..386 ({step, share, of})
+    // rank 2 block 15: shares 380..383 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 387..390 ({step, share, of})
+    // rank 2 block 16: shares 384..387 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 391..393 ({step, share, of})
+    // rank 2 block 17: shares 388..390 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 1},
-    // rank 2 block 18: shares 394..395 ({step, share, of})
+    // rank 2 block 18: shares 391..392 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 396..397 ({step, share, of})
+    // rank 2 block 19: shares 393..394 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 398..399 ({step, share, of})
+    // rank 2 block 20: shares 395..396 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 400..401 ({step, share, of})
+    // rank 2 block 21: shares 397..398 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 402..403 ({step, share, of})
+    // rank 2 block 22: shares 399..400 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 404..405 ({step, share, of})
+    // rank 2 block 23: shares 401..402 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 406..407 ({step, share, of})
+    // rank 2 block 24: shares 403..404 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 408..409 ({step, share, of})
+    // rank 2 block 25: shares 405..406 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 410..411 ({step, share, of})
+    // rank 2 block 26: shares 407..408 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 412..413 ({step, share, of})
+    // rank 2 block 27: shares 409..410 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 414..415 ({step, share, of})
+    // rank 2 block 28: shares 411..412 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 416..417 ({step, share, of})
+    // rank 2 block 29: shares 413..414 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 418..419 ({step, share, of})
+    // rank 2 block 30: shares 415..416 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 420..421 ({step, share, of})
+    // rank 2 block 31: shares 417..418 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 422..423 ({step, share, of})
+    // rank 2 block 32: shares 419..420 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 424..425 ({step, share, of})
+    // rank 2 block 33: shares 421..422 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 426..427 ({step, share, of})
+    // rank 2 block 34: shares 423..424 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 428..429 ({step, share, of})
+    // rank 2 block 35: shares 425..426 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 430..431 ({step, share, of})
+    // rank 2 block 36: shares 427..428 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 432..433 ({step, share, of})
+    // rank 2 block 37: shares 429..430 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 434..435 ({step, share, of})
+    // rank 2 block 38: shares 431..432 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 436..437 ({step, share, of})
+    // rank 2 block 39: shares 433..434 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 438..439 ({step, share, of})
+    // rank 2 block 40: shares 435..436 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 440..441 ({step, share, of})
+    // rank 2 block 41: shares 437..438 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 442..443 ({step, share, of})
+    // rank 2 block 42: shares 439..440 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 444..445 ({step, share, of})
+    // rank 2 block 43: shares 441..442 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 446..447 ({step, share, of})
+    // rank 2 block 44: shares 443..444 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 448..449 ({step, share, of})
+    // rank 2 block 45: shares 445..446 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 450..451 ({step, share, of})
+    // rank 2 block 46: shares 447..448 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 452..453 ({step, share, of})
+    // rank 2 block 47: shares 449..450 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 454..455 ({step, share, of})
+    // rank 2 block 48: shares 451..452 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 49: shares 456..457 ({step, share, of})
+    // rank 2 block 49: shares 453..454 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 458..459 ({step, share, of})
+    // rank 2 block 50: shares 455..456 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 460..461 ({step, share, of})
+    // rank 2 block 51: shares 457..458 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 462..463 ({step, share, of})
+    // rank 2 block 52: shares 459..460 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 464..465 ({step, share, of})
+    // rank 2 block 53: shares 461..462 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 466..467 ({step, share, of})
+    // rank 2 block 54: shares 463..464 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 468..469 ({step, share, of})
+    // rank 2 block 55: shares 465..466 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 470..471 ({step, share, of})
+    // rank 2 block 56: shares 467..468 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 472..473 ({step, share, of})
+    // rank 2 block 57: shares 469..470 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 474..475 ({step, share, of})
+    // rank 2 block 58: shares 471..472 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 476..477 ({step, share, of})
+    // rank 2 block 59: shares 473..474 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 478..479 ({step, share, of})
+    // rank 2 block 60: shares 475..476 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 480..481 ({step, share, of})
+    // rank 2 block 61: shares 477..478 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 482..483 ({step, share, of})
+    // rank 2 block 62: shares 479..480 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 484..485 ({step, share, of})
+    // rank 2 block 63: shares 481..482 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162 },
-    { 162, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324 },
-    { 324, 327, 331, 335, 339, 343, 347, 351, 355, 359, 363, 367, 371, 375, 379, 383, 387, 391, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486 },
+    { 0, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161 },
+    { 161, 163, 167, 171, 175, 179, 183, 187, 191, 195, 199, 203, 207, 211, 215, 219, 223, 227, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322 },
+    { 322, 324, 328, 332, 336, 340, 344, 348, 352, 356, 360, 364, 368, 372, 376, 380, 384, 388, 391, 393, 395, 397, 399, 401, 403, 405, 407, 409, 411, 413, 415, 417, 419, 421, 423, 425, 427, 429, 431, 433, 435, 437, 439, 441, 443, 445, 447, 449, 451, 453, 455, 457, 459, 461, 463, 465, 467, 469, 471, 473, 475, 477, 479, 481, 483 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 64 steps, 904 block shares over 64 blocks.
+// Plan for world size 4: 64 steps, 900 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -2013,529 +2014,529 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 3..6 ({step, share, of})
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 2..5 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 7..10 ({step, share, of})
+    // rank 0 block 2: shares 6..9 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 11..14 ({step, share, of})
+    // rank 0 block 3: shares 10..13 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 15..18 ({step, share, of})
+    // rank 0 block 4: shares 14..17 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 19..22 ({step, share, of})
+    // rank 0 block 5: shares 18..21 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 23..26 ({step, share, of})
+    // rank 0 block 6: shares 22..25 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 27..30 ({step, share, of})
+    // rank 0 block 7: shares 26..29 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 31..34 ({step, share, of})
+    // rank 0 block 8: shares 30..33 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 35..38 ({step, share, of})
+    // rank 0 block 9: shares 34..37 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 39..42 ({step, share, of})
+    // rank 0 block 10: shares 38..41 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 43..46 ({step, share, of})
+    // rank 0 block 11: shares 42..45 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 47..50 ({step, share, of})
+    // rank 0 block 12: shares 46..49 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 51..54 ({step, share, of})
+    // rank 0 block 13: shares 50..53 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 55..58 ({step, share, of})
+    // rank 0 block 14: shares 54..57 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 59..62 ({step, share, of})
+    // rank 0 block 15: shares 58..61 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 63..66 ({step, share, of})
+    // rank 0 block 16: shares 62..65 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 67..70 ({step, share, of})
+    // rank 0 block 17: shares 66..69 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 0 block 18: shares 71..74 ({step, share, of})
+    // rank 0 block 18: shares 70..73 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 0 block 19: shares 75..78 ({step, share, of})
+    // rank 0 block 19: shares 74..77 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 0 block 20: shares 79..82 ({step, share, of})
+    // rank 0 block 20: shares 78..81 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 0 block 21: shares 83..86 ({step, share, of})
+    // rank 0 block 21: shares 82..85 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 0 block 22: shares 87..90 ({step, share, of})
+    // rank 0 block 22: shares 86..89 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 0 block 23: shares 91..94 ({step, share, of})
+    // rank 0 block 23: shares 90..93 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 0 block 24: shares 95..98 ({step, share, of})
+    // rank 0 block 24: shares 94..97 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 0 block 25: shares 99..102 ({step, share, of})
+    // rank 0 block 25: shares 98..101 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 0 block 26: shares 103..106 ({step, share, of})
+    // rank 0 block 26: shares 102..105 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 0 block 27: shares 107..110 ({step, share, of})
+    // rank 0 block 27: shares 106..109 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 0 block 28: shares 111..114 ({step, share, of})
+    // rank 0 block 28: shares 110..113 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 0 block 29: shares 115..118 ({step, share, of})
+    // rank 0 block 29: shares 114..117 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 0 block 30: shares 119..122 ({step, share, of})
+    // rank 0 block 30: shares 118..121 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 0 block 31: shares 123..126 ({step, share, of})
+    // rank 0 block 31: shares 122..125 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 0 block 32: shares 127..130 ({step, share, of})
+    // rank 0 block 32: shares 126..129 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 0 block 33: shares 131..134 ({step, share, of})
+    // rank 0 block 33: shares 130..133 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 0 block 34: shares 135..138 ({step, share, of})
+    // rank 0 block 34: shares 134..137 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 0 block 35: shares 139..142 ({step, share, of})
+    // rank 0 block 35: shares 138..141 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 0 block 36: shares 143..146 ({step, share, of})
+    // rank 0 block 36: shares 142..145 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 0 block 37: shares 147..150 ({step, share, of})
+    // rank 0 block 37: shares 146..149 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 0 block 38: shares 151..154 ({step, share, of})
+    // rank 0 block 38: shares 150..153 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 0 block 39: shares 155..158 ({step, share, of})
+    // rank 0 block 39: shares 154..157 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 0 block 40: shares 159..162 ({step, share, of})
+    // rank 0 block 40: shares 158..161 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 0 block 41: shares 163..166 ({step, share, of})
+    // rank 0 block 41: shares 162..165 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 0 block 42: shares 167..170 ({step, share, of})
+    // rank 0 block 42: shares 166..169 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 0 block 43: shares 171..174 ({step, share, of})
+    // rank 0 block 43: shares 170..173 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 0 block 44: shares 175..178 ({step, share, of})
+    // rank 0 block 44: shares 174..177 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 0 block 45: shares 179..182 ({step, share, of})
+    // rank 0 block 45: shares 178..181 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 0 block 46: shares 183..186 ({step, share, of})
+    // rank 0 block 46: shares 182..185 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 0 block 47: shares 187..190 ({step, share, of})
+    // rank 0 block 47: shares 186..189 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 0 block 48: shares 191..194 ({step, share, of})
+    // rank 0 block 48: shares 190..193 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 0 block 49: shares 195..197 ({step, share, of})
+    // rank 0 block 49: shares 194..196 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 0 block 50: shares 198..199 ({step, share, of})
+    // rank 0 block 50: shares 197..198 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 200..201 ({step, share, of})
+    // rank 0 block 51: shares 199..200 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 202..203 ({step, share, of})
+    // rank 0 block 52: shares 201..202 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 204..205 ({step, share, of})
+    // rank 0 block 53: shares 203..204 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 206..207 ({step, share, of})
+    // rank 0 block 54: shares 205..206 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 208..209 ({step, share, of})
+    // rank 0 block 55: shares 207..208 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 210..211 ({step, share, of})
+    // rank 0 block 56: shares 209..210 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 212..213 ({step, share, of})
+    // rank 0 block 57: shares 211..212 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 214..215 ({step, share, of})
+    // rank 0 block 58: shares 213..214 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 216..217 ({step, share, of})
+    // rank 0 block 59: shares 215..216 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 218..219 ({step, share, of})
+    // rank 0 block 60: shares 217..218 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 220..221 ({step, share, of})
+    // rank 0 block 61: shares 219..220 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 222..223 ({step, share, of})
+    // rank 0 block 62: shares 221..222 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 224..225 ({step, share, of})
+    // rank 0 block 63: shares 223..224 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 226..228 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 229..232 ({step, share, of})
+    // rank 1 block 0: shares 225..226 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 227..230 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 233..236 ({step, share, of})
+    // rank 1 block 2: shares 231..234 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 237..240 ({step, share, of})
+    // rank 1 block 3: shares 235..238 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 241..244 ({step, share, of})
+    // rank 1 block 4: shares 239..242 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 245..248 ({step, share, of})
+    // rank 1 block 5: shares 243..246 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 249..252 ({step, share, of})
+    // rank 1 block 6: shares 247..250 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 253..256 ({step, share, of})
+    // rank 1 block 7: shares 251..254 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 257..260 ({step, share, of})
+    // rank 1 block 8: shares 255..258 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 261..264 ({step, share, of})
+    // rank 1 block 9: shares 259..262 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 265..268 ({step, share, of})
+    // rank 1 block 10: shares 263..266 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 269..272 ({step, share, of})
+    // rank 1 block 11: shares 267..270 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 273..276 ({step, share, of})
+    // rank 1 block 12: shares 271..274 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 277..280 ({step, share, of})
+    // rank 1 block 13: shares 275..278 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 281..284 ({step, share, of})
+    // rank 1 block 14: shares 279..282 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 285..288 ({step, share, of})
+    // rank 1 block 15: shares 283..286 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 289..292 ({step, share, of})
+    // rank 1 block 16: shares 287..290 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 293..296 ({step, share, of})
+    // rank 1 block 17: shares 291..294 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 1 block 18: shares 297..300 ({step, share, of})
+    // rank 1 block 18: shares 295..298 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 1 block 19: shares 301..304 ({step, share, of})
+    // rank 1 block 19: shares 299..302 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 1 block 20: shares 305..308 ({step, share, of})
+    // rank 1 block 20: shares 303..306 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 1 block 21: shares 309..312 ({step, share, of})
+    // rank 1 block 21: shares 307..310 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 1 block 22: shares 313..316 ({step, share, of})
+    // rank 1 block 22: shares 311..314 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 1 block 23: shares 317..320 ({step, share, of})
+    // rank 1 block 23: shares 315..318 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 1 block 24: shares 321..324 ({step, share, of})
+    // rank 1 block 24: shares 319..322 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 1 block 25: shares 325..328 ({step, share, of})
+    // rank 1 block 25: shares 323..326 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 1 block 26: shares 329..332 ({step, share, of})
+    // rank 1 block 26: shares 327..330 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 1 block 27: shares 333..336 ({step, share, of})
+    // rank 1 block 27: shares 331..334 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 1 block 28: shares 337..340 ({step, share, of})
+    // rank 1 block 28: shares 335..338 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 1 block 29: shares 341..344 ({step, share, of})
+    // rank 1 block 29: shares 339..342 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 1 block 30: shares 345..348 ({step, share, of})
+    // rank 1 block 30: shares 343..346 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 1 block 31: shares 349..352 ({step, share, of})
+    // rank 1 block 31: shares 347..350 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 1 block 32: shares 353..356 ({step, share, of})
+    // rank 1 block 32: shares 351..354 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 1 block 33: shares 357..360 ({step, share, of})
+    // rank 1 block 33: shares 355..358 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 1 block 34: shares 361..364 ({step, share, of})
+    // rank 1 block 34: shares 359..362 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 1 block 35: shares 365..368 ({step, share, of})
+    // rank 1 block 35: shares 363..366 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 1 block 36: shares 369..372 ({step, share, of})
+    // rank 1 block 36: shares 367..370 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 1 block 37: shares 373..376 ({step, share, of})
+    // rank 1 block 37: shares 371..374 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 1 block 38: shares 377..380 ({step, share, of})
+    // rank 1 block 38: shares 375..378 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 1 block 39: shares 381..384 ({step, share, of})
+    // rank 1 block 39: shares 379..382 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 1 block 40: shares 385..388 ({step, share, of})
+    // rank 1 block 40: shares 383..386 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 1 block 41: shares 389..392 ({step, share, of})
+    // rank 1 block 41: shares 387..390 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 1 block 42: shares 393..396 ({step, share, of})
+    // rank 1 block 42: shares 391..394 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 1 block 43: shares 397..400 ({step, share, of})
+    // rank 1 block 43: shares 395..398 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 1 block 44: shares 401..404 ({step, share, of})
+    // rank 1 block 44: shares 399..402 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 1 block 45: shares 405..408 ({step, share, of})
+    // rank 1 block 45: shares 403..406 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 1 block 46: shares 409..412 ({step, share, of})
+    // rank 1 block 46: shares 407..410 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 1 block 47: shares 413..416 ({step, share, of})
+    // rank 1 block 47: shares 411..414 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 1 block 48: shares 417..420 ({step, share, of})
+    // rank 1 block 48: shares 415..418 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 1 block 49: shares 421..423 ({step, share, of})
+    // rank 1 block 49: shares 419..421 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 1 block 50: shares 424..425 ({step, share, of})
+    // rank 1 block 50: shares 422..423 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 426..427 ({step, share, of})
+    // rank 1 block 51: shares 424..425 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 428..429 ({step, share, of})
+    // rank 1 block 52: shares 426..427 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 430..431 ({step, share, of})
+    // rank 1 block 53: shares 428..429 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 432..433 ({step, share, of})
+    // rank 1 block 54: shares 430..431 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 434..435 ({step, share, of})
+    // rank 1 block 55: shares 432..433 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 436..437 ({step, share, of})
+    // rank 1 block 56: shares 434..435 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 438..439 ({step, share, of})
+    // rank 1 block 57: shares 436..437 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 440..441 ({step, share, of})
+    // rank 1 block 58: shares 438..439 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 442..443 ({step, share, of})
+    // rank 1 block 59: shares 440..441 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 444..445 ({step, share, of})
+    // rank 1 block 60: shares 442..443 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 446..447 ({step, share, of})
+    // rank 1 block 61: shares 444..445 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 448..449 ({step, share, of})
+    // rank 1 block 62: shares 446..447 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 450..451 ({step, share, of})
+    // rank 1 block 63: shares 448..449 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 452..454 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 455..458 ({step, share, of})
+    // rank 2 block 0: shares 450..451 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 452..455 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 459..462 ({step, share, of})
+    // rank 2 block 2: shares 456..459 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 463..466 ({step, share, of})
+    // rank 2 block 3: shares 460..463 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 467..470 ({step, share, of})
+    // rank 2 block 4: shares 464..467 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 471..474 ({step, share, of})
+    // rank 2 block 5: shares 468..471 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 475..478 ({step, share, of})
+    // rank 2 block 6: shares 472..475 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 479..482 ({step, share, of})
+    // rank 2 block 7: shares 476..479 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 483..486 ({step, share, of})
+    // rank 2 block 8: shares 480..483 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 487..490 ({step, share, of})
+    // rank 2 block 9: shares 484..487 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 491..494 ({step, share, of})
+    // rank 2 block 10: shares 488..491 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 495..498 ({step, share, of})
+    // rank 2 block 11: shares 492..495 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 499..502 ({step, share, of})
+    // rank 2 block 12: shares 496..499 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 503..506 ({step, share, of})
+    // rank 2 block 13: shares 500..503 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 507..510 ({step, share, of})
+    // rank 2 block 14: shares 504..507 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 511..514 ({step, share, of})
+    // rank 2 block 15: shares 508..511 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 515..518 ({step, share, of})
+    // rank 2 block 16: shares 512..515 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 519..522 ({step, share, of})
+    // rank 2 block 17: shares 516..519 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 2 block 18: shares 523..526 ({step, share, of})
+    // rank 2 block 18: shares 520..523 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 2 block 19: shares 527..530 ({step, share, of})
+    // rank 2 block 19: shares 524..527 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 2 block 20: shares 531..534 ({step, share, of})
+    // rank 2 block 20: shares 528..531 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 2 block 21: shares 535..538 ({step, share, of})
+    // rank 2 block 21: shares 532..535 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 2 block 22: shares 539..542 ({step, share, of})
+    // rank 2 block 22: shares 536..539 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 2 block 23: shares 543..546 ({step, share, of})
+    // rank 2 block 23: shares 540..543 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 2 block 24: shares 547..550 ({step, share, of})
+    // rank 2 block 24: shares 544..547 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 2 block 25: shares 551..554 ({step, share, of})
+    // rank 2 block 25: shares 548..551 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 2 block 26: shares 555..558 ({step, share, of})
+    // rank 2 block 26: shares 552..555 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 2 block 27: shares 559..562 ({step, share, of})
+    // rank 2 block 27: shares 556..559 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 2 block 28: shares 563..566 ({step, share, of})
+    // rank 2 block 28: shares 560..563 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 2 block 29: shares 567..570 ({step, share, of})
+    // rank 2 block 29: shares 564..567 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 2 block 30: shares 571..574 ({step, share, of})
+    // rank 2 block 30: shares 568..571 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 2 block 31: shares 575..578 ({step, share, of})
+    // rank 2 block 31: shares 572..575 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 2 block 32: shares 579..582 ({step, share, of})
+    // rank 2 block 32: shares 576..579 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 2 block 33: shares 583..586 ({step, share, of})
+    // rank 2 block 33: shares 580..583 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 2 block 34: shares 587..590 ({step, share, of})
+    // rank 2 block 34: shares 584..587 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 2 block 35: shares 591..594 ({step, share, of})
+    // rank 2 block 35: shares 588..591 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 2 block 36: shares 595..598 ({step, share, of})
+    // rank 2 block 36: shares 592..595 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 2 block 37: shares 599..602 ({step, share, of})
+    // rank 2 block 37: shares 596..599 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 2 block 38: shares 603..606 ({step, share, of})
+    // rank 2 block 38: shares 600..603 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 2 block 39: shares 607..610 ({step, share, of})
+    // rank 2 block 39: shares 604..607 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 2 block 40: shares 611..614 ({step, share, of})
+    // rank 2 block 40: shares 608..611 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 2 block 41: shares 615..618 ({step, share, of})
+    // rank 2 block 41: shares 612..615 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 2 block 42: shares 619..622 ({step, share, of})
+    // rank 2 block 42: shares 616..619 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 2 block 43: shares 623..626 ({step, share, of})
+    // rank 2 block 43: shares 620..623 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 2 block 44: shares 627..630 ({step, share, of})
+    // rank 2 block 44: shares 624..627 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 2 block 45: shares 631..634 ({step, share, of})
+    // rank 2 block 45: shares 628..631 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 2 block 46: shares 635..638 ({step, share, of})
+    // rank 2 block 46: shares 632..635 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 2 block 47: shares 639..642 ({step, share, of})
+    // rank 2 block 47: shares 636..639 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 2 block 48: shares 643..646 ({step, share, of})
+    // rank 2 block 48: shares 640..643 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 2 block 49: shares 647..649 ({step, share, of})
+    // rank 2 block 49: shares 644..646 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 2 block 50: shares 650..651 ({step, share, of})
+    // rank 2 block 50: shares 647..648 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 652..653 ({step, share, of})
+    // rank 2 block 51: shares 649..650 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 654..655 ({step, share, of})
+    // rank 2 block 52: shares 651..652 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 656..657 ({step, share, of})
+    // rank 2 block 53: shares 653..654 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 658..659 ({step, share, of})
+    // rank 2 block 54: shares 655..656 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 660..661 ({step, share, of})
+    // rank 2 block 55: shares 657..658 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 662..663 ({step, share, of})
+    // rank 2 block 56: shares 659..660 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 664..665 ({step, share, of})
+    // rank 2 block 57: shares 661..662 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 666..667 ({step, share, of})
+    // rank 2 block 58: shares 663..664 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 668..669 ({step, share, of})
+    // rank 2 block 59: shares 665..666 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 670..671 ({step, share, of})
+    // rank 2 block 60: shares 667..668 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 672..673 ({step, share, of})
+    // rank 2 block 61: shares 669..670 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 674..675 ({step, share, of})
+    // rank 2 block 62: shares 671..672 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 676..677 ({step, share, of})
+    // rank 2 block 63: shares 673..674 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 678..680 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 681..684 ({step, share, of})
+    // rank 3 block 0: shares 675..676 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 3 block 1: shares 677..680 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 3 block 2: shares 685..688 ({step, share, of})
+    // rank 3 block 2: shares 681..684 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 3 block 3: shares 689..692 ({step, share, of})
+    // rank 3 block 3: shares 685..688 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 3 block 4: shares 693..696 ({step, share, of})
+    // rank 3 block 4: shares 689..692 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 3 block 5: shares 697..700 ({step, share, of})
+    // rank 3 block 5: shares 693..696 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 3 block 6: shares 701..704 ({step, share, of})
+    // rank 3 block 6: shares 697..700 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 3 block 7: shares 705..708 ({step, share, of})
+    // rank 3 block 7: shares 701..704 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 3 block 8: shares 709..712 ({step, share, of})
+    // rank 3 block 8: shares 705..708 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 3 block 9: shares 713..716 ({step, share, of})
+    // rank 3 block 9: shares 709..712 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 3 block 10: shares 717..720 ({step, share, of})
+    // rank 3 block 10: shares 713..716 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 3 block 11: shares 721..724 ({step, share, of})
+    // rank 3 block 11: shares 717..720 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 3 block 12: shares 725..728 ({step, share, of})
+    // rank 3 block 12: shares 721..724 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 3 block 13: shares 729..732 ({step, share, of})
+    // rank 3 block 13: shares 725..728 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 3 block 14: shares 733..736 ({step, share, of})
+    // rank 3 block 14: shares 729..732 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 3 block 15: shares 737..740 ({step, share, of})
+    // rank 3 block 15: shares 733..736 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 3 block 16: shares 741..744 ({step, share, of})
+    // rank 3 block 16: shares 737..740 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 3 block 17: shares 745..748 ({step, share, of})
+    // rank 3 block 17: shares 741..744 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 3 block 18: shares 749..752 ({step, share, of})
+    // rank 3 block 18: shares 745..748 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 3 block 19: shares 753..756 ({step, share, of})
+    // rank 3 block 19: shares 749..752 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 3 block 20: shares 757..760 ({step, share, of})
+    // rank 3 block 20: shares 753..756 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 3 block 21: shares 761..764 ({step, share, of})
+    // rank 3 block 21: shares 757..760 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 3 block 22: shares 765..768 ({step, share, of})
+    // rank 3 block 22: shares 761..764 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 3 block 23: shares 769..772 ({step, share, of})
+    // rank 3 block 23: shares 765..768 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 3 block 24: shares 773..776 ({step, share, of})
+    // rank 3 block 24: shares 769..772 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 3 block 25: shares 777..780 ({step, share, of})
+    // rank 3 block 25: shares 773..776 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 3 block 26: shares 781..784 ({step, share, of})
+    // rank 3 block 26: shares 777..780 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 3 block 27: shares 785..788 ({step, share, of})
+    // rank 3 block 27: shares 781..784 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 3 block 28: shares 789..792 ({step, share, of})
+    // rank 3 block 28: shares 785..788 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 3 block 29: shares 793..796 ({step, share, of})
+    // rank 3 block 29: shares 789..792 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 3 block 30: shares 797..800 ({step, share, of})
+    // rank 3 block 30: shares 793..796 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 3 block 31: shares 801..804 ({step, share, of})
+    // rank 3 block 31: shares 797..800 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 3 block 32: shares 805..808 ({step, share, of})
+    // rank 3 block 32: shares 801..804 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 3 block 33: shares 809..812 ({step, share, of})
+    // rank 3 block 33: shares 805..808 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 3 block 34: shares 813..816 ({step, share, of})
+    // rank 3 block 34: shares 809..812 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 3 block 35: shares 817..820 ({step, share, of})
+    // rank 3 block 35: shares 813..816 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 3 block 36: shares 821..824 ({step, share, of})
+    // rank 3 block 36: shares 817..820 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 3 block 37: shares 825..828 ({step, share, of})
+    // rank 3 block 37: shares 821..824 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 3 block 38: shares 829..832 ({step, share, of})
+    // rank 3 block 38: shares 825..828 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 3 block 39: shares 833..836 ({step, share, of})
+    // rank 3 block 39: shares 829..832 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 3 block 40: shares 837..840 ({step, share, of})
+    // rank 3 block 40: shares 833..836 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 3 block 41: shares 841..844 ({step, share, of})
+    // rank 3 block 41: shares 837..840 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 3 block 42: shares 845..848 ({step, share, of})
+    // rank 3 block 42: shares 841..844 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 3 block 43: shares 849..852 ({step, share, of})
+    // rank 3 block 43: shares 845..848 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 3 block 44: shares 853..856 ({step, share, of})
+    // rank 3 block 44: shares 849..852 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 3 block 45: shares 857..860 ({step, share, of})
+    // rank 3 block 45: shares 853..856 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 3 block 46: shares 861..864 ({step, share, of})
+    // rank 3 block 46: shares 857..860 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 3 block 47: shares 865..868 ({step, share, of})
+    // rank 3 block 47: shares 861..864 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 3 block 48: shares 869..872 ({step, share, of})
+    // rank 3 block 48: shares 865..868 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 3 block 49: shares 873..875 ({step, share, of})
+    // rank 3 block 49: shares 869..871 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 1},
-    // rank 3 block 50: shares 876..877 ({step, share, of})
+    // rank 3 block 50: shares 872..873 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 878..879 ({step, share, of})
+    // rank 3 block 51: shares 874..875 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 880..881 ({step, share, of})
+    // rank 3 block 52: shares 876..877 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 882..883 ({step, share, of})
+    // rank 3 block 53: shares 878..879 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 884..885 ({step, share, of})
+    // rank 3 block 54: shares 880..881 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 886..887 ({step, share, of})
+    // rank 3 block 55: shares 882..883 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 888..889 ({step, share, of})
+    // rank 3 block 56: shares 884..885 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 890..891 ({step, share, of})
+    // rank 3 block 57: shares 886..887 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 892..893 ({step, share, of})
+    // rank 3 block 58: shares 888..889 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 894..895 ({step, share, of})
+    // rank 3 block 59: shares 890..891 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 896..897 ({step, share, of})
+    // rank 3 block 60: shares 892..893 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 898..899 ({step, share, of})
+    // rank 3 block 61: shares 894..895 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 900..901 ({step, share, of})
+    // rank 3 block 62: shares 896..897 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 902..903 ({step, share, of})
+    // rank 3 block 63: shares 898..899 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 95, 99, 103, 107, 111, 115, 119, 123, 127, 131, 135, 139, 143, 147, 151, 155, 159, 163, 167, 171, 175, 179, 183, 187, 191, 195, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226 },
-    { 226, 229, 233, 237, 241, 245, 249, 253, 257, 261, 265, 269, 273, 277, 281, 285, 289, 293, 297, 301, 305, 309, 313, 317, 321, 325, 329, 333, 337, 341, 345, 349, 353, 357, 361, 365, 369, 373, 377, 381, 385, 389, 393, 397, 401, 405, 409, 413, 417, 421, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452 },
-    { 452, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 519, 523, 527, 531, 535, 539, 543, 547, 551, 555, 559, 563, 567, 571, 575, 579, 583, 587, 591, 595, 599, 603, 607, 611, 615, 619, 623, 627, 631, 635, 639, 643, 647, 650, 652, 654, 656, 658, 660, 662, 664, 666, 668, 670, 672, 674, 676, 678 },
-    { 678, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769, 773, 777, 781, 785, 789, 793, 797, 801, 805, 809, 813, 817, 821, 825, 829, 833, 837, 841, 845, 849, 853, 857, 861, 865, 869, 873, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 900, 902, 904 },
+    { 0, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74, 78, 82, 86, 90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 130, 134, 138, 142, 146, 150, 154, 158, 162, 166, 170, 174, 178, 182, 186, 190, 194, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225 },
+    { 225, 227, 231, 235, 239, 243, 247, 251, 255, 259, 263, 267, 271, 275, 279, 283, 287, 291, 295, 299, 303, 307, 311, 315, 319, 323, 327, 331, 335, 339, 343, 347, 351, 355, 359, 363, 367, 371, 375, 379, 383, 387, 391, 395, 399, 403, 407, 411, 415, 419, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450 },
+    { 450, 452, 456, 460, 464, 468, 472, 476, 480, 484, 488, 492, 496, 500, 504, 508, 512, 516, 520, 524, 528, 532, 536, 540, 544, 548, 552, 556, 560, 564, 568, 572, 576, 580, 584, 588, 592, 596, 600, 604, 608, 612, 616, 620, 624, 628, 632, 636, 640, 644, 647, 649, 651, 653, 655, 657, 659, 661, 663, 665, 667, 669, 671, 673, 675 },
+    { 675, 677, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769, 773, 777, 781, 785, 789, 793, 797, 801, 805, 809, 813, 817, 821, 825, 829, 833, 837, 841, 845, 849, 853, 857, 861, 865, 869, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 900 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 264 steps, 3864 block shares over 64 blocks.
+// Plan for world size 8: 264 steps, 3856 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -3070,1041 +3071,1041 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..6 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 0 block 1: shares 7..14 ({step, share, of})
+    // rank 0 block 0: shares 0..5 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 0 block 1: shares 6..13 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 0 block 2: shares 15..22 ({step, share, of})
+    // rank 0 block 2: shares 14..21 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 0 block 3: shares 23..30 ({step, share, of})
+    // rank 0 block 3: shares 22..29 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 0 block 4: shares 31..38 ({step, share, of})
+    // rank 0 block 4: shares 30..37 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 0 block 5: shares 39..46 ({step, share, of})
+    // rank 0 block 5: shares 38..45 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 0 block 6: shares 47..54 ({step, share, of})
+    // rank 0 block 6: shares 46..53 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 0 block 7: shares 55..62 ({step, share, of})
+    // rank 0 block 7: shares 54..61 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 0 block 8: shares 63..70 ({step, share, of})
+    // rank 0 block 8: shares 62..69 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 0 block 9: shares 71..78 ({step, share, of})
+    // rank 0 block 9: shares 70..77 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 0 block 10: shares 79..86 ({step, share, of})
+    // rank 0 block 10: shares 78..85 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 0 block 11: shares 87..94 ({step, share, of})
+    // rank 0 block 11: shares 86..93 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 0 block 12: shares 95..102 ({step, share, of})
+    // rank 0 block 12: shares 94..101 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 0 block 13: shares 103..110 ({step, share, of})
+    // rank 0 block 13: shares 102..109 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 0 block 14: shares 111..118 ({step, share, of})
+    // rank 0 block 14: shares 110..117 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 0 block 15: shares 119..126 ({step, share, of})
+    // rank 0 block 15: shares 118..125 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 0 block 16: shares 127..134 ({step, share, of})
+    // rank 0 block 16: shares 126..133 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 0 block 17: shares 135..142 ({step, share, of})
+    // rank 0 block 17: shares 134..141 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 0 block 18: shares 143..150 ({step, share, of})
+    // rank 0 block 18: shares 142..149 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 0 block 19: shares 151..158 ({step, share, of})
+    // rank 0 block 19: shares 150..157 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 0 block 20: shares 159..166 ({step, share, of})
+    // rank 0 block 20: shares 158..165 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 0 block 21: shares 167..174 ({step, share, of})
+    // rank 0 block 21: shares 166..173 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 0 block 22: shares 175..182 ({step, share, of})
+    // rank 0 block 22: shares 174..181 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 0 block 23: shares 183..190 ({step, share, of})
+    // rank 0 block 23: shares 182..189 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 0 block 24: shares 191..198 ({step, share, of})
+    // rank 0 block 24: shares 190..197 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 0 block 25: shares 199..206 ({step, share, of})
+    // rank 0 block 25: shares 198..205 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 0 block 26: shares 207..214 ({step, share, of})
+    // rank 0 block 26: shares 206..213 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 0 block 27: shares 215..222 ({step, share, of})
+    // rank 0 block 27: shares 214..221 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 0 block 28: shares 223..230 ({step, share, of})
+    // rank 0 block 28: shares 222..229 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 0 block 29: shares 231..238 ({step, share, of})
+    // rank 0 block 29: shares 230..237 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 0 block 30: shares 239..246 ({step, share, of})
+    // rank 0 block 30: shares 238..245 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 0 block 31: shares 247..254 ({step, share, of})
+    // rank 0 block 31: shares 246..253 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 0 block 32: shares 255..262 ({step, share, of})
+    // rank 0 block 32: shares 254..261 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 0 block 33: shares 263..270 ({step, share, of})
+    // rank 0 block 33: shares 262..269 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 0 block 34: shares 271..278 ({step, share, of})
+    // rank 0 block 34: shares 270..277 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 0 block 35: shares 279..286 ({step, share, of})
+    // rank 0 block 35: shares 278..285 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 0 block 36: shares 287..294 ({step, share, of})
+    // rank 0 block 36: shares 286..293 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 0 block 37: shares 295..302 ({step, share, of})
+    // rank 0 block 37: shares 294..301 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 0 block 38: shares 303..310 ({step, share, of})
+    // rank 0 block 38: shares 302..309 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 0 block 39: shares 311..318 ({step, share, of})
+    // rank 0 block 39: shares 310..317 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 0 block 40: shares 319..326 ({step, share, of})
+    // rank 0 block 40: shares 318..325 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 0 block 41: shares 327..334 ({step, share, of})
+    // rank 0 block 41: shares 326..333 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 0 block 42: shares 335..342 ({step, share, of})
+    // rank 0 block 42: shares 334..341 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 0 block 43: shares 343..350 ({step, share, of})
+    // rank 0 block 43: shares 342..349 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 0 block 44: shares 351..358 ({step, share, of})
+    // rank 0 block 44: shares 350..357 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 0 block 45: shares 359..366 ({step, share, of})
+    // rank 0 block 45: shares 358..365 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 0 block 46: shares 367..374 ({step, share, of})
+    // rank 0 block 46: shares 366..373 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 0 block 47: shares 375..382 ({step, share, of})
+    // rank 0 block 47: shares 374..381 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 0 block 48: shares 383..390 ({step, share, of})
+    // rank 0 block 48: shares 382..389 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 0 block 49: shares 391..397 ({step, share, of})
+    // rank 0 block 49: shares 390..396 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 0 block 50: shares 398..404 ({step, share, of})
+    // rank 0 block 50: shares 397..403 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 0 block 51: shares 405..410 ({step, share, of})
+    // rank 0 block 51: shares 404..409 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 0 block 52: shares 411..416 ({step, share, of})
+    // rank 0 block 52: shares 410..415 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 0 block 53: shares 417..422 ({step, share, of})
+    // rank 0 block 53: shares 416..421 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 0 block 54: shares 423..428 ({step, share, of})
+    // rank 0 block 54: shares 422..427 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 0 block 55: shares 429..434 ({step, share, of})
+    // rank 0 block 55: shares 428..433 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 0 block 56: shares 435..440 ({step, share, of})
+    // rank 0 block 56: shares 434..439 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 0 block 57: shares 441..446 ({step, share, of})
+    // rank 0 block 57: shares 440..445 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 0 block 58: shares 447..452 ({step, share, of})
+    // rank 0 block 58: shares 446..451 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 0 block 59: shares 453..458 ({step, share, of})
+    // rank 0 block 59: shares 452..457 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 0 block 60: shares 459..464 ({step, share, of})
+    // rank 0 block 60: shares 458..463 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 0 block 61: shares 465..470 ({step, share, of})
+    // rank 0 block 61: shares 464..469 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 0 block 62: shares 471..476 ({step, share, of})
+    // rank 0 block 62: shares 470..475 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 0 block 63: shares 477..482 ({step, share, of})
+    // rank 0 block 63: shares 476..481 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 1 block 0: shares 483..489 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 1 block 1: shares 490..497 ({step, share, of})
+    // rank 1 block 0: shares 482..487 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 1 block 1: shares 488..495 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 1 block 2: shares 498..505 ({step, share, of})
+    // rank 1 block 2: shares 496..503 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 1 block 3: shares 506..513 ({step, share, of})
+    // rank 1 block 3: shares 504..511 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 1 block 4: shares 514..521 ({step, share, of})
+    // rank 1 block 4: shares 512..519 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 1 block 5: shares 522..529 ({step, share, of})
+    // rank 1 block 5: shares 520..527 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 1 block 6: shares 530..537 ({step, share, of})
+    // rank 1 block 6: shares 528..535 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 1 block 7: shares 538..545 ({step, share, of})
+    // rank 1 block 7: shares 536..543 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 1 block 8: shares 546..553 ({step, share, of})
+    // rank 1 block 8: shares 544..551 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 1 block 9: shares 554..561 ({step, share, of})
+    // rank 1 block 9: shares 552..559 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 1 block 10: shares 562..569 ({step, share, of})
+    // rank 1 block 10: shares 560..567 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 1 block 11: shares 570..577 ({step, share, of})
+    // rank 1 block 11: shares 568..575 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 1 block 12: shares 578..585 ({step, share, of})
+    // rank 1 block 12: shares 576..583 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 1 block 13: shares 586..593 ({step, share, of})
+    // rank 1 block 13: shares 584..591 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 1 block 14: shares 594..601 ({step, share, of})
+    // rank 1 block 14: shares 592..599 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 1 block 15: shares 602..609 ({step, share, of})
+    // rank 1 block 15: shares 600..607 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 1 block 16: shares 610..617 ({step, share, of})
+    // rank 1 block 16: shares 608..615 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 1 block 17: shares 618..625 ({step, share, of})
+    // rank 1 block 17: shares 616..623 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 1 block 18: shares 626..633 ({step, share, of})
+    // rank 1 block 18: shares 624..631 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 1 block 19: shares 634..641 ({step, share, of})
+    // rank 1 block 19: shares 632..639 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 1 block 20: shares 642..649 ({step, share, of})
+    // rank 1 block 20: shares 640..647 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 1 block 21: shares 650..657 ({step, share, of})
+    // rank 1 block 21: shares 648..655 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 1 block 22: shares 658..665 ({step, share, of})
+    // rank 1 block 22: shares 656..663 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 1 block 23: shares 666..673 ({step, share, of})
+    // rank 1 block 23: shares 664..671 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 1 block 24: shares 674..681 ({step, share, of})
+    // rank 1 block 24: shares 672..679 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 1 block 25: shares 682..689 ({step, share, of})
+    // rank 1 block 25: shares 680..687 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 1 block 26: shares 690..697 ({step, share, of})
+    // rank 1 block 26: shares 688..695 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 1 block 27: shares 698..705 ({step, share, of})
+    // rank 1 block 27: shares 696..703 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 1 block 28: shares 706..713 ({step, share, of})
+    // rank 1 block 28: shares 704..711 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 1 block 29: shares 714..721 ({step, share, of})
+    // rank 1 block 29: shares 712..719 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 1 block 30: shares 722..729 ({step, share, of})
+    // rank 1 block 30: shares 720..727 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 1 block 31: shares 730..737 ({step, share, of})
+    // rank 1 block 31: shares 728..735 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 1 block 32: shares 738..745 ({step, share, of})
+    // rank 1 block 32: shares 736..743 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 1 block 33: shares 746..753 ({step, share, of})
+    // rank 1 block 33: shares 744..751 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 1 block 34: shares 754..761 ({step, share, of})
+    // rank 1 block 34: shares 752..759 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 1 block 35: shares 762..769 ({step, share, of})
+    // rank 1 block 35: shares 760..767 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 1 block 36: shares 770..777 ({step, share, of})
+    // rank 1 block 36: shares 768..775 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 1 block 37: shares 778..785 ({step, share, of})
+    // rank 1 block 37: shares 776..783 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 1 block 38: shares 786..793 ({step, share, of})
+    // rank 1 block 38: shares 784..791 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 1 block 39: shares 794..801 ({step, share, of})
+    // rank 1 block 39: shares 792..799 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 1 block 40: shares 802..809 ({step, share, of})
+    // rank 1 block 40: shares 800..807 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 1 block 41: shares 810..817 ({step, share, of})
+    // rank 1 block 41: shares 808..815 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 1 block 42: shares 818..825 ({step, share, of})
+    // rank 1 block 42: shares 816..823 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 1 block 43: shares 826..833 ({step, share, of})
+    // rank 1 block 43: shares 824..831 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 1 block 44: shares 834..841 ({step, share, of})
+    // rank 1 block 44: shares 832..839 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 1 block 45: shares 842..849 ({step, share, of})
+    // rank 1 block 45: shares 840..847 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 1 block 46: shares 850..857 ({step, share, of})
+    // rank 1 block 46: shares 848..855 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 1 block 47: shares 858..865 ({step, share, of})
+    // rank 1 block 47: shares 856..863 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 1 block 48: shares 866..873 ({step, share, of})
+    // rank 1 block 48: shares 864..871 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 1 block 49: shares 874..880 ({step, share, of})
+    // rank 1 block 49: shares 872..878 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 1 block 50: shares 881..887 ({step, share, of})
+    // rank 1 block 50: shares 879..885 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 1 block 51: shares 888..893 ({step, share, of})
+    // rank 1 block 51: shares 886..891 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 1 block 52: shares 894..899 ({step, share, of})
+    // rank 1 block 52: shares 892..897 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 1 block 53: shares 900..905 ({step, share, of})
+    // rank 1 block 53: shares 898..903 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 1 block 54: shares 906..911 ({step, share, of})
+    // rank 1 block 54: shares 904..909 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 1 block 55: shares 912..917 ({step, share, of})
+    // rank 1 block 55: shares 910..915 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 1 block 56: shares 918..923 ({step, share, of})
+    // rank 1 block 56: shares 916..921 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 1 block 57: shares 924..929 ({step, share, of})
+    // rank 1 block 57: shares 922..927 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 1 block 58: shares 930..935 ({step, share, of})
+    // rank 1 block 58: shares 928..933 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 1 block 59: shares 936..941 ({step, share, of})
+    // rank 1 block 59: shares 934..939 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 1 block 60: shares 942..947 ({step, share, of})
+    // rank 1 block 60: shares 940..945 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 1 block 61: shares 948..953 ({step, share, of})
+    // rank 1 block 61: shares 946..951 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 1 block 62: shares 954..959 ({step, share, of})
+    // rank 1 block 62: shares 952..957 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 1 block 63: shares 960..965 ({step, share, of})
+    // rank 1 block 63: shares 958..963 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 2 block 0: shares 966..972 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 2 block 1: shares 973..980 ({step, share, of})
+    // rank 2 block 0: shares 964..969 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 2 block 1: shares 970..977 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 2 block 2: shares 981..988 ({step, share, of})
+    // rank 2 block 2: shares 978..985 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 2 block 3: shares 989..996 ({step, share, of})
+    // rank 2 block 3: shares 986..993 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 2 block 4: shares 997..1004 ({step, share, of})
+    // rank 2 block 4: shares 994..1001 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 2 block 5: shares 1005..1012 ({step, share, of})
+    // rank 2 block 5: shares 1002..1009 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 2 block 6: shares 1013..1020 ({step, share, of})
+    // rank 2 block 6: shares 1010..1017 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 2 block 7: shares 1021..1028 ({step, share, of})
+    // rank 2 block 7: shares 1018..1025 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 2 block 8: shares 1029..1036 ({step, share, of})
+    // rank 2 block 8: shares 1026..1033 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 2 block 9: shares 1037..1044 ({step, share, of})
+    // rank 2 block 9: shares 1034..1041 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 2 block 10: shares 1045..1052 ({step, share, of})
+    // rank 2 block 10: shares 1042..1049 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 2 block 11: shares 1053..1060 ({step, share, of})
+    // rank 2 block 11: shares 1050..1057 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 2 block 12: shares 1061..1068 ({step, share, of})
+    // rank 2 block 12: shares 1058..1065 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 2 block 13: shares 1069..1076 ({step, share, of})
+    // rank 2 block 13: shares 1066..1073 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 2 block 14: shares 1077..1084 ({step, share, of})
+    // rank 2 block 14: shares 1074..1081 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 2 block 15: shares 1085..1092 ({step, share, of})
+    // rank 2 block 15: shares 1082..1089 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 2 block 16: shares 1093..1100 ({step, share, of})
+    // rank 2 block 16: shares 1090..1097 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 2 block 17: shares 1101..1108 ({step, share, of})
+    // rank 2 block 17: shares 1098..1105 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 2 block 18: shares 1109..1116 ({step, share, of})
+    // rank 2 block 18: shares 1106..1113 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 2 block 19: shares 1117..1124 ({step, share, of})
+    // rank 2 block 19: shares 1114..1121 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 2 block 20: shares 1125..1132 ({step, share, of})
+    // rank 2 block 20: shares 1122..1129 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 2 block 21: shares 1133..1140 ({step, share, of})
+    // rank 2 block 21: shares 1130..1137 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 2 block 22: shares 1141..1148 ({step, share, of})
+    // rank 2 block 22: shares 1138..1145 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 2 block 23: shares 1149..1156 ({step, share, of})
+    // rank 2 block 23: shares 1146..1153 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 2 block 24: shares 1157..1164 ({step, share, of})
+    // rank 2 block 24: shares 1154..1161 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 2 block 25: shares 1165..1172 ({step, share, of})
+    // rank 2 block 25: shares 1162..1169 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 2 block 26: shares 1173..1180 ({step, share, of})
+    // rank 2 block 26: shares 1170..1177 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 2 block 27: shares 1181..1188 ({step, share, of})
+    // rank 2 block 27: shares 1178..1185 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 2 block 28: shares 1189..1196 ({step, share, of})
+    // rank 2 block 28: shares 1186..1193 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 2 block 29: shares 1197..1204 ({step, share, of})
+    // rank 2 block 29: shares 1194..1201 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 2 block 30: shares 1205..1212 ({step, share, of})
+    // rank 2 block 30: shares 1202..1209 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 2 block 31: shares 1213..1220 ({step, share, of})
+    // rank 2 block 31: shares 1210..1217 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 2 block 32: shares 1221..1228 ({step, share, of})
+    // rank 2 block 32: shares 1218..1225 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 2 block 33: shares 1229..1236 ({step, share, of})
+    // rank 2 block 33: shares 1226..1233 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 2 block 34: shares 1237..1244 ({step, share, of})
+    // rank 2 block 34: shares 1234..1241 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 2 block 35: shares 1245..1252 ({step, share, of})
+    // rank 2 block 35: shares 1242..1249 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 2 block 36: shares 1253..1260 ({step, share, of})
+    // rank 2 block 36: shares 1250..1257 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 2 block 37: shares 1261..1268 ({step, share, of})
+    // rank 2 block 37: shares 1258..1265 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 2 block 38: shares 1269..1276 ({step, share, of})
+    // rank 2 block 38: shares 1266..1273 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 2 block 39: shares 1277..1284 ({step, share, of})
+    // rank 2 block 39: shares 1274..1281 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 2 block 40: shares 1285..1292 ({step, share, of})
+    // rank 2 block 40: shares 1282..1289 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 2 block 41: shares 1293..1300 ({step, share, of})
+    // rank 2 block 41: shares 1290..1297 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 2 block 42: shares 1301..1308 ({step, share, of})
+    // rank 2 block 42: shares 1298..1305 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 2 block 43: shares 1309..1316 ({step, share, of})
+    // rank 2 block 43: shares 1306..1313 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 2 block 44: shares 1317..1324 ({step, share, of})
+    // rank 2 block 44: shares 1314..1321 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 2 block 45: shares 1325..1332 ({step, share, of})
+    // rank 2 block 45: shares 1322..1329 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 2 block 46: shares 1333..1340 ({step, share, of})
+    // rank 2 block 46: shares 1330..1337 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 2 block 47: shares 1341..1348 ({step, share, of})
+    // rank 2 block 47: shares 1338..1345 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 2 block 48: shares 1349..1356 ({step, share, of})
+    // rank 2 block 48: shares 1346..1353 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 2 block 49: shares 1357..1363 ({step, share, of})
+    // rank 2 block 49: shares 1354..1360 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 2 block 50: shares 1364..1370 ({step, share, of})
+    // rank 2 block 50: shares 1361..1367 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 2 block 51: shares 1371..1376 ({step, share, of})
+    // rank 2 block 51: shares 1368..1373 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 2 block 52: shares 1377..1382 ({step, share, of})
+    // rank 2 block 52: shares 1374..1379 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 2 block 53: shares 1383..1388 ({step, share, of})
+    // rank 2 block 53: shares 1380..1385 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 2 block 54: shares 1389..1394 ({step, share, of})
+    // rank 2 block 54: shares 1386..1391 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 2 block 55: shares 1395..1400 ({step, share, of})
+    // rank 2 block 55: shares 1392..1397 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 2 block 56: shares 1401..1406 ({step, share, of})
+    // rank 2 block 56: shares 1398..1403 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 2 block 57: shares 1407..1412 ({step, share, of})
+    // rank 2 block 57: shares 1404..1409 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 2 block 58: shares 1413..1418 ({step, share, of})
+    // rank 2 block 58: shares 1410..1415 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 2 block 59: shares 1419..1424 ({step, share, of})
+    // rank 2 block 59: shares 1416..1421 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 2 block 60: shares 1425..1430 ({step, share, of})
+    // rank 2 block 60: shares 1422..1427 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 2 block 61: shares 1431..1436 ({step, share, of})
+    // rank 2 block 61: shares 1428..1433 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 2 block 62: shares 1437..1442 ({step, share, of})
+    // rank 2 block 62: shares 1434..1439 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 2 block 63: shares 1443..1448 ({step, share, of})
+    // rank 2 block 63: shares 1440..1445 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 3 block 0: shares 1449..1455 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 3 block 1: shares 1456..1463 ({step, share, of})
+    // rank 3 block 0: shares 1446..1451 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 3 block 1: shares 1452..1459 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 3 block 2: shares 1464..1471 ({step, share, of})
+    // rank 3 block 2: shares 1460..1467 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 3 block 3: shares 1472..1479 ({step, share, of})
+    // rank 3 block 3: shares 1468..1475 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 3 block 4: shares 1480..1487 ({step, share, of})
+    // rank 3 block 4: shares 1476..1483 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 3 block 5: shares 1488..1495 ({step, share, of})
+    // rank 3 block 5: shares 1484..1491 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 3 block 6: shares 1496..1503 ({step, share, of})
+    // rank 3 block 6: shares 1492..1499 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 3 block 7: shares 1504..1511 ({step, share, of})
+    // rank 3 block 7: shares 1500..1507 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 3 block 8: shares 1512..1519 ({step, share, of})
+    // rank 3 block 8: shares 1508..1515 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 3 block 9: shares 1520..1527 ({step, share, of})
+    // rank 3 block 9: shares 1516..1523 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 3 block 10: shares 1528..1535 ({step, share, of})
+    // rank 3 block 10: shares 1524..1531 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 3 block 11: shares 1536..1543 ({step, share, of})
+    // rank 3 block 11: shares 1532..1539 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 3 block 12: shares 1544..1551 ({step, share, of})
+    // rank 3 block 12: shares 1540..1547 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 3 block 13: shares 1552..1559 ({step, share, of})
+    // rank 3 block 13: shares 1548..1555 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 3 block 14: shares 1560..1567 ({step, share, of})
+    // rank 3 block 14: shares 1556..1563 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 3 block 15: shares 1568..1575 ({step, share, of})
+    // rank 3 block 15: shares 1564..1571 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 3 block 16: shares 1576..1583 ({step, share, of})
+    // rank 3 block 16: shares 1572..1579 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 3 block 17: shares 1584..1591 ({step, share, of})
+    // rank 3 block 17: shares 1580..1587 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 3 block 18: shares 1592..1599 ({step, share, of})
+    // rank 3 block 18: shares 1588..1595 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 3 block 19: shares 1600..1607 ({step, share, of})
+    // rank 3 block 19: shares 1596..1603 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 3 block 20: shares 1608..1615 ({step, share, of})
+    // rank 3 block 20: shares 1604..1611 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 3 block 21: shares 1616..1623 ({step, share, of})
+    // rank 3 block 21: shares 1612..1619 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 3 block 22: shares 1624..1631 ({step, share, of})
+    // rank 3 block 22: shares 1620..1627 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 3 block 23: shares 1632..1639 ({step, share, of})
+    // rank 3 block 23: shares 1628..1635 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 3 block 24: shares 1640..1647 ({step, share, of})
+    // rank 3 block 24: shares 1636..1643 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 3 block 25: shares 1648..1655 ({step, share, of})
+    // rank 3 block 25: shares 1644..1651 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 3 block 26: shares 1656..1663 ({step, share, of})
+    // rank 3 block 26: shares 1652..1659 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 3 block 27: shares 1664..1671 ({step, share, of})
+    // rank 3 block 27: shares 1660..1667 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 3 block 28: shares 1672..1679 ({step, share, of})
+    // rank 3 block 28: shares 1668..1675 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 3 block 29: shares 1680..1687 ({step, share, of})
+    // rank 3 block 29: shares 1676..1683 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 3 block 30: shares 1688..1695 ({step, share, of})
+    // rank 3 block 30: shares 1684..1691 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 3 block 31: shares 1696..1703 ({step, share, of})
+    // rank 3 block 31: shares 1692..1699 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 3 block 32: shares 1704..1711 ({step, share, of})
+    // rank 3 block 32: shares 1700..1707 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 3 block 33: shares 1712..1719 ({step, share, of})
+    // rank 3 block 33: shares 1708..1715 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 3 block 34: shares 1720..1727 ({step, share, of})
+    // rank 3 block 34: shares 1716..1723 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 3 block 35: shares 1728..1735 ({step, share, of})
+    // rank 3 block 35: shares 1724..1731 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 3 block 36: shares 1736..1743 ({step, share, of})
+    // rank 3 block 36: shares 1732..1739 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 3 block 37: shares 1744..1751 ({step, share, of})
+    // rank 3 block 37: shares 1740..1747 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 3 block 38: shares 1752..1759 ({step, share, of})
+    // rank 3 block 38: shares 1748..1755 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 3 block 39: shares 1760..1767 ({step, share, of})
+    // rank 3 block 39: shares 1756..1763 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 3 block 40: shares 1768..1775 ({step, share, of})
+    // rank 3 block 40: shares 1764..1771 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 3 block 41: shares 1776..1783 ({step, share, of})
+    // rank 3 block 41: shares 1772..1779 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 3 block 42: shares 1784..1791 ({step, share, of})
+    // rank 3 block 42: shares 1780..1787 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 3 block 43: shares 1792..1799 ({step, share, of})
+    // rank 3 block 43: shares 1788..1795 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 3 block 44: shares 1800..1807 ({step, share, of})
+    // rank 3 block 44: shares 1796..1803 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 3 block 45: shares 1808..1815 ({step, share, of})
+    // rank 3 block 45: shares 1804..1811 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 3 block 46: shares 1816..1823 ({step, share, of})
+    // rank 3 block 46: shares 1812..1819 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 3 block 47: shares 1824..1831 ({step, share, of})
+    // rank 3 block 47: shares 1820..1827 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 3 block 48: shares 1832..1839 ({step, share, of})
+    // rank 3 block 48: shares 1828..1835 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 3 block 49: shares 1840..1846 ({step, share, of})
+    // rank 3 block 49: shares 1836..1842 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 3 block 50: shares 1847..1853 ({step, share, of})
+    // rank 3 block 50: shares 1843..1849 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 3 block 51: shares 1854..1859 ({step, share, of})
+    // rank 3 block 51: shares 1850..1855 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 3 block 52: shares 1860..1865 ({step, share, of})
+    // rank 3 block 52: shares 1856..1861 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 3 block 53: shares 1866..1871 ({step, share, of})
+    // rank 3 block 53: shares 1862..1867 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 3 block 54: shares 1872..1877 ({step, share, of})
+    // rank 3 block 54: shares 1868..1873 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 3 block 55: shares 1878..1883 ({step, share, of})
+    // rank 3 block 55: shares 1874..1879 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 3 block 56: shares 1884..1889 ({step, share, of})
+    // rank 3 block 56: shares 1880..1885 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 3 block 57: shares 1890..1895 ({step, share, of})
+    // rank 3 block 57: shares 1886..1891 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 3 block 58: shares 1896..1901 ({step, share, of})
+    // rank 3 block 58: shares 1892..1897 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 3 block 59: shares 1902..1907 ({step, share, of})
+    // rank 3 block 59: shares 1898..1903 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 3 block 60: shares 1908..1913 ({step, share, of})
+    // rank 3 block 60: shares 1904..1909 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 3 block 61: shares 1914..1919 ({step, share, of})
+    // rank 3 block 61: shares 1910..1915 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 3 block 62: shares 1920..1925 ({step, share, of})
+    // rank 3 block 62: shares 1916..1921 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 3 block 63: shares 1926..1931 ({step, share, of})
+    // rank 3 block 63: shares 1922..1927 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 4 block 0: shares 1932..1938 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 4 block 1: shares 1939..1946 ({step, share, of})
+    // rank 4 block 0: shares 1928..1933 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 4 block 1: shares 1934..1941 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 4 block 2: shares 1947..1954 ({step, share, of})
+    // rank 4 block 2: shares 1942..1949 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 4 block 3: shares 1955..1962 ({step, share, of})
+    // rank 4 block 3: shares 1950..1957 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 4 block 4: shares 1963..1970 ({step, share, of})
+    // rank 4 block 4: shares 1958..1965 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 4 block 5: shares 1971..1978 ({step, share, of})
+    // rank 4 block 5: shares 1966..1973 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 4 block 6: shares 1979..1986 ({step, share, of})
+    // rank 4 block 6: shares 1974..1981 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 4 block 7: shares 1987..1994 ({step, share, of})
+    // rank 4 block 7: shares 1982..1989 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 4 block 8: shares 1995..2002 ({step, share, of})
+    // rank 4 block 8: shares 1990..1997 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 4 block 9: shares 2003..2010 ({step, share, of})
+    // rank 4 block 9: shares 1998..2005 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 4 block 10: shares 2011..2018 ({step, share, of})
+    // rank 4 block 10: shares 2006..2013 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 4 block 11: shares 2019..2026 ({step, share, of})
+    // rank 4 block 11: shares 2014..2021 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 4 block 12: shares 2027..2034 ({step, share, of})
+    // rank 4 block 12: shares 2022..2029 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 4 block 13: shares 2035..2042 ({step, share, of})
+    // rank 4 block 13: shares 2030..2037 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 4 block 14: shares 2043..2050 ({step, share, of})
+    // rank 4 block 14: shares 2038..2045 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 4 block 15: shares 2051..2058 ({step, share, of})
+    // rank 4 block 15: shares 2046..2053 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 4 block 16: shares 2059..2066 ({step, share, of})
+    // rank 4 block 16: shares 2054..2061 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 4 block 17: shares 2067..2074 ({step, share, of})
+    // rank 4 block 17: shares 2062..2069 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 4 block 18: shares 2075..2082 ({step, share, of})
+    // rank 4 block 18: shares 2070..2077 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 4 block 19: shares 2083..2090 ({step, share, of})
+    // rank 4 block 19: shares 2078..2085 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 4 block 20: shares 2091..2098 ({step, share, of})
+    // rank 4 block 20: shares 2086..2093 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 4 block 21: shares 2099..2106 ({step, share, of})
+    // rank 4 block 21: shares 2094..2101 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 4 block 22: shares 2107..2114 ({step, share, of})
+    // rank 4 block 22: shares 2102..2109 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 4 block 23: shares 2115..2122 ({step, share, of})
+    // rank 4 block 23: shares 2110..2117 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 4 block 24: shares 2123..2130 ({step, share, of})
+    // rank 4 block 24: shares 2118..2125 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 4 block 25: shares 2131..2138 ({step, share, of})
+    // rank 4 block 25: shares 2126..2133 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 4 block 26: shares 2139..2146 ({step, share, of})
+    // rank 4 block 26: shares 2134..2141 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 4 block 27: shares 2147..2154 ({step, share, of})
+    // rank 4 block 27: shares 2142..2149 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 4 block 28: shares 2155..2162 ({step, share, of})
+    // rank 4 block 28: shares 2150..2157 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 4 block 29: shares 2163..2170 ({step, share, of})
+    // rank 4 block 29: shares 2158..2165 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 4 block 30: shares 2171..2178 ({step, share, of})
+    // rank 4 block 30: shares 2166..2173 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 4 block 31: shares 2179..2186 ({step, share, of})
+    // rank 4 block 31: shares 2174..2181 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 4 block 32: shares 2187..2194 ({step, share, of})
+    // rank 4 block 32: shares 2182..2189 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 4 block 33: shares 2195..2202 ({step, share, of})
+    // rank 4 block 33: shares 2190..2197 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 4 block 34: shares 2203..2210 ({step, share, of})
+    // rank 4 block 34: shares 2198..2205 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 4 block 35: shares 2211..2218 ({step, share, of})
+    // rank 4 block 35: shares 2206..2213 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 4 block 36: shares 2219..2226 ({step, share, of})
+    // rank 4 block 36: shares 2214..2221 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 4 block 37: shares 2227..2234 ({step, share, of})
+    // rank 4 block 37: shares 2222..2229 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 4 block 38: shares 2235..2242 ({step, share, of})
+    // rank 4 block 38: shares 2230..2237 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 4 block 39: shares 2243..2250 ({step, share, of})
+    // rank 4 block 39: shares 2238..2245 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 4 block 40: shares 2251..2258 ({step, share, of})
+    // rank 4 block 40: shares 2246..2253 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 4 block 41: shares 2259..2266 ({step, share, of})
+    // rank 4 block 41: shares 2254..2261 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 4 block 42: shares 2267..2274 ({step, share, of})
+    // rank 4 block 42: shares 2262..2269 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 4 block 43: shares 2275..2282 ({step, share, of})
+    // rank 4 block 43: shares 2270..2277 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 4 block 44: shares 2283..2290 ({step, share, of})
+    // rank 4 block 44: shares 2278..2285 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 4 block 45: shares 2291..2298 ({step, share, of})
+    // rank 4 block 45: shares 2286..2293 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 4 block 46: shares 2299..2306 ({step, share, of})
+    // rank 4 block 46: shares 2294..2301 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 4 block 47: shares 2307..2314 ({step, share, of})
+    // rank 4 block 47: shares 2302..2309 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 4 block 48: shares 2315..2322 ({step, share, of})
+    // rank 4 block 48: shares 2310..2317 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 4 block 49: shares 2323..2329 ({step, share, of})
+    // rank 4 block 49: shares 2318..2324 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 4 block 50: shares 2330..2336 ({step, share, of})
+    // rank 4 block 50: shares 2325..2331 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 4 block 51: shares 2337..2342 ({step, share, of})
+    // rank 4 block 51: shares 2332..2337 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 4 block 52: shares 2343..2348 ({step, share, of})
+    // rank 4 block 52: shares 2338..2343 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 4 block 53: shares 2349..2354 ({step, share, of})
+    // rank 4 block 53: shares 2344..2349 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 4 block 54: shares 2355..2360 ({step, share, of})
+    // rank 4 block 54: shares 2350..2355 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 4 block 55: shares 2361..2366 ({step, share, of})
+    // rank 4 block 55: shares 2356..2361 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 4 block 56: shares 2367..2372 ({step, share, of})
+    // rank 4 block 56: shares 2362..2367 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 4 block 57: shares 2373..2378 ({step, share, of})
+    // rank 4 block 57: shares 2368..2373 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 4 block 58: shares 2379..2384 ({step, share, of})
+    // rank 4 block 58: shares 2374..2379 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 4 block 59: shares 2385..2390 ({step, share, of})
+    // rank 4 block 59: shares 2380..2385 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 4 block 60: shares 2391..2396 ({step, share, of})
+    // rank 4 block 60: shares 2386..2391 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 4 block 61: shares 2397..2402 ({step, share, of})
+    // rank 4 block 61: shares 2392..2397 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 4 block 62: shares 2403..2408 ({step, share, of})
+    // rank 4 block 62: shares 2398..2403 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 4 block 63: shares 2409..2414 ({step, share, of})
+    // rank 4 block 63: shares 2404..2409 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 5 block 0: shares 2415..2421 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 5 block 1: shares 2422..2429 ({step, share, of})
+    // rank 5 block 0: shares 2410..2415 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 5 block 1: shares 2416..2423 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 5 block 2: shares 2430..2437 ({step, share, of})
+    // rank 5 block 2: shares 2424..2431 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 5 block 3: shares 2438..2445 ({step, share, of})
+    // rank 5 block 3: shares 2432..2439 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 5 block 4: shares 2446..2453 ({step, share, of})
+    // rank 5 block 4: shares 2440..2447 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 5 block 5: shares 2454..2461 ({step, share, of})
+    // rank 5 block 5: shares 2448..2455 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 5 block 6: shares 2462..2469 ({step, share, of})
+    // rank 5 block 6: shares 2456..2463 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 5 block 7: shares 2470..2477 ({step, share, of})
+    // rank 5 block 7: shares 2464..2471 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 5 block 8: shares 2478..2485 ({step, share, of})
+    // rank 5 block 8: shares 2472..2479 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 5 block 9: shares 2486..2493 ({step, share, of})
+    // rank 5 block 9: shares 2480..2487 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 5 block 10: shares 2494..2501 ({step, share, of})
+    // rank 5 block 10: shares 2488..2495 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 5 block 11: shares 2502..2509 ({step, share, of})
+    // rank 5 block 11: shares 2496..2503 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 5 block 12: shares 2510..2517 ({step, share, of})
+    // rank 5 block 12: shares 2504..2511 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 5 block 13: shares 2518..2525 ({step, share, of})
+    // rank 5 block 13: shares 2512..2519 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 5 block 14: shares 2526..2533 ({step, share, of})
+    // rank 5 block 14: shares 2520..2527 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 5 block 15: shares 2534..2541 ({step, share, of})
+    // rank 5 block 15: shares 2528..2535 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 5 block 16: shares 2542..2549 ({step, share, of})
+    // rank 5 block 16: shares 2536..2543 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 5 block 17: shares 2550..2557 ({step, share, of})
+    // rank 5 block 17: shares 2544..2551 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 5 block 18: shares 2558..2565 ({step, share, of})
+    // rank 5 block 18: shares 2552..2559 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 5 block 19: shares 2566..2573 ({step, share, of})
+    // rank 5 block 19: shares 2560..2567 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 5 block 20: shares 2574..2581 ({step, share, of})
+    // rank 5 block 20: shares 2568..2575 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 5 block 21: shares 2582..2589 ({step, share, of})
+    // rank 5 block 21: shares 2576..2583 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 5 block 22: shares 2590..2597 ({step, share, of})
+    // rank 5 block 22: shares 2584..2591 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 5 block 23: shares 2598..2605 ({step, share, of})
+    // rank 5 block 23: shares 2592..2599 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 5 block 24: shares 2606..2613 ({step, share, of})
+    // rank 5 block 24: shares 2600..2607 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 5 block 25: shares 2614..2621 ({step, share, of})
+    // rank 5 block 25: shares 2608..2615 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 5 block 26: shares 2622..2629 ({step, share, of})
+    // rank 5 block 26: shares 2616..2623 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 5 block 27: shares 2630..2637 ({step, share, of})
+    // rank 5 block 27: shares 2624..2631 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 5 block 28: shares 2638..2645 ({step, share, of})
+    // rank 5 block 28: shares 2632..2639 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 5 block 29: shares 2646..2653 ({step, share, of})
+    // rank 5 block 29: shares 2640..2647 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 5 block 30: shares 2654..2661 ({step, share, of})
+    // rank 5 block 30: shares 2648..2655 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 5 block 31: shares 2662..2669 ({step, share, of})
+    // rank 5 block 31: shares 2656..2663 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 5 block 32: shares 2670..2677 ({step, share, of})
+    // rank 5 block 32: shares 2664..2671 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 5 block 33: shares 2678..2685 ({step, share, of})
+    // rank 5 block 33: shares 2672..2679 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 5 block 34: shares 2686..2693 ({step, share, of})
+    // rank 5 block 34: shares 2680..2687 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 5 block 35: shares 2694..2701 ({step, share, of})
+    // rank 5 block 35: shares 2688..2695 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 5 block 36: shares 2702..2709 ({step, share, of})
+    // rank 5 block 36: shares 2696..2703 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 5 block 37: shares 2710..2717 ({step, share, of})
+    // rank 5 block 37: shares 2704..2711 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 5 block 38: shares 2718..2725 ({step, share, of})
+    // rank 5 block 38: shares 2712..2719 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 5 block 39: shares 2726..2733 ({step, share, of})
+    // rank 5 block 39: shares 2720..2727 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 5 block 40: shares 2734..2741 ({step, share, of})
+    // rank 5 block 40: shares 2728..2735 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 5 block 41: shares 2742..2749 ({step, share, of})
+    // rank 5 block 41: shares 2736..2743 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 5 block 42: shares 2750..2757 ({step, share, of})
+    // rank 5 block 42: shares 2744..2751 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 5 block 43: shares 2758..2765 ({step, share, of})
+    // rank 5 block 43: shares 2752..2759 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 5 block 44: shares 2766..2773 ({step, share, of})
+    // rank 5 block 44: shares 2760..2767 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 5 block 45: shares 2774..2781 ({step, share, of})
+    // rank 5 block 45: shares 2768..2775 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 5 block 46: shares 2782..2789 ({step, share, of})
+    // rank 5 block 46: shares 2776..2783 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 5 block 47: shares 2790..2797 ({step, share, of})
+    // rank 5 block 47: shares 2784..2791 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 5 block 48: shares 2798..2805 ({step, share, of})
+    // rank 5 block 48: shares 2792..2799 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 5 block 49: shares 2806..2812 ({step, share, of})
+    // rank 5 block 49: shares 2800..2806 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 5 block 50: shares 2813..2819 ({step, share, of})
+    // rank 5 block 50: shares 2807..2813 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 5 block 51: shares 2820..2825 ({step, share, of})
+    // rank 5 block 51: shares 2814..2819 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 5 block 52: shares 2826..2831 ({step, share, of})
+    // rank 5 block 52: shares 2820..2825 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 5 block 53: shares 2832..2837 ({step, share, of})
+    // rank 5 block 53: shares 2826..2831 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 5 block 54: shares 2838..2843 ({step, share, of})
+    // rank 5 block 54: shares 2832..2837 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 5 block 55: shares 2844..2849 ({step, share, of})
+    // rank 5 block 55: shares 2838..2843 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 5 block 56: shares 2850..2855 ({step, share, of})
+    // rank 5 block 56: shares 2844..2849 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 5 block 57: shares 2856..2861 ({step, share, of})
+    // rank 5 block 57: shares 2850..2855 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 5 block 58: shares 2862..2867 ({step, share, of})
+    // rank 5 block 58: shares 2856..2861 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 5 block 59: shares 2868..2873 ({step, share, of})
+    // rank 5 block 59: shares 2862..2867 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 5 block 60: shares 2874..2879 ({step, share, of})
+    // rank 5 block 60: shares 2868..2873 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 5 block 61: shares 2880..2885 ({step, share, of})
+    // rank 5 block 61: shares 2874..2879 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 5 block 62: shares 2886..2891 ({step, share, of})
+    // rank 5 block 62: shares 2880..2885 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 5 block 63: shares 2892..2897 ({step, share, of})
+    // rank 5 block 63: shares 2886..2891 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 6 block 0: shares 2898..2904 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 6 block 1: shares 2905..2912 ({step, share, of})
+    // rank 6 block 0: shares 2892..2897 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 6 block 1: shares 2898..2905 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 6 block 2: shares 2913..2920 ({step, share, of})
+    // rank 6 block 2: shares 2906..2913 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 6 block 3: shares 2921..2928 ({step, share, of})
+    // rank 6 block 3: shares 2914..2921 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 6 block 4: shares 2929..2936 ({step, share, of})
+    // rank 6 block 4: shares 2922..2929 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 6 block 5: shares 2937..2944 ({step, share, of})
+    // rank 6 block 5: shares 2930..2937 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 6 block 6: shares 2945..2952 ({step, share, of})
+    // rank 6 block 6: shares 2938..2945 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 6 block 7: shares 2953..2960 ({step, share, of})
+    // rank 6 block 7: shares 2946..2953 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 6 block 8: shares 2961..2968 ({step, share, of})
+    // rank 6 block 8: shares 2954..2961 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 6 block 9: shares 2969..2976 ({step, share, of})
+    // rank 6 block 9: shares 2962..2969 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 6 block 10: shares 2977..2984 ({step, share, of})
+    // rank 6 block 10: shares 2970..2977 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 6 block 11: shares 2985..2992 ({step, share, of})
+    // rank 6 block 11: shares 2978..2985 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 6 block 12: shares 2993..3000 ({step, share, of})
+    // rank 6 block 12: shares 2986..2993 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 6 block 13: shares 3001..3008 ({step, share, of})
+    // rank 6 block 13: shares 2994..3001 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 6 block 14: shares 3009..3016 ({step, share, of})
+    // rank 6 block 14: shares 3002..3009 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 6 block 15: shares 3017..3024 ({step, share, of})
+    // rank 6 block 15: shares 3010..3017 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 6 block 16: shares 3025..3032 ({step, share, of})
+    // rank 6 block 16: shares 3018..3025 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 6 block 17: shares 3033..3040 ({step, share, of})
+    // rank 6 block 17: shares 3026..3033 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 6 block 18: shares 3041..3048 ({step, share, of})
+    // rank 6 block 18: shares 3034..3041 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 6 block 19: shares 3049..3056 ({step, share, of})
+    // rank 6 block 19: shares 3042..3049 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 6 block 20: shares 3057..3064 ({step, share, of})
+    // rank 6 block 20: shares 3050..3057 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 6 block 21: shares 3065..3072 ({step, share, of})
+    // rank 6 block 21: shares 3058..3065 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 6 block 22: shares 3073..3080 ({step, share, of})
+    // rank 6 block 22: shares 3066..3073 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 6 block 23: shares 3081..3088 ({step, share, of})
+    // rank 6 block 23: shares 3074..3081 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 6 block 24: shares 3089..3096 ({step, share, of})
+    // rank 6 block 24: shares 3082..3089 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 6 block 25: shares 3097..3104 ({step, share, of})
+    // rank 6 block 25: shares 3090..3097 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 6 block 26: shares 3105..3112 ({step, share, of})
+    // rank 6 block 26: shares 3098..3105 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 6 block 27: shares 3113..3120 ({step, share, of})
+    // rank 6 block 27: shares 3106..3113 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 6 block 28: shares 3121..3128 ({step, share, of})
+    // rank 6 block 28: shares 3114..3121 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 6 block 29: shares 3129..3136 ({step, share, of})
+    // rank 6 block 29: shares 3122..3129 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 6 block 30: shares 3137..3144 ({step, share, of})
+    // rank 6 block 30: shares 3130..3137 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 6 block 31: shares 3145..3152 ({step, share, of})
+    // rank 6 block 31: shares 3138..3145 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 6 block 32: shares 3153..3160 ({step, share, of})
+    // rank 6 block 32: shares 3146..3153 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 6 block 33: shares 3161..3168 ({step, share, of})
+    // rank 6 block 33: shares 3154..3161 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 6 block 34: shares 3169..3176 ({step, share, of})
+    // rank 6 block 34: shares 3162..3169 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 6 block 35: shares 3177..3184 ({step, share, of})
+    // rank 6 block 35: shares 3170..3177 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 6 block 36: shares 3185..3192 ({step, share, of})
+    // rank 6 block 36: shares 3178..3185 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 6 block 37: shares 3193..3200 ({step, share, of})
+    // rank 6 block 37: shares 3186..3193 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 6 block 38: shares 3201..3208 ({step, share, of})
+    // rank 6 block 38: shares 3194..3201 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 6 block 39: shares 3209..3216 ({step, share, of})
+    // rank 6 block 39: shares 3202..3209 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 6 block 40: shares 3217..3224 ({step, share, of})
+    // rank 6 block 40: shares 3210..3217 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 6 block 41: shares 3225..3232 ({step, share, of})
+    // rank 6 block 41: shares 3218..3225 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 6 block 42: shares 3233..3240 ({step, share, of})
+    // rank 6 block 42: shares 3226..3233 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 6 block 43: shares 3241..3248 ({step, share, of})
+    // rank 6 block 43: shares 3234..3241 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 6 block 44: shares 3249..3256 ({step, share, of})
+    // rank 6 block 44: shares 3242..3249 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 6 block 45: shares 3257..3264 ({step, share, of})
+    // rank 6 block 45: shares 3250..3257 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 6 block 46: shares 3265..3272 ({step, share, of})
+    // rank 6 block 46: shares 3258..3265 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 6 block 47: shares 3273..3280 ({step, share, of})
+    // rank 6 block 47: shares 3266..3273 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 6 block 48: shares 3281..3288 ({step, share, of})
+    // rank 6 block 48: shares 3274..3281 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 6 block 49: shares 3289..3295 ({step, share, of})
+    // rank 6 block 49: shares 3282..3288 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 6 block 50: shares 3296..3302 ({step, share, of})
+    // rank 6 block 50: shares 3289..3295 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 6 block 51: shares 3303..3308 ({step, share, of})
+    // rank 6 block 51: shares 3296..3301 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 6 block 52: shares 3309..3314 ({step, share, of})
+    // rank 6 block 52: shares 3302..3307 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 6 block 53: shares 3315..3320 ({step, share, of})
+    // rank 6 block 53: shares 3308..3313 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 6 block 54: shares 3321..3326 ({step, share, of})
+    // rank 6 block 54: shares 3314..3319 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 6 block 55: shares 3327..3332 ({step, share, of})
+    // rank 6 block 55: shares 3320..3325 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 6 block 56: shares 3333..3338 ({step, share, of})
+    // rank 6 block 56: shares 3326..3331 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 6 block 57: shares 3339..3344 ({step, share, of})
+    // rank 6 block 57: shares 3332..3337 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 6 block 58: shares 3345..3350 ({step, share, of})
+    // rank 6 block 58: shares 3338..3343 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 6 block 59: shares 3351..3356 ({step, share, of})
+    // rank 6 block 59: shares 3344..3349 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 6 block 60: shares 3357..3362 ({step, share, of})
+    // rank 6 block 60: shares 3350..3355 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 6 block 61: shares 3363..3368 ({step, share, of})
+    // rank 6 block 61: shares 3356..3361 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 6 block 62: shares 3369..3374 ({step, share, of})
+    // rank 6 block 62: shares 3362..3367 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 6 block 63: shares 3375..3380 ({step, share, of})
+    // rank 6 block 63: shares 3368..3373 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
-    // rank 7 block 0: shares 3381..3387 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
-    // rank 7 block 1: shares 3388..3395 ({step, share, of})
+    // rank 7 block 0: shares 3374..3379 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16}, {23, 15, 16}, {24, 15, 16},
+    // rank 7 block 1: shares 3380..3387 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16}, {17, 0, 16}, {18, 0, 16}, {25, 0, 16}, {26, 0, 16},
-    // rank 7 block 2: shares 3396..3403 ({step, share, of})
+    // rank 7 block 2: shares 3388..3395 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16}, {17, 1, 16}, {18, 1, 16}, {25, 1, 16}, {26, 1, 16},
-    // rank 7 block 3: shares 3404..3411 ({step, share, of})
+    // rank 7 block 3: shares 3396..3403 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16}, {17, 2, 16}, {18, 2, 16}, {25, 2, 16}, {26, 2, 16},
-    // rank 7 block 4: shares 3412..3419 ({step, share, of})
+    // rank 7 block 4: shares 3404..3411 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16}, {17, 3, 16}, {18, 3, 16}, {25, 3, 16}, {26, 3, 16},
-    // rank 7 block 5: shares 3420..3427 ({step, share, of})
+    // rank 7 block 5: shares 3412..3419 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16}, {17, 4, 16}, {18, 4, 16}, {25, 4, 16}, {26, 4, 16},
-    // rank 7 block 6: shares 3428..3435 ({step, share, of})
+    // rank 7 block 6: shares 3420..3427 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16}, {17, 5, 16}, {18, 5, 16}, {25, 5, 16}, {26, 5, 16},
-    // rank 7 block 7: shares 3436..3443 ({step, share, of})
+    // rank 7 block 7: shares 3428..3435 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16}, {17, 6, 16}, {18, 6, 16}, {25, 6, 16}, {26, 6, 16},
-    // rank 7 block 8: shares 3444..3451 ({step, share, of})
+    // rank 7 block 8: shares 3436..3443 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16}, {17, 7, 16}, {18, 7, 16}, {25, 7, 16}, {26, 7, 16},
-    // rank 7 block 9: shares 3452..3459 ({step, share, of})
+    // rank 7 block 9: shares 3444..3451 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16}, {17, 8, 16}, {18, 8, 16}, {25, 8, 16}, {26, 8, 16},
-    // rank 7 block 10: shares 3460..3467 ({step, share, of})
+    // rank 7 block 10: shares 3452..3459 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16}, {17, 9, 16}, {18, 9, 16}, {25, 9, 16}, {26, 9, 16},
-    // rank 7 block 11: shares 3468..3475 ({step, share, of})
+    // rank 7 block 11: shares 3460..3467 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16}, {17, 10, 16}, {18, 10, 16}, {25, 10, 16}, {26, 10, 16},
-    // rank 7 block 12: shares 3476..3483 ({step, share, of})
+    // rank 7 block 12: shares 3468..3475 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16}, {17, 11, 16}, {18, 11, 16}, {25, 11, 16}, {26, 11, 16},
-    // rank 7 block 13: shares 3484..3491 ({step, share, of})
+    // rank 7 block 13: shares 3476..3483 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16}, {17, 12, 16}, {18, 12, 16}, {25, 12, 16}, {26, 12, 16},
-    // rank 7 block 14: shares 3492..3499 ({step, share, of})
+    // rank 7 block 14: shares 3484..3491 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16}, {17, 13, 16}, {18, 13, 16}, {25, 13, 16}, {26, 13, 16},
-    // rank 7 block 15: shares 3500..3507 ({step, share, of})
+    // rank 7 block 15: shares 3492..3499 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16}, {17, 14, 16}, {18, 14, 16}, {25, 14, 16}, {26, 14, 16},
-    // rank 7 block 16: shares 3508..3515 ({step, share, of})
+    // rank 7 block 16: shares 3500..3507 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16}, {17, 15, 16}, {18, 15, 16}, {25, 15, 16}, {26, 15, 16},
-    // rank 7 block 17: shares 3516..3523 ({step, share, of})
+    // rank 7 block 17: shares 3508..3515 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16}, {19, 0, 16}, {20, 0, 16}, {27, 0, 16}, {28, 0, 16},
-    // rank 7 block 18: shares 3524..3531 ({step, share, of})
+    // rank 7 block 18: shares 3516..3523 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16}, {19, 1, 16}, {20, 1, 16}, {27, 1, 16}, {28, 1, 16},
-    // rank 7 block 19: shares 3532..3539 ({step, share, of})
+    // rank 7 block 19: shares 3524..3531 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16}, {19, 2, 16}, {20, 2, 16}, {27, 2, 16}, {28, 2, 16},
-    // rank 7 block 20: shares 3540..3547 ({step, share, of})
+    // rank 7 block 20: shares 3532..3539 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16}, {19, 3, 16}, {20, 3, 16}, {27, 3, 16}, {28, 3, 16},
-    // rank 7 block 21: shares 3548..3555 ({step, share, of})
+    // rank 7 block 21: shares 3540..3547 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16}, {19, 4, 16}, {20, 4, 16}, {27, 4, 16}, {28, 4, 16},
-    // rank 7 block 22: shares 3556..3563 ({step, share, of})
+    // rank 7 block 22: shares 3548..3555 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16}, {19, 5, 16}, {20, 5, 16}, {27, 5, 16}, {28, 5, 16},
-    // rank 7 block 23: shares 3564..3571 ({step, share, of})
+    // rank 7 block 23: shares 3556..3563 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16}, {19, 6, 16}, {20, 6, 16}, {27, 6, 16}, {28, 6, 16},
-    // rank 7 block 24: shares 3572..3579 ({step, share, of})
+    // rank 7 block 24: shares 3564..3571 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16}, {19, 7, 16}, {20, 7, 16}, {27, 7, 16}, {28, 7, 16},
-    // rank 7 block 25: shares 3580..3587 ({step, share, of})
+    // rank 7 block 25: shares 3572..3579 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16}, {19, 8, 16}, {20, 8, 16}, {27, 8, 16}, {28, 8, 16},
-    // rank 7 block 26: shares 3588..3595 ({step, share, of})
+    // rank 7 block 26: shares 3580..3587 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16}, {19, 9, 16}, {20, 9, 16}, {27, 9, 16}, {28, 9, 16},
-    // rank 7 block 27: shares 3596..3603 ({step, share, of})
+    // rank 7 block 27: shares 3588..3595 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16}, {19, 10, 16}, {20, 10, 16}, {27, 10, 16}, {28, 10, 16},
-    // rank 7 block 28: shares 3604..3611 ({step, share, of})
+    // rank 7 block 28: shares 3596..3603 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16}, {19, 11, 16}, {20, 11, 16}, {27, 11, 16}, {28, 11, 16},
-    // rank 7 block 29: shares 3612..3619 ({step, share, of})
+    // rank 7 block 29: shares 3604..3611 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16}, {19, 12, 16}, {20, 12, 16}, {27, 12, 16}, {28, 12, 16},
-    // rank 7 block 30: shares 3620..3627 ({step, share, of})
+    // rank 7 block 30: shares 3612..3619 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16}, {19, 13, 16}, {20, 13, 16}, {27, 13, 16}, {28, 13, 16},
-    // rank 7 block 31: shares 3628..3635 ({step, share, of})
+    // rank 7 block 31: shares 3620..3627 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16}, {19, 14, 16}, {20, 14, 16}, {27, 14, 16}, {28, 14, 16},
-    // rank 7 block 32: shares 3636..3643 ({step, share, of})
+    // rank 7 block 32: shares 3628..3635 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16}, {19, 15, 16}, {20, 15, 16}, {27, 15, 16}, {28, 15, 16},
-    // rank 7 block 33: shares 3644..3651 ({step, share, of})
+    // rank 7 block 33: shares 3636..3643 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16}, {21, 0, 16}, {22, 0, 16}, {29, 0, 16}, {30, 0, 16},
-    // rank 7 block 34: shares 3652..3659 ({step, share, of})
+    // rank 7 block 34: shares 3644..3651 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16}, {21, 1, 16}, {22, 1, 16}, {29, 1, 16}, {30, 1, 16},
-    // rank 7 block 35: shares 3660..3667 ({step, share, of})
+    // rank 7 block 35: shares 3652..3659 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16}, {21, 2, 16}, {22, 2, 16}, {29, 2, 16}, {30, 2, 16},
-    // rank 7 block 36: shares 3668..3675 ({step, share, of})
+    // rank 7 block 36: shares 3660..3667 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16}, {21, 3, 16}, {22, 3, 16}, {29, 3, 16}, {30, 3, 16},
-    // rank 7 block 37: shares 3676..3683 ({step, share, of})
+    // rank 7 block 37: shares 3668..3675 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16}, {21, 4, 16}, {22, 4, 16}, {29, 4, 16}, {30, 4, 16},
-    // rank 7 block 38: shares 3684..3691 ({step, share, of})
+    // rank 7 block 38: shares 3676..3683 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16}, {21, 5, 16}, {22, 5, 16}, {29, 5, 16}, {30, 5, 16},
-    // rank 7 block 39: shares 3692..3699 ({step, share, of})
+    // rank 7 block 39: shares 3684..3691 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16}, {21, 6, 16}, {22, 6, 16}, {29, 6, 16}, {30, 6, 16},
-    // rank 7 block 40: shares 3700..3707 ({step, share, of})
+    // rank 7 block 40: shares 3692..3699 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16}, {21, 7, 16}, {22, 7, 16}, {29, 7, 16}, {30, 7, 16},
-    // rank 7 block 41: shares 3708..3715 ({step, share, of})
+    // rank 7 block 41: shares 3700..3707 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16}, {21, 8, 16}, {22, 8, 16}, {29, 8, 16}, {30, 8, 16},
-    // rank 7 block 42: shares 3716..3723 ({step, share, of})
+    // rank 7 block 42: shares 3708..3715 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16}, {21, 9, 16}, {22, 9, 16}, {29, 9, 16}, {30, 9, 16},
-    // rank 7 block 43: shares 3724..3731 ({step, share, of})
+    // rank 7 block 43: shares 3716..3723 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16}, {21, 10, 16}, {22, 10, 16}, {29, 10, 16}, {30, 10, 16},
-    // rank 7 block 44: shares 3732..3739 ({step, share, of})
+    // rank 7 block 44: shares 3724..3731 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16}, {21, 11, 16}, {22, 11, 16}, {29, 11, 16}, {30, 11, 16},
-    // rank 7 block 45: shares 3740..3747 ({step, share, of})
+    // rank 7 block 45: shares 3732..3739 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16}, {21, 12, 16}, {22, 12, 16}, {29, 12, 16}, {30, 12, 16},
-    // rank 7 block 46: shares 3748..3755 ({step, share, of})
+    // rank 7 block 46: shares 3740..3747 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16}, {21, 13, 16}, {22, 13, 16}, {29, 13, 16}, {30, 13, 16},
-    // rank 7 block 47: shares 3756..3763 ({step, share, of})
+    // rank 7 block 47: shares 3748..3755 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16}, {21, 14, 16}, {22, 14, 16}, {29, 14, 16}, {30, 14, 16},
-    // rank 7 block 48: shares 3764..3771 ({step, share, of})
+    // rank 7 block 48: shares 3756..3763 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16}, {21, 15, 16}, {22, 15, 16}, {29, 15, 16}, {30, 15, 16},
-    // rank 7 block 49: shares 3772..3778 ({step, share, of})
+    // rank 7 block 49: shares 3764..3770 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16}, {23, 0, 16}, {24, 0, 16}, {31, 0, 1},
-    // rank 7 block 50: shares 3779..3785 ({step, share, of})
+    // rank 7 block 50: shares 3771..3777 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16}, {23, 1, 16}, {24, 1, 16}, {32, 0, 1},
-    // rank 7 block 51: shares 3786..3791 ({step, share, of})
+    // rank 7 block 51: shares 3778..3783 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16}, {23, 2, 16}, {24, 2, 16},
-    // rank 7 block 52: shares 3792..3797 ({step, share, of})
+    // rank 7 block 52: shares 3784..3789 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16}, {23, 3, 16}, {24, 3, 16},
-    // rank 7 block 53: shares 3798..3803 ({step, share, of})
+    // rank 7 block 53: shares 3790..3795 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16}, {23, 4, 16}, {24, 4, 16},
-    // rank 7 block 54: shares 3804..3809 ({step, share, of})
+    // rank 7 block 54: shares 3796..3801 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16}, {23, 5, 16}, {24, 5, 16},
-    // rank 7 block 55: shares 3810..3815 ({step, share, of})
+    // rank 7 block 55: shares 3802..3807 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16}, {23, 6, 16}, {24, 6, 16},
-    // rank 7 block 56: shares 3816..3821 ({step, share, of})
+    // rank 7 block 56: shares 3808..3813 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16}, {23, 7, 16}, {24, 7, 16},
-    // rank 7 block 57: shares 3822..3827 ({step, share, of})
+    // rank 7 block 57: shares 3814..3819 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16}, {23, 8, 16}, {24, 8, 16},
-    // rank 7 block 58: shares 3828..3833 ({step, share, of})
+    // rank 7 block 58: shares 3820..3825 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16}, {23, 9, 16}, {24, 9, 16},
-    // rank 7 block 59: shares 3834..3839 ({step, share, of})
+    // rank 7 block 59: shares 3826..3831 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16}, {23, 10, 16}, {24, 10, 16},
-    // rank 7 block 60: shares 3840..3845 ({step, share, of})
+    // rank 7 block 60: shares 3832..3837 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16}, {23, 11, 16}, {24, 11, 16},
-    // rank 7 block 61: shares 3846..3851 ({step, share, of})
+    // rank 7 block 61: shares 3838..3843 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16}, {23, 12, 16}, {24, 12, 16},
-    // rank 7 block 62: shares 3852..3857 ({step, share, of})
+    // rank 7 block 62: shares 3844..3849 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16}, {23, 13, 16}, {24, 13, 16},
-    // rank 7 block 63: shares 3858..3863 ({step, share, of})
+    // rank 7 block 63: shares 3850..3855 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16}, {23, 14, 16}, {24, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 7, 15, 23, 31, 39, 47, 55, 63, 71, 79, 87, 95, 103, 111, 119, 127, 135, 143, 151, 159, 167, 175, 183, 191, 199, 207, 215, 223, 231, 239, 247, 255, 263, 271, 279, 287, 295, 303, 311, 319, 327, 335, 343, 351, 359, 367, 375, 383, 391, 398, 405, 411, 417, 423, 429, 435, 441, 447, 453, 459, 465, 471, 477, 483 },
-    { 483, 490, 498, 506, 514, 522, 530, 538, 546, 554, 562, 570, 578, 586, 594, 602, 610, 618, 626, 634, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 778, 786, 794, 802, 810, 818, 826, 834, 842, 850, 858, 866, 874, 881, 888, 894, 900, 906, 912, 918, 924, 930, 936, 942, 948, 954, 960, 966 },
-    { 966, 973, 981, 989, 997, 1005, 1013, 1021, 1029, 1037, 1045, 1053, 1061, 1069, 1077, 1085, 1093, 1101, 1109, 1117, 1125, 1133, 1141, 1149, 1157, 1165, 1173, 1181, 1189, 1197, 1205, 1213, 1221, 1229, 1237, 1245, 1253, 1261, 1269, 1277, 1285, 1293, 1301, 1309, 1317, 1325, 1333, 1341, 1349, 1357, 1364, 1371, 1377, 1383, 1389, 1395, 1401, 1407, 1413, 1419, 1425, 1431, 1437, 1443, 1449 },
-    { 1449, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1847, 1854, 1860, 1866, 1872, 1878, 1884, 1890, 1896, 1902, 1908, 1914, 1920, 1926, 1932 },
-    { 1932, 1939, 1947, 1955, 1963, 1971, 1979, 1987, 1995, 2003, 2011, 2019, 2027, 2035, 2043, 2051, 2059, 2067, 2075, 2083, 2091, 2099, 2107, 2115, 2123, 2131, 2139, 2147, 2155, 2163, 2171, 2179, 2187, 2195, 2203, 2211, 2219, 2227, 2235, 2243, 2251, 2259, 2267, 2275, 2283, 2291, 2299, 2307, 2315, 2323, 2330, 2337, 2343, 2349, 2355, 2361, 2367, 2373, 2379, 2385, 2391, 2397, 2403, 2409, 2415 },
-    { 2415, 2422, 2430, 2438, 2446, 2454, 2462, 2470, 2478, 2486, 2494, 2502, 2510, 2518, 2526, 2534, 2542, 2550, 2558, 2566, 2574, 2582, 2590, 2598, 2606, 2614, 2622, 2630, 2638, 2646, 2654, 2662, 2670, 2678, 2686, 2694, 2702, 2710, 2718, 2726, 2734, 2742, 2750, 2758, 2766, 2774, 2782, 2790, 2798, 2806, 2813, 2820, 2826, 2832, 2838, 2844, 2850, 2856, 2862, 2868, 2874, 2880, 2886, 2892, 2898 },
-    { 2898, 2905, 2913, 2921, 2929, 2937, 2945, 2953, 2961, 2969, 2977, 2985, 2993, 3001, 3009, 3017, 3025, 3033, 3041, 3049, 3057, 3065, 3073, 3081, 3089, 3097, 3105, 3113, 3121, 3129, 3137, 3145, 3153, 3161, 3169, 3177, 3185, 3193, 3201, 3209, 3217, 3225, 3233, 3241, 3249, 3257, 3265, 3273, 3281, 3289, 3296, 3303, 3309, 3315, 3321, 3327, 3333, 3339, 3345, 3351, 3357, 3363, 3369, 3375, 3381 },
-    { 3381, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596, 3604, 3612, 3620, 3628, 3636, 3644, 3652, 3660, 3668, 3676, 3684, 3692, 3700, 3708, 3716, 3724, 3732, 3740, 3748, 3756, 3764, 3772, 3779, 3786, 3792, 3798, 3804, 3810, 3816, 3822, 3828, 3834, 3840, 3846, 3852, 3858, 3864 },
+    { 0, 6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142, 150, 158, 166, 174, 182, 190, 198, 206, 214, 222, 230, 238, 246, 254, 262, 270, 278, 286, 294, 302, 310, 318, 326, 334, 342, 350, 358, 366, 374, 382, 390, 397, 404, 410, 416, 422, 428, 434, 440, 446, 452, 458, 464, 470, 476, 482 },
+    { 482, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 648, 656, 664, 672, 680, 688, 696, 704, 712, 720, 728, 736, 744, 752, 760, 768, 776, 784, 792, 800, 808, 816, 824, 832, 840, 848, 856, 864, 872, 879, 886, 892, 898, 904, 910, 916, 922, 928, 934, 940, 946, 952, 958, 964 },
+    { 964, 970, 978, 986, 994, 1002, 1010, 1018, 1026, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1290, 1298, 1306, 1314, 1322, 1330, 1338, 1346, 1354, 1361, 1368, 1374, 1380, 1386, 1392, 1398, 1404, 1410, 1416, 1422, 1428, 1434, 1440, 1446 },
+    { 1446, 1452, 1460, 1468, 1476, 1484, 1492, 1500, 1508, 1516, 1524, 1532, 1540, 1548, 1556, 1564, 1572, 1580, 1588, 1596, 1604, 1612, 1620, 1628, 1636, 1644, 1652, 1660, 1668, 1676, 1684, 1692, 1700, 1708, 1716, 1724, 1732, 1740, 1748, 1756, 1764, 1772, 1780, 1788, 1796, 1804, 1812, 1820, 1828, 1836, 1843, 1850, 1856, 1862, 1868, 1874, 1880, 1886, 1892, 1898, 1904, 1910, 1916, 1922, 1928 },
+    { 1928, 1934, 1942, 1950, 1958, 1966, 1974, 1982, 1990, 1998, 2006, 2014, 2022, 2030, 2038, 2046, 2054, 2062, 2070, 2078, 2086, 2094, 2102, 2110, 2118, 2126, 2134, 2142, 2150, 2158, 2166, 2174, 2182, 2190, 2198, 2206, 2214, 2222, 2230, 2238, 2246, 2254, 2262, 2270, 2278, 2286, 2294, 2302, 2310, 2318, 2325, 2332, 2338, 2344, 2350, 2356, 2362, 2368, 2374, 2380, 2386, 2392, 2398, 2404, 2410 },
+    { 2410, 2416, 2424, 2432, 2440, 2448, 2456, 2464, 2472, 2480, 2488, 2496, 2504, 2512, 2520, 2528, 2536, 2544, 2552, 2560, 2568, 2576, 2584, 2592, 2600, 2608, 2616, 2624, 2632, 2640, 2648, 2656, 2664, 2672, 2680, 2688, 2696, 2704, 2712, 2720, 2728, 2736, 2744, 2752, 2760, 2768, 2776, 2784, 2792, 2800, 2807, 2814, 2820, 2826, 2832, 2838, 2844, 2850, 2856, 2862, 2868, 2874, 2880, 2886, 2892 },
+    { 2892, 2898, 2906, 2914, 2922, 2930, 2938, 2946, 2954, 2962, 2970, 2978, 2986, 2994, 3002, 3010, 3018, 3026, 3034, 3042, 3050, 3058, 3066, 3074, 3082, 3090, 3098, 3106, 3114, 3122, 3130, 3138, 3146, 3154, 3162, 3170, 3178, 3186, 3194, 3202, 3210, 3218, 3226, 3234, 3242, 3250, 3258, 3266, 3274, 3282, 3289, 3296, 3302, 3308, 3314, 3320, 3326, 3332, 3338, 3344, 3350, 3356, 3362, 3368, 3374 },
+    { 3374, 3380, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596, 3604, 3612, 3620, 3628, 3636, 3644, 3652, 3660, 3668, 3676, 3684, 3692, 3700, 3708, 3716, 3724, 3732, 3740, 3748, 3756, 3764, 3771, 3778, 3784, 3790, 3796, 3802, 3808, 3814, 3820, 3826, 3832, 3838, 3844, 3850, 3856 },
 };
 
 template <int WORLD> struct plan;
@@ -4112,27 +4113,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1077,12 +1077,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1126,11 +1134,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1157,7 +1162,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 132 block shares over 40 blocks.
+// Plan for world size 2: 8 steps, 130 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1180,151 +1185,147 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
+    // rank 0 block 1: shares 0..1 ({step, share, of})
     {1, 0, 32}, {2, 0, 32},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
+    // rank 0 block 2: shares 2..3 ({step, share, of})
     {1, 1, 32}, {2, 1, 32},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
+    // rank 0 block 3: shares 4..5 ({step, share, of})
     {1, 2, 32}, {2, 2, 32},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
+    // rank 0 block 4: shares 6..7 ({step, share, of})
     {1, 3, 32}, {2, 3, 32},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
+    // rank 0 block 5: shares 8..9 ({step, share, of})
     {1, 4, 32}, {2, 4, 32},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
+    // rank 0 block 6: shares 10..11 ({step, share, of})
     {1, 5, 32}, {2, 5, 32},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
+    // rank 0 block 7: shares 12..13 ({step, share, of})
     {1, 6, 32}, {2, 6, 32},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
+    // rank 0 block 8: shares 14..15 ({step, share, of})
     {1, 7, 32}, {2, 7, 32},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
+    // rank 0 block 9: shares 16..17 ({step, share, of})
     {1, 8, 32}, {2, 8, 32},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
+    // rank 0 block 10: shares 18..19 ({step, share, of})
     {1, 9, 32}, {2, 9, 32},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
+    // rank 0 block 11: shares 20..21 ({step, share, of})
     {1, 10, 32}, {2, 10, 32},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
+    // rank 0 block 12: shares 22..23 ({step, share, of})
     {1, 11, 32}, {2, 11, 32},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
+    // rank 0 block 13: shares 24..25 ({step, share, of})
     {1, 12, 32}, {2, 12, 32},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
+    // rank 0 block 14: shares 26..27 ({step, share, of})
     {1, 13, 32}, {2, 13, 32},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
+    // rank 0 block 15: shares 28..29 ({step, share, of})
     {1, 14, 32}, {2, 14, 32},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
+    // rank 0 block 16: shares 30..31 ({step, share, of})
     {1, 15, 32}, {2, 15, 32},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
+    // rank 0 block 17: shares 32..33 ({step, share, of})
     {1, 16, 32}, {2, 16, 32},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
+    // rank 0 block 18: shares 34..35 ({step, share, of})
     {1, 17, 32}, {2, 17, 32},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
+    // rank 0 block 19: shares 36..37 ({step, share, of})
     {1, 18, 32}, {2, 18, 32},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
+    // rank 0 block 20: shares 38..39 ({step, share, of})
     {1, 19, 32}, {2, 19, 32},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
+    // rank 0 block 21: shares 40..41 ({step, share, of})
     {1, 20, 32}, {2, 20, 32},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
+    // rank 0 block 22: shares 42..43 ({step, share, of})
     {1, 21, 32}, {2, 21, 32},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
+    // rank 0 block 23: shares 44..45 ({step, share, of})
     {1, 22, 32}, {2, 22, 32},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
+    // rank 0 block 24: shares 46..47 ({step, share, of})
     {1, 23, 32}, {2, 23, 32},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
+    // rank 0 block 25: shares 48..49 ({step, share, of})
     {1, 24, 32}, {2, 24, 32},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
+    // rank 0 block 26: shares 50..51 ({step, share, of})
     {1, 25, 32}, {2, 25, 32},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
+    // rank 0 block 27: shares 52..53 ({step, share, of})
     {1, 26, 32}, {2, 26, 32},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
+    // rank 0 block 28: shares 54..55 ({step, share, of})
     {1, 27, 32}, {2, 27, 32},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
+    // rank 0 block 29: shares 56..57 ({step, share, of})
     {1, 28, 32}, {2, 28, 32},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
+    // rank 0 block 30: shares 58..59 ({step, share, of})
     {1, 29, 32}, {2, 29, 32},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
+    // rank 0 block 31: shares 60..61 ({step, share, of})
     {1, 30, 32}, {2, 30, 32},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
+    // rank 0 block 32: shares 62..63 ({step, share, of})
     {1, 31, 32}, {2, 31, 32},
-    // rank 0 block 33: shares 65..65 ({step, share, of})
+    // rank 0 block 33: shares 64..64 ({step, share, of})
     {3, 0, 1},
-    // rank 1 block 0: shares 66..66 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 67..68 ({step, share, of})
+    // rank 1 block 1: shares 65..66 ({step, share, of})
     {1, 0, 32}, {2, 0, 32},
-    // rank 1 block 2: shares 69..70 ({step, share, of})
+    // rank 1 block 2: shares 67..68 ({step, share, of})
     {1, 1, 32}, {2, 1, 32},
-    // rank 1 block 3: shares 71..72 ({step, share, of})
+    // rank 1 block 3: shares 69..70 ({step, share, of})
     {1, 2, 32}, {2, 2, 32},
-    // rank 1 block 4: shares 73..74 ({step, share, of})
+    // rank 1 block 4: shares 71..72 ({step, share, of})
     {1, 3, 32}, {2, 3, 32},
-    // rank 1 block 5: shares 75..76 ({step, share, of})
+    // rank 1 block 5: shares 73..74 ({step, share, of})
     {1, 4, 32}, {2, 4, 32},
-    // rank 1 block 6: shares 77..78 ({step, share, of})
+    // rank 1 block 6: shares 75..76 ({step, share, of})
     {1, 5, 32}, {2, 5, 32},
-    // rank 1 block 7: shares 79..80 ({step, share, of})
+    // rank 1 block 7: shares 77..78 ({step, share, of})
     {1, 6, 32}, {2, 6, 32},
-    // rank 1 block 8: shares 81..82 ({step, share, of})
+    // rank 1 block 8: shares 79..80 ({step, share, of})
     {1, 7, 32}, {2, 7, 32},
-    // rank 1 block 9: shares 83..84 ({step, share, of})
+    // rank 1 block 9: shares 81..82 ({step, share, of})
     {1, 8, 32}, {2, 8, 32},
-    // rank 1 block 10: shares 85..86 ({step, share, of})
+    // rank 1 block 10: shares 83..84 ({step, share, of})
     {1, 9, 32}, {2, 9, 32},
-    // rank 1 block 11: shares 87..88 ({step, share, of})
+    // rank 1 block 11: shares 85..86 ({step, share, of})
     {1, 10, 32}, {2, 10, 32},
-    // rank 1 block 12: shares 89..90 ({step, share, of})
+    // rank 1 block 12: shares 87..88 ({step, share, of})
     {1, 11, 32}, {2, 11, 32},
-    // rank 1 block 13: shares 91..92 ({step, share, of})
+    // rank 1 block 13: shares 89..90 ({step, share, of})
     {1, 12, 32}, {2, 12, 32},
-    // rank 1 block 14: shares 93..94 ({step, share, of})
+    // rank 1 block 14: shares 91..92 ({step, share, of})
     {1, 13, 32}, {2, 13, 32},
-    // rank 1 block 15: shares 95..96 ({step, share, of})
+    // rank 1 block 15: shares 93..94 ({step, share, of})
     {1, 14, 32}, {2, 14, 32},
-    // rank 1 block 16: shares 97..98 ({step, share, of})
+    // rank 1 block 16: shares 95..96 ({step, share, of})
     {1, 15, 32}, {2, 15, 32},
-    // rank 1 block 17: shares 99..100 ({step, share, of})
+    // rank 1 block 17: shares 97..98 ({step, share, of})
     {1, 16, 32}, {2, 16, 32},
-    // rank 1 block 18: shares 101..102 ({step, share, of})
+    // rank 1 block 18: shares 99..100 ({step, share, of})
     {1, 17, 32}, {2, 17, 32},
-    // rank 1 block 19: shares 103..104 ({step, share, of})
+    // rank 1 block 19: shares 101..102 ({step, share, of})
     {1, 18, 32}, {2, 18, 32},
-    // rank 1 block 20: shares 105..106 ({step, share, of})
+    // rank 1 block 20: shares 103..104 ({step, share, of})
     {1, 19, 32}, {2, 19, 32},
-    // rank 1 block 21: shares 107..108 ({step, share, of})
+    // rank 1 block 21: shares 105..106 ({step, share, of})
     {1, 20, 32}, {2, 20, 32},
-    // rank 1 block 22: shares 109..110 ({step, share, of})
+    // rank 1 block 22: shares 107..108 ({step, share, of})
     {1, 21, 32}, {2, 21, 32},
-    // rank 1 block 23: shares 111..112 ({step, share, of})
+    // rank 1 block 23: shares 109..110 ({step, share, of})
     {1, 22, 32}, {2, 22, 32},
-    // rank 1 block 24: shares 113..114 ({step, share, of})
+    // rank 1 block 24: shares 111..112 ({step, share, of})
     {1, 23, 32}, {2, 23, 32},
-    // rank 1 block 25: shares 115..116 ({step, share, of})
+    // rank 1 block 25: shares 113..114 ({step, share, of})
     {1, 24, 32}, {2, 24, 32},
-    // rank 1 block 26: shares 117..118 ({step, share, of})
+    // rank 1 block 26: shares 115..116 ({step, share, of})
     {1, 25, 32}, {2, 25, 32},
-    // rank 1 block 27: shares 119..120 ({step, share, of})
+    // rank 1 block 27: shares 117..118 ({step, share, of})
     {1, 26, 32}, {2, 26, 32},
-    // rank 1 block 28: shares 121..122 ({step, share, of})
+    // rank 1 block 28: shares 119..120 ({step, share, of})
     {1, 27, 32}, {2, 27, 32},
-    // rank 1 block 29: shares 123..124 ({step, share, of})
+    // rank 1 block 29: shares 121..122 ({step, share, of})
     {1, 28, 32}, {2, 28, 32},
-    // rank 1 block 30: shares 125..126 ({step, share, of})
+    // rank 1 block 30: shares 123..124 ({step, share, of})
     {1, 29, 32}, {2, 29, 32},
-    // rank 1 block 31: shares 127..128 ({step, share, of})
+    // rank 1 block 31: shares 125..126 ({step, share, of})
     {1, 30, 32}, {2, 30, 32},
-    // rank 1 block 32: shares 129..130 ({step, share, of})
+    // rank 1 block 32: shares 127..128 ({step, share, of})
     {1, 31, 32}, {2, 31, 32},
-    // rank 1 block 33: shares 131..131 ({step, share, of})
+    // rank 1 block 33: shares 129..129 ({step, share, of})
     {3, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][41] = {
-    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 66, 66, 66, 66, 66, 66, 66 },
-    { 66, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 132, 132, 132, 132, 132, 132, 132 },
+    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 65, 65, 65, 65, 65, 65, 65 },
+    { 65, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 130, 130, 130, 130, 130, 130, 130 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 294 block shares over 40 blocks.
+// Plan for world size 3: 15 steps, 291 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1361,220 +1362,214 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..3 ({step, share, of})
+    // rank 0 block 1: shares 0..2 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 0 block 2: shares 4..6 ({step, share, of})
+    // rank 0 block 2: shares 3..5 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 0 block 3: shares 7..9 ({step, share, of})
+    // rank 0 block 3: shares 6..8 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 0 block 4: shares 10..12 ({step, share, of})
+    // rank 0 block 4: shares 9..11 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 0 block 5: shares 13..15 ({step, share, of})
+    // rank 0 block 5: shares 12..14 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 0 block 6: shares 16..18 ({step, share, of})
+    // rank 0 block 6: shares 15..17 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 0 block 7: shares 19..21 ({step, share, of})
+    // rank 0 block 7: shares 18..20 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 0 block 8: shares 22..24 ({step, share, of})
+    // rank 0 block 8: shares 21..23 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 0 block 9: shares 25..27 ({step, share, of})
+    // rank 0 block 9: shares 24..26 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 0 block 10: shares 28..30 ({step, share, of})
+    // rank 0 block 10: shares 27..29 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 0 block 11: shares 31..33 ({step, share, of})
+    // rank 0 block 11: shares 30..32 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 0 block 12: shares 34..36 ({step, share, of})
+    // rank 0 block 12: shares 33..35 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 0 block 13: shares 37..39 ({step, share, of})
+    // rank 0 block 13: shares 36..38 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 0 block 14: shares 40..42 ({step, share, of})
+    // rank 0 block 14: shares 39..41 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 0 block 15: shares 43..45 ({step, share, of})
+    // rank 0 block 15: shares 42..44 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 0 block 16: shares 46..48 ({step, share, of})
+    // rank 0 block 16: shares 45..47 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 0 block 17: shares 49..51 ({step, share, of})
+    // rank 0 block 17: shares 48..50 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 0 block 18: shares 52..54 ({step, share, of})
+    // rank 0 block 18: shares 51..53 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 0 block 19: shares 55..57 ({step, share, of})
+    // rank 0 block 19: shares 54..56 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 0 block 20: shares 58..60 ({step, share, of})
+    // rank 0 block 20: shares 57..59 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 0 block 21: shares 61..63 ({step, share, of})
+    // rank 0 block 21: shares 60..62 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 0 block 22: shares 64..66 ({step, share, of})
+    // rank 0 block 22: shares 63..65 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 0 block 23: shares 67..69 ({step, share, of})
+    // rank 0 block 23: shares 66..68 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 0 block 24: shares 70..72 ({step, share, of})
+    // rank 0 block 24: shares 69..71 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 0 block 25: shares 73..75 ({step, share, of})
+    // rank 0 block 25: shares 72..74 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 0 block 26: shares 76..78 ({step, share, of})
+    // rank 0 block 26: shares 75..77 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 0 block 27: shares 79..81 ({step, share, of})
+    // rank 0 block 27: shares 78..80 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 0 block 28: shares 82..84 ({step, share, of})
+    // rank 0 block 28: shares 81..83 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 0 block 29: shares 85..87 ({step, share, of})
+    // rank 0 block 29: shares 84..86 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 0 block 30: shares 88..90 ({step, share, of})
+    // rank 0 block 30: shares 87..89 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 0 block 31: shares 91..93 ({step, share, of})
+    // rank 0 block 31: shares 90..92 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 0 block 32: shares 94..96 ({step, share, of})
+    // rank 0 block 32: shares 93..95 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 0 block 33: shares 97..97 ({step, share, of})
+    // rank 0 block 33: shares 96..96 ({step, share, of})
     {4, 0, 1},
-    // rank 1 block 0: shares 98..98 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 99..101 ({step, share, of})
+    // rank 1 block 1: shares 97..99 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 1 block 2: shares 102..104 ({step, share, of})
+    // rank 1 block 2: shares 100..102 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 1 block 3: shares 105..107 ({step, share, of})
+    // rank 1 block 3: shares 103..105 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 1 block 4: shares 108..110 ({step, share, of})
+    // rank 1 block 4: shares 106..108 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 1 block 5: shares 111..113 ({step, share, of})
+    // rank 1 block 5: shares 109..111 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 1 block 6: shares 114..116 ({step, share, of})
+    // rank 1 block 6: shares 112..114 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 1 block 7: shares 117..119 ({step, share, of})
+    // rank 1 block 7: shares 115..117 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 1 block 8: shares 120..122 ({step, share, of})
+    // rank 1 block 8: shares 118..120 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 1 block 9: shares 123..125 ({step, share, of})
+    // rank 1 block 9: shares 121..123 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 1 block 10: shares 126..128 ({step, share, of})
+    // rank 1 block 10: shares 124..126 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 1 block 11: shares 129..131 ({step, share, of})
+    // rank 1 block 11: shares 127..129 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 1 block 12: shares 132..134 ({step, share, of})
+    // rank 1 block 12: shares 130..132 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 1 block 13: shares 135..137 ({step, share, of})
+    // rank 1 block 13: shares 133..135 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 1 block 14: shares 138..140 ({step, share, of})
+    // rank 1 block 14: shares 136..138 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 1 block 15: shares 141..143 ({step, share, of})
+    // rank 1 block 15: shares 139..141 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 1 block 16: shares 144..146 ({step, share, of})
+    // rank 1 block 16: shares 142..144 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 1 block 17: shares 147..149 ({step, share, of})
+    // rank 1 block 17: shares 145..147 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 1 block 18: shares 150..152 ({step, share, of})
+    // rank 1 block 18: shares 148..150 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 1 block 19: shares 153..155 ({step, share, of})
+    // rank 1 block 19: shares 151..153 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 1 block 20: shares 156..158 ({step, share, of})
+    // rank 1 block 20: shares 154..156 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 1 block 21: shares 159..161 ({step, share, of})
+    // rank 1 block 21: shares 157..159 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 1 block 22: shares 162..164 ({step, share, of})
+    // rank 1 block 22: shares 160..162 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 1 block 23: shares 165..167 ({step, share, of})
+    // rank 1 block 23: shares 163..165 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 1 block 24: shares 168..170 ({step, share, of})
+    // rank 1 block 24: shares 166..168 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 1 block 25: shares 171..173 ({step, share, of})
+    // rank 1 block 25: shares 169..171 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 1 block 26: shares 174..176 ({step, share, of})
+    // rank 1 block 26: shares 172..174 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 1 block 27: shares 177..179 ({step, share, of})
+    // rank 1 block 27: shares 175..177 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 1 block 28: shares 180..182 ({step, share, of})
+    // rank 1 block 28: shares 178..180 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 1 block 29: shares 183..185 ({step, share, of})
+    // rank 1 block 29: shares 181..183 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 1 block 30: shares 186..188 ({step, share, of})
+    // rank 1 block 30: shares 184..186 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 1 block 31: shares 189..191 ({step, share, of})
+    // rank 1 block 31: shares 187..189 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 1 block 32: shares 192..194 ({step, share, of})
+    // rank 1 block 32: shares 190..192 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 1 block 33: shares 195..195 ({step, share, of})
+    // rank 1 block 33: shares 193..193 ({step, share, of})
     {4, 0, 1},
-    // rank 2 block 0: shares 196..196 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 197..199 ({step, share, of})
+    // rank 2 block 1: shares 194..196 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 2 block 2: shares 200..202 ({step, share, of})
+    // rank 2 block 2: shares 197..199 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 2 block 3: shares 203..205 ({step, share, of})
+    // rank 2 block 3: shares 200..202 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 2 block 4: shares 206..208 ({step, share, of})
+    // rank 2 block 4: shares 203..205 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 2 block 5: shares 209..211 ({step, share, of})
+    // rank 2 block 5: shares 206..208 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 2 block 6: shares 212..214 ({step, share, of})
+    // rank 2 block 6: shares 209..211 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 2 block 7: shares 215..217 ({step, share, of})
+    // rank 2 block 7: shares 212..214 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 2 block 8: shares 218..220 ({step, share, of})
+    // rank 2 block 8: shares 215..217 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 2 block 9: shares 221..223 ({step, share, of})
+    // rank 2 block 9: shares 218..220 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 2 block 10: shares 224..226 ({step, share, of})
+    // rank 2 block 10: shares 221..223 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 2 block 11: shares 227..229 ({step, share, of})
+    // rank 2 block 11: shares 224..226 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 2 block 12: shares 230..232 ({step, share, of})
+    // rank 2 block 12: shares 227..229 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 2 block 13: shares 233..235 ({step, share, of})
+    // rank 2 block 13: shares 230..232 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 2 block 14: shares 236..238 ({step, share, of})
+    // rank 2 block 14: shares 233..235 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 2 block 15: shares 239..241 ({step, share, of})
+    // rank 2 block 15: shares 236..238 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 2 block 16: shares 242..244 ({step, share, of})
+    // rank 2 block 16: shares 239..241 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 2 block 17: shares 245..247 ({step, share, of})
+    // rank 2 block 17: shares 242..244 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 2 block 18: shares 248..250 ({step, share, of})
+    // rank 2 block 18: shares 245..247 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 2 block 19: shares 251..253 ({step, share, of})
+    // rank 2 block 19: shares 248..250 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 2 block 20: shares 254..256 ({step, share, of})
+    // rank 2 block 20: shares 251..253 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 2 block 21: shares 257..259 ({step, share, of})
+    // rank 2 block 21: shares 254..256 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 2 block 22: shares 260..262 ({step, share, of})
+    // rank 2 block 22: shares 257..259 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 2 block 23: shares 263..265 ({step, share, of})
+    // rank 2 block 23: shares 260..262 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 2 block 24: shares 266..268 ({step, share, of})
+    // rank 2 block 24: shares 263..265 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 2 block 25: shares 269..271 ({step, share, of})
+    // rank 2 block 25: shares 266..268 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 2 block 26: shares 272..274 ({step, share, of})
+    // rank 2 block 26: shares 269..271 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 2 block 27: shares 275..277 ({step, share, of})
+    // rank 2 block 27: shares 272..274 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 2 block 28: shares 278..280 ({step, share, of})
+    // rank 2 block 28: shares 275..277 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 2 block 29: shares 281..283 ({step, share, of})
+    // rank 2 block 29: shares 278..280 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 2 block 30: shares 284..286 ({step, share, of})
+    // rank 2 block 30: shares 281..283 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 2 block 31: shares 287..289 ({step, share, of})
+    // rank 2 block 31: shares 284..286 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 2 block 32: shares 290..292 ({step, share, of})
+    // rank 2 block 32: shares 287..289 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 2 block 33: shares 293..293 ({step, share, of})
+    // rank 2 block 33: shares 290..290 ({step, share, of})
     {4, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][41] = {
-    { 0, 1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 52, 55, 58, 61, 64, 67, 70, 73, 76, 79, 82, 85, 88, 91, 94, 97, 98, 98, 98, 98, 98, 98, 98 },
-    { 98, 99, 102, 105, 108, 111, 114, 117, 120, 123, 126, 129, 132, 135, 138, 141, 144, 147, 150, 153, 156, 159, 162, 165, 168, 171, 174, 177, 180, 183, 186, 189, 192, 195, 196, 196, 196, 196, 196, 196, 196 },
-    { 196, 197, 200, 203, 206, 209, 212, 215, 218, 221, 224, 227, 230, 233, 236, 239, 242, 245, 248, 251, 254, 257, 260, 263, 266, 269, 272, 275, 278, 281, 284, 287, 290, 293, 294, 294, 294, 294, 294, 294, 294 },
+    { 0, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45, 48, 51, 54, 57, 60, 63, 66, 69, 72, 75, 78, 81, 84, 87, 90, 93, 96, 97, 97, 97, 97, 97, 97, 97 },
+    { 97, 97, 100, 103, 106, 109, 112, 115, 118, 121, 124, 127, 130, 133, 136, 139, 142, 145, 148, 151, 154, 157, 160, 163, 166, 169, 172, 175, 178, 181, 184, 187, 190, 193, 194, 194, 194, 194, 194, 194, 194 },
+    { 194, 194, 197, 200, 203, 206, 209, 212, 215, 218, 221, 224, 227, 230, 233, 236, 239, 242, 245, 248, 251, 254, 257, 260, 263, 266, 269, 272, 275, 278, 281, 284, 287, 290, 291, 291, 291, 291, 291, 291, 291 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 520 block shares over 40 blocks.
+// Plan for world size 4: 24 steps, 516 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -1629,289 +1624,281 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..4 ({step, share, of})
+    // rank 0 block 1: shares 0..3 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 0 block 2: shares 5..8 ({step, share, of})
+    // rank 0 block 2: shares 4..7 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 0 block 3: shares 9..12 ({step, share, of})
+    // rank 0 block 3: shares 8..11 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 0 block 4: shares 13..16 ({step, share, of})
+    // rank 0 block 4: shares 12..15 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 0 block 5: shares 17..20 ({step, share, of})
+    // rank 0 block 5: shares 16..19 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 0 block 6: shares 21..24 ({step, share, of})
+    // rank 0 block 6: shares 20..23 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 0 block 7: shares 25..28 ({step, share, of})
+    // rank 0 block 7: shares 24..27 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 0 block 8: shares 29..32 ({step, share, of})
+    // rank 0 block 8: shares 28..31 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 0 block 9: shares 33..36 ({step, share, of})
+    // rank 0 block 9: shares 32..35 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 0 block 10: shares 37..40 ({step, share, of})
+    // rank 0 block 10: shares 36..39 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 0 block 11: shares 41..44 ({step, share, of})
+    // rank 0 block 11: shares 40..43 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 0 block 12: shares 45..48 ({step, share, of})
+    // rank 0 block 12: shares 44..47 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 0 block 13: shares 49..52 ({step, share, of})
+    // rank 0 block 13: shares 48..51 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 0 block 14: shares 53..56 ({step, share, of})
+    // rank 0 block 14: shares 52..55 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 0 block 15: shares 57..60 ({step, share, of})
+    // rank 0 block 15: shares 56..59 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 0 block 16: shares 61..64 ({step, share, of})
+    // rank 0 block 16: shares 60..63 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 0 block 17: shares 65..68 ({step, share, of})
+    // rank 0 block 17: shares 64..67 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 0 block 18: shares 69..72 ({step, share, of})
+    // rank 0 block 18: shares 68..71 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 0 block 19: shares 73..76 ({step, share, of})
+    // rank 0 block 19: shares 72..75 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 0 block 20: shares 77..80 ({step, share, of})
+    // rank 0 block 20: shares 76..79 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 0 block 21: shares 81..84 ({step, share, of})
+    // rank 0 block 21: shares 80..83 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 0 block 22: shares 85..88 ({step, share, of})
+    // rank 0 block 22: shares 84..87 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 0 block 23: shares 89..92 ({step, share, of})
+    // rank 0 block 23: shares 88..91 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 0 block 24: shares 93..96 ({step, share, of})
+    // rank 0 block 24: shares 92..95 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 0 block 25: shares 97..100 ({step, share, of})
+    // rank 0 block 25: shares 96..99 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 0 block 26: shares 101..104 ({step, share, of})
+    // rank 0 block 26: shares 100..103 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 0 block 27: shares 105..108 ({step, share, of})
+    // rank 0 block 27: shares 104..107 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 0 block 28: shares 109..112 ({step, share, of})
+    // rank 0 block 28: shares 108..111 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 0 block 29: shares 113..116 ({step, share, of})
+    // rank 0 block 29: shares 112..115 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 0 block 30: shares 117..120 ({step, share, of})
+    // rank 0 block 30: shares 116..119 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 0 block 31: shares 121..124 ({step, share, of})
+    // rank 0 block 31: shares 120..123 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 0 block 32: shares 125..128 ({step, share, of})
+    // rank 0 block 32: shares 124..127 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 0 block 33: shares 129..129 ({step, share, of})
+    // rank 0 block 33: shares 128..128 ({step, share, of})
     {5, 0, 1},
-    // rank 1 block 0: shares 130..130 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 131..134 ({step, share, of})
+    // rank 1 block 1: shares 129..132 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 1 block 2: shares 135..138 ({step, share, of})
+    // rank 1 block 2: shares 133..136 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 1 block 3: shares 139..142 ({step, share, of})
+    // rank 1 block 3: shares 137..140 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 1 block 4: shares 143..146 ({step, share, of})
+    // rank 1 block 4: shares 141..144 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 1 block 5: shares 147..150 ({step, share, of})
+    // rank 1 block 5: shares 145..148 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 1 block 6: shares 151..154 ({step, share, of})
+    // rank 1 block 6: shares 149..152 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 1 block 7: shares 155..158 ({step, share, of})
+    // rank 1 block 7: shares 153..156 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 1 block 8: shares 159..162 ({step, share, of})
+    // rank 1 block 8: shares 157..160 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 1 block 9: shares 163..166 ({step, share, of})
+    // rank 1 block 9: shares 161..164 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 1 block 10: shares 167..170 ({step, share, of})
+    // rank 1 block 10: shares 165..168 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 1 block 11: shares 171..174 ({step, share, of})
+    // rank 1 block 11: shares 169..172 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 1 block 12: shares 175..178 ({step, share, of})
+    // rank 1 block 12: shares 173..176 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 1 block 13: shares 179..182 ({step, share, of})
+    // rank 1 block 13: shares 177..180 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 1 block 14: shares 183..186 ({step, share, of})
+    // rank 1 block 14: shares 181..184 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 1 block 15: shares 187..190 ({step, share, of})
+    // rank 1 block 15: shares 185..188 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 1 block 16: shares 191..194 ({step, share, of})
+    // rank 1 block 16: shares 189..192 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 1 block 17: shares 195..198 ({step, share, of})
+    // rank 1 block 17: shares 193..196 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 1 block 18: shares 199..202 ({step, share, of})
+    // rank 1 block 18: shares 197..200 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 1 block 19: shares 203..206 ({step, share, of})
+    // rank 1 block 19: shares 201..204 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 1 block 20: shares 207..210 ({step, share, of})
+    // rank 1 block 20: shares 205..208 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 1 block 21: shares 211..214 ({step, share, of})
+    // rank 1 block 21: shares 209..212 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 1 block 22: shares 215..218 ({step, share, of})
+    // rank 1 block 22: shares 213..216 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 1 block 23: shares 219..222 ({step, share, of})
+    // rank 1 block 23: shares 217..220 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 1 block 24: shares 223..226 ({step, share, of})
+    // rank 1 block 24: shares 221..224 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 1 block 25: shares 227..230 ({step, share, of})
+    // rank 1 block 25: shares 225..228 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 1 block 26: shares 231..234 ({step, share, of})
+    // rank 1 block 26: shares 229..232 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 1 block 27: shares 235..238 ({step, share, of})
+    // rank 1 block 27: shares 233..236 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 1 block 28: shares 239..242 ({step, share, of})
+    // rank 1 block 28: shares 237..240 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 1 block 29: shares 243..246 ({step, share, of})
+    // rank 1 block 29: shares 241..244 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 1 block 30: shares 247..250 ({step, share, of})
+    // rank 1 block 30: shares 245..248 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 1 block 31: shares 251..254 ({step, share, of})
+    // rank 1 block 31: shares 249..252 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 1 block 32: shares 255..258 ({step, share, of})
+    // rank 1 block 32: shares 253..256 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 1 block 33: shares 259..259 ({step, share, of})
+    // rank 1 block 33: shares 257..257 ({step, share, of})
     {5, 0, 1},
-    // rank 2 block 0: shares 260..260 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 261..264 ({step, share, of})
+    // rank 2 block 1: shares 258..261 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 2 block 2: shares 265..268 ({step, share, of})
+    // rank 2 block 2: shares 262..265 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 2 block 3: shares 269..272 ({step, share, of})
+    // rank 2 block 3: shares 266..269 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 2 block 4: shares 273..276 ({step, share, of})
+    // rank 2 block 4: shares 270..273 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 2 block 5: shares 277..280 ({step, share, of})
+    // rank 2 block 5: shares 274..277 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 2 block 6: shares 281..284 ({step, share, of})
+    // rank 2 block 6: shares 278..281 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 2 block 7: shares 285..288 ({step, share, of})
+    // rank 2 block 7: shares 282..285 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 2 block 8: shares 289..292 ({step, share, of})
+    // rank 2 block 8: shares 286..289 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 2 block 9: shares 293..296 ({step, share, of})
+    // rank 2 block 9: shares 290..293 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 2 block 10: shares 297..300 ({step, share, of})
+    // rank 2 block 10: shares 294..297 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 2 block 11: shares 301..304 ({step, share, of})
+    // rank 2 block 11: shares 298..301 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 2 block 12: shares 305..308 ({step, share, of})
+    // rank 2 block 12: shares 302..305 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 2 block 13: shares 309..312 ({step, share, of})
+    // rank 2 block 13: shares 306..309 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 2 block 14: shares 313..316 ({step, share, of})
+    // rank 2 block 14: shares 310..313 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 2 block 15: shares 317..320 ({step, share, of})
+    // rank 2 block 15: shares 314..317 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 2 block 16: shares 321..324 ({step, share, of})
+    // rank 2 block 16: shares 318..321 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 2 block 17: shares 325..328 ({step, share, of})
+    // rank 2 block 17: shares 322..325 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 2 block 18: shares 329..332 ({step, share, of})
+    // rank 2 block 18: shares 326..329 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 2 block 19: shares 333..336 ({step, share, of})
+    // rank 2 block 19: shares 330..333 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 2 block 20: shares 337..340 ({step, share, of})
+    // rank 2 block 20: shares 334..337 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 2 block 21: shares 341..344 ({step, share, of})
+    // rank 2 block 21: shares 338..341 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 2 block 22: shares 345..348 ({step, share, of})
+    // rank 2 block 22: shares 342..345 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 2 block 23: shares 349..352 ({step, share, of})
+    // rank 2 block 23: shares 346..349 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 2 block 24: shares 353..356 ({step, share, of})
+    // rank 2 block 24: shares 350..353 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 2 block 25: shares 357..360 ({step, share, of})
+    // rank 2 block 25: shares 354..357 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 2 block 26: shares 361..364 ({step, share, of})
+    // rank 2 block 26: shares 358..361 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 2 block 27: shares 365..368 ({step, share, of})
+    // rank 2 block 27: shares 362..365 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 2 block 28: shares 369..372 ({step, share, of})
+    // rank 2 block 28: shares 366..369 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 2 block 29: shares 373..376 ({step, share, of})
+    // rank 2 block 29: shares 370..373 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 2 block 30: shares 377..380 ({step, share, of})
+    // rank 2 block 30: shares 374..377 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 2 block 31: shares 381..384 ({step, share, of})
+    // rank 2 block 31: shares 378..381 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 2 block 32: shares 385..388 ({step, share, of})
+    // rank 2 block 32: shares 382..385 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 2 block 33: shares 389..389 ({step, share, of})
+    // rank 2 block 33: shares 386..386 ({step, share, of})
     {5, 0, 1},
-    // rank 3 block 0: shares 390..390 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 391..394 ({step, share, of})
+    // rank 3 block 1: shares 387..390 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 3 block 2: shares 395..398 ({step, share, of})
+    // rank 3 block 2: shares 391..394 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 3 block 3: shares 399..402 ({step, share, of})
+    // rank 3 block 3: shares 395..398 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 3 block 4: shares 403..406 ({step, share, of})
+    // rank 3 block 4: shares 399..402 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 3 block 5: shares 407..410 ({step, share, of})
+    // rank 3 block 5: shares 403..406 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 3 block 6: shares 411..414 ({step, share, of})
+    // rank 3 block 6: shares 407..410 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 3 block 7: shares 415..418 ({step, share, of})
+    // rank 3 block 7: shares 411..414 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 3 block 8: shares 419..422 ({step, share, of})
+    // rank 3 block 8: shares 415..418 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 3 block 9: shares 423..426 ({step, share, of})
+    // rank 3 block 9: shares 419..422 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 3 block 10: shares 427..430 ({step, share, of})
+    // rank 3 block 10: shares 423..426 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 3 block 11: shares 431..434 ({step, share, of})
+    // rank 3 block 11: shares 427..430 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 3 block 12: shares 435..438 ({step, share, of})
+    // rank 3 block 12: shares 431..434 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 3 block 13: shares 439..442 ({step, share, of})
+    // rank 3 block 13: shares 435..438 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 3 block 14: shares 443..446 ({step, share, of})
+    // rank 3 block 14: shares 439..442 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 3 block 15: shares 447..450 ({step, share, of})
+    // rank 3 block 15: shares 443..446 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 3 block 16: shares 451..454 ({step, share, of})
+    // rank 3 block 16: shares 447..450 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 3 block 17: shares 455..458 ({step, share, of})
+    // rank 3 block 17: shares 451..454 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 3 block 18: shares 459..462 ({step, share, of})
+    // rank 3 block 18: shares 455..458 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 3 block 19: shares 463..466 ({step, share, of})
+    // rank 3 block 19: shares 459..462 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 3 block 20: shares 467..470 ({step, share, of})
+    // rank 3 block 20: shares 463..466 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 3 block 21: shares 471..474 ({step, share, of})
+    // rank 3 block 21: shares 467..470 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 3 block 22: shares 475..478 ({step, share, of})
+    // rank 3 block 22: shares 471..474 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 3 block 23: shares 479..482 ({step, share, of})
+    // rank 3 block 23: shares 475..478 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 3 block 24: shares 483..486 ({step, share, of})
+    // rank 3 block 24: shares 479..482 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 3 block 25: shares 487..490 ({step, share, of})
+    // rank 3 block 25: shares 483..486 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 3 block 26: shares 491..494 ({step, share, of})
+    // rank 3 block 26: shares 487..490 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 3 block 27: shares 495..498 ({step, share, of})
+    // rank 3 block 27: shares 491..494 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 3 block 28: shares 499..502 ({step, share, of})
+    // rank 3 block 28: shares 495..498 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 3 block 29: shares 503..506 ({step, share, of})
+    // rank 3 block 29: shares 499..502 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 3 block 30: shares 507..510 ({step, share, of})
+    // rank 3 block 30: shares 503..506 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 3 block 31: shares 511..514 ({step, share, of})
+    // rank 3 block 31: shares 507..510 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 3 block 32: shares 515..518 ({step, share, of})
+    // rank 3 block 32: shares 511..514 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 3 block 33: shares 519..519 ({step, share, of})
+    // rank 3 block 33: shares 515..515 ({step, share, of})
     {5, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][41] = {
-    { 0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117, 121, 125, 129, 130, 130, 130, 130, 130, 130, 130 },
-    { 130, 131, 135, 139, 143, 147, 151, 155, 159, 163, 167, 171, 175, 179, 183, 187, 191, 195, 199, 203, 207, 211, 215, 219, 223, 227, 231, 235, 239, 243, 247, 251, 255, 259, 260, 260, 260, 260, 260, 260, 260 },
-    { 260, 261, 265, 269, 273, 277, 281, 285, 289, 293, 297, 301, 305, 309, 313, 317, 321, 325, 329, 333, 337, 341, 345, 349, 353, 357, 361, 365, 369, 373, 377, 381, 385, 389, 390, 390, 390, 390, 390, 390, 390 },
-    { 390, 391, 395, 399, 403, 407, 411, 415, 419, 423, 427, 431, 435, 439, 443, 447, 451, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 519, 520, 520, 520, 520, 520, 520, 520 },
+    { 0, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 129, 129, 129, 129, 129, 129, 129 },
+    { 129, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257, 258, 258, 258, 258, 258, 258, 258 },
+    { 258, 258, 262, 266, 270, 274, 278, 282, 286, 290, 294, 298, 302, 306, 310, 314, 318, 322, 326, 330, 334, 338, 342, 346, 350, 354, 358, 362, 366, 370, 374, 378, 382, 386, 387, 387, 387, 387, 387, 387, 387 },
+    { 387, 387, 391, 395, 399, 403, 407, 411, 415, 419, 423, 427, 431, 435, 439, 443, 447, 451, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 516, 516, 516, 516, 516, 516, 516 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 2064 block shares over 40 blocks.
+// Plan for world size 8: 80 steps, 2056 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -2078,561 +2065,545 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..8 ({step, share, of})
+    // rank 0 block 1: shares 0..7 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 0 block 2: shares 9..16 ({step, share, of})
+    // rank 0 block 2: shares 8..15 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 0 block 3: shares 17..24 ({step, share, of})
+    // rank 0 block 3: shares 16..23 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 0 block 4: shares 25..32 ({step, share, of})
+    // rank 0 block 4: shares 24..31 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 0 block 5: shares 33..40 ({step, share, of})
+    // rank 0 block 5: shares 32..39 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 0 block 6: shares 41..48 ({step, share, of})
+    // rank 0 block 6: shares 40..47 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 0 block 7: shares 49..56 ({step, share, of})
+    // rank 0 block 7: shares 48..55 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 0 block 8: shares 57..64 ({step, share, of})
+    // rank 0 block 8: shares 56..63 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 0 block 9: shares 65..72 ({step, share, of})
+    // rank 0 block 9: shares 64..71 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 0 block 10: shares 73..80 ({step, share, of})
+    // rank 0 block 10: shares 72..79 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 0 block 11: shares 81..88 ({step, share, of})
+    // rank 0 block 11: shares 80..87 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 0 block 12: shares 89..96 ({step, share, of})
+    // rank 0 block 12: shares 88..95 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 0 block 13: shares 97..104 ({step, share, of})
+    // rank 0 block 13: shares 96..103 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 0 block 14: shares 105..112 ({step, share, of})
+    // rank 0 block 14: shares 104..111 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 0 block 15: shares 113..120 ({step, share, of})
+    // rank 0 block 15: shares 112..119 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 0 block 16: shares 121..128 ({step, share, of})
+    // rank 0 block 16: shares 120..127 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 0 block 17: shares 129..136 ({step, share, of})
+    // rank 0 block 17: shares 128..135 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 0 block 18: shares 137..144 ({step, share, of})
+    // rank 0 block 18: shares 136..143 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 0 block 19: shares 145..152 ({step, share, of})
+    // rank 0 block 19: shares 144..151 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 0 block 20: shares 153..160 ({step, share, of})
+    // rank 0 block 20: shares 152..159 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 0 block 21: shares 161..168 ({step, share, of})
+    // rank 0 block 21: shares 160..167 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 0 block 22: shares 169..176 ({step, share, of})
+    // rank 0 block 22: shares 168..175 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 0 block 23: shares 177..184 ({step, share, of})
+    // rank 0 block 23: shares 176..183 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 0 block 24: shares 185..192 ({step, share, of})
+    // rank 0 block 24: shares 184..191 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 0 block 25: shares 193..200 ({step, share, of})
+    // rank 0 block 25: shares 192..199 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 0 block 26: shares 201..208 ({step, share, of})
+    // rank 0 block 26: shares 200..207 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 0 block 27: shares 209..216 ({step, share, of})
+    // rank 0 block 27: shares 208..215 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 0 block 28: shares 217..224 ({step, share, of})
+    // rank 0 block 28: shares 216..223 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 0 block 29: shares 225..232 ({step, share, of})
+    // rank 0 block 29: shares 224..231 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 0 block 30: shares 233..240 ({step, share, of})
+    // rank 0 block 30: shares 232..239 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 0 block 31: shares 241..248 ({step, share, of})
+    // rank 0 block 31: shares 240..247 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 0 block 32: shares 249..256 ({step, share, of})
+    // rank 0 block 32: shares 248..255 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 0 block 33: shares 257..257 ({step, share, of})
+    // rank 0 block 33: shares 256..256 ({step, share, of})
     {9, 0, 1},
-    // rank 1 block 0: shares 258..258 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 259..266 ({step, share, of})
+    // rank 1 block 1: shares 257..264 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 1 block 2: shares 267..274 ({step, share, of})
+    // rank 1 block 2: shares 265..272 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 1 block 3: shares 275..282 ({step, share, of})
+    // rank 1 block 3: shares 273..280 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 1 block 4: shares 283..290 ({step, share, of})
+    // rank 1 block 4: shares 281..288 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 1 block 5: shares 291..298 ({step, share, of})
+    // rank 1 block 5: shares 289..296 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 1 block 6: shares 299..306 ({step, share, of})
+    // rank 1 block 6: shares 297..304 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 1 block 7: shares 307..314 ({step, share, of})
+    // rank 1 block 7: shares 305..312 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 1 block 8: shares 315..322 ({step, share, of})
+    // rank 1 block 8: shares 313..320 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 1 block 9: shares 323..330 ({step, share, of})
+    // rank 1 block 9: shares 321..328 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 1 block 10: shares 331..338 ({step, share, of})
+    // rank 1 block 10: shares 329..336 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 1 block 11: shares 339..346 ({step, share, of})
+    // rank 1 block 11: shares 337..344 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 1 block 12: shares 347..354 ({step, share, of})
+    // rank 1 block 12: shares 345..352 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 1 block 13: shares 355..362 ({step, share, of})
+    // rank 1 block 13: shares 353..360 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 1 block 14: shares 363..370 ({step, share, of})
+    // rank 1 block 14: shares 361..368 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 1 block 15: shares 371..378 ({step, share, of})
+    // rank 1 block 15: shares 369..376 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 1 block 16: shares 379..386 ({step, share, of})
+    // rank 1 block 16: shares 377..384 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 1 block 17: shares 387..394 ({step, share, of})
+    // rank 1 block 17: shares 385..392 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 1 block 18: shares 395..402 ({step, share, of})
+    // rank 1 block 18: shares 393..400 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 1 block 19: shares 403..410 ({step, share, of})
+    // rank 1 block 19: shares 401..408 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 1 block 20: shares 411..418 ({step, share, of})
+    // rank 1 block 20: shares 409..416 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 1 block 21: shares 419..426 ({step, share, of})
+    // rank 1 block 21: shares 417..424 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 1 block 22: shares 427..434 ({step, share, of})
+    // rank 1 block 22: shares 425..432 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 1 block 23: shares 435..442 ({step, share, of})
+    // rank 1 block 23: shares 433..440 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 1 block 24: shares 443..450 ({step, share, of})
+    // rank 1 block 24: shares 441..448 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 1 block 25: shares 451..458 ({step, share, of})
+    // rank 1 block 25: shares 449..456 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 1 block 26: shares 459..466 ({step, share, of})
+    // rank 1 block 26: shares 457..464 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 1 block 27: shares 467..474 ({step, share, of})
+    // rank 1 block 27: shares 465..472 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 1 block 28: shares 475..482 ({step, share, of})
+    // rank 1 block 28: shares 473..480 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 1 block 29: shares 483..490 ({step, share, of})
+    // rank 1 block 29: shares 481..488 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 1 block 30: shares 491..498 ({step, share, of})
+    // rank 1 block 30: shares 489..496 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 1 block 31: shares 499..506 ({step, share, of})
+    // rank 1 block 31: shares 497..504 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 1 block 32: shares 507..514 ({step, share, of})
+    // rank 1 block 32: shares 505..512 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 1 block 33: shares 515..515 ({step, share, of})
+    // rank 1 block 33: shares 513..513 ({step, share, of})
     {9, 0, 1},
-    // rank 2 block 0: shares 516..516 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 517..524 ({step, share, of})
+    // rank 2 block 1: shares 514..521 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 2 block 2: shares 525..532 ({step, share, of})
+    // rank 2 block 2: shares 522..529 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 2 block 3: shares 533..540 ({step, share, of})
+    // rank 2 block 3: shares 530..537 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 2 block 4: shares 541..548 ({step, share, of})
+    // rank 2 block 4: shares 538..545 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 2 block 5: shares 549..556 ({step, share, of})
+    // rank 2 block 5: shares 546..553 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 2 block 6: shares 557..564 ({step, share, of})
+    // rank 2 block 6: shares 554..561 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 2 block 7: shares 565..572 ({step, share, of})
+    // rank 2 block 7: shares 562..569 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 2 block 8: shares 573..580 ({step, share, of})
+    // rank 2 block 8: shares 570..577 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 2 block 9: shares 581..588 ({step, share, of})
+    // rank 2 block 9: shares 578..585 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 2 block 10: shares 589..596 ({step, share, of})
+    // rank 2 block 10: shares 586..593 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 2 block 11: shares 597..604 ({step, share, of})
+    // rank 2 block 11: shares 594..601 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 2 block 12: shares 605..612 ({step, share, of})
+    // rank 2 block 12: shares 602..609 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 2 block 13: shares 613..620 ({step, share, of})
+    // rank 2 block 13: shares 610..617 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 2 block 14: shares 621..628 ({step, share, of})
+    // rank 2 block 14: shares 618..625 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 2 block 15: shares 629..636 ({step, share, of})
+    // rank 2 block 15: shares 626..633 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 2 block 16: shares 637..644 ({step, share, of})
+    // rank 2 block 16: shares 634..641 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 2 block 17: shares 645..652 ({step, share, of})
+    // rank 2 block 17: shares 642..649 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 2 block 18: shares 653..660 ({step, share, of})
+    // rank 2 block 18: shares 650..657 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 2 block 19: shares 661..668 ({step, share, of})
+    // rank 2 block 19: shares 658..665 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 2 block 20: shares 669..676 ({step, share, of})
+    // rank 2 block 20: shares 666..673 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 2 block 21: shares 677..684 ({step, share, of})
+    // rank 2 block 21: shares 674..681 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 2 block 22: shares 685..692 ({step, share, of})
+    // rank 2 block 22: shares 682..689 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 2 block 23: shares 693..700 ({step, share, of})
+    // rank 2 block 23: shares 690..697 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 2 block 24: shares 701..708 ({step, share, of})
+    // rank 2 block 24: shares 698..705 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 2 block 25: shares 709..716 ({step, share, of})
+    // rank 2 block 25: shares 706..713 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 2 block 26: shares 717..724 ({step, share, of})
+    // rank 2 block 26: shares 714..721 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 2 block 27: shares 725..732 ({step, share, of})
+    // rank 2 block 27: shares 722..729 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 2 block 28: shares 733..740 ({step, share, of})
+    // rank 2 block 28: shares 730..737 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 2 block 29: shares 741..748 ({step, share, of})
+    // rank 2 block 29: shares 738..745 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 2 block 30: shares 749..756 ({step, share, of})
+    // rank 2 block 30: shares 746..753 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 2 block 31: shares 757..764 ({step, share, of})
+    // rank 2 block 31: shares 754..761 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 2 block 32: shares 765..772 ({step, share, of})
+    // rank 2 block 32: shares 762..769 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 2 block 33: shares 773..773 ({step, share, of})
+    // rank 2 block 33: shares 770..770 ({step, share, of})
     {9, 0, 1},
-    // rank 3 block 0: shares 774..774 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 775..782 ({step, share, of})
+    // rank 3 block 1: shares 771..778 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 3 block 2: shares 783..790 ({step, share, of})
+    // rank 3 block 2: shares 779..786 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 3 block 3: shares 791..798 ({step, share, of})
+    // rank 3 block 3: shares 787..794 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 3 block 4: shares 799..806 ({step, share, of})
+    // rank 3 block 4: shares 795..802 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 3 block 5: shares 807..814 ({step, share, of})
+    // rank 3 block 5: shares 803..810 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 3 block 6: shares 815..822 ({step, share, of})
+    // rank 3 block 6: shares 811..818 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 3 block 7: shares 823..830 ({step, share, of})
+    // rank 3 block 7: shares 819..826 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 3 block 8: shares 831..838 ({step, share, of})
+    // rank 3 block 8: shares 827..834 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 3 block 9: shares 839..846 ({step, share, of})
+    // rank 3 block 9: shares 835..842 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 3 block 10: shares 847..854 ({step, share, of})
+    // rank 3 block 10: shares 843..850 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 3 block 11: shares 855..862 ({step, share, of})
+    // rank 3 block 11: shares 851..858 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 3 block 12: shares 863..870 ({step, share, of})
+    // rank 3 block 12: shares 859..866 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 3 block 13: shares 871..878 ({step, share, of})
+    // rank 3 block 13: shares 867..874 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 3 block 14: shares 879..886 ({step, share, of})
+    // rank 3 block 14: shares 875..882 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 3 block 15: shares 887..894 ({step, share, of})
+    // rank 3 block 15: shares 883..890 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 3 block 16: shares 895..902 ({step, share, of})
+    // rank 3 block 16: shares 891..898 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 3 block 17: shares 903..910 ({step, share, of})
+    // rank 3 block 17: shares 899..906 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 3 block 18: shares 911..918 ({step, share, of})
+    // rank 3 block 18: shares 907..914 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 3 block 19: shares 919..926 ({step, share, of})
+    // rank 3 block 19: shares 915..922 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 3 block 20: shares 927..934 ({step, share, of})
+    // rank 3 block 20: shares 923..930 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 3 block 21: shares 935..942 ({step, share, of})
+    // rank 3 block 21: shares 931..938 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 3 block 22: shares 943..950 ({step, share, of})
+    // rank 3 block 22: shares 939..946 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 3 block 23: shares 951..958 ({step, share, of})
+    // rank 3 block 23: shares 947..954 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 3 block 24: shares 959..966 ({step, share, of})
+    // rank 3 block 24: shares 955..962 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 3 block 25: shares 967..974 ({step, share, of})
+    // rank 3 block 25: shares 963..970 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 3 block 26: shares 975..982 ({step, share, of})
+    // rank 3 block 26: shares 971..978 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 3 block 27: shares 983..990 ({step, share, of})
+    // rank 3 block 27: shares 979..986 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 3 block 28: shares 991..998 ({step, share, of})
+    // rank 3 block 28: shares 987..994 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 3 block 29: shares 999..1006 ({step, share, of})
+    // rank 3 block 29: shares 995..1002 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 3 block 30: shares 1007..1014 ({step, share, of})
+    // rank 3 block 30: shares 1003..1010 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 3 block 31: shares 1015..1022 ({step, share, of})
+    // rank 3 block 31: shares 1011..1018 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 3 block 32: shares 1023..1030 ({step, share, of})
+    // rank 3 block 32: shares 1019..1026 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 3 block 33: shares 1031..1031 ({step, share, of})
+    // rank 3 block 33: shares 1027..1027 ({step, share, of})
     {9, 0, 1},
-    // rank 4 block 0: shares 1032..1032 ({step, share, of})
-    {0, 0, 1},
-    // rank 4 block 1: shares 1033..1040 ({step, share, of})
+    // rank 4 block 1: shares 1028..1035 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 4 block 2: shares 1041..1048 ({step, share, of})
+    // rank 4 block 2: shares 1036..1043 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 4 block 3: shares 1049..1056 ({step, share, of})
+    // rank 4 block 3: shares 1044..1051 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 4 block 4: shares 1057..1064 ({step, share, of})
+    // rank 4 block 4: shares 1052..1059 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 4 block 5: shares 1065..1072 ({step, share, of})
+    // rank 4 block 5: shares 1060..1067 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 4 block 6: shares 1073..1080 ({step, share, of})
+    // rank 4 block 6: shares 1068..1075 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 4 block 7: shares 1081..1088 ({step, share, of})
+    // rank 4 block 7: shares 1076..1083 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 4 block 8: shares 1089..1096 ({step, share, of})
+    // rank 4 block 8: shares 1084..1091 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 4 block 9: shares 1097..1104 ({step, share, of})
+    // rank 4 block 9: shares 1092..1099 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 4 block 10: shares 1105..1112 ({step, share, of})
+    // rank 4 block 10: shares 1100..1107 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 4 block 11: shares 1113..1120 ({step, share, of})
+    // rank 4 block 11: shares 1108..1115 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 4 block 12: shares 1121..1128 ({step, share, of})
+    // rank 4 block 12: shares 1116..1123 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 4 block 13: shares 1129..1136 ({step, share, of})
+    // rank 4 block 13: shares 1124..1131 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 4 block 14: shares 1137..1144 ({step, share, of})
+    // rank 4 block 14: shares 1132..1139 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 4 block 15: shares 1145..1152 ({step, share, of})
+    // rank 4 block 15: shares 1140..1147 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 4 block 16: shares 1153..1160 ({step, share, of})
+    // rank 4 block 16: shares 1148..1155 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 4 block 17: shares 1161..1168 ({step, share, of})
+    // rank 4 block 17: shares 1156..1163 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 4 block 18: shares 1169..1176 ({step, share, of})
+    // rank 4 block 18: shares 1164..1171 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 4 block 19: shares 1177..1184 ({step, share, of})
+    // rank 4 block 19: shares 1172..1179 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 4 block 20: shares 1185..1192 ({step, share, of})
+    // rank 4 block 20: shares 1180..1187 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 4 block 21: shares 1193..1200 ({step, share, of})
+    // rank 4 block 21: shares 1188..1195 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 4 block 22: shares 1201..1208 ({step, share, of})
+    // rank 4 block 22: shares 1196..1203 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 4 block 23: shares 1209..1216 ({step, share, of})
+    // rank 4 block 23: shares 1204..1211 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 4 block 24: shares 1217..1224 ({step, share, of})
+    // rank 4 block 24: shares 1212..1219 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 4 block 25: shares 1225..1232 ({step, share, of})
+    // rank 4 block 25: shares 1220..1227 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 4 block 26: shares 1233..1240 ({step, share, of})
+    // rank 4 block 26: shares 1228..1235 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 4 block 27: shares 1241..1248 ({step, share, of})
+    // rank 4 block 27: shares 1236..1243 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 4 block 28: shares 1249..1256 ({step, share, of})
+    // rank 4 block 28: shares 1244..1251 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 4 block 29: shares 1257..1264 ({step, share, of})
+    // rank 4 block 29: shares 1252..1259 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 4 block 30: shares 1265..1272 ({step, share, of})
+    // rank 4 block 30: shares 1260..1267 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 4 block 31: shares 1273..1280 ({step, share, of})
+    // rank 4 block 31: shares 1268..1275 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 4 block 32: shares 1281..1288 ({step, share, of})
+    // rank 4 block 32: shares 1276..1283 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 4 block 33: shares 1289..1289 ({step, share, of})
+    // rank 4 block 33: shares 1284..1284 ({step, share, of})
     {9, 0, 1},
-    // rank 5 block 0: shares 1290..1290 ({step, share, of})
-    {0, 0, 1},
-    // rank 5 block 1: shares 1291..1298 ({step, share, of})
+    // rank 5 block 1: shares 1285..1292 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 5 block 2: shares 1299..1306 ({step, share, of})
+    // rank 5 block 2: shares 1293..1300 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 5 block 3: shares 1307..1314 ({step, share, of})
+    // rank 5 block 3: shares 1301..1308 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 5 block 4: shares 1315..1322 ({step, share, of})
+    // rank 5 block 4: shares 1309..1316 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 5 block 5: shares 1323..1330 ({step, share, of})
+    // rank 5 block 5: shares 1317..1324 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 5 block 6: shares 1331..1338 ({step, share, of})
+    // rank 5 block 6: shares 1325..1332 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 5 block 7: shares 1339..1346 ({step, share, of})
+    // rank 5 block 7: shares 1333..1340 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 5 block 8: shares 1347..1354 ({step, share, of})
+    // rank 5 block 8: shares 1341..1348 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 5 block 9: shares 1355..1362 ({step, share, of})
+    // rank 5 block 9: shares 1349..1356 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 5 block 10: shares 1363..1370 ({step, share, of})
+    // rank 5 block 10: shares 1357..1364 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 5 block 11: shares 1371..1378 ({step, share, of})
+    // rank 5 block 11: shares 1365..1372 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 5 block 12: shares 1379..1386 ({step, share, of})
+    // rank 5 block 12: shares 1373..1380 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 5 block 13: shares 1387..1394 ({step, share, of})
+    // rank 5 block 13: shares 1381..1388 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 5 block 14: shares 1395..1402 ({step, share, of})
+    // rank 5 block 14: shares 1389..1396 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 5 block 15: shares 1403..1410 ({step, share, of})
+    // rank 5 block 15: shares 1397..1404 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 5 block 16: shares 1411..1418 ({step, share, of})
+    // rank 5 block 16: shares 1405..1412 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 5 block 17: shares 1419..1426 ({step, share, of})
+    // rank 5 block 17: shares 1413..1420 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 5 block 18: shares 1427..1434 ({step, share, of})
+    // rank 5 block 18: shares 1421..1428 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 5 block 19: shares 1435..1442 ({step, share, of})
+    // rank 5 block 19: shares 1429..1436 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 5 block 20: shares 1443..1450 ({step, share, of})
+    // rank 5 block 20: shares 1437..1444 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 5 block 21: shares 1451..1458 ({step, share, of})
+    // rank 5 block 21: shares 1445..1452 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 5 block 22: shares 1459..1466 ({step, share, of})
+    // rank 5 block 22: shares 1453..1460 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 5 block 23: shares 1467..1474 ({step, share, of})
+    // rank 5 block 23: shares 1461..1468 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 5 block 24: shares 1475..1482 ({step, share, of})
+    // rank 5 block 24: shares 1469..1476 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 5 block 25: shares 1483..1490 ({step, share, of})
+    // rank 5 block 25: shares 1477..1484 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 5 block 26: shares 1491..1498 ({step, share, of})
+    // rank 5 block 26: shares 1485..1492 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 5 block 27: shares 1499..1506 ({step, share, of})
+    // rank 5 block 27: shares 1493..1500 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 5 block 28: shares 1507..1514 ({step, share, of})
+    // rank 5 block 28: shares 1501..1508 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 5 block 29: shares 1515..1522 ({step, share, of})
+    // rank 5 block 29: shares 1509..1516 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 5 block 30: shares 1523..1530 ({step, share, of})
+    // rank 5 block 30: shares 1517..1524 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 5 block 31: shares 1531..1538 ({step, share, of})
+    // rank 5 block 31: shares 1525..1532 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 5 block 32: shares 1539..1546 ({step, share, of})
+    // rank 5 block 32: shares 1533..1540 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 5 block 33: shares 1547..1547 ({step, share, of})
+    // rank 5 block 33: shares 1541..1541 ({step, share, of})
     {9, 0, 1},
-    // rank 6 block 0: shares 1548..1548 ({step, share, of})
-    {0, 0, 1},
-    // rank 6 block 1: shares 1549..1556 ({step, share, of})
+    // rank 6 block 1: shares 1542..1549 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 6 block 2: shares 1557..1564 ({step, share, of})
+    // rank 6 block 2: shares 1550..1557 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 6 block 3: shares 1565..1572 ({step, share, of})
+    // rank 6 block 3: shares 1558..1565 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 6 block 4: shares 1573..1580 ({step, share, of})
+    // rank 6 block 4: shares 1566..1573 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 6 block 5: shares 1581..1588 ({step, share, of})
+    // rank 6 block 5: shares 1574..1581 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 6 block 6: shares 1589..1596 ({step, share, of})
+    // rank 6 block 6: shares 1582..1589 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 6 block 7: shares 1597..1604 ({step, share, of})
+    // rank 6 block 7: shares 1590..1597 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 6 block 8: shares 1605..1612 ({step, share, of})
+    // rank 6 block 8: shares 1598..1605 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 6 block 9: shares 1613..1620 ({step, share, of})
+    // rank 6 block 9: shares 1606..1613 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 6 block 10: shares 1621..1628 ({step, share, of})
+    // rank 6 block 10: shares 1614..1621 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 6 block 11: shares 1629..1636 ({step, share, of})
+    // rank 6 block 11: shares 1622..1629 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 6 block 12: shares 1637..1644 ({step, share, of})
+    // rank 6 block 12: shares 1630..1637 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 6 block 13: shares 1645..1652 ({step, share, of})
+    // rank 6 block 13: shares 1638..1645 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 6 block 14: shares 1653..1660 ({step, share, of})
+    // rank 6 block 14: shares 1646..1653 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 6 block 15: shares 1661..1668 ({step, share, of})
+    // rank 6 block 15: shares 1654..1661 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 6 block 16: shares 1669..1676 ({step, share, of})
+    // rank 6 block 16: shares 1662..1669 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 6 block 17: shares 1677..1684 ({step, share, of})
+    // rank 6 block 17: shares 1670..1677 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 6 block 18: shares 1685..1692 ({step, share, of})
+    // rank 6 block 18: shares 1678..1685 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 6 block 19: shares 1693..1700 ({step, share, of})
+    // rank 6 block 19: shares 1686..1693 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 6 block 20: shares 1701..1708 ({step, share, of})
+    // rank 6 block 20: shares 1694..1701 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 6 block 21: shares 1709..1716 ({step, share, of})
+    // rank 6 block 21: shares 1702..1709 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 6 block 22: shares 1717..1724 ({step, share, of})
+    // rank 6 block 22: shares 1710..1717 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 6 block 23: shares 1725..1732 ({step, share, of})
+    // rank 6 block 23: shares 1718..1725 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 6 block 24: shares 1733..1740 ({step, share, of})
+    // rank 6 block 24: shares 1726..1733 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 6 block 25: shares 1741..1748 ({step, share, of})
+    // rank 6 block 25: shares 1734..1741 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 6 block 26: shares 1749..1756 ({step, share, of})
+    // rank 6 block 26: shares 1742..1749 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 6 block 27: shares 1757..1764 ({step, share, of})
+    // rank 6 block 27: shares 1750..1757 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 6 block 28: shares 1765..1772 ({step, share, of})
+    // rank 6 block 28: shares 1758..1765 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 6 block 29: shares 1773..1780 ({step, share, of})
+    // rank 6 block 29: shares 1766..1773 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 6 block 30: shares 1781..1788 ({step, share, of})
+    // rank 6 block 30: shares 1774..1781 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 6 block 31: shares 1789..1796 ({step, share, of})
+    // rank 6 block 31: shares 1782..1789 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 6 block 32: shares 1797..1804 ({step, share, of})
+    // rank 6 block 32: shares 1790..1797 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 6 block 33: shares 1805..1805 ({step, share, of})
+    // rank 6 block 33: shares 1798..1798 ({step, share, of})
     {9, 0, 1},
-    // rank 7 block 0: shares 1806..1806 ({step, share, of})
-    {0, 0, 1},
-    // rank 7 block 1: shares 1807..1814 ({step, share, of})
+    // rank 7 block 1: shares 1799..1806 ({step, share, of})
     {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 7 block 2: shares 1815..1822 ({step, share, of})
+    // rank 7 block 2: shares 1807..1814 ({step, share, of})
     {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 7 block 3: shares 1823..1830 ({step, share, of})
+    // rank 7 block 3: shares 1815..1822 ({step, share, of})
     {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 7 block 4: shares 1831..1838 ({step, share, of})
+    // rank 7 block 4: shares 1823..1830 ({step, share, of})
     {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 7 block 5: shares 1839..1846 ({step, share, of})
+    // rank 7 block 5: shares 1831..1838 ({step, share, of})
     {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 7 block 6: shares 1847..1854 ({step, share, of})
+    // rank 7 block 6: shares 1839..1846 ({step, share, of})
     {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 7 block 7: shares 1855..1862 ({step, share, of})
+    // rank 7 block 7: shares 1847..1854 ({step, share, of})
     {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 7 block 8: shares 1863..1870 ({step, share, of})
+    // rank 7 block 8: shares 1855..1862 ({step, share, of})
     {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 7 block 9: shares 1871..1878 ({step, share, of})
+    // rank 7 block 9: shares 1863..1870 ({step, share, of})
     {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 7 block 10: shares 1879..1886 ({step, share, of})
+    // rank 7 block 10: shares 1871..1878 ({step, share, of})
     {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 7 block 11: shares 1887..1894 ({step, share, of})
+    // rank 7 block 11: shares 1879..1886 ({step, share, of})
     {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 7 block 12: shares 1895..1902 ({step, share, of})
+    // rank 7 block 12: shares 1887..1894 ({step, share, of})
     {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 7 block 13: shares 1903..1910 ({step, share, of})
+    // rank 7 block 13: shares 1895..1902 ({step, share, of})
     {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 7 block 14: shares 1911..1918 ({step, share, of})
+    // rank 7 block 14: shares 1903..1910 ({step, share, of})
     {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 7 block 15: shares 1919..1926 ({step, share, of})
+    // rank 7 block 15: shares 1911..1918 ({step, share, of})
     {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 7 block 16: shares 1927..1934 ({step, share, of})
+    // rank 7 block 16: shares 1919..1926 ({step, share, of})
     {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 7 block 17: shares 1935..1942 ({step, share, of})
+    // rank 7 block 17: shares 1927..1934 ({step, share, of})
     {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 7 block 18: shares 1943..1950 ({step, share, of})
+    // rank 7 block 18: shares 1935..1942 ({step, share, of})
     {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 7 block 19: shares 1951..1958 ({step, share, of})
+    // rank 7 block 19: shares 1943..1950 ({step, share, of})
     {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 7 block 20: shares 1959..1966 ({step, share, of})
+    // rank 7 block 20: shares 1951..1958 ({step, share, of})
     {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 7 block 21: shares 1967..1974 ({step, share, of})
+    // rank 7 block 21: shares 1959..1966 ({step, share, of})
     {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 7 block 22: shares 1975..1982 ({step, share, of})
+    // rank 7 block 22: shares 1967..1974 ({step, share, of})
     {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 7 block 23: shares 1983..1990 ({step, share, of})
+    // rank 7 block 23: shares 1975..1982 ({step, share, of})
     {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 7 block 24: shares 1991..1998 ({step, share, of})
+    // rank 7 block 24: shares 1983..1990 ({step, share, of})
     {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 7 block 25: shares 1999..2006 ({step, share, of})
+    // rank 7 block 25: shares 1991..1998 ({step, share, of})
     {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 7 block 26: shares 2007..2014 ({step, share, of})
+    // rank 7 block 26: shares 1999..2006 ({step, share, of})
     {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 7 block 27: shares 2015..2022 ({step, share, of})
+    // rank 7 block 27: shares 2007..2014 ({step, share, of})
     {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 7 block 28: shares 2023..2030 ({step, share, of})
+    // rank 7 block 28: shares 2015..2022 ({step, share, of})
     {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 7 block 29: shares 2031..2038 ({step, share, of})
+    // rank 7 block 29: shares 2023..2030 ({step, share, of})
     {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 7 block 30: shares 2039..2046 ({step, share, of})
+    // rank 7 block 30: shares 2031..2038 ({step, share, of})
     {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 7 block 31: shares 2047..2054 ({step, share, of})
+    // rank 7 block 31: shares 2039..2046 ({step, share, of})
     {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 7 block 32: shares 2055..2062 ({step, share, of})
+    // rank 7 block 32: shares 2047..2054 ({step, share, of})
     {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 7 block 33: shares 2063..2063 ({step, share, of})
+    // rank 7 block 33: shares 2055..2055 ({step, share, of})
     {9, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][41] = {
-    { 0, 1, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121, 129, 137, 145, 153, 161, 169, 177, 185, 193, 201, 209, 217, 225, 233, 241, 249, 257, 258, 258, 258, 258, 258, 258, 258 },
-    { 258, 259, 267, 275, 283, 291, 299, 307, 315, 323, 331, 339, 347, 355, 363, 371, 379, 387, 395, 403, 411, 419, 427, 435, 443, 451, 459, 467, 475, 483, 491, 499, 507, 515, 516, 516, 516, 516, 516, 516, 516 },
-    { 516, 517, 525, 533, 541, 549, 557, 565, 573, 581, 589, 597, 605, 613, 621, 629, 637, 645, 653, 661, 669, 677, 685, 693, 701, 709, 717, 725, 733, 741, 749, 757, 765, 773, 774, 774, 774, 774, 774, 774, 774 },
-    { 774, 775, 783, 791, 799, 807, 815, 823, 831, 839, 847, 855, 863, 871, 879, 887, 895, 903, 911, 919, 927, 935, 943, 951, 959, 967, 975, 983, 991, 999, 1007, 1015, 1023, 1031, 1032, 1032, 1032, 1032, 1032, 1032, 1032 },
-    { 1032, 1033, 1041, 1049, 1057, 1065, 1073, 1081, 1089, 1097, 1105, 1113, 1121, 1129, 1137, 1145, 1153, 1161, 1169, 1177, 1185, 1193, 1201, 1209, 1217, 1225, 1233, 1241, 1249, 1257, 1265, 1273, 1281, 1289, 1290, 1290, 1290, 1290, 1290, 1290, 1290 },
-    { 1290, 1291, 1299, 1307, 1315, 1323, 1331, 1339, 1347, 1355, 1363, 1371, 1379, 1387, 1395, 1403, 1411, 1419, 1427, 1435, 1443, 1451, 1459, 1467, 1475, 1483, 1491, 1499, 1507, 1515, 1523, 1531, 1539, 1547, 1548, 1548, 1548, 1548, 1548, 1548, 1548 },
-    { 1548, 1549, 1557, 1565, 1573, 1581, 1589, 1597, 1605, 1613, 1621, 1629, 1637, 1645, 1653, 1661, 1669, 1677, 1685, 1693, 1701, 1709, 1717, 1725, 1733, 1741, 1749, 1757, 1765, 1773, 1781, 1789, 1797, 1805, 1806, 1806, 1806, 1806, 1806, 1806, 1806 },
-    { 1806, 1807, 1815, 1823, 1831, 1839, 1847, 1855, 1863, 1871, 1879, 1887, 1895, 1903, 1911, 1919, 1927, 1935, 1943, 1951, 1959, 1967, 1975, 1983, 1991, 1999, 2007, 2015, 2023, 2031, 2039, 2047, 2055, 2063, 2064, 2064, 2064, 2064, 2064, 2064, 2064 },
+    { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 257, 257, 257, 257, 257, 257, 257 },
+    { 257, 257, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 514, 514, 514, 514, 514, 514, 514 },
+    { 514, 514, 522, 530, 538, 546, 554, 562, 570, 578, 586, 594, 602, 610, 618, 626, 634, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 771, 771, 771, 771, 771, 771, 771 },
+    { 771, 771, 779, 787, 795, 803, 811, 819, 827, 835, 843, 851, 859, 867, 875, 883, 891, 899, 907, 915, 923, 931, 939, 947, 955, 963, 971, 979, 987, 995, 1003, 1011, 1019, 1027, 1028, 1028, 1028, 1028, 1028, 1028, 1028 },
+    { 1028, 1028, 1036, 1044, 1052, 1060, 1068, 1076, 1084, 1092, 1100, 1108, 1116, 1124, 1132, 1140, 1148, 1156, 1164, 1172, 1180, 1188, 1196, 1204, 1212, 1220, 1228, 1236, 1244, 1252, 1260, 1268, 1276, 1284, 1285, 1285, 1285, 1285, 1285, 1285, 1285 },
+    { 1285, 1285, 1293, 1301, 1309, 1317, 1325, 1333, 1341, 1349, 1357, 1365, 1373, 1381, 1389, 1397, 1405, 1413, 1421, 1429, 1437, 1445, 1453, 1461, 1469, 1477, 1485, 1493, 1501, 1509, 1517, 1525, 1533, 1541, 1542, 1542, 1542, 1542, 1542, 1542, 1542 },
+    { 1542, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798, 1799, 1799, 1799, 1799, 1799, 1799, 1799 },
+    { 1799, 1799, 1807, 1815, 1823, 1831, 1839, 1847, 1855, 1863, 1871, 1879, 1887, 1895, 1903, 1911, 1919, 1927, 1935, 1943, 1951, 1959, 1967, 1975, 1983, 1991, 1999, 2007, 2015, 2023, 2031, 2039, 2047, 2055, 2056, 2056, 2056, 2056, 2056, 2056, 2056 },
 };
 
 template <int WORLD> struct plan;
@@ -2640,27 +2611,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)gathered };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

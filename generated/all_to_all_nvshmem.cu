@@ -1085,12 +1085,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1134,11 +1142,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }

@@ -1074,12 +1074,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1123,11 +1131,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1153,7 +1158,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "dst", "entry", "arrive" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 6 steps, 36 block shares over 64 blocks.
+// Plan for world size 2: 6 steps, 34 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1172,87 +1177,83 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
+    // rank 0 block 1: shares 0..0 ({step, share, of})
     {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
+    // rank 0 block 2: shares 1..1 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
+    // rank 0 block 3: shares 2..2 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
+    // rank 0 block 4: shares 3..3 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
+    // rank 0 block 5: shares 4..4 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
+    // rank 0 block 6: shares 5..5 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
+    // rank 0 block 7: shares 6..6 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
+    // rank 0 block 8: shares 7..7 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
+    // rank 0 block 9: shares 8..8 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
+    // rank 0 block 10: shares 9..9 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
+    // rank 0 block 11: shares 10..10 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
+    // rank 0 block 12: shares 11..11 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
+    // rank 0 block 13: shares 12..12 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
+    // rank 0 block 14: shares 13..13 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
+    // rank 0 block 15: shares 14..14 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
+    // rank 0 block 16: shares 15..15 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
+    // rank 0 block 17: shares 16..16 ({step, share, of})
     {2, 0, 1},
-    // rank 1 block 0: shares 18..18 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 19..19 ({step, share, of})
+    // rank 1 block 1: shares 17..17 ({step, share, of})
     {1, 0, 16},
-    // rank 1 block 2: shares 20..20 ({step, share, of})
+    // rank 1 block 2: shares 18..18 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 21..21 ({step, share, of})
+    // rank 1 block 3: shares 19..19 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 22..22 ({step, share, of})
+    // rank 1 block 4: shares 20..20 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 23..23 ({step, share, of})
+    // rank 1 block 5: shares 21..21 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 24..24 ({step, share, of})
+    // rank 1 block 6: shares 22..22 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 25..25 ({step, share, of})
+    // rank 1 block 7: shares 23..23 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 26..26 ({step, share, of})
+    // rank 1 block 8: shares 24..24 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 27..27 ({step, share, of})
+    // rank 1 block 9: shares 25..25 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 28..28 ({step, share, of})
+    // rank 1 block 10: shares 26..26 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 29..29 ({step, share, of})
+    // rank 1 block 11: shares 27..27 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 30..30 ({step, share, of})
+    // rank 1 block 12: shares 28..28 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 31..31 ({step, share, of})
+    // rank 1 block 13: shares 29..29 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 32..32 ({step, share, of})
+    // rank 1 block 14: shares 30..30 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 33..33 ({step, share, of})
+    // rank 1 block 15: shares 31..31 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 34..34 ({step, share, of})
+    // rank 1 block 16: shares 32..32 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 35..35 ({step, share, of})
+    // rank 1 block 17: shares 33..33 ({step, share, of})
     {2, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18, 18 },
-    { 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36, 36 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17, 17 },
+    { 17, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 12 steps, 102 block shares over 64 blocks.
+// Plan for world size 3: 12 steps, 99 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1283,220 +1284,214 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 4, 8 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
+    // rank 0 block 1: shares 0..0 ({step, share, of})
     {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
+    // rank 0 block 2: shares 1..1 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
+    // rank 0 block 3: shares 2..2 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
+    // rank 0 block 4: shares 3..3 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
+    // rank 0 block 5: shares 4..4 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
+    // rank 0 block 6: shares 5..5 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
+    // rank 0 block 7: shares 6..6 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
+    // rank 0 block 8: shares 7..7 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
+    // rank 0 block 9: shares 8..8 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
+    // rank 0 block 10: shares 9..9 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
+    // rank 0 block 11: shares 10..10 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
+    // rank 0 block 12: shares 11..11 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
+    // rank 0 block 13: shares 12..12 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
+    // rank 0 block 14: shares 13..13 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
+    // rank 0 block 15: shares 14..14 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
+    // rank 0 block 16: shares 15..15 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
+    // rank 0 block 17: shares 16..16 ({step, share, of})
     {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
+    // rank 0 block 18: shares 17..17 ({step, share, of})
     {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
+    // rank 0 block 19: shares 18..18 ({step, share, of})
     {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
+    // rank 0 block 20: shares 19..19 ({step, share, of})
     {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
+    // rank 0 block 21: shares 20..20 ({step, share, of})
     {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
+    // rank 0 block 22: shares 21..21 ({step, share, of})
     {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
+    // rank 0 block 23: shares 22..22 ({step, share, of})
     {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
+    // rank 0 block 24: shares 23..23 ({step, share, of})
     {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
+    // rank 0 block 25: shares 24..24 ({step, share, of})
     {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
+    // rank 0 block 26: shares 25..25 ({step, share, of})
     {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
+    // rank 0 block 27: shares 26..26 ({step, share, of})
     {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
+    // rank 0 block 28: shares 27..27 ({step, share, of})
     {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
+    // rank 0 block 29: shares 28..28 ({step, share, of})
     {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
+    // rank 0 block 30: shares 29..29 ({step, share, of})
     {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
+    // rank 0 block 31: shares 30..30 ({step, share, of})
     {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
+    // rank 0 block 32: shares 31..31 ({step, share, of})
     {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
+    // rank 0 block 33: shares 32..32 ({step, share, of})
     {3, 0, 1},
-    // rank 1 block 0: shares 34..34 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 35..35 ({step, share, of})
+    // rank 1 block 1: shares 33..33 ({step, share, of})
     {1, 0, 16},
-    // rank 1 block 2: shares 36..36 ({step, share, of})
+    // rank 1 block 2: shares 34..34 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 37..37 ({step, share, of})
+    // rank 1 block 3: shares 35..35 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 38..38 ({step, share, of})
+    // rank 1 block 4: shares 36..36 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 39..39 ({step, share, of})
+    // rank 1 block 5: shares 37..37 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 40..40 ({step, share, of})
+    // rank 1 block 6: shares 38..38 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 41..41 ({step, share, of})
+    // rank 1 block 7: shares 39..39 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 42..42 ({step, share, of})
+    // rank 1 block 8: shares 40..40 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 43..43 ({step, share, of})
+    // rank 1 block 9: shares 41..41 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 44..44 ({step, share, of})
+    // rank 1 block 10: shares 42..42 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 45..45 ({step, share, of})
+    // rank 1 block 11: shares 43..43 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 46..46 ({step, share, of})
+    // rank 1 block 12: shares 44..44 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 47..47 ({step, share, of})
+    // rank 1 block 13: shares 45..45 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 48..48 ({step, share, of})
+    // rank 1 block 14: shares 46..46 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 49..49 ({step, share, of})
+    // rank 1 block 15: shares 47..47 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 50..50 ({step, share, of})
+    // rank 1 block 16: shares 48..48 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 51..51 ({step, share, of})
+    // rank 1 block 17: shares 49..49 ({step, share, of})
     {2, 0, 16},
-    // rank 1 block 18: shares 52..52 ({step, share, of})
+    // rank 1 block 18: shares 50..50 ({step, share, of})
     {2, 1, 16},
-    // rank 1 block 19: shares 53..53 ({step, share, of})
+    // rank 1 block 19: shares 51..51 ({step, share, of})
     {2, 2, 16},
-    // rank 1 block 20: shares 54..54 ({step, share, of})
+    // rank 1 block 20: shares 52..52 ({step, share, of})
     {2, 3, 16},
-    // rank 1 block 21: shares 55..55 ({step, share, of})
+    // rank 1 block 21: shares 53..53 ({step, share, of})
     {2, 4, 16},
-    // rank 1 block 22: shares 56..56 ({step, share, of})
+    // rank 1 block 22: shares 54..54 ({step, share, of})
     {2, 5, 16},
-    // rank 1 block 23: shares 57..57 ({step, share, of})
+    // rank 1 block 23: shares 55..55 ({step, share, of})
     {2, 6, 16},
-    // rank 1 block 24: shares 58..58 ({step, share, of})
+    // rank 1 block 24: shares 56..56 ({step, share, of})
     {2, 7, 16},
-    // rank 1 block 25: shares 59..59 ({step, share, of})
+    // rank 1 block 25: shares 57..57 ({step, share, of})
     {2, 8, 16},
-    // rank 1 block 26: shares 60..60 ({step, share, of})
+    // rank 1 block 26: shares 58..58 ({step, share, of})
     {2, 9, 16},
-    // rank 1 block 27: shares 61..61 ({step, share, of})
+    // rank 1 block 27: shares 59..59 ({step, share, of})
     {2, 10, 16},
-    // rank 1 block 28: shares 62..62 ({step, share, of})
+    // rank 1 block 28: shares 60..60 ({step, share, of})
     {2, 11, 16},
-    // rank 1 block 29: shares 63..63 ({step, share, of})
+    // rank 1 block 29: shares 61..61 ({step, share, of})
     {2, 12, 16},
-    // rank 1 block 30: shares 64..64 ({step, share, of})
+    // rank 1 block 30: shares 62..62 ({step, share, of})
     {2, 13, 16},
-    // rank 1 block 31: shares 65..65 ({step, share, of})
+    // rank 1 block 31: shares 63..63 ({step, share, of})
     {2, 14, 16},
-    // rank 1 block 32: shares 66..66 ({step, share, of})
+    // rank 1 block 32: shares 64..64 ({step, share, of})
     {2, 15, 16},
-    // rank 1 block 33: shares 67..67 ({step, share, of})
+    // rank 1 block 33: shares 65..65 ({step, share, of})
     {3, 0, 1},
-    // rank 2 block 0: shares 68..68 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 69..69 ({step, share, of})
+    // rank 2 block 1: shares 66..66 ({step, share, of})
     {1, 0, 16},
-    // rank 2 block 2: shares 70..70 ({step, share, of})
+    // rank 2 block 2: shares 67..67 ({step, share, of})
     {1, 1, 16},
-    // rank 2 block 3: shares 71..71 ({step, share, of})
+    // rank 2 block 3: shares 68..68 ({step, share, of})
     {1, 2, 16},
-    // rank 2 block 4: shares 72..72 ({step, share, of})
+    // rank 2 block 4: shares 69..69 ({step, share, of})
     {1, 3, 16},
-    // rank 2 block 5: shares 73..73 ({step, share, of})
+    // rank 2 block 5: shares 70..70 ({step, share, of})
     {1, 4, 16},
-    // rank 2 block 6: shares 74..74 ({step, share, of})
+    // rank 2 block 6: shares 71..71 ({step, share, of})
     {1, 5, 16},
-    // rank 2 block 7: shares 75..75 ({step, share, of})
+    // rank 2 block 7: shares 72..72 ({step, share, of})
     {1, 6, 16},
-    // rank 2 block 8: shares 76..76 ({step, share, of})
+    // rank 2 block 8: shares 73..73 ({step, share, of})
     {1, 7, 16},
-    // rank 2 block 9: shares 77..77 ({step, share, of})
+    // rank 2 block 9: shares 74..74 ({step, share, of})
     {1, 8, 16},
-    // rank 2 block 10: shares 78..78 ({step, share, of})
+    // rank 2 block 10: shares 75..75 ({step, share, of})
     {1, 9, 16},
-    // rank 2 block 11: shares 79..79 ({step, share, of})
+    // rank 2 block 11: shares 76..76 ({step, share, of})
     {1, 10, 16},
-    // rank 2 block 12: shares 80..80 ({step, share, of})
+    // rank 2 block 12: shares 77..77 ({step, share, of})
     {1, 11, 16},
-    // rank 2 block 13: shares 81..81 ({step, share, of})
+    // rank 2 block 13: shares 78..78 ({step, share, of})
     {1, 12, 16},
-    // rank 2 block 14: shares 82..82 ({step, share, of})
+    // rank 2 block 14: shares 79..79 ({step, share, of})
     {1, 13, 16},
-    // rank 2 block 15: shares 83..83 ({step, share, of})
+    // rank 2 block 15: shares 80..80 ({step, share, of})
     {1, 14, 16},
-    // rank 2 block 16: shares 84..84 ({step, share, of})
+    // rank 2 block 16: shares 81..81 ({step, share, of})
     {1, 15, 16},
-    // rank 2 block 17: shares 85..85 ({step, share, of})
+    // rank 2 block 17: shares 82..82 ({step, share, of})
     {2, 0, 16},
-    // rank 2 block 18: shares 86..86 ({step, share, of})
+    // rank 2 block 18: shares 83..83 ({step, share, of})
     {2, 1, 16},
-    // rank 2 block 19: shares 87..87 ({step, share, of})
+    // rank 2 block 19: shares 84..84 ({step, share, of})
     {2, 2, 16},
-    // rank 2 block 20: shares 88..88 ({step, share, of})
+    // rank 2 block 20: shares 85..85 ({step, share, of})
     {2, 3, 16},
-    // rank 2 block 21: shares 89..89 ({step, share, of})
+    // rank 2 block 21: shares 86..86 ({step, share, of})
     {2, 4, 16},
-    // rank 2 block 22: shares 90..90 ({step, share, of})
+    // rank 2 block 22: shares 87..87 ({step, share, of})
     {2, 5, 16},
-    // rank 2 block 23: shares 91..91 ({step, share, of})
+    // rank 2 block 23: shares 88..88 ({step, share, of})
     {2, 6, 16},
-    // rank 2 block 24: shares 92..92 ({step, share, of})
+    // rank 2 block 24: shares 89..89 ({step, share, of})
     {2, 7, 16},
-    // rank 2 block 25: shares 93..93 ({step, share, of})
+    // rank 2 block 25: shares 90..90 ({step, share, of})
     {2, 8, 16},
-    // rank 2 block 26: shares 94..94 ({step, share, of})
+    // rank 2 block 26: shares 91..91 ({step, share, of})
     {2, 9, 16},
-    // rank 2 block 27: shares 95..95 ({step, share, of})
+    // rank 2 block 27: shares 92..92 ({step, share, of})
     {2, 10, 16},
-    // rank 2 block 28: shares 96..96 ({step, share, of})
+    // rank 2 block 28: shares 93..93 ({step, share, of})
     {2, 11, 16},
-    // rank 2 block 29: shares 97..97 ({step, share, of})
+    // rank 2 block 29: shares 94..94 ({step, share, of})
     {2, 12, 16},
-    // rank 2 block 30: shares 98..98 ({step, share, of})
+    // rank 2 block 30: shares 95..95 ({step, share, of})
     {2, 13, 16},
-    // rank 2 block 31: shares 99..99 ({step, share, of})
+    // rank 2 block 31: shares 96..96 ({step, share, of})
     {2, 14, 16},
-    // rank 2 block 32: shares 100..100 ({step, share, of})
+    // rank 2 block 32: shares 97..97 ({step, share, of})
     {2, 15, 16},
-    // rank 2 block 33: shares 101..101 ({step, share, of})
+    // rank 2 block 33: shares 98..98 ({step, share, of})
     {3, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
-    { 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68 },
-    { 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102, 102 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
+    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99, 99 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 20 steps, 200 block shares over 64 blocks.
+// Plan for world size 4: 20 steps, 196 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -1543,417 +1538,409 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 5, 10, 15 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
+    // rank 0 block 1: shares 0..0 ({step, share, of})
     {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
+    // rank 0 block 2: shares 1..1 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
+    // rank 0 block 3: shares 2..2 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
+    // rank 0 block 4: shares 3..3 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
+    // rank 0 block 5: shares 4..4 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
+    // rank 0 block 6: shares 5..5 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
+    // rank 0 block 7: shares 6..6 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
+    // rank 0 block 8: shares 7..7 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
+    // rank 0 block 9: shares 8..8 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
+    // rank 0 block 10: shares 9..9 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
+    // rank 0 block 11: shares 10..10 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
+    // rank 0 block 12: shares 11..11 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
+    // rank 0 block 13: shares 12..12 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
+    // rank 0 block 14: shares 13..13 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
+    // rank 0 block 15: shares 14..14 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
+    // rank 0 block 16: shares 15..15 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
+    // rank 0 block 17: shares 16..16 ({step, share, of})
     {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
+    // rank 0 block 18: shares 17..17 ({step, share, of})
     {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
+    // rank 0 block 19: shares 18..18 ({step, share, of})
     {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
+    // rank 0 block 20: shares 19..19 ({step, share, of})
     {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
+    // rank 0 block 21: shares 20..20 ({step, share, of})
     {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
+    // rank 0 block 22: shares 21..21 ({step, share, of})
     {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
+    // rank 0 block 23: shares 22..22 ({step, share, of})
     {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
+    // rank 0 block 24: shares 23..23 ({step, share, of})
     {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
+    // rank 0 block 25: shares 24..24 ({step, share, of})
     {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
+    // rank 0 block 26: shares 25..25 ({step, share, of})
     {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
+    // rank 0 block 27: shares 26..26 ({step, share, of})
     {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
+    // rank 0 block 28: shares 27..27 ({step, share, of})
     {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
+    // rank 0 block 29: shares 28..28 ({step, share, of})
     {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
+    // rank 0 block 30: shares 29..29 ({step, share, of})
     {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
+    // rank 0 block 31: shares 30..30 ({step, share, of})
     {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
+    // rank 0 block 32: shares 31..31 ({step, share, of})
     {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
+    // rank 0 block 33: shares 32..32 ({step, share, of})
     {3, 0, 16},
-    // rank 0 block 34: shares 34..34 ({step, share, of})
+    // rank 0 block 34: shares 33..33 ({step, share, of})
     {3, 1, 16},
-    // rank 0 block 35: shares 35..35 ({step, share, of})
+    // rank 0 block 35: shares 34..34 ({step, share, of})
     {3, 2, 16},
-    // rank 0 block 36: shares 36..36 ({step, share, of})
+    // rank 0 block 36: shares 35..35 ({step, share, of})
     {3, 3, 16},
-    // rank 0 block 37: shares 37..37 ({step, share, of})
+    // rank 0 block 37: shares 36..36 ({step, share, of})
     {3, 4, 16},
-    // rank 0 block 38: shares 38..38 ({step, share, of})
+    // rank 0 block 38: shares 37..37 ({step, share, of})
     {3, 5, 16},
-    // rank 0 block 39: shares 39..39 ({step, share, of})
+    // rank 0 block 39: shares 38..38 ({step, share, of})
     {3, 6, 16},
-    // rank 0 block 40: shares 40..40 ({step, share, of})
+    // rank 0 block 40: shares 39..39 ({step, share, of})
     {3, 7, 16},
-    // rank 0 block 41: shares 41..41 ({step, share, of})
+    // rank 0 block 41: shares 40..40 ({step, share, of})
     {3, 8, 16},
-    // rank 0 block 42: shares 42..42 ({step, share, of})
+    // rank 0 block 42: shares 41..41 ({step, share, of})
     {3, 9, 16},
-    // rank 0 block 43: shares 43..43 ({step, share, of})
+    // rank 0 block 43: shares 42..42 ({step, share, of})
     {3, 10, 16},
-    // rank 0 block 44: shares 44..44 ({step, share, of})
+    // rank 0 block 44: shares 43..43 ({step, share, of})
     {3, 11, 16},
-    // rank 0 block 45: shares 45..45 ({step, share, of})
+    // rank 0 block 45: shares 44..44 ({step, share, of})
     {3, 12, 16},
-    // rank 0 block 46: shares 46..46 ({step, share, of})
+    // rank 0 block 46: shares 45..45 ({step, share, of})
     {3, 13, 16},
-    // rank 0 block 47: shares 47..47 ({step, share, of})
+    // rank 0 block 47: shares 46..46 ({step, share, of})
     {3, 14, 16},
-    // rank 0 block 48: shares 48..48 ({step, share, of})
+    // rank 0 block 48: shares 47..47 ({step, share, of})
     {3, 15, 16},
-    // rank 0 block 49: shares 49..49 ({step, share, of})
+    // rank 0 block 49: shares 48..48 ({step, share, of})
     {4, 0, 1},
-    // rank 1 block 0: shares 50..50 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 51..51 ({step, share, of})
+    // rank 1 block 1: shares 49..49 ({step, share, of})
     {1, 0, 16},
-    // rank 1 block 2: shares 52..52 ({step, share, of})
+    // rank 1 block 2: shares 50..50 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 53..53 ({step, share, of})
+    // rank 1 block 3: shares 51..51 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 54..54 ({step, share, of})
+    // rank 1 block 4: shares 52..52 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 55..55 ({step, share, of})
+    // rank 1 block 5: shares 53..53 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 56..56 ({step, share, of})
+    // rank 1 block 6: shares 54..54 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 57..57 ({step, share, of})
+    // rank 1 block 7: shares 55..55 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 58..58 ({step, share, of})
+    // rank 1 block 8: shares 56..56 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 59..59 ({step, share, of})
+    // rank 1 block 9: shares 57..57 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 60..60 ({step, share, of})
+    // rank 1 block 10: shares 58..58 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 61..61 ({step, share, of})
+    // rank 1 block 11: shares 59..59 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 62..62 ({step, share, of})
+    // rank 1 block 12: shares 60..60 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 63..63 ({step, share, of})
+    // rank 1 block 13: shares 61..61 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 64..64 ({step, share, of})
+    // rank 1 block 14: shares 62..62 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 65..65 ({step, share, of})
+    // rank 1 block 15: shares 63..63 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 66..66 ({step, share, of})
+    // rank 1 block 16: shares 64..64 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 67..67 ({step, share, of})
+    // rank 1 block 17: shares 65..65 ({step, share, of})
     {2, 0, 16},
-    // rank 1 block 18: shares 68..68 ({step, share, of})
+    // rank 1 block 18: shares 66..66 ({step, share, of})
     {2, 1, 16},
-    // rank 1 block 19: shares 69..69 ({step, share, of})
+    // rank 1 block 19: shares 67..67 ({step, share, of})
     {2, 2, 16},
-    // rank 1 block 20: shares 70..70 ({step, share, of})
+    // rank 1 block 20: shares 68..68 ({step, share, of})
     {2, 3, 16},
-    // rank 1 block 21: shares 71..71 ({step, share, of})
+    // rank 1 block 21: shares 69..69 ({step, share, of})
     {2, 4, 16},
-    // rank 1 block 22: shares 72..72 ({step, share, of})
+    // rank 1 block 22: shares 70..70 ({step, share, of})
     {2, 5, 16},
-    // rank 1 block 23: shares 73..73 ({step, share, of})
+    // rank 1 block 23: shares 71..71 ({step, share, of})
     {2, 6, 16},
-    // rank 1 block 24: shares 74..74 ({step, share, of})
+    // rank 1 block 24: shares 72..72 ({step, share, of})
     {2, 7, 16},
-    // rank 1 block 25: shares 75..75 ({step, share, of})
+    // rank 1 block 25: shares 73..73 ({step, share, of})
     {2, 8, 16},
-    // rank 1 block 26: shares 76..76 ({step, share, of})
+    // rank 1 block 26: shares 74..74 ({step, share, of})
     {2, 9, 16},
-    // rank 1 block 27: shares 77..77 ({step, share, of})
+    // rank 1 block 27: shares 75..75 ({step, share, of})
     {2, 10, 16},
-    // rank 1 block 28: shares 78..78 ({step, share, of})
+    // rank 1 block 28: shares 76..76 ({step, share, of})
     {2, 11, 16},
-    // rank 1 block 29: shares 79..79 ({step, share, of})
+    // rank 1 block 29: shares 77..77 ({step, share, of})
     {2, 12, 16},
-    // rank 1 block 30: shares 80..80 ({step, share, of})
+    // rank 1 block 30: shares 78..78 ({step, share, of})
     {2, 13, 16},
-    // rank 1 block 31: shares 81..81 ({step, share, of})
+    // rank 1 block 31: shares 79..79 ({step, share, of})
     {2, 14, 16},
-    // rank 1 block 32: shares 82..82 ({step, share, of})
+    // rank 1 block 32: shares 80..80 ({step, share, of})
     {2, 15, 16},
-    // rank 1 block 33: shares 83..83 ({step, share, of})
+    // rank 1 block 33: shares 81..81 ({step, share, of})
     {3, 0, 16},
-    // rank 1 block 34: shares 84..84 ({step, share, of})
+    // rank 1 block 34: shares 82..82 ({step, share, of})
     {3, 1, 16},
-    // rank 1 block 35: shares 85..85 ({step, share, of})
+    // rank 1 block 35: shares 83..83 ({step, share, of})
     {3, 2, 16},
-    // rank 1 block 36: shares 86..86 ({step, share, of})
+    // rank 1 block 36: shares 84..84 ({step, share, of})
     {3, 3, 16},
-    // rank 1 block 37: shares 87..87 ({step, share, of})
+    // rank 1 block 37: shares 85..85 ({step, share, of})
     {3, 4, 16},
-    // rank 1 block 38: shares 88..88 ({step, share, of})
+    // rank 1 block 38: shares 86..86 ({step, share, of})
     {3, 5, 16},
-    // rank 1 block 39: shares 89..89 ({step, share, of})
+    // rank 1 block 39: shares 87..87 ({step, share, of})
     {3, 6, 16},
-    // rank 1 block 40: shares 90..90 ({step, share, of})
+    // rank 1 block 40: shares 88..88 ({step, share, of})
     {3, 7, 16},
-    // rank 1 block 41: shares 91..91 ({step, share, of})
+    // rank 1 block 41: shares 89..89 ({step, share, of})
     {3, 8, 16},
-    // rank 1 block 42: shares 92..92 ({step, share, of})
+    // rank 1 block 42: shares 90..90 ({step, share, of})
     {3, 9, 16},
-    // rank 1 block 43: shares 93..93 ({step, share, of})
+    // rank 1 block 43: shares 91..91 ({step, share, of})
     {3, 10, 16},
-    // rank 1 block 44: shares 94..94 ({step, share, of})
+    // rank 1 block 44: shares 92..92 ({step, share, of})
     {3, 11, 16},
-    // rank 1 block 45: shares 95..95 ({step, share, of})
+    // rank 1 block 45: shares 93..93 ({step, share, of})
     {3, 12, 16},
-    // rank 1 block 46: shares 96..96 ({step, share, of})
+    // rank 1 block 46: shares 94..94 ({step, share, of})
     {3, 13, 16},
-    // rank 1 block 47: shares 97..97 ({step, share, of})
+    // rank 1 block 47: shares 95..95 ({step, share, of})
     {3, 14, 16},
-    // rank 1 block 48: shares 98..98 ({step, share, of})
+    // rank 1 block 48: shares 96..96 ({step, share, of})
     {3, 15, 16},
-    // rank 1 block 49: shares 99..99 ({step, share, of})
+    // rank 1 block 49: shares 97..97 ({step, share, of})
     {4, 0, 1},
-    // rank 2 block 0: shares 100..100 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 101..101 ({step, share, of})
+    // rank 2 block 1: shares 98..98 ({step, share, of})
     {1, 0, 16},
-    // rank 2 block 2: shares 102..102 ({step, share, of})
+    // rank 2 block 2: shares 99..99 ({step, share, of})
     {1, 1, 16},
-    // rank 2 block 3: shares 103..103 ({step, share, of})
+    // rank 2 block 3: shares 100..100 ({step, share, of})
     {1, 2, 16},
-    // rank 2 block 4: shares 104..104 ({step, share, of})
+    // rank 2 block 4: shares 101..101 ({step, share, of})
     {1, 3, 16},
-    // rank 2 block 5: shares 105..105 ({step, share, of})
+    // rank 2 block 5: shares 102..102 ({step, share, of})
     {1, 4, 16},
-    // rank 2 block 6: shares 106..106 ({step, share, of})
+    // rank 2 block 6: shares 103..103 ({step, share, of})
     {1, 5, 16},
-    // rank 2 block 7: shares 107..107 ({step, share, of})
+    // rank 2 block 7: shares 104..104 ({step, share, of})
     {1, 6, 16},
-    // rank 2 block 8: shares 108..108 ({step, share, of})
+    // rank 2 block 8: shares 105..105 ({step, share, of})
     {1, 7, 16},
-    // rank 2 block 9: shares 109..109 ({step, share, of})
+    // rank 2 block 9: shares 106..106 ({step, share, of})
     {1, 8, 16},
-    // rank 2 block 10: shares 110..110 ({step, share, of})
+    // rank 2 block 10: shares 107..107 ({step, share, of})
     {1, 9, 16},
-    // rank 2 block 11: shares 111..111 ({step, share, of})
+    // rank 2 block 11: shares 108..108 ({step, share, of})
     {1, 10, 16},
-    // rank 2 block 12: shares 112..112 ({step, share, of})
+    // rank 2 block 12: shares 109..109 ({step, share, of})
     {1, 11, 16},
-    // rank 2 block 13: shares 113..113 ({step, share, of})
+    // rank 2 block 13: shares 110..110 ({step, share, of})
     {1, 12, 16},
-    // rank 2 block 14: shares 114..114 ({step, share, of})
+    // rank 2 block 14: shares 111..111 ({step, share, of})
     {1, 13, 16},
-    // rank 2 block 15: shares 115..115 ({step, share, of})
+    // rank 2 block 15: shares 112..112 ({step, share, of})
     {1, 14, 16},
-    // rank 2 block 16: shares 116..116 ({step, share, of})
+    // rank 2 block 16: shares 113..113 ({step, share, of})
     {1, 15, 16},
-    // rank 2 block 17: shares 117..117 ({step, share, of})
+    // rank 2 block 17: shares 114..114 ({step, share, of})
     {2, 0, 16},
-    // rank 2 block 18: shares 118..118 ({step, share, of})
+    // rank 2 block 18: shares 115..115 ({step, share, of})
     {2, 1, 16},
-    // rank 2 block 19: shares 119..119 ({step, share, of})
+    // rank 2 block 19: shares 116..116 ({step, share, of})
     {2, 2, 16},
-    // rank 2 block 20: shares 120..120 ({step, share, of})
+    // rank 2 block 20: shares 117..117 ({step, share, of})
     {2, 3, 16},
-    // rank 2 block 21: shares 121..121 ({step, share, of})
+    // rank 2 block 21: shares 118..118 ({step, share, of})
     {2, 4, 16},
-    // rank 2 block 22: shares 122..122 ({step, share, of})
+    // rank 2 block 22: shares 119..119 ({step, share, of})
     {2, 5, 16},
-    // rank 2 block 23: shares 123..123 ({step, share, of})
+    // rank 2 block 23: shares 120..120 ({step, share, of})
     {2, 6, 16},
-    // rank 2 block 24: shares 124..124 ({step, share, of})
+    // rank 2 block 24: shares 121..121 ({step, share, of})
     {2, 7, 16},
-    // rank 2 block 25: shares 125..125 ({step, share, of})
+    // rank 2 block 25: shares 122..122 ({step, share, of})
     {2, 8, 16},
-    // rank 2 block 26: shares 126..126 ({step, share, of})
+    // rank 2 block 26: shares 123..123 ({step, share, of})
     {2, 9, 16},
-    // rank 2 block 27: shares 127..127 ({step, share, of})
+    // rank 2 block 27: shares 124..124 ({step, share, of})
     {2, 10, 16},
-    // rank 2 block 28: shares 128..128 ({step, share, of})
+    // rank 2 block 28: shares 125..125 ({step, share, of})
     {2, 11, 16},
-    // rank 2 block 29: shares 129..129 ({step, share, of})
+    // rank 2 block 29: shares 126..126 ({step, share, of})
     {2, 12, 16},
-    // rank 2 block 30: shares 130..130 ({step, share, of})
+    // rank 2 block 30: shares 127..127 ({step, share, of})
     {2, 13, 16},
-    // rank 2 block 31: shares 131..131 ({step, share, of})
+    // rank 2 block 31: shares 128..128 ({step, share, of})
     {2, 14, 16},
-    // rank 2 block 32: shares 132..132 ({step, share, of})
+    // rank 2 block 32: shares 129..129 ({step, share, of})
     {2, 15, 16},
-    // rank 2 block 33: shares 133..133 ({step, share, of})
+    // rank 2 block 33: shares 130..130 ({step, share, of})
     {3, 0, 16},
-    // rank 2 block 34: shares 134..134 ({step, share, of})
+    // rank 2 block 34: shares 131..131 ({step, share, of})
     {3, 1, 16},
-    // rank 2 block 35: shares 135..135 ({step, share, of})
+    // rank 2 block 35: shares 132..132 ({step, share, of})
     {3, 2, 16},
-    // rank 2 block 36: shares 136..136 ({step, share, of})
+    // rank 2 block 36: shares 133..133 ({step, share, of})
     {3, 3, 16},
-    // rank 2 block 37: shares 137..137 ({step, share, of})
+    // rank 2 block 37: shares 134..134 ({step, share, of})
     {3, 4, 16},
-    // rank 2 block 38: shares 138..138 ({step, share, of})
+    // rank 2 block 38: shares 135..135 ({step, share, of})
     {3, 5, 16},
-    // rank 2 block 39: shares 139..139 ({step, share, of})
+    // rank 2 block 39: shares 136..136 ({step, share, of})
     {3, 6, 16},
-    // rank 2 block 40: shares 140..140 ({step, share, of})
+    // rank 2 block 40: shares 137..137 ({step, share, of})
     {3, 7, 16},
-    // rank 2 block 41: shares 141..141 ({step, share, of})
+    // rank 2 block 41: shares 138..138 ({step, share, of})
     {3, 8, 16},
-    // rank 2 block 42: shares 142..142 ({step, share, of})
+    // rank 2 block 42: shares 139..139 ({step, share, of})
     {3, 9, 16},
-    // rank 2 block 43: shares 143..143 ({step, share, of})
+    // rank 2 block 43: shares 140..140 ({step, share, of})
     {3, 10, 16},
-    // rank 2 block 44: shares 144..144 ({step, share, of})
+    // rank 2 block 44: shares 141..141 ({step, share, of})
     {3, 11, 16},
-    // rank 2 block 45: shares 145..145 ({step, share, of})
+    // rank 2 block 45: shares 142..142 ({step, share, of})
     {3, 12, 16},
-    // rank 2 block 46: shares 146..146 ({step, share, of})
+    // rank 2 block 46: shares 143..143 ({step, share, of})
     {3, 13, 16},
-    // rank 2 block 47: shares 147..147 ({step, share, of})
+    // rank 2 block 47: shares 144..144 ({step, share, of})
     {3, 14, 16},
-    // rank 2 block 48: shares 148..148 ({step, share, of})
+    // rank 2 block 48: shares 145..145 ({step, share, of})
     {3, 15, 16},
-    // rank 2 block 49: shares 149..149 ({step, share, of})
+    // rank 2 block 49: shares 146..146 ({step, share, of})
     {4, 0, 1},
-    // rank 3 block 0: shares 150..150 ({step, share, of})
-    {0, 0, 1},
-    // rank 3 block 1: shares 151..151 ({step, share, of})
+    // rank 3 block 1: shares 147..147 ({step, share, of})
     {1, 0, 16},
-    // rank 3 block 2: shares 152..152 ({step, share, of})
+    // rank 3 block 2: shares 148..148 ({step, share, of})
     {1, 1, 16},
-    // rank 3 block 3: shares 153..153 ({step, share, of})
+    // rank 3 block 3: shares 149..149 ({step, share, of})
     {1, 2, 16},
-    // rank 3 block 4: shares 154..154 ({step, share, of})
+    // rank 3 block 4: shares 150..150 ({step, share, of})
     {1, 3, 16},
-    // rank 3 block 5: shares 155..155 ({step, share, of})
+    // rank 3 block 5: shares 151..151 ({step, share, of})
     {1, 4, 16},
-    // rank 3 block 6: shares 156..156 ({step, share, of})
+    // rank 3 block 6: shares 152..152 ({step, share, of})
     {1, 5, 16},
-    // rank 3 block 7: shares 157..157 ({step, share, of})
+    // rank 3 block 7: shares 153..153 ({step, share, of})
     {1, 6, 16},
-    // rank 3 block 8: shares 158..158 ({step, share, of})
+    // rank 3 block 8: shares 154..154 ({step, share, of})
     {1, 7, 16},
-    // rank 3 block 9: shares 159..159 ({step, share, of})
+    // rank 3 block 9: shares 155..155 ({step, share, of})
     {1, 8, 16},
-    // rank 3 block 10: shares 160..160 ({step, share, of})
+    // rank 3 block 10: shares 156..156 ({step, share, of})
     {1, 9, 16},
-    // rank 3 block 11: shares 161..161 ({step, share, of})
+    // rank 3 block 11: shares 157..157 ({step, share, of})
     {1, 10, 16},
-    // rank 3 block 12: shares 162..162 ({step, share, of})
+    // rank 3 block 12: shares 158..158 ({step, share, of})
     {1, 11, 16},
-    // rank 3 block 13: shares 163..163 ({step, share, of})
+    // rank 3 block 13: shares 159..159 ({step, share, of})
     {1, 12, 16},
-    // rank 3 block 14: shares 164..164 ({step, share, of})
+    // rank 3 block 14: shares 160..160 ({step, share, of})
     {1, 13, 16},
-    // rank 3 block 15: shares 165..165 ({step, share, of})
+    // rank 3 block 15: shares 161..161 ({step, share, of})
     {1, 14, 16},
-    // rank 3 block 16: shares 166..166 ({step, share, of})
+    // rank 3 block 16: shares 162..162 ({step, share, of})
     {1, 15, 16},
-    // rank 3 block 17: shares 167..167 ({step, share, of})
+    // rank 3 block 17: shares 163..163 ({step, share, of})
     {2, 0, 16},
-    // rank 3 block 18: shares 168..168 ({step, share, of})
+    // rank 3 block 18: shares 164..164 ({step, share, of})
     {2, 1, 16},
-    // rank 3 block 19: shares 169..169 ({step, share, of})
+    // rank 3 block 19: shares 165..165 ({step, share, of})
     {2, 2, 16},
-    // rank 3 block 20: shares 170..170 ({step, share, of})
+    // rank 3 block 20: shares 166..166 ({step, share, of})
     {2, 3, 16},
-    // rank 3 block 21: shares 171..171 ({step, share, of})
+    // rank 3 block 21: shares 167..167 ({step, share, of})
     {2, 4, 16},
-    // rank 3 block 22: shares 172..172 ({step, share, of})
+    // rank 3 block 22: shares 168..168 ({step, share, of})
     {2, 5, 16},
-    // rank 3 block 23: shares 173..173 ({step, share, of})
+    // rank 3 block 23: shares 169..169 ({step, share, of})
     {2, 6, 16},
-    // rank 3 block 24: shares 174..174 ({step, share, of})
+    // rank 3 block 24: shares 170..170 ({step, share, of})
     {2, 7, 16},
-    // rank 3 block 25: shares 175..175 ({step, share, of})
+    // rank 3 block 25: shares 171..171 ({step, share, of})
     {2, 8, 16},
-    // rank 3 block 26: shares 176..176 ({step, share, of})
+    // rank 3 block 26: shares 172..172 ({step, share, of})
     {2, 9, 16},
-    // rank 3 block 27: shares 177..177 ({step, share, of})
+    // rank 3 block 27: shares 173..173 ({step, share, of})
     {2, 10, 16},
-    // rank 3 block 28: shares 178..178 ({step, share, of})
+    // rank 3 block 28: shares 174..174 ({step, share, of})
     {2, 11, 16},
-    // rank 3 block 29: shares 179..179 ({step, share, of})
+    // rank 3 block 29: shares 175..175 ({step, share, of})
     {2, 12, 16},
-    // rank 3 block 30: shares 180..180 ({step, share, of})
+    // rank 3 block 30: shares 176..176 ({step, share, of})
     {2, 13, 16},
-    // rank 3 block 31: shares 181..181 ({step, share, of})
+    // rank 3 block 31: shares 177..177 ({step, share, of})
     {2, 14, 16},
-    // rank 3 block 32: shares 182..182 ({step, share, of})
+    // rank 3 block 32: shares 178..178 ({step, share, of})
     {2, 15, 16},
-    // rank 3 block 33: shares 183..183 ({step, share, of})
+    // rank 3 block 33: shares 179..179 ({step, share, of})
     {3, 0, 16},
-    // rank 3 block 34: shares 184..184 ({step, share, of})
+    // rank 3 block 34: shares 180..180 ({step, share, of})
     {3, 1, 16},
-    // rank 3 block 35: shares 185..185 ({step, share, of})
+    // rank 3 block 35: shares 181..181 ({step, share, of})
     {3, 2, 16},
-    // rank 3 block 36: shares 186..186 ({step, share, of})
+    // rank 3 block 36: shares 182..182 ({step, share, of})
     {3, 3, 16},
-    // rank 3 block 37: shares 187..187 ({step, share, of})
+    // rank 3 block 37: shares 183..183 ({step, share, of})
     {3, 4, 16},
-    // rank 3 block 38: shares 188..188 ({step, share, of})
+    // rank 3 block 38: shares 184..184 ({step, share, of})
     {3, 5, 16},
-    // rank 3 block 39: shares 189..189 ({step, share, of})
+    // rank 3 block 39: shares 185..185 ({step, share, of})
     {3, 6, 16},
-    // rank 3 block 40: shares 190..190 ({step, share, of})
+    // rank 3 block 40: shares 186..186 ({step, share, of})
     {3, 7, 16},
-    // rank 3 block 41: shares 191..191 ({step, share, of})
+    // rank 3 block 41: shares 187..187 ({step, share, of})
     {3, 8, 16},
-    // rank 3 block 42: shares 192..192 ({step, share, of})
+    // rank 3 block 42: shares 188..188 ({step, share, of})
     {3, 9, 16},
-    // rank 3 block 43: shares 193..193 ({step, share, of})
+    // rank 3 block 43: shares 189..189 ({step, share, of})
     {3, 10, 16},
-    // rank 3 block 44: shares 194..194 ({step, share, of})
+    // rank 3 block 44: shares 190..190 ({step, share, of})
     {3, 11, 16},
-    // rank 3 block 45: shares 195..195 ({step, share, of})
+    // rank 3 block 45: shares 191..191 ({step, share, of})
     {3, 12, 16},
-    // rank 3 block 46: shares 196..196 ({step, share, of})
+    // rank 3 block 46: shares 192..192 ({step, share, of})
     {3, 13, 16},
-    // rank 3 block 47: shares 197..197 ({step, share, of})
+    // rank 3 block 47: shares 193..193 ({step, share, of})
     {3, 14, 16},
-    // rank 3 block 48: shares 198..198 ({step, share, of})
+    // rank 3 block 48: shares 194..194 ({step, share, of})
     {3, 15, 16},
-    // rank 3 block 49: shares 199..199 ({step, share, of})
+    // rank 3 block 49: shares 195..195 ({step, share, of})
     {4, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
-    { 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100 },
-    { 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150 },
-    { 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198, 199, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
+    { 49, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
+    { 98, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147 },
+    { 147, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196, 196 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 72 steps, 912 block shares over 64 blocks.
+// Plan for world size 8: 72 steps, 904 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -2104,1041 +2091,1041 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 9, 18, 27, 36, 45, 54, 63 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 0 block 1: shares 2..3 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {4, 15, 16},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 0 block 2: shares 4..5 ({step, share, of})
+    // rank 0 block 2: shares 3..4 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 6..7 ({step, share, of})
+    // rank 0 block 3: shares 5..6 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 8..9 ({step, share, of})
+    // rank 0 block 4: shares 7..8 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 10..11 ({step, share, of})
+    // rank 0 block 5: shares 9..10 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 12..13 ({step, share, of})
+    // rank 0 block 6: shares 11..12 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 14..15 ({step, share, of})
+    // rank 0 block 7: shares 13..14 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 16..17 ({step, share, of})
+    // rank 0 block 8: shares 15..16 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 18..19 ({step, share, of})
+    // rank 0 block 9: shares 17..18 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 20..21 ({step, share, of})
+    // rank 0 block 10: shares 19..20 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 22..23 ({step, share, of})
+    // rank 0 block 11: shares 21..22 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 24..25 ({step, share, of})
+    // rank 0 block 12: shares 23..24 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 26..27 ({step, share, of})
+    // rank 0 block 13: shares 25..26 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 28..29 ({step, share, of})
+    // rank 0 block 14: shares 27..28 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 30..31 ({step, share, of})
+    // rank 0 block 15: shares 29..30 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 32..33 ({step, share, of})
+    // rank 0 block 16: shares 31..32 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 34..35 ({step, share, of})
+    // rank 0 block 17: shares 33..34 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 36..37 ({step, share, of})
+    // rank 0 block 18: shares 35..36 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 38..39 ({step, share, of})
+    // rank 0 block 19: shares 37..38 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 40..41 ({step, share, of})
+    // rank 0 block 20: shares 39..40 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 42..43 ({step, share, of})
+    // rank 0 block 21: shares 41..42 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 44..45 ({step, share, of})
+    // rank 0 block 22: shares 43..44 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 46..47 ({step, share, of})
+    // rank 0 block 23: shares 45..46 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 48..49 ({step, share, of})
+    // rank 0 block 24: shares 47..48 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 50..51 ({step, share, of})
+    // rank 0 block 25: shares 49..50 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 52..53 ({step, share, of})
+    // rank 0 block 26: shares 51..52 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 54..55 ({step, share, of})
+    // rank 0 block 27: shares 53..54 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 56..57 ({step, share, of})
+    // rank 0 block 28: shares 55..56 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 58..59 ({step, share, of})
+    // rank 0 block 29: shares 57..58 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 60..61 ({step, share, of})
+    // rank 0 block 30: shares 59..60 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 62..63 ({step, share, of})
+    // rank 0 block 31: shares 61..62 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 64..65 ({step, share, of})
+    // rank 0 block 32: shares 63..64 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 66..67 ({step, share, of})
+    // rank 0 block 33: shares 65..66 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 0 block 34: shares 68..69 ({step, share, of})
+    // rank 0 block 34: shares 67..68 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 0 block 35: shares 70..71 ({step, share, of})
+    // rank 0 block 35: shares 69..70 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 0 block 36: shares 72..73 ({step, share, of})
+    // rank 0 block 36: shares 71..72 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 0 block 37: shares 74..75 ({step, share, of})
+    // rank 0 block 37: shares 73..74 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 0 block 38: shares 76..77 ({step, share, of})
+    // rank 0 block 38: shares 75..76 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 0 block 39: shares 78..79 ({step, share, of})
+    // rank 0 block 39: shares 77..78 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 0 block 40: shares 80..81 ({step, share, of})
+    // rank 0 block 40: shares 79..80 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 0 block 41: shares 82..83 ({step, share, of})
+    // rank 0 block 41: shares 81..82 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 0 block 42: shares 84..85 ({step, share, of})
+    // rank 0 block 42: shares 83..84 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 0 block 43: shares 86..87 ({step, share, of})
+    // rank 0 block 43: shares 85..86 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 0 block 44: shares 88..89 ({step, share, of})
+    // rank 0 block 44: shares 87..88 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 0 block 45: shares 90..91 ({step, share, of})
+    // rank 0 block 45: shares 89..90 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 0 block 46: shares 92..93 ({step, share, of})
+    // rank 0 block 46: shares 91..92 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 0 block 47: shares 94..95 ({step, share, of})
+    // rank 0 block 47: shares 93..94 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 0 block 48: shares 96..97 ({step, share, of})
+    // rank 0 block 48: shares 95..96 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 0 block 49: shares 98..99 ({step, share, of})
+    // rank 0 block 49: shares 97..98 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 0 block 50: shares 100..100 ({step, share, of})
+    // rank 0 block 50: shares 99..99 ({step, share, of})
     {4, 1, 16},
-    // rank 0 block 51: shares 101..101 ({step, share, of})
+    // rank 0 block 51: shares 100..100 ({step, share, of})
     {4, 2, 16},
-    // rank 0 block 52: shares 102..102 ({step, share, of})
+    // rank 0 block 52: shares 101..101 ({step, share, of})
     {4, 3, 16},
-    // rank 0 block 53: shares 103..103 ({step, share, of})
+    // rank 0 block 53: shares 102..102 ({step, share, of})
     {4, 4, 16},
-    // rank 0 block 54: shares 104..104 ({step, share, of})
+    // rank 0 block 54: shares 103..103 ({step, share, of})
     {4, 5, 16},
-    // rank 0 block 55: shares 105..105 ({step, share, of})
+    // rank 0 block 55: shares 104..104 ({step, share, of})
     {4, 6, 16},
-    // rank 0 block 56: shares 106..106 ({step, share, of})
+    // rank 0 block 56: shares 105..105 ({step, share, of})
     {4, 7, 16},
-    // rank 0 block 57: shares 107..107 ({step, share, of})
+    // rank 0 block 57: shares 106..106 ({step, share, of})
     {4, 8, 16},
-    // rank 0 block 58: shares 108..108 ({step, share, of})
+    // rank 0 block 58: shares 107..107 ({step, share, of})
     {4, 9, 16},
-    // rank 0 block 59: shares 109..109 ({step, share, of})
+    // rank 0 block 59: shares 108..108 ({step, share, of})
     {4, 10, 16},
-    // rank 0 block 60: shares 110..110 ({step, share, of})
+    // rank 0 block 60: shares 109..109 ({step, share, of})
     {4, 11, 16},
-    // rank 0 block 61: shares 111..111 ({step, share, of})
+    // rank 0 block 61: shares 110..110 ({step, share, of})
     {4, 12, 16},
-    // rank 0 block 62: shares 112..112 ({step, share, of})
+    // rank 0 block 62: shares 111..111 ({step, share, of})
     {4, 13, 16},
-    // rank 0 block 63: shares 113..113 ({step, share, of})
+    // rank 0 block 63: shares 112..112 ({step, share, of})
     {4, 14, 16},
-    // rank 1 block 0: shares 114..115 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 1 block 1: shares 116..117 ({step, share, of})
+    // rank 1 block 0: shares 113..113 ({step, share, of})
+    {4, 15, 16},
+    // rank 1 block 1: shares 114..115 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 1 block 2: shares 118..119 ({step, share, of})
+    // rank 1 block 2: shares 116..117 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 120..121 ({step, share, of})
+    // rank 1 block 3: shares 118..119 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 122..123 ({step, share, of})
+    // rank 1 block 4: shares 120..121 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 124..125 ({step, share, of})
+    // rank 1 block 5: shares 122..123 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 126..127 ({step, share, of})
+    // rank 1 block 6: shares 124..125 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 128..129 ({step, share, of})
+    // rank 1 block 7: shares 126..127 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 130..131 ({step, share, of})
+    // rank 1 block 8: shares 128..129 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 132..133 ({step, share, of})
+    // rank 1 block 9: shares 130..131 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 134..135 ({step, share, of})
+    // rank 1 block 10: shares 132..133 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 136..137 ({step, share, of})
+    // rank 1 block 11: shares 134..135 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 138..139 ({step, share, of})
+    // rank 1 block 12: shares 136..137 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 140..141 ({step, share, of})
+    // rank 1 block 13: shares 138..139 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 142..143 ({step, share, of})
+    // rank 1 block 14: shares 140..141 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 144..145 ({step, share, of})
+    // rank 1 block 15: shares 142..143 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 146..147 ({step, share, of})
+    // rank 1 block 16: shares 144..145 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 148..149 ({step, share, of})
+    // rank 1 block 17: shares 146..147 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 150..151 ({step, share, of})
+    // rank 1 block 18: shares 148..149 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 152..153 ({step, share, of})
+    // rank 1 block 19: shares 150..151 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 154..155 ({step, share, of})
+    // rank 1 block 20: shares 152..153 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 156..157 ({step, share, of})
+    // rank 1 block 21: shares 154..155 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 158..159 ({step, share, of})
+    // rank 1 block 22: shares 156..157 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 160..161 ({step, share, of})
+    // rank 1 block 23: shares 158..159 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 162..163 ({step, share, of})
+    // rank 1 block 24: shares 160..161 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 164..165 ({step, share, of})
+    // rank 1 block 25: shares 162..163 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 166..167 ({step, share, of})
+    // rank 1 block 26: shares 164..165 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 168..169 ({step, share, of})
+    // rank 1 block 27: shares 166..167 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 170..171 ({step, share, of})
+    // rank 1 block 28: shares 168..169 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 172..173 ({step, share, of})
+    // rank 1 block 29: shares 170..171 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 174..175 ({step, share, of})
+    // rank 1 block 30: shares 172..173 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 176..177 ({step, share, of})
+    // rank 1 block 31: shares 174..175 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 178..179 ({step, share, of})
+    // rank 1 block 32: shares 176..177 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 180..181 ({step, share, of})
+    // rank 1 block 33: shares 178..179 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 34: shares 182..183 ({step, share, of})
+    // rank 1 block 34: shares 180..181 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 35: shares 184..185 ({step, share, of})
+    // rank 1 block 35: shares 182..183 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 36: shares 186..187 ({step, share, of})
+    // rank 1 block 36: shares 184..185 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 37: shares 188..189 ({step, share, of})
+    // rank 1 block 37: shares 186..187 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 38: shares 190..191 ({step, share, of})
+    // rank 1 block 38: shares 188..189 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 39: shares 192..193 ({step, share, of})
+    // rank 1 block 39: shares 190..191 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 40: shares 194..195 ({step, share, of})
+    // rank 1 block 40: shares 192..193 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 41: shares 196..197 ({step, share, of})
+    // rank 1 block 41: shares 194..195 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 42: shares 198..199 ({step, share, of})
+    // rank 1 block 42: shares 196..197 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 43: shares 200..201 ({step, share, of})
+    // rank 1 block 43: shares 198..199 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 44: shares 202..203 ({step, share, of})
+    // rank 1 block 44: shares 200..201 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 45: shares 204..205 ({step, share, of})
+    // rank 1 block 45: shares 202..203 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 46: shares 206..207 ({step, share, of})
+    // rank 1 block 46: shares 204..205 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 47: shares 208..209 ({step, share, of})
+    // rank 1 block 47: shares 206..207 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 48: shares 210..211 ({step, share, of})
+    // rank 1 block 48: shares 208..209 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 1 block 49: shares 212..213 ({step, share, of})
+    // rank 1 block 49: shares 210..211 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 1 block 50: shares 214..214 ({step, share, of})
+    // rank 1 block 50: shares 212..212 ({step, share, of})
     {4, 1, 16},
-    // rank 1 block 51: shares 215..215 ({step, share, of})
+    // rank 1 block 51: shares 213..213 ({step, share, of})
     {4, 2, 16},
-    // rank 1 block 52: shares 216..216 ({step, share, of})
+    // rank 1 block 52: shares 214..214 ({step, share, of})
     {4, 3, 16},
-    // rank 1 block 53: shares 217..217 ({step, share, of})
+    // rank 1 block 53: shares 215..215 ({step, share, of})
     {4, 4, 16},
-    // rank 1 block 54: shares 218..218 ({step, share, of})
+    // rank 1 block 54: shares 216..216 ({step, share, of})
     {4, 5, 16},
-    // rank 1 block 55: shares 219..219 ({step, share, of})
+    // rank 1 block 55: shares 217..217 ({step, share, of})
     {4, 6, 16},
-    // rank 1 block 56: shares 220..220 ({step, share, of})
+    // rank 1 block 56: shares 218..218 ({step, share, of})
     {4, 7, 16},
-    // rank 1 block 57: shares 221..221 ({step, share, of})
+    // rank 1 block 57: shares 219..219 ({step, share, of})
     {4, 8, 16},
-    // rank 1 block 58: shares 222..222 ({step, share, of})
+    // rank 1 block 58: shares 220..220 ({step, share, of})
     {4, 9, 16},
-    // rank 1 block 59: shares 223..223 ({step, share, of})
+    // rank 1 block 59: shares 221..221 ({step, share, of})
     {4, 10, 16},
-    // rank 1 block 60: shares 224..224 ({step, share, of})
+    // rank 1 block 60: shares 222..222 ({step, share, of})
     {4, 11, 16},
-    // rank 1 block 61: shares 225..225 ({step, share, of})
+    // rank 1 block 61: shares 223..223 ({step, share, of})
     {4, 12, 16},
-    // rank 1 block 62: shares 226..226 ({step, share, of})
+    // rank 1 block 62: shares 224..224 ({step, share, of})
     {4, 13, 16},
-    // rank 1 block 63: shares 227..227 ({step, share, of})
+    // rank 1 block 63: shares 225..225 ({step, share, of})
     {4, 14, 16},
-    // rank 2 block 0: shares 228..229 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 2 block 1: shares 230..231 ({step, share, of})
+    // rank 2 block 0: shares 226..226 ({step, share, of})
+    {4, 15, 16},
+    // rank 2 block 1: shares 227..228 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 2 block 2: shares 232..233 ({step, share, of})
+    // rank 2 block 2: shares 229..230 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 234..235 ({step, share, of})
+    // rank 2 block 3: shares 231..232 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 236..237 ({step, share, of})
+    // rank 2 block 4: shares 233..234 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 238..239 ({step, share, of})
+    // rank 2 block 5: shares 235..236 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 240..241 ({step, share, of})
+    // rank 2 block 6: shares 237..238 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 242..243 ({step, share, of})
+    // rank 2 block 7: shares 239..240 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 244..245 ({step, share, of})
+    // rank 2 block 8: shares 241..242 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 246..247 ({step, share, of})
+    // rank 2 block 9: shares 243..244 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 248..249 ({step, share, of})
+    // rank 2 block 10: shares 245..246 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 250..251 ({step, share, of})
+    // rank 2 block 11: shares 247..248 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 252..253 ({step, share, of})
+    // rank 2 block 12: shares 249..250 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 254..255 ({step, share, of})
+    // rank 2 block 13: shares 251..252 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 256..257 ({step, share, of})
+    // rank 2 block 14: shares 253..254 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 258..259 ({step, share, of})
+    // rank 2 block 15: shares 255..256 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 260..261 ({step, share, of})
+    // rank 2 block 16: shares 257..258 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 262..263 ({step, share, of})
+    // rank 2 block 17: shares 259..260 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 264..265 ({step, share, of})
+    // rank 2 block 18: shares 261..262 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 266..267 ({step, share, of})
+    // rank 2 block 19: shares 263..264 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 268..269 ({step, share, of})
+    // rank 2 block 20: shares 265..266 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 270..271 ({step, share, of})
+    // rank 2 block 21: shares 267..268 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 272..273 ({step, share, of})
+    // rank 2 block 22: shares 269..270 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 274..275 ({step, share, of})
+    // rank 2 block 23: shares 271..272 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 276..277 ({step, share, of})
+    // rank 2 block 24: shares 273..274 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 278..279 ({step, share, of})
+    // rank 2 block 25: shares 275..276 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 280..281 ({step, share, of})
+    // rank 2 block 26: shares 277..278 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 282..283 ({step, share, of})
+    // rank 2 block 27: shares 279..280 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 284..285 ({step, share, of})
+    // rank 2 block 28: shares 281..282 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 286..287 ({step, share, of})
+    // rank 2 block 29: shares 283..284 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 288..289 ({step, share, of})
+    // rank 2 block 30: shares 285..286 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 290..291 ({step, share, of})
+    // rank 2 block 31: shares 287..288 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 292..293 ({step, share, of})
+    // rank 2 block 32: shares 289..290 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 294..295 ({step, share, of})
+    // rank 2 block 33: shares 291..292 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 2 block 34: shares 296..297 ({step, share, of})
+    // rank 2 block 34: shares 293..294 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 2 block 35: shares 298..299 ({step, share, of})
+    // rank 2 block 35: shares 295..296 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 2 block 36: shares 300..301 ({step, share, of})
+    // rank 2 block 36: shares 297..298 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 2 block 37: shares 302..303 ({step, share, of})
+    // rank 2 block 37: shares 299..300 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 2 block 38: shares 304..305 ({step, share, of})
+    // rank 2 block 38: shares 301..302 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 2 block 39: shares 306..307 ({step, share, of})
+    // rank 2 block 39: shares 303..304 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 2 block 40: shares 308..309 ({step, share, of})
+    // rank 2 block 40: shares 305..306 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 2 block 41: shares 310..311 ({step, share, of})
+    // rank 2 block 41: shares 307..308 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 2 block 42: shares 312..313 ({step, share, of})
+    // rank 2 block 42: shares 309..310 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 2 block 43: shares 314..315 ({step, share, of})
+    // rank 2 block 43: shares 311..312 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 2 block 44: shares 316..317 ({step, share, of})
+    // rank 2 block 44: shares 313..314 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 2 block 45: shares 318..319 ({step, share, of})
+    // rank 2 block 45: shares 315..316 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 2 block 46: shares 320..321 ({step, share, of})
+    // rank 2 block 46: shares 317..318 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 2 block 47: shares 322..323 ({step, share, of})
+    // rank 2 block 47: shares 319..320 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 2 block 48: shares 324..325 ({step, share, of})
+    // rank 2 block 48: shares 321..322 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 49: shares 326..327 ({step, share, of})
+    // rank 2 block 49: shares 323..324 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 2 block 50: shares 328..328 ({step, share, of})
+    // rank 2 block 50: shares 325..325 ({step, share, of})
     {4, 1, 16},
-    // rank 2 block 51: shares 329..329 ({step, share, of})
+    // rank 2 block 51: shares 326..326 ({step, share, of})
     {4, 2, 16},
-    // rank 2 block 52: shares 330..330 ({step, share, of})
+    // rank 2 block 52: shares 327..327 ({step, share, of})
     {4, 3, 16},
-    // rank 2 block 53: shares 331..331 ({step, share, of})
+    // rank 2 block 53: shares 328..328 ({step, share, of})
     {4, 4, 16},
-    // rank 2 block 54: shares 332..332 ({step, share, of})
+    // rank 2 block 54: shares 329..329 ({step, share, of})
     {4, 5, 16},
-    // rank 2 block 55: shares 333..333 ({step, share, of})
+    // rank 2 block 55: shares 330..330 ({step, share, of})
     {4, 6, 16},
-    // rank 2 block 56: shares 334..334 ({step, share, of})
+    // rank 2 block 56: shares 331..331 ({step, share, of})
     {4, 7, 16},
-    // rank 2 block 57: shares 335..335 ({step, share, of})
+    // rank 2 block 57: shares 332..332 ({step, share, of})
     {4, 8, 16},
-    // rank 2 block 58: shares 336..336 ({step, share, of})
+    // rank 2 block 58: shares 333..333 ({step, share, of})
     {4, 9, 16},
-    // rank 2 block 59: shares 337..337 ({step, share, of})
+    // rank 2 block 59: shares 334..334 ({step, share, of})
     {4, 10, 16},
-    // rank 2 block 60: shares 338..338 ({step, share, of})
+    // rank 2 block 60: shares 335..335 ({step, share, of})
     {4, 11, 16},
-    // rank 2 block 61: shares 339..339 ({step, share, of})
+    // rank 2 block 61: shares 336..336 ({step, share, of})
     {4, 12, 16},
-    // rank 2 block 62: shares 340..340 ({step, share, of})
+    // rank 2 block 62: shares 337..337 ({step, share, of})
     {4, 13, 16},
-    // rank 2 block 63: shares 341..341 ({step, share, of})
+    // rank 2 block 63: shares 338..338 ({step, share, of})
     {4, 14, 16},
-    // rank 3 block 0: shares 342..343 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 3 block 1: shares 344..345 ({step, share, of})
+    // rank 3 block 0: shares 339..339 ({step, share, of})
+    {4, 15, 16},
+    // rank 3 block 1: shares 340..341 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 3 block 2: shares 346..347 ({step, share, of})
+    // rank 3 block 2: shares 342..343 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 348..349 ({step, share, of})
+    // rank 3 block 3: shares 344..345 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 350..351 ({step, share, of})
+    // rank 3 block 4: shares 346..347 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 352..353 ({step, share, of})
+    // rank 3 block 5: shares 348..349 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 354..355 ({step, share, of})
+    // rank 3 block 6: shares 350..351 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 356..357 ({step, share, of})
+    // rank 3 block 7: shares 352..353 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 358..359 ({step, share, of})
+    // rank 3 block 8: shares 354..355 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 360..361 ({step, share, of})
+    // rank 3 block 9: shares 356..357 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 362..363 ({step, share, of})
+    // rank 3 block 10: shares 358..359 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 364..365 ({step, share, of})
+    // rank 3 block 11: shares 360..361 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 366..367 ({step, share, of})
+    // rank 3 block 12: shares 362..363 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 368..369 ({step, share, of})
+    // rank 3 block 13: shares 364..365 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 370..371 ({step, share, of})
+    // rank 3 block 14: shares 366..367 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 372..373 ({step, share, of})
+    // rank 3 block 15: shares 368..369 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 374..375 ({step, share, of})
+    // rank 3 block 16: shares 370..371 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 376..377 ({step, share, of})
+    // rank 3 block 17: shares 372..373 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 378..379 ({step, share, of})
+    // rank 3 block 18: shares 374..375 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 380..381 ({step, share, of})
+    // rank 3 block 19: shares 376..377 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 382..383 ({step, share, of})
+    // rank 3 block 20: shares 378..379 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 384..385 ({step, share, of})
+    // rank 3 block 21: shares 380..381 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 386..387 ({step, share, of})
+    // rank 3 block 22: shares 382..383 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 388..389 ({step, share, of})
+    // rank 3 block 23: shares 384..385 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 390..391 ({step, share, of})
+    // rank 3 block 24: shares 386..387 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 392..393 ({step, share, of})
+    // rank 3 block 25: shares 388..389 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 394..395 ({step, share, of})
+    // rank 3 block 26: shares 390..391 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 396..397 ({step, share, of})
+    // rank 3 block 27: shares 392..393 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 398..399 ({step, share, of})
+    // rank 3 block 28: shares 394..395 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 400..401 ({step, share, of})
+    // rank 3 block 29: shares 396..397 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 402..403 ({step, share, of})
+    // rank 3 block 30: shares 398..399 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 404..405 ({step, share, of})
+    // rank 3 block 31: shares 400..401 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 406..407 ({step, share, of})
+    // rank 3 block 32: shares 402..403 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 408..409 ({step, share, of})
+    // rank 3 block 33: shares 404..405 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 3 block 34: shares 410..411 ({step, share, of})
+    // rank 3 block 34: shares 406..407 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 3 block 35: shares 412..413 ({step, share, of})
+    // rank 3 block 35: shares 408..409 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 3 block 36: shares 414..415 ({step, share, of})
+    // rank 3 block 36: shares 410..411 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 3 block 37: shares 416..417 ({step, share, of})
+    // rank 3 block 37: shares 412..413 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 3 block 38: shares 418..419 ({step, share, of})
+    // rank 3 block 38: shares 414..415 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 3 block 39: shares 420..421 ({step, share, of})
+    // rank 3 block 39: shares 416..417 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 3 block 40: shares 422..423 ({step, share, of})
+    // rank 3 block 40: shares 418..419 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 3 block 41: shares 424..425 ({step, share, of})
+    // rank 3 block 41: shares 420..421 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 3 block 42: shares 426..427 ({step, share, of})
+    // rank 3 block 42: shares 422..423 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 3 block 43: shares 428..429 ({step, share, of})
+    // rank 3 block 43: shares 424..425 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 3 block 44: shares 430..431 ({step, share, of})
+    // rank 3 block 44: shares 426..427 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 3 block 45: shares 432..433 ({step, share, of})
+    // rank 3 block 45: shares 428..429 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 3 block 46: shares 434..435 ({step, share, of})
+    // rank 3 block 46: shares 430..431 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 3 block 47: shares 436..437 ({step, share, of})
+    // rank 3 block 47: shares 432..433 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 3 block 48: shares 438..439 ({step, share, of})
+    // rank 3 block 48: shares 434..435 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 3 block 49: shares 440..441 ({step, share, of})
+    // rank 3 block 49: shares 436..437 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 3 block 50: shares 442..442 ({step, share, of})
+    // rank 3 block 50: shares 438..438 ({step, share, of})
     {4, 1, 16},
-    // rank 3 block 51: shares 443..443 ({step, share, of})
+    // rank 3 block 51: shares 439..439 ({step, share, of})
     {4, 2, 16},
-    // rank 3 block 52: shares 444..444 ({step, share, of})
+    // rank 3 block 52: shares 440..440 ({step, share, of})
     {4, 3, 16},
-    // rank 3 block 53: shares 445..445 ({step, share, of})
+    // rank 3 block 53: shares 441..441 ({step, share, of})
     {4, 4, 16},
-    // rank 3 block 54: shares 446..446 ({step, share, of})
+    // rank 3 block 54: shares 442..442 ({step, share, of})
     {4, 5, 16},
-    // rank 3 block 55: shares 447..447 ({step, share, of})
+    // rank 3 block 55: shares 443..443 ({step, share, of})
     {4, 6, 16},
-    // rank 3 block 56: shares 448..448 ({step, share, of})
+    // rank 3 block 56: shares 444..444 ({step, share, of})
     {4, 7, 16},
-    // rank 3 block 57: shares 449..449 ({step, share, of})
+    // rank 3 block 57: shares 445..445 ({step, share, of})
     {4, 8, 16},
-    // rank 3 block 58: shares 450..450 ({step, share, of})
+    // rank 3 block 58: shares 446..446 ({step, share, of})
     {4, 9, 16},
-    // rank 3 block 59: shares 451..451 ({step, share, of})
+    // rank 3 block 59: shares 447..447 ({step, share, of})
     {4, 10, 16},
-    // rank 3 block 60: shares 452..452 ({step, share, of})
+    // rank 3 block 60: shares 448..448 ({step, share, of})
     {4, 11, 16},
-    // rank 3 block 61: shares 453..453 ({step, share, of})
+    // rank 3 block 61: shares 449..449 ({step, share, of})
     {4, 12, 16},
-    // rank 3 block 62: shares 454..454 ({step, share, of})
+    // rank 3 block 62: shares 450..450 ({step, share, of})
     {4, 13, 16},
-    // rank 3 block 63: shares 455..455 ({step, share, of})
+    // rank 3 block 63: shares 451..451 ({step, share, of})
     {4, 14, 16},
-    // rank 4 block 0: shares 456..457 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 4 block 1: shares 458..459 ({step, share, of})
+    // rank 4 block 0: shares 452..452 ({step, share, of})
+    {4, 15, 16},
+    // rank 4 block 1: shares 453..454 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 4 block 2: shares 460..461 ({step, share, of})
+    // rank 4 block 2: shares 455..456 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 4 block 3: shares 462..463 ({step, share, of})
+    // rank 4 block 3: shares 457..458 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 4 block 4: shares 464..465 ({step, share, of})
+    // rank 4 block 4: shares 459..460 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 4 block 5: shares 466..467 ({step, share, of})
+    // rank 4 block 5: shares 461..462 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 4 block 6: shares 468..469 ({step, share, of})
+    // rank 4 block 6: shares 463..464 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 4 block 7: shares 470..471 ({step, share, of})
+    // rank 4 block 7: shares 465..466 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 4 block 8: shares 472..473 ({step, share, of})
+    // rank 4 block 8: shares 467..468 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 4 block 9: shares 474..475 ({step, share, of})
+    // rank 4 block 9: shares 469..470 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 4 block 10: shares 476..477 ({step, share, of})
+    // rank 4 block 10: shares 471..472 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 4 block 11: shares 478..479 ({step, share, of})
+    // rank 4 block 11: shares 473..474 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 4 block 12: shares 480..481 ({step, share, of})
+    // rank 4 block 12: shares 475..476 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 4 block 13: shares 482..483 ({step, share, of})
+    // rank 4 block 13: shares 477..478 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 4 block 14: shares 484..485 ({step, share, of})
+    // rank 4 block 14: shares 479..480 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 4 block 15: shares 486..487 ({step, share, of})
+    // rank 4 block 15: shares 481..482 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 4 block 16: shares 488..489 ({step, share, of})
+    // rank 4 block 16: shares 483..484 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 4 block 17: shares 490..491 ({step, share, of})
+    // rank 4 block 17: shares 485..486 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 4 block 18: shares 492..493 ({step, share, of})
+    // rank 4 block 18: shares 487..488 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 4 block 19: shares 494..495 ({step, share, of})
+    // rank 4 block 19: shares 489..490 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 4 block 20: shares 496..497 ({step, share, of})
+    // rank 4 block 20: shares 491..492 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 4 block 21: shares 498..499 ({step, share, of})
+    // rank 4 block 21: shares 493..494 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 4 block 22: shares 500..501 ({step, share, of})
+    // rank 4 block 22: shares 495..496 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 4 block 23: shares 502..503 ({step, share, of})
+    // rank 4 block 23: shares 497..498 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 4 block 24: shares 504..505 ({step, share, of})
+    // rank 4 block 24: shares 499..500 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 4 block 25: shares 506..507 ({step, share, of})
+    // rank 4 block 25: shares 501..502 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 4 block 26: shares 508..509 ({step, share, of})
+    // rank 4 block 26: shares 503..504 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 4 block 27: shares 510..511 ({step, share, of})
+    // rank 4 block 27: shares 505..506 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 4 block 28: shares 512..513 ({step, share, of})
+    // rank 4 block 28: shares 507..508 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 4 block 29: shares 514..515 ({step, share, of})
+    // rank 4 block 29: shares 509..510 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 4 block 30: shares 516..517 ({step, share, of})
+    // rank 4 block 30: shares 511..512 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 4 block 31: shares 518..519 ({step, share, of})
+    // rank 4 block 31: shares 513..514 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 4 block 32: shares 520..521 ({step, share, of})
+    // rank 4 block 32: shares 515..516 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 4 block 33: shares 522..523 ({step, share, of})
+    // rank 4 block 33: shares 517..518 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 4 block 34: shares 524..525 ({step, share, of})
+    // rank 4 block 34: shares 519..520 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 4 block 35: shares 526..527 ({step, share, of})
+    // rank 4 block 35: shares 521..522 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 4 block 36: shares 528..529 ({step, share, of})
+    // rank 4 block 36: shares 523..524 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 4 block 37: shares 530..531 ({step, share, of})
+    // rank 4 block 37: shares 525..526 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 4 block 38: shares 532..533 ({step, share, of})
+    // rank 4 block 38: shares 527..528 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 4 block 39: shares 534..535 ({step, share, of})
+    // rank 4 block 39: shares 529..530 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 4 block 40: shares 536..537 ({step, share, of})
+    // rank 4 block 40: shares 531..532 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 4 block 41: shares 538..539 ({step, share, of})
+    // rank 4 block 41: shares 533..534 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 4 block 42: shares 540..541 ({step, share, of})
+    // rank 4 block 42: shares 535..536 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 4 block 43: shares 542..543 ({step, share, of})
+    // rank 4 block 43: shares 537..538 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 4 block 44: shares 544..545 ({step, share, of})
+    // rank 4 block 44: shares 539..540 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 4 block 45: shares 546..547 ({step, share, of})
+    // rank 4 block 45: shares 541..542 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 4 block 46: shares 548..549 ({step, share, of})
+    // rank 4 block 46: shares 543..544 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 4 block 47: shares 550..551 ({step, share, of})
+    // rank 4 block 47: shares 545..546 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 4 block 48: shares 552..553 ({step, share, of})
+    // rank 4 block 48: shares 547..548 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 4 block 49: shares 554..555 ({step, share, of})
+    // rank 4 block 49: shares 549..550 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 4 block 50: shares 556..556 ({step, share, of})
+    // rank 4 block 50: shares 551..551 ({step, share, of})
     {4, 1, 16},
-    // rank 4 block 51: shares 557..557 ({step, share, of})
+    // rank 4 block 51: shares 552..552 ({step, share, of})
     {4, 2, 16},
-    // rank 4 block 52: shares 558..558 ({step, share, of})
+    // rank 4 block 52: shares 553..553 ({step, share, of})
     {4, 3, 16},
-    // rank 4 block 53: shares 559..559 ({step, share, of})
+    // rank 4 block 53: shares 554..554 ({step, share, of})
     {4, 4, 16},
-    // rank 4 block 54: shares 560..560 ({step, share, of})
+    // rank 4 block 54: shares 555..555 ({step, share, of})
     {4, 5, 16},
-    // rank 4 block 55: shares 561..561 ({step, share, of})
+    // rank 4 block 55: shares 556..556 ({step, share, of})
     {4, 6, 16},
-    // rank 4 block 56: shares 562..562 ({step, share, of})
+    // rank 4 block 56: shares 557..557 ({step, share, of})
     {4, 7, 16},
-    // rank 4 block 57: shares 563..563 ({step, share, of})
+    // rank 4 block 57: shares 558..558 ({step, share, of})
     {4, 8, 16},
-    // rank 4 block 58: shares 564..564 ({step, share, of})
+    // rank 4 block 58: shares 559..559 ({step, share, of})
     {4, 9, 16},
-    // rank 4 block 59: shares 565..565 ({step, share, of})
+    // rank 4 block 59: shares 560..560 ({step, share, of})
     {4, 10, 16},
-    // rank 4 block 60: shares 566..566 ({step, share, of})
+    // rank 4 block 60: shares 561..561 ({step, share, of})
     {4, 11, 16},
-    // rank 4 block 61: shares 567..567 ({step, share, of})
+    // rank 4 block 61: shares 562..562 ({step, share, of})
     {4, 12, 16},
-    // rank 4 block 62: shares 568..568 ({step, share, of})
+    // rank 4 block 62: shares 563..563 ({step, share, of})
     {4, 13, 16},
-    // rank 4 block 63: shares 569..569 ({step, share, of})
+    // rank 4 block 63: shares 564..564 ({step, share, of})
     {4, 14, 16},
-    // rank 5 block 0: shares 570..571 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 5 block 1: shares 572..573 ({step, share, of})
+    // rank 5 block 0: shares 565..565 ({step, share, of})
+    {4, 15, 16},
+    // rank 5 block 1: shares 566..567 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 5 block 2: shares 574..575 ({step, share, of})
+    // rank 5 block 2: shares 568..569 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 5 block 3: shares 576..577 ({step, share, of})
+    // rank 5 block 3: shares 570..571 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 5 block 4: shares 578..579 ({step, share, of})
+    // rank 5 block 4: shares 572..573 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 5 block 5: shares 580..581 ({step, share, of})
+    // rank 5 block 5: shares 574..575 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 5 block 6: shares 582..583 ({step, share, of})
+    // rank 5 block 6: shares 576..577 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 5 block 7: shares 584..585 ({step, share, of})
+    // rank 5 block 7: shares 578..579 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 5 block 8: shares 586..587 ({step, share, of})
+    // rank 5 block 8: shares 580..581 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 5 block 9: shares 588..589 ({step, share, of})
+    // rank 5 block 9: shares 582..583 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 5 block 10: shares 590..591 ({step, share, of})
+    // rank 5 block 10: shares 584..585 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 5 block 11: shares 592..593 ({step, share, of})
+    // rank 5 block 11: shares 586..587 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 5 block 12: shares 594..595 ({step, share, of})
+    // rank 5 block 12: shares 588..589 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 5 block 13: shares 596..597 ({step, share, of})
+    // rank 5 block 13: shares 590..591 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 5 block 14: shares 598..599 ({step, share, of})
+    // rank 5 block 14: shares 592..593 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 5 block 15: shares 600..601 ({step, share, of})
+    // rank 5 block 15: shares 594..595 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 5 block 16: shares 602..603 ({step, share, of})
+    // rank 5 block 16: shares 596..597 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 5 block 17: shares 604..605 ({step, share, of})
+    // rank 5 block 17: shares 598..599 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 5 block 18: shares 606..607 ({step, share, of})
+    // rank 5 block 18: shares 600..601 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 5 block 19: shares 608..609 ({step, share, of})
+    // rank 5 block 19: shares 602..603 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 5 block 20: shares 610..611 ({step, share, of})
+    // rank 5 block 20: shares 604..605 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 5 block 21: shares 612..613 ({step, share, of})
+    // rank 5 block 21: shares 606..607 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 5 block 22: shares 614..615 ({step, share, of})
+    // rank 5 block 22: shares 608..609 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 5 block 23: shares 616..617 ({step, share, of})
+    // rank 5 block 23: shares 610..611 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 5 block 24: shares 618..619 ({step, share, of})
+    // rank 5 block 24: shares 612..613 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 5 block 25: shares 620..621 ({step, share, of})
+    // rank 5 block 25: shares 614..615 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 5 block 26: shares 622..623 ({step, share, of})
+    // rank 5 block 26: shares 616..617 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 5 block 27: shares 624..625 ({step, share, of})
+    // rank 5 block 27: shares 618..619 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 5 block 28: shares 626..627 ({step, share, of})
+    // rank 5 block 28: shares 620..621 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 5 block 29: shares 628..629 ({step, share, of})
+    // rank 5 block 29: shares 622..623 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 5 block 30: shares 630..631 ({step, share, of})
+    // rank 5 block 30: shares 624..625 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 5 block 31: shares 632..633 ({step, share, of})
+    // rank 5 block 31: shares 626..627 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 5 block 32: shares 634..635 ({step, share, of})
+    // rank 5 block 32: shares 628..629 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 5 block 33: shares 636..637 ({step, share, of})
+    // rank 5 block 33: shares 630..631 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 5 block 34: shares 638..639 ({step, share, of})
+    // rank 5 block 34: shares 632..633 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 5 block 35: shares 640..641 ({step, share, of})
+    // rank 5 block 35: shares 634..635 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 5 block 36: shares 642..643 ({step, share, of})
+    // rank 5 block 36: shares 636..637 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 5 block 37: shares 644..645 ({step, share, of})
+    // rank 5 block 37: shares 638..639 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 5 block 38: shares 646..647 ({step, share, of})
+    // rank 5 block 38: shares 640..641 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 5 block 39: shares 648..649 ({step, share, of})
+    // rank 5 block 39: shares 642..643 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 5 block 40: shares 650..651 ({step, share, of})
+    // rank 5 block 40: shares 644..645 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 5 block 41: shares 652..653 ({step, share, of})
+    // rank 5 block 41: shares 646..647 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 5 block 42: shares 654..655 ({step, share, of})
+    // rank 5 block 42: shares 648..649 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 5 block 43: shares 656..657 ({step, share, of})
+    // rank 5 block 43: shares 650..651 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 5 block 44: shares 658..659 ({step, share, of})
+    // rank 5 block 44: shares 652..653 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 5 block 45: shares 660..661 ({step, share, of})
+    // rank 5 block 45: shares 654..655 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 5 block 46: shares 662..663 ({step, share, of})
+    // rank 5 block 46: shares 656..657 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 5 block 47: shares 664..665 ({step, share, of})
+    // rank 5 block 47: shares 658..659 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 5 block 48: shares 666..667 ({step, share, of})
+    // rank 5 block 48: shares 660..661 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 5 block 49: shares 668..669 ({step, share, of})
+    // rank 5 block 49: shares 662..663 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 5 block 50: shares 670..670 ({step, share, of})
+    // rank 5 block 50: shares 664..664 ({step, share, of})
     {4, 1, 16},
-    // rank 5 block 51: shares 671..671 ({step, share, of})
+    // rank 5 block 51: shares 665..665 ({step, share, of})
     {4, 2, 16},
-    // rank 5 block 52: shares 672..672 ({step, share, of})
+    // rank 5 block 52: shares 666..666 ({step, share, of})
     {4, 3, 16},
-    // rank 5 block 53: shares 673..673 ({step, share, of})
+    // rank 5 block 53: shares 667..667 ({step, share, of})
     {4, 4, 16},
-    // rank 5 block 54: shares 674..674 ({step, share, of})
+    // rank 5 block 54: shares 668..668 ({step, share, of})
     {4, 5, 16},
-    // rank 5 block 55: shares 675..675 ({step, share, of})
+    // rank 5 block 55: shares 669..669 ({step, share, of})
     {4, 6, 16},
-    // rank 5 block 56: shares 676..676 ({step, share, of})
+    // rank 5 block 56: shares 670..670 ({step, share, of})
     {4, 7, 16},
-    // rank 5 block 57: shares 677..677 ({step, share, of})
+    // rank 5 block 57: shares 671..671 ({step, share, of})
     {4, 8, 16},
-    // rank 5 block 58: shares 678..678 ({step, share, of})
+    // rank 5 block 58: shares 672..672 ({step, share, of})
     {4, 9, 16},
-    // rank 5 block 59: shares 679..679 ({step, share, of})
+    // rank 5 block 59: shares 673..673 ({step, share, of})
     {4, 10, 16},
-    // rank 5 block 60: shares 680..680 ({step, share, of})
+    // rank 5 block 60: shares 674..674 ({step, share, of})
     {4, 11, 16},
-    // rank 5 block 61: shares 681..681 ({step, share, of})
+    // rank 5 block 61: shares 675..675 ({step, share, of})
     {4, 12, 16},
-    // rank 5 block 62: shares 682..682 ({step, share, of})
+    // rank 5 block 62: shares 676..676 ({step, share, of})
     {4, 13, 16},
-    // rank 5 block 63: shares 683..683 ({step, share, of})
+    // rank 5 block 63: shares 677..677 ({step, share, of})
     {4, 14, 16},
-    // rank 6 block 0: shares 684..685 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 6 block 1: shares 686..687 ({step, share, of})
+    // rank 6 block 0: shares 678..678 ({step, share, of})
+    {4, 15, 16},
+    // rank 6 block 1: shares 679..680 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 6 block 2: shares 688..689 ({step, share, of})
+    // rank 6 block 2: shares 681..682 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 6 block 3: shares 690..691 ({step, share, of})
+    // rank 6 block 3: shares 683..684 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 6 block 4: shares 692..693 ({step, share, of})
+    // rank 6 block 4: shares 685..686 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 6 block 5: shares 694..695 ({step, share, of})
+    // rank 6 block 5: shares 687..688 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 6 block 6: shares 696..697 ({step, share, of})
+    // rank 6 block 6: shares 689..690 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 6 block 7: shares 698..699 ({step, share, of})
+    // rank 6 block 7: shares 691..692 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 6 block 8: shares 700..701 ({step, share, of})
+    // rank 6 block 8: shares 693..694 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 6 block 9: shares 702..703 ({step, share, of})
+    // rank 6 block 9: shares 695..696 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 6 block 10: shares 704..705 ({step, share, of})
+    // rank 6 block 10: shares 697..698 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 6 block 11: shares 706..707 ({step, share, of})
+    // rank 6 block 11: shares 699..700 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 6 block 12: shares 708..709 ({step, share, of})
+    // rank 6 block 12: shares 701..702 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 6 block 13: shares 710..711 ({step, share, of})
+    // rank 6 block 13: shares 703..704 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 6 block 14: shares 712..713 ({step, share, of})
+    // rank 6 block 14: shares 705..706 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 6 block 15: shares 714..715 ({step, share, of})
+    // rank 6 block 15: shares 707..708 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 6 block 16: shares 716..717 ({step, share, of})
+    // rank 6 block 16: shares 709..710 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 6 block 17: shares 718..719 ({step, share, of})
+    // rank 6 block 17: shares 711..712 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 6 block 18: shares 720..721 ({step, share, of})
+    // rank 6 block 18: shares 713..714 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 6 block 19: shares 722..723 ({step, share, of})
+    // rank 6 block 19: shares 715..716 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 6 block 20: shares 724..725 ({step, share, of})
+    // rank 6 block 20: shares 717..718 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 6 block 21: shares 726..727 ({step, share, of})
+    // rank 6 block 21: shares 719..720 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 6 block 22: shares 728..729 ({step, share, of})
+    // rank 6 block 22: shares 721..722 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 6 block 23: shares 730..731 ({step, share, of})
+    // rank 6 block 23: shares 723..724 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 6 block 24: shares 732..733 ({step, share, of})
+    // rank 6 block 24: shares 725..726 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 6 block 25: shares 734..735 ({step, share, of})
+    // rank 6 block 25: shares 727..728 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 6 block 26: shares 736..737 ({step, share, of})
+    // rank 6 block 26: shares 729..730 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 6 block 27: shares 738..739 ({step, share, of})
+    // rank 6 block 27: shares 731..732 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 6 block 28: shares 740..741 ({step, share, of})
+    // rank 6 block 28: shares 733..734 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 6 block 29: shares 742..743 ({step, share, of})
+    // rank 6 block 29: shares 735..736 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 6 block 30: shares 744..745 ({step, share, of})
+    // rank 6 block 30: shares 737..738 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 6 block 31: shares 746..747 ({step, share, of})
+    // rank 6 block 31: shares 739..740 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 6 block 32: shares 748..749 ({step, share, of})
+    // rank 6 block 32: shares 741..742 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 6 block 33: shares 750..751 ({step, share, of})
+    // rank 6 block 33: shares 743..744 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 6 block 34: shares 752..753 ({step, share, of})
+    // rank 6 block 34: shares 745..746 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 6 block 35: shares 754..755 ({step, share, of})
+    // rank 6 block 35: shares 747..748 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 6 block 36: shares 756..757 ({step, share, of})
+    // rank 6 block 36: shares 749..750 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 6 block 37: shares 758..759 ({step, share, of})
+    // rank 6 block 37: shares 751..752 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 6 block 38: shares 760..761 ({step, share, of})
+    // rank 6 block 38: shares 753..754 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 6 block 39: shares 762..763 ({step, share, of})
+    // rank 6 block 39: shares 755..756 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 6 block 40: shares 764..765 ({step, share, of})
+    // rank 6 block 40: shares 757..758 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 6 block 41: shares 766..767 ({step, share, of})
+    // rank 6 block 41: shares 759..760 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 6 block 42: shares 768..769 ({step, share, of})
+    // rank 6 block 42: shares 761..762 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 6 block 43: shares 770..771 ({step, share, of})
+    // rank 6 block 43: shares 763..764 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 6 block 44: shares 772..773 ({step, share, of})
+    // rank 6 block 44: shares 765..766 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 6 block 45: shares 774..775 ({step, share, of})
+    // rank 6 block 45: shares 767..768 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 6 block 46: shares 776..777 ({step, share, of})
+    // rank 6 block 46: shares 769..770 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 6 block 47: shares 778..779 ({step, share, of})
+    // rank 6 block 47: shares 771..772 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 6 block 48: shares 780..781 ({step, share, of})
+    // rank 6 block 48: shares 773..774 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 6 block 49: shares 782..783 ({step, share, of})
+    // rank 6 block 49: shares 775..776 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 6 block 50: shares 784..784 ({step, share, of})
+    // rank 6 block 50: shares 777..777 ({step, share, of})
     {4, 1, 16},
-    // rank 6 block 51: shares 785..785 ({step, share, of})
+    // rank 6 block 51: shares 778..778 ({step, share, of})
     {4, 2, 16},
-    // rank 6 block 52: shares 786..786 ({step, share, of})
+    // rank 6 block 52: shares 779..779 ({step, share, of})
     {4, 3, 16},
-    // rank 6 block 53: shares 787..787 ({step, share, of})
+    // rank 6 block 53: shares 780..780 ({step, share, of})
     {4, 4, 16},
-    // rank 6 block 54: shares 788..788 ({step, share, of})
+    // rank 6 block 54: shares 781..781 ({step, share, of})
     {4, 5, 16},
-    // rank 6 block 55: shares 789..789 ({step, share, of})
+    // rank 6 block 55: shares 782..782 ({step, share, of})
     {4, 6, 16},
-    // rank 6 block 56: shares 790..790 ({step, share, of})
+    // rank 6 block 56: shares 783..783 ({step, share, of})
     {4, 7, 16},
-    // rank 6 block 57: shares 791..791 ({step, share, of})
+    // rank 6 block 57: shares 784..784 ({step, share, of})
     {4, 8, 16},
-    // rank 6 block 58: shares 792..792 ({step, share, of})
+    // rank 6 block 58: shares 785..785 ({step, share, of})
     {4, 9, 16},
-    // rank 6 block 59: shares 793..793 ({step, share, of})
+    // rank 6 block 59: shares 786..786 ({step, share, of})
     {4, 10, 16},
-    // rank 6 block 60: shares 794..794 ({step, share, of})
+    // rank 6 block 60: shares 787..787 ({step, share, of})
     {4, 11, 16},
-    // rank 6 block 61: shares 795..795 ({step, share, of})
+    // rank 6 block 61: shares 788..788 ({step, share, of})
     {4, 12, 16},
-    // rank 6 block 62: shares 796..796 ({step, share, of})
+    // rank 6 block 62: shares 789..789 ({step, share, of})
     {4, 13, 16},
-    // rank 6 block 63: shares 797..797 ({step, share, of})
+    // rank 6 block 63: shares 790..790 ({step, share, of})
     {4, 14, 16},
-    // rank 7 block 0: shares 798..799 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 7 block 1: shares 800..801 ({step, share, of})
+    // rank 7 block 0: shares 791..791 ({step, share, of})
+    {4, 15, 16},
+    // rank 7 block 1: shares 792..793 ({step, share, of})
     {1, 0, 16}, {5, 0, 16},
-    // rank 7 block 2: shares 802..803 ({step, share, of})
+    // rank 7 block 2: shares 794..795 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 7 block 3: shares 804..805 ({step, share, of})
+    // rank 7 block 3: shares 796..797 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 7 block 4: shares 806..807 ({step, share, of})
+    // rank 7 block 4: shares 798..799 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 7 block 5: shares 808..809 ({step, share, of})
+    // rank 7 block 5: shares 800..801 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 7 block 6: shares 810..811 ({step, share, of})
+    // rank 7 block 6: shares 802..803 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 7 block 7: shares 812..813 ({step, share, of})
+    // rank 7 block 7: shares 804..805 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 7 block 8: shares 814..815 ({step, share, of})
+    // rank 7 block 8: shares 806..807 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 7 block 9: shares 816..817 ({step, share, of})
+    // rank 7 block 9: shares 808..809 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 7 block 10: shares 818..819 ({step, share, of})
+    // rank 7 block 10: shares 810..811 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 7 block 11: shares 820..821 ({step, share, of})
+    // rank 7 block 11: shares 812..813 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 7 block 12: shares 822..823 ({step, share, of})
+    // rank 7 block 12: shares 814..815 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 7 block 13: shares 824..825 ({step, share, of})
+    // rank 7 block 13: shares 816..817 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 7 block 14: shares 826..827 ({step, share, of})
+    // rank 7 block 14: shares 818..819 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 7 block 15: shares 828..829 ({step, share, of})
+    // rank 7 block 15: shares 820..821 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 7 block 16: shares 830..831 ({step, share, of})
+    // rank 7 block 16: shares 822..823 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 7 block 17: shares 832..833 ({step, share, of})
+    // rank 7 block 17: shares 824..825 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 7 block 18: shares 834..835 ({step, share, of})
+    // rank 7 block 18: shares 826..827 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 7 block 19: shares 836..837 ({step, share, of})
+    // rank 7 block 19: shares 828..829 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 7 block 20: shares 838..839 ({step, share, of})
+    // rank 7 block 20: shares 830..831 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 7 block 21: shares 840..841 ({step, share, of})
+    // rank 7 block 21: shares 832..833 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 7 block 22: shares 842..843 ({step, share, of})
+    // rank 7 block 22: shares 834..835 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 7 block 23: shares 844..845 ({step, share, of})
+    // rank 7 block 23: shares 836..837 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 7 block 24: shares 846..847 ({step, share, of})
+    // rank 7 block 24: shares 838..839 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 7 block 25: shares 848..849 ({step, share, of})
+    // rank 7 block 25: shares 840..841 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 7 block 26: shares 850..851 ({step, share, of})
+    // rank 7 block 26: shares 842..843 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 7 block 27: shares 852..853 ({step, share, of})
+    // rank 7 block 27: shares 844..845 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 7 block 28: shares 854..855 ({step, share, of})
+    // rank 7 block 28: shares 846..847 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 7 block 29: shares 856..857 ({step, share, of})
+    // rank 7 block 29: shares 848..849 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 7 block 30: shares 858..859 ({step, share, of})
+    // rank 7 block 30: shares 850..851 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 7 block 31: shares 860..861 ({step, share, of})
+    // rank 7 block 31: shares 852..853 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 7 block 32: shares 862..863 ({step, share, of})
+    // rank 7 block 32: shares 854..855 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 7 block 33: shares 864..865 ({step, share, of})
+    // rank 7 block 33: shares 856..857 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 7 block 34: shares 866..867 ({step, share, of})
+    // rank 7 block 34: shares 858..859 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 7 block 35: shares 868..869 ({step, share, of})
+    // rank 7 block 35: shares 860..861 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 7 block 36: shares 870..871 ({step, share, of})
+    // rank 7 block 36: shares 862..863 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 7 block 37: shares 872..873 ({step, share, of})
+    // rank 7 block 37: shares 864..865 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 7 block 38: shares 874..875 ({step, share, of})
+    // rank 7 block 38: shares 866..867 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 7 block 39: shares 876..877 ({step, share, of})
+    // rank 7 block 39: shares 868..869 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 7 block 40: shares 878..879 ({step, share, of})
+    // rank 7 block 40: shares 870..871 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 7 block 41: shares 880..881 ({step, share, of})
+    // rank 7 block 41: shares 872..873 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 7 block 42: shares 882..883 ({step, share, of})
+    // rank 7 block 42: shares 874..875 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 7 block 43: shares 884..885 ({step, share, of})
+    // rank 7 block 43: shares 876..877 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 7 block 44: shares 886..887 ({step, share, of})
+    // rank 7 block 44: shares 878..879 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 7 block 45: shares 888..889 ({step, share, of})
+    // rank 7 block 45: shares 880..881 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 7 block 46: shares 890..891 ({step, share, of})
+    // rank 7 block 46: shares 882..883 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 7 block 47: shares 892..893 ({step, share, of})
+    // rank 7 block 47: shares 884..885 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 7 block 48: shares 894..895 ({step, share, of})
+    // rank 7 block 48: shares 886..887 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 7 block 49: shares 896..897 ({step, share, of})
+    // rank 7 block 49: shares 888..889 ({step, share, of})
     {4, 0, 16}, {8, 0, 1},
-    // rank 7 block 50: shares 898..898 ({step, share, of})
+    // rank 7 block 50: shares 890..890 ({step, share, of})
     {4, 1, 16},
-    // rank 7 block 51: shares 899..899 ({step, share, of})
+    // rank 7 block 51: shares 891..891 ({step, share, of})
     {4, 2, 16},
-    // rank 7 block 52: shares 900..900 ({step, share, of})
+    // rank 7 block 52: shares 892..892 ({step, share, of})
     {4, 3, 16},
-    // rank 7 block 53: shares 901..901 ({step, share, of})
+    // rank 7 block 53: shares 893..893 ({step, share, of})
     {4, 4, 16},
-    // rank 7 block 54: shares 902..902 ({step, share, of})
+    // rank 7 block 54: shares 894..894 ({step, share, of})
     {4, 5, 16},
-    // rank 7 block 55: shares 903..903 ({step, share, of})
+    // rank 7 block 55: shares 895..895 ({step, share, of})
     {4, 6, 16},
-    // rank 7 block 56: shares 904..904 ({step, share, of})
+    // rank 7 block 56: shares 896..896 ({step, share, of})
     {4, 7, 16},
-    // rank 7 block 57: shares 905..905 ({step, share, of})
+    // rank 7 block 57: shares 897..897 ({step, share, of})
     {4, 8, 16},
-    // rank 7 block 58: shares 906..906 ({step, share, of})
+    // rank 7 block 58: shares 898..898 ({step, share, of})
     {4, 9, 16},
-    // rank 7 block 59: shares 907..907 ({step, share, of})
+    // rank 7 block 59: shares 899..899 ({step, share, of})
     {4, 10, 16},
-    // rank 7 block 60: shares 908..908 ({step, share, of})
+    // rank 7 block 60: shares 900..900 ({step, share, of})
     {4, 11, 16},
-    // rank 7 block 61: shares 909..909 ({step, share, of})
+    // rank 7 block 61: shares 901..901 ({step, share, of})
     {4, 12, 16},
-    // rank 7 block 62: shares 910..910 ({step, share, of})
+    // rank 7 block 62: shares 902..902 ({step, share, of})
     {4, 13, 16},
-    // rank 7 block 63: shares 911..911 ({step, share, of})
+    // rank 7 block 63: shares 903..903 ({step, share, of})
     {4, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114 },
-    { 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228 },
-    { 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 329, 330, 331, 332, 333, 334, 335, 336, 337, 338, 339, 340, 341, 342 },
-    { 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384, 386, 388, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 443, 444, 445, 446, 447, 448, 449, 450, 451, 452, 453, 454, 455, 456 },
-    { 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516, 518, 520, 522, 524, 526, 528, 530, 532, 534, 536, 538, 540, 542, 544, 546, 548, 550, 552, 554, 556, 557, 558, 559, 560, 561, 562, 563, 564, 565, 566, 567, 568, 569, 570 },
-    { 570, 572, 574, 576, 578, 580, 582, 584, 586, 588, 590, 592, 594, 596, 598, 600, 602, 604, 606, 608, 610, 612, 614, 616, 618, 620, 622, 624, 626, 628, 630, 632, 634, 636, 638, 640, 642, 644, 646, 648, 650, 652, 654, 656, 658, 660, 662, 664, 666, 668, 670, 671, 672, 673, 674, 675, 676, 677, 678, 679, 680, 681, 682, 683, 684 },
-    { 684, 686, 688, 690, 692, 694, 696, 698, 700, 702, 704, 706, 708, 710, 712, 714, 716, 718, 720, 722, 724, 726, 728, 730, 732, 734, 736, 738, 740, 742, 744, 746, 748, 750, 752, 754, 756, 758, 760, 762, 764, 766, 768, 770, 772, 774, 776, 778, 780, 782, 784, 785, 786, 787, 788, 789, 790, 791, 792, 793, 794, 795, 796, 797, 798 },
-    { 798, 800, 802, 804, 806, 808, 810, 812, 814, 816, 818, 820, 822, 824, 826, 828, 830, 832, 834, 836, 838, 840, 842, 844, 846, 848, 850, 852, 854, 856, 858, 860, 862, 864, 866, 868, 870, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 899, 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 911, 912 },
+    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113 },
+    { 113, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226 },
+    { 226, 227, 229, 231, 233, 235, 237, 239, 241, 243, 245, 247, 249, 251, 253, 255, 257, 259, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 326, 327, 328, 329, 330, 331, 332, 333, 334, 335, 336, 337, 338, 339 },
+    { 339, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384, 386, 388, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 439, 440, 441, 442, 443, 444, 445, 446, 447, 448, 449, 450, 451, 452 },
+    { 452, 453, 455, 457, 459, 461, 463, 465, 467, 469, 471, 473, 475, 477, 479, 481, 483, 485, 487, 489, 491, 493, 495, 497, 499, 501, 503, 505, 507, 509, 511, 513, 515, 517, 519, 521, 523, 525, 527, 529, 531, 533, 535, 537, 539, 541, 543, 545, 547, 549, 551, 552, 553, 554, 555, 556, 557, 558, 559, 560, 561, 562, 563, 564, 565 },
+    { 565, 566, 568, 570, 572, 574, 576, 578, 580, 582, 584, 586, 588, 590, 592, 594, 596, 598, 600, 602, 604, 606, 608, 610, 612, 614, 616, 618, 620, 622, 624, 626, 628, 630, 632, 634, 636, 638, 640, 642, 644, 646, 648, 650, 652, 654, 656, 658, 660, 662, 664, 665, 666, 667, 668, 669, 670, 671, 672, 673, 674, 675, 676, 677, 678 },
+    { 678, 679, 681, 683, 685, 687, 689, 691, 693, 695, 697, 699, 701, 703, 705, 707, 709, 711, 713, 715, 717, 719, 721, 723, 725, 727, 729, 731, 733, 735, 737, 739, 741, 743, 745, 747, 749, 751, 753, 755, 757, 759, 761, 763, 765, 767, 769, 771, 773, 775, 777, 778, 779, 780, 781, 782, 783, 784, 785, 786, 787, 788, 789, 790, 791 },
+    { 791, 792, 794, 796, 798, 800, 802, 804, 806, 808, 810, 812, 814, 816, 818, 820, 822, 824, 826, 828, 830, 832, 834, 836, 838, 840, 842, 844, 846, 848, 850, 852, 854, 856, 858, 860, 862, 864, 866, 868, 870, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 891, 892, 893, 894, 895, 896, 897, 898, 899, 900, 901, 902, 903, 904 },
 };
 
 template <int WORLD> struct plan;
@@ -3146,27 +3133,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[2], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1075,12 +1075,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1124,11 +1132,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1155,7 +1160,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 68 block shares over 64 blocks.
+// Plan for world size 2: 8 steps, 66 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1178,151 +1183,147 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
+    // rank 0 block 1: shares 0..0 ({step, share, of})
     {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
+    // rank 0 block 2: shares 1..1 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
+    // rank 0 block 3: shares 2..2 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
+    // rank 0 block 4: shares 3..3 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
+    // rank 0 block 5: shares 4..4 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
+    // rank 0 block 6: shares 5..5 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
+    // rank 0 block 7: shares 6..6 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
+    // rank 0 block 8: shares 7..7 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
+    // rank 0 block 9: shares 8..8 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
+    // rank 0 block 10: shares 9..9 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
+    // rank 0 block 11: shares 10..10 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
+    // rank 0 block 12: shares 11..11 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
+    // rank 0 block 13: shares 12..12 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
+    // rank 0 block 14: shares 13..13 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
+    // rank 0 block 15: shares 14..14 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
+    // rank 0 block 16: shares 15..15 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
+    // rank 0 block 17: shares 16..16 ({step, share, of})
     {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
+    // rank 0 block 18: shares 17..17 ({step, share, of})
     {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
+    // rank 0 block 19: shares 18..18 ({step, share, of})
     {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
+    // rank 0 block 20: shares 19..19 ({step, share, of})
     {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
+    // rank 0 block 21: shares 20..20 ({step, share, of})
     {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
+    // rank 0 block 22: shares 21..21 ({step, share, of})
     {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
+    // rank 0 block 23: shares 22..22 ({step, share, of})
     {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
+    // rank 0 block 24: shares 23..23 ({step, share, of})
     {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
+    // rank 0 block 25: shares 24..24 ({step, share, of})
     {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
+    // rank 0 block 26: shares 25..25 ({step, share, of})
     {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
+    // rank 0 block 27: shares 26..26 ({step, share, of})
     {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
+    // rank 0 block 28: shares 27..27 ({step, share, of})
     {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
+    // rank 0 block 29: shares 28..28 ({step, share, of})
     {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
+    // rank 0 block 30: shares 29..29 ({step, share, of})
     {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
+    // rank 0 block 31: shares 30..30 ({step, share, of})
     {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
+    // rank 0 block 32: shares 31..31 ({step, share, of})
     {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
+    // rank 0 block 33: shares 32..32 ({step, share, of})
     {3, 0, 1},
-    // rank 1 block 0: shares 34..34 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 35..35 ({step, share, of})
+    // rank 1 block 1: shares 33..33 ({step, share, of})
     {1, 0, 16},
-    // rank 1 block 2: shares 36..36 ({step, share, of})
+    // rank 1 block 2: shares 34..34 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 37..37 ({step, share, of})
+    // rank 1 block 3: shares 35..35 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 38..38 ({step, share, of})
+    // rank 1 block 4: shares 36..36 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 39..39 ({step, share, of})
+    // rank 1 block 5: shares 37..37 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 40..40 ({step, share, of})
+    // rank 1 block 6: shares 38..38 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 41..41 ({step, share, of})
+    // rank 1 block 7: shares 39..39 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 42..42 ({step, share, of})
+    // rank 1 block 8: shares 40..40 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 43..43 ({step, share, of})
+    // rank 1 block 9: shares 41..41 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 44..44 ({step, share, of})
+    // rank 1 block 10: shares 42..42 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 45..45 ({step, share, of})
+    // rank 1 block 11: shares 43..43 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 46..46 ({step, share, of})
+    // rank 1 block 12: shares 44..44 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 47..47 ({step, share, of})
+    // rank 1 block 13: shares 45..45 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 48..48 ({step, share, of})
+    // rank 1 block 14: shares 46..46 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 49..49 ({step, share, of})
+    // rank 1 block 15: shares 47..47 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 50..50 ({step, share, of})
+    // rank 1 block 16: shares 48..48 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 51..51 ({step, share, of})
+    // rank 1 block 17: shares 49..49 ({step, share, of})
     {2, 0, 16},
-    // rank 1 block 18: shares 52..52 ({step, share, of})
+    // rank 1 block 18: shares 50..50 ({step, share, of})
     {2, 1, 16},
-    // rank 1 block 19: shares 53..53 ({step, share, of})
+    // rank 1 block 19: shares 51..51 ({step, share, of})
     {2, 2, 16},
-    // rank 1 block 20: shares 54..54 ({step, share, of})
+    // rank 1 block 20: shares 52..52 ({step, share, of})
     {2, 3, 16},
-    // rank 1 block 21: shares 55..55 ({step, share, of})
+    // rank 1 block 21: shares 53..53 ({step, share, of})
     {2, 4, 16},
-    // rank 1 block 22: shares 56..56 ({step, share, of})
+    // rank 1 block 22: shares 54..54 ({step, share, of})
     {2, 5, 16},
-    // rank 1 block 23: shares 57..57 ({step, share, of})
+    // rank 1 block 23: shares 55..55 ({step, share, of})
     {2, 6, 16},
-    // rank 1 block 24: shares 58..58 ({step, share, of})
+    // rank 1 block 24: shares 56..56 ({step, share, of})
     {2, 7, 16},
-    // rank 1 block 25: shares 59..59 ({step, share, of})
+    // rank 1 block 25: shares 57..57 ({step, share, of})
     {2, 8, 16},
-    // rank 1 block 26: shares 60..60 ({step, share, of})
+    // rank 1 block 26: shares 58..58 ({step, share, of})
     {2, 9, 16},
-    // rank 1 block 27: shares 61..61 ({step, share, of})
+    // rank 1 block 27: shares 59..59 ({step, share, of})
     {2, 10, 16},
-    // rank 1 block 28: shares 62..62 ({step, share, of})
+    // rank 1 block 28: shares 60..60 ({step, share, of})
     {2, 11, 16},
-    // rank 1 block 29: shares 63..63 ({step, share, of})
+    // rank 1 block 29: shares 61..61 ({step, share, of})
     {2, 12, 16},
-    // rank 1 block 30: shares 64..64 ({step, share, of})
+    // rank 1 block 30: shares 62..62 ({step, share, of})
     {2, 13, 16},
-    // rank 1 block 31: shares 65..65 ({step, share, of})
+    // rank 1 block 31: shares 63..63 ({step, share, of})
     {2, 14, 16},
-    // rank 1 block 32: shares 66..66 ({step, share, of})
+    // rank 1 block 32: shares 64..64 ({step, share, of})
     {2, 15, 16},
-    // rank 1 block 33: shares 67..67 ({step, share, of})
+    // rank 1 block 33: shares 65..65 ({step, share, of})
     {3, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
-    { 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66, 66 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 150 block shares over 64 blocks.
+// Plan for world size 3: 15 steps, 147 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1359,316 +1360,310 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..1 ({step, share, of})
+    // rank 0 block 1: shares 0..0 ({step, share, of})
     {1, 0, 16},
-    // rank 0 block 2: shares 2..2 ({step, share, of})
+    // rank 0 block 2: shares 1..1 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 3..3 ({step, share, of})
+    // rank 0 block 3: shares 2..2 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 4..4 ({step, share, of})
+    // rank 0 block 4: shares 3..3 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 5..5 ({step, share, of})
+    // rank 0 block 5: shares 4..4 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 6..6 ({step, share, of})
+    // rank 0 block 6: shares 5..5 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 7..7 ({step, share, of})
+    // rank 0 block 7: shares 6..6 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 8..8 ({step, share, of})
+    // rank 0 block 8: shares 7..7 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 9..9 ({step, share, of})
+    // rank 0 block 9: shares 8..8 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 10..10 ({step, share, of})
+    // rank 0 block 10: shares 9..9 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 11..11 ({step, share, of})
+    // rank 0 block 11: shares 10..10 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 12..12 ({step, share, of})
+    // rank 0 block 12: shares 11..11 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 13..13 ({step, share, of})
+    // rank 0 block 13: shares 12..12 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 14..14 ({step, share, of})
+    // rank 0 block 14: shares 13..13 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 15..15 ({step, share, of})
+    // rank 0 block 15: shares 14..14 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 16..16 ({step, share, of})
+    // rank 0 block 16: shares 15..15 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 17..17 ({step, share, of})
+    // rank 0 block 17: shares 16..16 ({step, share, of})
     {2, 0, 16},
-    // rank 0 block 18: shares 18..18 ({step, share, of})
+    // rank 0 block 18: shares 17..17 ({step, share, of})
     {2, 1, 16},
-    // rank 0 block 19: shares 19..19 ({step, share, of})
+    // rank 0 block 19: shares 18..18 ({step, share, of})
     {2, 2, 16},
-    // rank 0 block 20: shares 20..20 ({step, share, of})
+    // rank 0 block 20: shares 19..19 ({step, share, of})
     {2, 3, 16},
-    // rank 0 block 21: shares 21..21 ({step, share, of})
+    // rank 0 block 21: shares 20..20 ({step, share, of})
     {2, 4, 16},
-    // rank 0 block 22: shares 22..22 ({step, share, of})
+    // rank 0 block 22: shares 21..21 ({step, share, of})
     {2, 5, 16},
-    // rank 0 block 23: shares 23..23 ({step, share, of})
+    // rank 0 block 23: shares 22..22 ({step, share, of})
     {2, 6, 16},
-    // rank 0 block 24: shares 24..24 ({step, share, of})
+    // rank 0 block 24: shares 23..23 ({step, share, of})
     {2, 7, 16},
-    // rank 0 block 25: shares 25..25 ({step, share, of})
+    // rank 0 block 25: shares 24..24 ({step, share, of})
     {2, 8, 16},
-    // rank 0 block 26: shares 26..26 ({step, share, of})
+    // rank 0 block 26: shares 25..25 ({step, share, of})
     {2, 9, 16},
-    // rank 0 block 27: shares 27..27 ({step, share, of})
+    // rank 0 block 27: shares 26..26 ({step, share, of})
     {2, 10, 16},
-    // rank 0 block 28: shares 28..28 ({step, share, of})
+    // rank 0 block 28: shares 27..27 ({step, share, of})
     {2, 11, 16},
-    // rank 0 block 29: shares 29..29 ({step, share, of})
+    // rank 0 block 29: shares 28..28 ({step, share, of})
     {2, 12, 16},
-    // rank 0 block 30: shares 30..30 ({step, share, of})
+    // rank 0 block 30: shares 29..29 ({step, share, of})
     {2, 13, 16},
-    // rank 0 block 31: shares 31..31 ({step, share, of})
+    // rank 0 block 31: shares 30..30 ({step, share, of})
     {2, 14, 16},
-    // rank 0 block 32: shares 32..32 ({step, share, of})
+    // rank 0 block 32: shares 31..31 ({step, share, of})
     {2, 15, 16},
-    // rank 0 block 33: shares 33..33 ({step, share, of})
+    // rank 0 block 33: shares 32..32 ({step, share, of})
     {3, 0, 16},
-    // rank 0 block 34: shares 34..34 ({step, share, of})
+    // rank 0 block 34: shares 33..33 ({step, share, of})
     {3, 1, 16},
-    // rank 0 block 35: shares 35..35 ({step, share, of})
+    // rank 0 block 35: shares 34..34 ({step, share, of})
     {3, 2, 16},
-    // rank 0 block 36: shares 36..36 ({step, share, of})
+    // rank 0 block 36: shares 35..35 ({step, share, of})
     {3, 3, 16},
-    // rank 0 block 37: shares 37..37 ({step, share, of})
+    // rank 0 block 37: shares 36..36 ({step, share, of})
     {3, 4, 16},
-    // rank 0 block 38: shares 38..38 ({step, share, of})
+    // rank 0 block 38: shares 37..37 ({step, share, of})
     {3, 5, 16},
-    // rank 0 block 39: shares 39..39 ({step, share, of})
+    // rank 0 block 39: shares 38..38 ({step, share, of})
     {3, 6, 16},
-    // rank 0 block 40: shares 40..40 ({step, share, of})
+    // rank 0 block 40: shares 39..39 ({step, share, of})
     {3, 7, 16},
-    // rank 0 block 41: shares 41..41 ({step, share, of})
+    // rank 0 block 41: shares 40..40 ({step, share, of})
     {3, 8, 16},
-    // rank 0 block 42: shares 42..42 ({step, share, of})
+    // rank 0 block 42: shares 41..41 ({step, share, of})
     {3, 9, 16},
-    // rank 0 block 43: shares 43..43 ({step, share, of})
+    // rank 0 block 43: shares 42..42 ({step, share, of})
     {3, 10, 16},
-    // rank 0 block 44: shares 44..44 ({step, share, of})
+    // rank 0 block 44: shares 43..43 ({step, share, of})
     {3, 11, 16},
-    // rank 0 block 45: shares 45..45 ({step, share, of})
+    // rank 0 block 45: shares 44..44 ({step, share, of})
     {3, 12, 16},
-    // rank 0 block 46: shares 46..46 ({step, share, of})
+    // rank 0 block 46: shares 45..45 ({step, share, of})
     {3, 13, 16},
-    // rank 0 block 47: shares 47..47 ({step, share, of})
+    // rank 0 block 47: shares 46..46 ({step, share, of})
     {3, 14, 16},
-    // rank 0 block 48: shares 48..48 ({step, share, of})
+    // rank 0 block 48: shares 47..47 ({step, share, of})
     {3, 15, 16},
-    // rank 0 block 49: shares 49..49 ({step, share, of})
+    // rank 0 block 49: shares 48..48 ({step, share, of})
     {4, 0, 1},
-    // rank 1 block 0: shares 50..50 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 51..51 ({step, share, of})
+    // rank 1 block 1: shares 49..49 ({step, share, of})
     {1, 0, 16},
-    // rank 1 block 2: shares 52..52 ({step, share, of})
+    // rank 1 block 2: shares 50..50 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 53..53 ({step, share, of})
+    // rank 1 block 3: shares 51..51 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 54..54 ({step, share, of})
+    // rank 1 block 4: shares 52..52 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 55..55 ({step, share, of})
+    // rank 1 block 5: shares 53..53 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 56..56 ({step, share, of})
+    // rank 1 block 6: shares 54..54 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 57..57 ({step, share, of})
+    // rank 1 block 7: shares 55..55 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 58..58 ({step, share, of})
+    // rank 1 block 8: shares 56..56 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 59..59 ({step, share, of})
+    // rank 1 block 9: shares 57..57 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 60..60 ({step, share, of})
+    // rank 1 block 10: shares 58..58 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 61..61 ({step, share, of})
+    // rank 1 block 11: shares 59..59 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 62..62 ({step, share, of})
+    // rank 1 block 12: shares 60..60 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 63..63 ({step, share, of})
+    // rank 1 block 13: shares 61..61 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 64..64 ({step, share, of})
+    // rank 1 block 14: shares 62..62 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 65..65 ({step, share, of})
+    // rank 1 block 15: shares 63..63 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 66..66 ({step, share, of})
+    // rank 1 block 16: shares 64..64 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 67..67 ({step, share, of})
+    // rank 1 block 17: shares 65..65 ({step, share, of})
     {2, 0, 16},
-    // rank 1 block 18: shares 68..68 ({step, share, of})
+    // rank 1 block 18: shares 66..66 ({step, share, of})
     {2, 1, 16},
-    // rank 1 block 19: shares 69..69 ({step, share, of})
+    // rank 1 block 19: shares 67..67 ({step, share, of})
     {2, 2, 16},
-    // rank 1 block 20: shares 70..70 ({step, share, of})
+    // rank 1 block 20: shares 68..68 ({step, share, of})
     {2, 3, 16},
-    // rank 1 block 21: shares 71..71 ({step, share, of})
+    // rank 1 block 21: shares 69..69 ({step, share, of})
     {2, 4, 16},
-    // rank 1 block 22: shares 72..72 ({step, share, of})
+    // rank 1 block 22: shares 70..70 ({step, share, of})
     {2, 5, 16},
-    // rank 1 block 23: shares 73..73 ({step, share, of})
+    // rank 1 block 23: shares 71..71 ({step, share, of})
     {2, 6, 16},
-    // rank 1 block 24: shares 74..74 ({step, share, of})
+    // rank 1 block 24: shares 72..72 ({step, share, of})
     {2, 7, 16},
-    // rank 1 block 25: shares 75..75 ({step, share, of})
+    // rank 1 block 25: shares 73..73 ({step, share, of})
     {2, 8, 16},
-    // rank 1 block 26: shares 76..76 ({step, share, of})
+    // rank 1 block 26: shares 74..74 ({step, share, of})
     {2, 9, 16},
-    // rank 1 block 27: shares 77..77 ({step, share, of})
+    // rank 1 block 27: shares 75..75 ({step, share, of})
     {2, 10, 16},
-    // rank 1 block 28: shares 78..78 ({step, share, of})
+    // rank 1 block 28: shares 76..76 ({step, share, of})
     {2, 11, 16},
-    // rank 1 block 29: shares 79..79 ({step, share, of})
+    // rank 1 block 29: shares 77..77 ({step, share, of})
     {2, 12, 16},
-    // rank 1 block 30: shares 80..80 ({step, share, of})
+    // rank 1 block 30: shares 78..78 ({step, share, of})
     {2, 13, 16},
-    // rank 1 block 31: shares 81..81 ({step, share, of})
+    // rank 1 block 31: shares 79..79 ({step, share, of})
     {2, 14, 16},
-    // rank 1 block 32: shares 82..82 ({step, share, of})
+    // rank 1 block 32: shares 80..80 ({step, share, of})
     {2, 15, 16},
-    // rank 1 block 33: shares 83..83 ({step, share, of})
+    // rank 1 block 33: shares 81..81 ({step, share, of})
     {3, 0, 16},
-    // rank 1 block 34: shares 84..84 ({step, share, of})
+    // rank 1 block 34: shares 82..82 ({step, share, of})
     {3, 1, 16},
-    // rank 1 block 35: shares 85..85 ({step, share, of})
+    // rank 1 block 35: shares 83..83 ({step, share, of})
     {3, 2, 16},
-    // rank 1 block 36: shares 86..86 ({step, share, of})
+    // rank 1 block 36: shares 84..84 ({step, share, of})
     {3, 3, 16},
-    // rank 1 block 37: shares 87..87 ({step, share, of})
+    // rank 1 block 37: shares 85..85 ({step, share, of})
     {3, 4, 16},
-    // rank 1 block 38: shares 88..88 ({step, share, of})
+    // rank 1 block 38: shares 86..86 ({step, share, of})
     {3, 5, 16},
-    // rank 1 block 39: shares 89..89 ({step, share, of})
+    // rank 1 block 39: shares 87..87 ({step, share, of})
     {3, 6, 16},
-    // rank 1 block 40: shares 90..90 ({step, share, of})
+    // rank 1 block 40: shares 88..88 ({step, share, of})
     {3, 7, 16},
-    // rank 1 block 41: shares 91..91 ({step, share, of})
+    // rank 1 block 41: shares 89..89 ({step, share, of})
     {3, 8, 16},
-    // rank 1 block 42: shares 92..92 ({step, share, of})
+    // rank 1 block 42: shares 90..90 ({step, share, of})
     {3, 9, 16},
-    // rank 1 block 43: shares 93..93 ({step, share, of})
+    // rank 1 block 43: shares 91..91 ({step, share, of})
     {3, 10, 16},
-    // rank 1 block 44: shares 94..94 ({step, share, of})
+    // rank 1 block 44: shares 92..92 ({step, share, of})
     {3, 11, 16},
-    // rank 1 block 45: shares 95..95 ({step, share, of})
+    // rank 1 block 45: shares 93..93 ({step, share, of})
     {3, 12, 16},
-    // rank 1 block 46: shares 96..96 ({step, share, of})
+    // rank 1 block 46: shares 94..94 ({step, share, of})
     {3, 13, 16},
-    // rank 1 block 47: shares 97..97 ({step, share, of})
+    // rank 1 block 47: shares 95..95 ({step, share, of})
     {3, 14, 16},
-    // rank 1 block 48: shares 98..98 ({step, share, of})
+    // rank 1 block 48: shares 96..96 ({step, share, of})
     {3, 15, 16},
-    // rank 1 block 49: shares 99..99 ({step, share, of})
+    // rank 1 block 49: shares 97..97 ({step, share, of})
     {4, 0, 1},
-    // rank 2 block 0: shares 100..100 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 101..101 ({step, share, of})
+    // rank 2 block 1: shares 98..98 ({step, share, of})
     {1, 0, 16},
-    // rank 2 block 2: shares 102..102 ({step, share, of})
+    // rank 2 block 2: shares 99..99 ({step, share, of})
     {1, 1, 16},
-    // rank 2 block 3: shares 103..103 ({step, share, of})
+    // rank 2 block 3: shares 100..100 ({step, share, of})
     {1, 2, 16},
-    // rank 2 block 4: shares 104..104 ({step, share, of})
+    // rank 2 block 4: shares 101..101 ({step, share, of})
     {1, 3, 16},
-    // rank 2 block 5: shares 105..105 ({step, share, of})
+    // rank 2 block 5: shares 102..102 ({step, share, of})
     {1, 4, 16},
-    // rank 2 block 6: shares 106..106 ({step, share, of})
+    // rank 2 block 6: shares 103..103 ({step, share, of})
     {1, 5, 16},
-    // rank 2 block 7: shares 107..107 ({step, share, of})
+    // rank 2 block 7: shares 104..104 ({step, share, of})
     {1, 6, 16},
-    // rank 2 block 8: shares 108..108 ({step, share, of})
+    // rank 2 block 8: shares 105..105 ({step, share, of})
     {1, 7, 16},
-    // rank 2 block 9: shares 109..109 ({step, share, of})
+    // rank 2 block 9: shares 106..106 ({step, share, of})
     {1, 8, 16},
-    // rank 2 block 10: shares 110..110 ({step, share, of})
+    // rank 2 block 10: shares 107..107 ({step, share, of})
     {1, 9, 16},
-    // rank 2 block 11: shares 111..111 ({step, share, of})
+    // rank 2 block 11: shares 108..108 ({step, share, of})
     {1, 10, 16},
-    // rank 2 block 12: shares 112..112 ({step, share, of})
+    // rank 2 block 12: shares 109..109 ({step, share, of})
     {1, 11, 16},
-    // rank 2 block 13: shares 113..113 ({step, share, of})
+    // rank 2 block 13: shares 110..110 ({step, share, of})
     {1, 12, 16},
-    // rank 2 block 14: shares 114..114 ({step, share, of})
+    // rank 2 block 14: shares 111..111 ({step, share, of})
     {1, 13, 16},
-    // rank 2 block 15: shares 115..115 ({step, share, of})
+    // rank 2 block 15: shares 112..112 ({step, share, of})
     {1, 14, 16},
-    // rank 2 block 16: shares 116..116 ({step, share, of})
+    // rank 2 block 16: shares 113..113 ({step, share, of})
     {1, 15, 16},
-    // rank 2 block 17: shares 117..117 ({step, share, of})
+    // rank 2 block 17: shares 114..114 ({step, share, of})
     {2, 0, 16},
-    // rank 2 block 18: shares 118..118 ({step, share, of})
+    // rank 2 block 18: shares 115..115 ({step, share, of})
     {2, 1, 16},
-    // rank 2 block 19: shares 119..119 ({step, share, of})
+    // rank 2 block 19: shares 116..116 ({step, share, of})
     {2, 2, 16},
-    // rank 2 block 20: shares 120..120 ({step, share, of})
+    // rank 2 block 20: shares 117..117 ({step, share, of})
     {2, 3, 16},
-    // rank 2 block 21: shares 121..121 ({step, share, of})
+    // rank 2 block 21: shares 118..118 ({step, share, of})
     {2, 4, 16},
-    // rank 2 block 22: shares 122..122 ({step, share, of})
+    // rank 2 block 22: shares 119..119 ({step, share, of})
     {2, 5, 16},
-    // rank 2 block 23: shares 123..123 ({step, share, of})
+    // rank 2 block 23: shares 120..120 ({step, share, of})
     {2, 6, 16},
-    // rank 2 block 24: shares 124..124 ({step, share, of})
+    // rank 2 block 24: shares 121..121 ({step, share, of})
     {2, 7, 16},
-    // rank 2 block 25: shares 125..125 ({step, share, of})
+    // rank 2 block 25: shares 122..122 ({step, share, of})
     {2, 8, 16},
-    // rank 2 block 26: shares 126..126 ({step, share, of})
+    // rank 2 block 26: shares 123..123 ({step, share, of})
     {2, 9, 16},
-    // rank 2 block 27: shares 127..127 ({step, share, of})
+    // rank 2 block 27: shares 124..124 ({step, share, of})
     {2, 10, 16},
-    // rank 2 block 28: shares 128..128 ({step, share, of})
+    // rank 2 block 28: shares 125..125 ({step, share, of})
     {2, 11, 16},
-    // rank 2 block 29: shares 129..129 ({step, share, of})
+    // rank 2 block 29: shares 126..126 ({step, share, of})
     {2, 12, 16},
-    // rank 2 block 30: shares 130..130 ({step, share, of})
+    // rank 2 block 30: shares 127..127 ({step, share, of})
     {2, 13, 16},
-    // rank 2 block 31: shares 131..131 ({step, share, of})
+    // rank 2 block 31: shares 128..128 ({step, share, of})
     {2, 14, 16},
-    // rank 2 block 32: shares 132..132 ({step, share, of})
+    // rank 2 block 32: shares 129..129 ({step, share, of})
     {2, 15, 16},
-    // rank 2 block 33: shares 133..133 ({step, share, of})
+    // rank 2 block 33: shares 130..130 ({step, share, of})
     {3, 0, 16},
-    // rank 2 block 34: shares 134..134 ({step, share, of})
+    // rank 2 block 34: shares 131..131 ({step, share, of})
     {3, 1, 16},
-    // rank 2 block 35: shares 135..135 ({step, share, of})
+    // rank 2 block 35: shares 132..132 ({step, share, of})
     {3, 2, 16},
-    // rank 2 block 36: shares 136..136 ({step, share, of})
+    // rank 2 block 36: shares 133..133 ({step, share, of})
     {3, 3, 16},
-    // rank 2 block 37: shares 137..137 ({step, share, of})
+    // rank 2 block 37: shares 134..134 ({step, share, of})
     {3, 4, 16},
-    // rank 2 block 38: shares 138..138 ({step, share, of})
+    // rank 2 block 38: shares 135..135 ({step, share, of})
     {3, 5, 16},
-    // rank 2 block 39: shares 139..139 ({step, share, of})
+    // rank 2 block 39: shares 136..136 ({step, share, of})
     {3, 6, 16},
-    // rank 2 block 40: shares 140..140 ({step, share, of})
+    // rank 2 block 40: shares 137..137 ({step, share, of})
     {3, 7, 16},
-    // rank 2 block 41: shares 141..141 ({step, share, of})
+    // rank 2 block 41: shares 138..138 ({step, share, of})
     {3, 8, 16},
-    // rank 2 block 42: shares 142..142 ({step, share, of})
+    // rank 2 block 42: shares 139..139 ({step, share, of})
     {3, 9, 16},
-    // rank 2 block 43: shares 143..143 ({step, share, of})
+    // rank 2 block 43: shares 140..140 ({step, share, of})
     {3, 10, 16},
-    // rank 2 block 44: shares 144..144 ({step, share, of})
+    // rank 2 block 44: shares 141..141 ({step, share, of})
     {3, 11, 16},
-    // rank 2 block 45: shares 145..145 ({step, share, of})
+    // rank 2 block 45: shares 142..142 ({step, share, of})
     {3, 12, 16},
-    // rank 2 block 46: shares 146..146 ({step, share, of})
+    // rank 2 block 46: shares 143..143 ({step, share, of})
     {3, 13, 16},
-    // rank 2 block 47: shares 147..147 ({step, share, of})
+    // rank 2 block 47: shares 144..144 ({step, share, of})
     {3, 14, 16},
-    // rank 2 block 48: shares 148..148 ({step, share, of})
+    // rank 2 block 48: shares 145..145 ({step, share, of})
     {3, 15, 16},
-    // rank 2 block 49: shares 149..149 ({step, share, of})
+    // rank 2 block 49: shares 146..146 ({step, share, of})
     {4, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
-    { 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100 },
-    { 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49, 49 },
+    { 49, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98, 98 },
+    { 98, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147, 147 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 264 block shares over 64 blocks.
+// Plan for world size 4: 24 steps, 260 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -1723,529 +1718,529 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..1 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 0 block 1: shares 2..3 ({step, share, of})
+    // rank 0 block 0: shares 0..0 ({step, share, of})
+    {4, 15, 16},
+    // rank 0 block 1: shares 1..2 ({step, share, of})
     {1, 0, 16}, {5, 0, 1},
-    // rank 0 block 2: shares 4..4 ({step, share, of})
+    // rank 0 block 2: shares 3..3 ({step, share, of})
     {1, 1, 16},
-    // rank 0 block 3: shares 5..5 ({step, share, of})
+    // rank 0 block 3: shares 4..4 ({step, share, of})
     {1, 2, 16},
-    // rank 0 block 4: shares 6..6 ({step, share, of})
+    // rank 0 block 4: shares 5..5 ({step, share, of})
     {1, 3, 16},
-    // rank 0 block 5: shares 7..7 ({step, share, of})
+    // rank 0 block 5: shares 6..6 ({step, share, of})
     {1, 4, 16},
-    // rank 0 block 6: shares 8..8 ({step, share, of})
+    // rank 0 block 6: shares 7..7 ({step, share, of})
     {1, 5, 16},
-    // rank 0 block 7: shares 9..9 ({step, share, of})
+    // rank 0 block 7: shares 8..8 ({step, share, of})
     {1, 6, 16},
-    // rank 0 block 8: shares 10..10 ({step, share, of})
+    // rank 0 block 8: shares 9..9 ({step, share, of})
     {1, 7, 16},
-    // rank 0 block 9: shares 11..11 ({step, share, of})
+    // rank 0 block 9: shares 10..10 ({step, share, of})
     {1, 8, 16},
-    // rank 0 block 10: shares 12..12 ({step, share, of})
+    // rank 0 block 10: shares 11..11 ({step, share, of})
     {1, 9, 16},
-    // rank 0 block 11: shares 13..13 ({step, share, of})
+    // rank 0 block 11: shares 12..12 ({step, share, of})
     {1, 10, 16},
-    // rank 0 block 12: shares 14..14 ({step, share, of})
+    // rank 0 block 12: shares 13..13 ({step, share, of})
     {1, 11, 16},
-    // rank 0 block 13: shares 15..15 ({step, share, of})
+    // rank 0 block 13: shares 14..14 ({step, share, of})
     {1, 12, 16},
-    // rank 0 block 14: shares 16..16 ({step, share, of})
+    // rank 0 block 14: shares 15..15 ({step, share, of})
     {1, 13, 16},
-    // rank 0 block 15: shares 17..17 ({step, share, of})
+    // rank 0 block 15: shares 16..16 ({step, share, of})
     {1, 14, 16},
-    // rank 0 block 16: shares 18..18 ({step, share, of})
+    // rank 0 block 16: shares 17..17 ({step, share, of})
     {1, 15, 16},
-    // rank 0 block 17: shares 19..19 ({step, share, of})
+    // rank 0 block 17: shares 18..18 ({step, share, of})
     {2, 0, 16},
-    // rank 0 block 18: shares 20..20 ({step, share, of})
+    // rank 0 block 18: shares 19..19 ({step, share, of})
     {2, 1, 16},
-    // rank 0 block 19: shares 21..21 ({step, share, of})
+    // rank 0 block 19: shares 20..20 ({step, share, of})
     {2, 2, 16},
-    // rank 0 block 20: shares 22..22 ({step, share, of})
+    // rank 0 block 20: shares 21..21 ({step, share, of})
     {2, 3, 16},
-    // rank 0 block 21: shares 23..23 ({step, share, of})
+    // rank 0 block 21: shares 22..22 ({step, share, of})
     {2, 4, 16},
-    // rank 0 block 22: shares 24..24 ({step, share, of})
+    // rank 0 block 22: shares 23..23 ({step, share, of})
     {2, 5, 16},
-    // rank 0 block 23: shares 25..25 ({step, share, of})
+    // rank 0 block 23: shares 24..24 ({step, share, of})
     {2, 6, 16},
-    // rank 0 block 24: shares 26..26 ({step, share, of})
+    // rank 0 block 24: shares 25..25 ({step, share, of})
     {2, 7, 16},
-    // rank 0 block 25: shares 27..27 ({step, share, of})
+    // rank 0 block 25: shares 26..26 ({step, share, of})
     {2, 8, 16},
-    // rank 0 block 26: shares 28..28 ({step, share, of})
+    // rank 0 block 26: shares 27..27 ({step, share, of})
     {2, 9, 16},
-    // rank 0 block 27: shares 29..29 ({step, share, of})
+    // rank 0 block 27: shares 28..28 ({step, share, of})
     {2, 10, 16},
-    // rank 0 block 28: shares 30..30 ({step, share, of})
+    // rank 0 block 28: shares 29..29 ({step, share, of})
     {2, 11, 16},
-    // rank 0 block 29: shares 31..31 ({step, share, of})
+    // rank 0 block 29: shares 30..30 ({step, share, of})
     {2, 12, 16},
-    // rank 0 block 30: shares 32..32 ({step, share, of})
+    // rank 0 block 30: shares 31..31 ({step, share, of})
     {2, 13, 16},
-    // rank 0 block 31: shares 33..33 ({step, share, of})
+    // rank 0 block 31: shares 32..32 ({step, share, of})
     {2, 14, 16},
-    // rank 0 block 32: shares 34..34 ({step, share, of})
+    // rank 0 block 32: shares 33..33 ({step, share, of})
     {2, 15, 16},
-    // rank 0 block 33: shares 35..35 ({step, share, of})
+    // rank 0 block 33: shares 34..34 ({step, share, of})
     {3, 0, 16},
-    // rank 0 block 34: shares 36..36 ({step, share, of})
+    // rank 0 block 34: shares 35..35 ({step, share, of})
     {3, 1, 16},
-    // rank 0 block 35: shares 37..37 ({step, share, of})
+    // rank 0 block 35: shares 36..36 ({step, share, of})
     {3, 2, 16},
-    // rank 0 block 36: shares 38..38 ({step, share, of})
+    // rank 0 block 36: shares 37..37 ({step, share, of})
     {3, 3, 16},
-    // rank 0 block 37: shares 39..39 ({step, share, of})
+    // rank 0 block 37: shares 38..38 ({step, share, of})
     {3, 4, 16},
-    // rank 0 block 38: shares 40..40 ({step, share, of})
+    // rank 0 block 38: shares 39..39 ({step, share, of})
     {3, 5, 16},
-    // rank 0 block 39: shares 41..41 ({step, share, of})
+    // rank 0 block 39: shares 40..40 ({step, share, of})
     {3, 6, 16},
-    // rank 0 block 40: shares 42..42 ({step, share, of})
+    // rank 0 block 40: shares 41..41 ({step, share, of})
     {3, 7, 16},
-    // rank 0 block 41: shares 43..43 ({step, share, of})
+    // rank 0 block 41: shares 42..42 ({step, share, of})
     {3, 8, 16},
-    // rank 0 block 42: shares 44..44 ({step, share, of})
+    // rank 0 block 42: shares 43..43 ({step, share, of})
     {3, 9, 16},
-    // rank 0 block 43: shares 45..45 ({step, share, of})
+    // rank 0 block 43: shares 44..44 ({step, share, of})
     {3, 10, 16},
-    // rank 0 block 44: shares 46..46 ({step, share, of})
+    // rank 0 block 44: shares 45..45 ({step, share, of})
     {3, 11, 16},
-    // rank 0 block 45: shares 47..47 ({step, share, of})
+    // rank 0 block 45: shares 46..46 ({step, share, of})
     {3, 12, 16},
-    // rank 0 block 46: shares 48..48 ({step, share, of})
+    // rank 0 block 46: shares 47..47 ({step, share, of})
     {3, 13, 16},
-    // rank 0 block 47: shares 49..49 ({step, share, of})
+    // rank 0 block 47: shares 48..48 ({step, share, of})
     {3, 14, 16},
-    // rank 0 block 48: shares 50..50 ({step, share, of})
+    // rank 0 block 48: shares 49..49 ({step, share, of})
     {3, 15, 16},
-    // rank 0 block 49: shares 51..51 ({step, share, of})
+    // rank 0 block 49: shares 50..50 ({step, share, of})
     {4, 0, 16},
-    // rank 0 block 50: shares 52..52 ({step, share, of})
+    // rank 0 block 50: shares 51..51 ({step, share, of})
     {4, 1, 16},
-    // rank 0 block 51: shares 53..53 ({step, share, of})
+    // rank 0 block 51: shares 52..52 ({step, share, of})
     {4, 2, 16},
-    // rank 0 block 52: shares 54..54 ({step, share, of})
+    // rank 0 block 52: shares 53..53 ({step, share, of})
     {4, 3, 16},
-    // rank 0 block 53: shares 55..55 ({step, share, of})
+    // rank 0 block 53: shares 54..54 ({step, share, of})
     {4, 4, 16},
-    // rank 0 block 54: shares 56..56 ({step, share, of})
+    // rank 0 block 54: shares 55..55 ({step, share, of})
     {4, 5, 16},
-    // rank 0 block 55: shares 57..57 ({step, share, of})
+    // rank 0 block 55: shares 56..56 ({step, share, of})
     {4, 6, 16},
-    // rank 0 block 56: shares 58..58 ({step, share, of})
+    // rank 0 block 56: shares 57..57 ({step, share, of})
     {4, 7, 16},
-    // rank 0 block 57: shares 59..59 ({step, share, of})
+    // rank 0 block 57: shares 58..58 ({step, share, of})
     {4, 8, 16},
-    // rank 0 block 58: shares 60..60 ({step, share, of})
+    // rank 0 block 58: shares 59..59 ({step, share, of})
     {4, 9, 16},
-    // rank 0 block 59: shares 61..61 ({step, share, of})
+    // rank 0 block 59: shares 60..60 ({step, share, of})
     {4, 10, 16},
-    // rank 0 block 60: shares 62..62 ({step, share, of})
+    // rank 0 block 60: shares 61..61 ({step, share, of})
     {4, 11, 16},
-    // rank 0 block 61: shares 63..63 ({step, share, of})
+    // rank 0 block 61: shares 62..62 ({step, share, of})
     {4, 12, 16},
-    // rank 0 block 62: shares 64..64 ({step, share, of})
+    // rank 0 block 62: shares 63..63 ({step, share, of})
     {4, 13, 16},
-    // rank 0 block 63: shares 65..65 ({step, share, of})
+    // rank 0 block 63: shares 64..64 ({step, share, of})
     {4, 14, 16},
-    // rank 1 block 0: shares 66..67 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 1 block 1: shares 68..69 ({step, share, of})
+    // rank 1 block 0: shares 65..65 ({step, share, of})
+    {4, 15, 16},
+    // rank 1 block 1: shares 66..67 ({step, share, of})
     {1, 0, 16}, {5, 0, 1},
-    // rank 1 block 2: shares 70..70 ({step, share, of})
+    // rank 1 block 2: shares 68..68 ({step, share, of})
     {1, 1, 16},
-    // rank 1 block 3: shares 71..71 ({step, share, of})
+    // rank 1 block 3: shares 69..69 ({step, share, of})
     {1, 2, 16},
-    // rank 1 block 4: shares 72..72 ({step, share, of})
+    // rank 1 block 4: shares 70..70 ({step, share, of})
     {1, 3, 16},
-    // rank 1 block 5: shares 73..73 ({step, share, of})
+    // rank 1 block 5: shares 71..71 ({step, share, of})
     {1, 4, 16},
-    // rank 1 block 6: shares 74..74 ({step, share, of})
+    // rank 1 block 6: shares 72..72 ({step, share, of})
     {1, 5, 16},
-    // rank 1 block 7: shares 75..75 ({step, share, of})
+    // rank 1 block 7: shares 73..73 ({step, share, of})
     {1, 6, 16},
-    // rank 1 block 8: shares 76..76 ({step, share, of})
+    // rank 1 block 8: shares 74..74 ({step, share, of})
     {1, 7, 16},
-    // rank 1 block 9: shares 77..77 ({step, share, of})
+    // rank 1 block 9: shares 75..75 ({step, share, of})
     {1, 8, 16},
-    // rank 1 block 10: shares 78..78 ({step, share, of})
+    // rank 1 block 10: shares 76..76 ({step, share, of})
     {1, 9, 16},
-    // rank 1 block 11: shares 79..79 ({step, share, of})
+    // rank 1 block 11: shares 77..77 ({step, share, of})
     {1, 10, 16},
-    // rank 1 block 12: shares 80..80 ({step, share, of})
+    // rank 1 block 12: shares 78..78 ({step, share, of})
     {1, 11, 16},
-    // rank 1 block 13: shares 81..81 ({step, share, of})
+    // rank 1 block 13: shares 79..79 ({step, share, of})
     {1, 12, 16},
-    // rank 1 block 14: shares 82..82 ({step, share, of})
+    // rank 1 block 14: shares 80..80 ({step, share, of})
     {1, 13, 16},
-    // rank 1 block 15: shares 83..83 ({step, share, of})
+    // rank 1 block 15: shares 81..81 ({step, share, of})
     {1, 14, 16},
-    // rank 1 block 16: shares 84..84 ({step, share, of})
+    // rank 1 block 16: shares 82..82 ({step, share, of})
     {1, 15, 16},
-    // rank 1 block 17: shares 85..85 ({step, share, of})
+    // rank 1 block 17: shares 83..83 ({step, share, of})
     {2, 0, 16},
-    // rank 1 block 18: shares 86..86 ({step, share, of})
+    // rank 1 block 18: shares 84..84 ({step, share, of})
     {2, 1, 16},
-    // rank 1 block 19: shares 87..87 ({step, share, of})
+    // rank 1 block 19: shares 85..85 ({step, share, of})
     {2, 2, 16},
-    // rank 1 block 20: shares 88..88 ({step, share, of})
+    // rank 1 block 20: shares 86..86 ({step, share, of})
     {2, 3, 16},
-    // rank 1 block 21: shares 89..89 ({step, share, of})
+    // rank 1 block 21: shares 87..87 ({step, share, of})
     {2, 4, 16},
-    // rank 1 block 22: shares 90..90 ({step, share, of})
+    // rank 1 block 22: shares 88..88 ({step, share, of})
     {2, 5, 16},
-    // rank 1 block 23: shares 91..91 ({step, share, of})
+    // rank 1 block 23: shares 89..89 ({step, share, of})
     {2, 6, 16},
-    // rank 1 block 24: shares 92..92 ({step, share, of})
+    // rank 1 block 24: shares 90..90 ({step, share, of})
     {2, 7, 16},
-    // rank 1 block 25: shares 93..93 ({step, share, of})
+    // rank 1 block 25: shares 91..91 ({step, share, of})
     {2, 8, 16},
-    // rank 1 block 26: shares 94..94 ({step, share, of})
+    // rank 1 block 26: shares 92..92 ({step, share, of})
     {2, 9, 16},
-    // rank 1 block 27: shares 95..95 ({step, share, of})
+    // rank 1 block 27: shares 93..93 ({step, share, of})
     {2, 10, 16},
-    // rank 1 block 28: shares 96..96 ({step, share, of})
+    // rank 1 block 28: shares 94..94 ({step, share, of})
     {2, 11, 16},
-    // rank 1 block 29: shares 97..97 ({step, share, of})
+    // rank 1 block 29: shares 95..95 ({step, share, of})
     {2, 12, 16},
-    // rank 1 block 30: shares 98..98 ({step, share, of})
+    // rank 1 block 30: shares 96..96 ({step, share, of})
     {2, 13, 16},
-    // rank 1 block 31: shares 99..99 ({step, share, of})
+    // rank 1 block 31: shares 97..97 ({step, share, of})
     {2, 14, 16},
-    // rank 1 block 32: shares 100..100 ({step, share, of})
+    // rank 1 block 32: shares 98..98 ({step, share, of})
     {2, 15, 16},
-    // rank 1 block 33: shares 101..101 ({step, share, of})
+    // rank 1 block 33: shares 99..99 ({step, share, of})
     {3, 0, 16},
-    // rank 1 block 34: shares 102..102 ({step, share, of})
+    // rank 1 block 34: shares 100..100 ({step, share, of})
     {3, 1, 16},
-    // rank 1 block 35: shares 103..103 ({step, share, of})
+    // rank 1 block 35: shares 101..101 ({step, share, of})
     {3, 2, 16},
-    // rank 1 block 36: shares 104..104 ({step, share, of})
+    // rank 1 block 36: shares 102..102 ({step, share, of})
     {3, 3, 16},
-    // rank 1 block 37: shares 105..105 ({step, share, of})
+    // rank 1 block 37: shares 103..103 ({step, share, of})
     {3, 4, 16},
-    // rank 1 block 38: shares 106..106 ({step, share, of})
+    // rank 1 block 38: shares 104..104 ({step, share, of})
     {3, 5, 16},
-    // rank 1 block 39: shares 107..107 ({step, share, of})
+    // rank 1 block 39: shares 105..105 ({step, share, of})
     {3, 6, 16},
-    // rank 1 block 40: shares 108..108 ({step, share, of})
+    // rank 1 block 40: shares 106..106 ({step, share, of})
     {3, 7, 16},
-    // rank 1 block 41: shares 109..109 ({step, share, of})
+    // rank 1 block 41: shares 107..107 ({step, share, of})
     {3, 8, 16},
-    // rank 1 block 42: shares 110..110 ({step, share, of})
+    // rank 1 block 42: shares 108..108 ({step, share, of})
     {3, 9, 16},
-    // rank 1 block 43: shares 111..111 ({step, share, of})
+    // rank 1 block 43: shares 109..109 ({step, share, of})
     {3, 10, 16},
-    // rank 1 block 44: shares 112..112 ({step, share, of})
+    // rank 1 block 44: shares 110..110 ({step, share, of})
     {3, 11, 16},
-    // rank 1 block 45: shares 113..113 ({step, share, of})
+    // rank 1 block 45: shares 111..111 ({step, share, of})
     {3, 12, 16},
-    // rank 1 block 46: shares 114..114 ({step, share, of})
+    // rank 1 block 46: shares 112..112 ({step, share, of})
     {3, 13, 16},
-    // rank 1 block 47: shares 115..115 ({step, share, of})
+    // rank 1 block 47: shares 113..113 ({step, share, of})
     {3, 14, 16},
-    // rank 1 block 48: shares 116..116 ({step, share, of})
+    // rank 1 block 48: shares 114..114 ({step, share, of})
     {3, 15, 16},
-    // rank 1 block 49: shares 117..117 ({step, share, of})
+    // rank 1 block 49: shares 115..115 ({step, share, of})
     {4, 0, 16},
-    // rank 1 block 50: shares 118..118 ({step, share, of})
+    // rank 1 block 50: shares 116..116 ({step, share, of})
     {4, 1, 16},
-    // rank 1 block 51: shares 119..119 ({step, share, of})
+    // rank 1 block 51: shares 117..117 ({step, share, of})
     {4, 2, 16},
-    // rank 1 block 52: shares 120..120 ({step, share, of})
+    // rank 1 block 52: shares 118..118 ({step, share, of})
     {4, 3, 16},
-    // rank 1 block 53: shares 121..121 ({step, share, of})
+    // rank 1 block 53: shares 119..119 ({step, share, of})
     {4, 4, 16},
-    // rank 1 block 54: shares 122..122 ({step, share, of})
+    // rank 1 block 54: shares 120..120 ({step, share, of})
     {4, 5, 16},
-    // rank 1 block 55: shares 123..123 ({step, share, of})
+    // rank 1 block 55: shares 121..121 ({step, share, of})
     {4, 6, 16},
-    // rank 1 block 56: shares 124..124 ({step, share, of})
+    // rank 1 block 56: shares 122..122 ({step, share, of})
     {4, 7, 16},
-    // rank 1 block 57: shares 125..125 ({step, share, of})
+    // rank 1 block 57: shares 123..123 ({step, share, of})
     {4, 8, 16},
-    // rank 1 block 58: shares 126..126 ({step, share, of})
+    // rank 1 block 58: shares 124..124 ({step, share, of})
     {4, 9, 16},
-    // rank 1 block 59: shares 127..127 ({step, share, of})
+    // rank 1 block 59: shares 125..125 ({step, share, of})
     {4, 10, 16},
-    // rank 1 block 60: shares 128..128 ({step, share, of})
+    // rank 1 block 60: shares 126..126 ({step, share, of})
     {4, 11, 16},
-    // rank 1 block 61: shares 129..129 ({step, share, of})
+    // rank 1 block 61: shares 127..127 ({step, share, of})
     {4, 12, 16},
-    // rank 1 block 62: shares 130..130 ({step, share, of})
+    // rank 1 block 62: shares 128..128 ({step, share, of})
     {4, 13, 16},
-    // rank 1 block 63: shares 131..131 ({step, share, of})
+    // rank 1 block 63: shares 129..129 ({step, share, of})
     {4, 14, 16},
-    // rank 2 block 0: shares 132..133 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 2 block 1: shares 134..135 ({step, share, of})
+    // rank 2 block 0: shares 130..130 ({step, share, of})
+    {4, 15, 16},
+    // rank 2 block 1: shares 131..132 ({step, share, of})
     {1, 0, 16}, {5, 0, 1},
-    // rank 2 block 2: shares 136..136 ({step, share, of})
+    // rank 2 block 2: shares 133..133 ({step, share, of})
     {1, 1, 16},
-    // rank 2 block 3: shares 137..137 ({step, share, of})
+    // rank 2 block 3: shares 134..134 ({step, share, of})
     {1, 2, 16},
-    // rank 2 block 4: shares 138..138 ({step, share, of})
+    // rank 2 block 4: shares 135..135 ({step, share, of})
     {1, 3, 16},
-    // rank 2 block 5: shares 139..139 ({step, share, of})
+    // rank 2 block 5: shares 136..136 ({step, share, of})
     {1, 4, 16},
-    // rank 2 block 6: shares 140..140 ({step, share, of})
+    // rank 2 block 6: shares 137..137 ({step, share, of})
     {1, 5, 16},
-    // rank 2 block 7: shares 141..141 ({step, share, of})
+    // rank 2 block 7: shares 138..138 ({step, share, of})
     {1, 6, 16},
-    // rank 2 block 8: shares 142..142 ({step, share, of})
+    // rank 2 block 8: shares 139..139 ({step, share, of})
     {1, 7, 16},
-    // rank 2 block 9: shares 143..143 ({step, share, of})
+    // rank 2 block 9: shares 140..140 ({step, share, of})
     {1, 8, 16},
-    // rank 2 block 10: shares 144..144 ({step, share, of})
+    // rank 2 block 10: shares 141..141 ({step, share, of})
     {1, 9, 16},
-    // rank 2 block 11: shares 145..145 ({step, share, of})
+    // rank 2 block 11: shares 142..142 ({step, share, of})
     {1, 10, 16},
-    // rank 2 block 12: shares 146..146 ({step, share, of})
+    // rank 2 block 12: shares 143..143 ({step, share, of})
     {1, 11, 16},
-    // rank 2 block 13: shares 147..147 ({step, share, of})
+    // rank 2 block 13: shares 144..144 ({step, share, of})
     {1, 12, 16},
-    // rank 2 block 14: shares 148..148 ({step, share, of})
+    // rank 2 block 14: shares 145..145 ({step, share, of})
     {1, 13, 16},
-    // rank 2 block 15: shares 149..149 ({step, share, of})
+    // rank 2 block 15: shares 146..146 ({step, share, of})
     {1, 14, 16},
-    // rank 2 block 16: shares 150..150 ({step, share, of})
+    // rank 2 block 16: shares 147..147 ({step, share, of})
     {1, 15, 16},
-    // rank 2 block 17: shares 151..151 ({step, share, of})
+    // rank 2 block 17: shares 148..148 ({step, share, of})
     {2, 0, 16},
-    // rank 2 block 18: shares 152..152 ({step, share, of})
+    // rank 2 block 18: shares 149..149 ({step, share, of})
     {2, 1, 16},
-    // rank 2 block 19: shares 153..153 ({step, share, of})
+    // rank 2 block 19: shares 150..150 ({step, share, of})
     {2, 2, 16},
-    // rank 2 block 20: shares 154..154 ({step, share, of})
+    // rank 2 block 20: shares 151..151 ({step, share, of})
     {2, 3, 16},
-    // rank 2 block 21: shares 155..155 ({step, share, of})
+    // rank 2 block 21: shares 152..152 ({step, share, of})
     {2, 4, 16},
-    // rank 2 block 22: shares 156..156 ({step, share, of})
+    // rank 2 block 22: shares 153..153 ({step, share, of})
     {2, 5, 16},
-    // rank 2 block 23: shares 157..157 ({step, share, of})
+    // rank 2 block 23: shares 154..154 ({step, share, of})
     {2, 6, 16},
-    // rank 2 block 24: shares 158..158 ({step, share, of})
+    // rank 2 block 24: shares 155..155 ({step, share, of})
     {2, 7, 16},
-    // rank 2 block 25: shares 159..159 ({step, share, of})
+    // rank 2 block 25: shares 156..156 ({step, share, of})
     {2, 8, 16},
-    // rank 2 block 26: shares 160..160 ({step, share, of})
+    // rank 2 block 26: shares 157..157 ({step, share, of})
     {2, 9, 16},
-    // rank 2 block 27: shares 161..161 ({step, share, of})
+    // rank 2 block 27: shares 158..158 ({step, share, of})
     {2, 10, 16},
-    // rank 2 block 28: shares 162..162 ({step, share, of})
+    // rank 2 block 28: shares 159..159 ({step, share, of})
     {2, 11, 16},
-    // rank 2 block 29: shares 163..163 ({step, share, of})
+    // rank 2 block 29: shares 160..160 ({step, share, of})
     {2, 12, 16},
-    // rank 2 block 30: shares 164..164 ({step, share, of})
+    // rank 2 block 30: shares 161..161 ({step, share, of})
     {2, 13, 16},
-    // rank 2 block 31: shares 165..165 ({step, share, of})
+    // rank 2 block 31: shares 162..162 ({step, share, of})
     {2, 14, 16},
-    // rank 2 block 32: shares 166..166 ({step, share, of})
+    // rank 2 block 32: shares 163..163 ({step, share, of})
     {2, 15, 16},
-    // rank 2 block 33: shares 167..167 ({step, share, of})
+    // rank 2 block 33: shares 164..164 ({step, share, of})
     {3, 0, 16},
-    // rank 2 block 34: shares 168..168 ({step, share, of})
+    // rank 2 block 34: shares 165..165 ({step, share, of})
     {3, 1, 16},
-    // rank 2 block 35: shares 169..169 ({step, share, of})
+    // rank 2 block 35: shares 166..166 ({step, share, of})
     {3, 2, 16},
-    // rank 2 block 36: shares 170..170 ({step, share, of})
+    // rank 2 block 36: shares 167..167 ({step, share, of})
     {3, 3, 16},
-    // rank 2 block 37: shares 171..171 ({step, share, of})
+    // rank 2 block 37: shares 168..168 ({step, share, of})
     {3, 4, 16},
-    // rank 2 block 38: shares 172..172 ({step, share, of})
+    // rank 2 block 38: shares 169..169 ({step, share, of})
     {3, 5, 16},
-    // rank 2 block 39: shares 173..173 ({step, share, of})
+    // rank 2 block 39: shares 170..170 ({step, share, of})
     {3, 6, 16},
-    // rank 2 block 40: shares 174..174 ({step, share, of})
+    // rank 2 block 40: shares 171..171 ({step, share, of})
     {3, 7, 16},
-    // rank 2 block 41: shares 175..175 ({step, share, of})
+    // rank 2 block 41: shares 172..172 ({step, share, of})
     {3, 8, 16},
-    // rank 2 block 42: shares 176..176 ({step, share, of})
+    // rank 2 block 42: shares 173..173 ({step, share, of})
     {3, 9, 16},
-    // rank 2 block 43: shares 177..177 ({step, share, of})
+    // rank 2 block 43: shares 174..174 ({step, share, of})
     {3, 10, 16},
-    // rank 2 block 44: shares 178..178 ({step, share, of})
+    // rank 2 block 44: shares 175..175 ({step, share, of})
     {3, 11, 16},
-    // rank 2 block 45: shares 179..179 ({step, share, of})
+    // rank 2 block 45: shares 176..176 ({step, share, of})
     {3, 12, 16},
-    // rank 2 block 46: shares 180..180 ({step, share, of})
+    // rank 2 block 46: shares 177..177 ({step, share, of})
     {3, 13, 16},
-    // rank 2 block 47: shares 181..181 ({step, share, of})
+    // rank 2 block 47: shares 178..178 ({step, share, of})
     {3, 14, 16},
-    // rank 2 block 48: shares 182..182 ({step, share, of})
+    // rank 2 block 48: shares 179..179 ({step, share, of})
     {3, 15, 16},
-    // rank 2 block 49: shares 183..183 ({step, share, of})
+    // rank 2 block 49: shares 180..180 ({step, share, of})
     {4, 0, 16},
-    // rank 2 block 50: shares 184..184 ({step, share, of})
+    // rank 2 block 50: shares 181..181 ({step, share, of})
     {4, 1, 16},
-    // rank 2 block 51: shares 185..185 ({step, share, of})
+    // rank 2 block 51: shares 182..182 ({step, share, of})
     {4, 2, 16},
-    // rank 2 block 52: shares 186..186 ({step, share, of})
+    // rank 2 block 52: shares 183..183 ({step, share, of})
     {4, 3, 16},
-    // rank 2 block 53: shares 187..187 ({step, share, of})
+    // rank 2 block 53: shares 184..184 ({step, share, of})
     {4, 4, 16},
-    // rank 2 block 54: shares 188..188 ({step, share, of})
+    // rank 2 block 54: shares 185..185 ({step, share, of})
     {4, 5, 16},
-    // rank 2 block 55: shares 189..189 ({step, share, of})
+    // rank 2 block 55: shares 186..186 ({step, share, of})
     {4, 6, 16},
-    // rank 2 block 56: shares 190..190 ({step, share, of})
+    // rank 2 block 56: shares 187..187 ({step, share, of})
     {4, 7, 16},
-    // rank 2 block 57: shares 191..191 ({step, share, of})
+    // rank 2 block 57: shares 188..188 ({step, share, of})
     {4, 8, 16},
-    // rank 2 block 58: shares 192..192 ({step, share, of})
+    // rank 2 block 58: shares 189..189 ({step, share, of})
     {4, 9, 16},
-    // rank 2 block 59: shares 193..193 ({step, share, of})
+    // rank 2 block 59: shares 190..190 ({step, share, of})
     {4, 10, 16},
-    // rank 2 block 60: shares 194..194 ({step, share, of})
+    // rank 2 block 60: shares 191..191 ({step, share, of})
     {4, 11, 16},
-    // rank 2 block 61: shares 195..195 ({step, share, of})
+    // rank 2 block 61: shares 192..192 ({step, share, of})
     {4, 12, 16},
-    // rank 2 block 62: shares 196..196 ({step, share, of})
+    // rank 2 block 62: shares 193..193 ({step, share, of})
     {4, 13, 16},
-    // rank 2 block 63: shares 197..197 ({step, share, of})
+    // rank 2 block 63: shares 194..194 ({step, share, of})
     {4, 14, 16},
-    // rank 3 block 0: shares 198..199 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16},
-    // rank 3 block 1: shares 200..201 ({step, share, of})
+    // rank 3 block 0: shares 195..195 ({step, share, of})
+    {4, 15, 16},
+    // rank 3 block 1: shares 196..197 ({step, share, of})
     {1, 0, 16}, {5, 0, 1},
-    // rank 3 block 2: shares 202..202 ({step, share, of})
+    // rank 3 block 2: shares 198..198 ({step, share, of})
     {1, 1, 16},
-    // rank 3 block 3: shares 203..203 ({step, share, of})
+    // rank 3 block 3: shares 199..199 ({step, share, of})
     {1, 2, 16},
-    // rank 3 block 4: shares 204..204 ({step, share, of})
+    // rank 3 block 4: shares 200..200 ({step, share, of})
     {1, 3, 16},
-    // rank 3 block 5: shares 205..205 ({step, share, of})
+    // rank 3 block 5: shares 201..201 ({step, share, of})
     {1, 4, 16},
-    // rank 3 block 6: shares 206..206 ({step, share, of})
+    // rank 3 block 6: shares 202..202 ({step, share, of})
     {1, 5, 16},
-    // rank 3 block 7: shares 207..207 ({step, share, of})
+    // rank 3 block 7: shares 203..203 ({step, share, of})
     {1, 6, 16},
-    // rank 3 block 8: shares 208..208 ({step, share, of})
+    // rank 3 block 8: shares 204..204 ({step, share, of})
     {1, 7, 16},
-    // rank 3 block 9: shares 209..209 ({step, share, of})
+    // rank 3 block 9: shares 205..205 ({step, share, of})
     {1, 8, 16},
-    // rank 3 block 10: shares 210..210 ({step, share, of})
+    // rank 3 block 10: shares 206..206 ({step, share, of})
     {1, 9, 16},
-    // rank 3 block 11: shares 211..211 ({step, share, of})
+    // rank 3 block 11: shares 207..207 ({step, share, of})
     {1, 10, 16},
-    // rank 3 block 12: shares 212..212 ({step, share, of})
+    // rank 3 block 12: shares 208..208 ({step, share, of})
     {1, 11, 16},
-    // rank 3 block 13: shares 213..213 ({step, share, of})
+    // rank 3 block 13: shares 209..209 ({step, share, of})
     {1, 12, 16},
-    // rank 3 block 14: shares 214..214 ({step, share, of})
+    // rank 3 block 14: shares 210..210 ({step, share, of})
     {1, 13, 16},
-    // rank 3 block 15: shares 215..215 ({step, share, of})
+    // rank 3 block 15: shares 211..211 ({step, share, of})
     {1, 14, 16},
-    // rank 3 block 16: shares 216..216 ({step, share, of})
+    // rank 3 block 16: shares 212..212 ({step, share, of})
     {1, 15, 16},
-    // rank 3 block 17: shares 217..217 ({step, share, of})
+    // rank 3 block 17: shares 213..213 ({step, share, of})
     {2, 0, 16},
-    // rank 3 block 18: shares 218..218 ({step, share, of})
+    // rank 3 block 18: shares 214..214 ({step, share, of})
     {2, 1, 16},
-    // rank 3 block 19: shares 219..219 ({step, share, of})
+    // rank 3 block 19: shares 215..215 ({step, share, of})
     {2, 2, 16},
-    // rank 3 block 20: shares 220..220 ({step, share, of})
+    // rank 3 block 20: shares 216..216 ({step, share, of})
     {2, 3, 16},
-    // rank 3 block 21: shares 221..221 ({step, share, of})
+    // rank 3 block 21: shares 217..217 ({step, share, of})
     {2, 4, 16},
-    // rank 3 block 22: shares 222..222 ({step, share, of})
+    // rank 3 block 22: shares 218..218 ({step, share, of})
     {2, 5, 16},
-    // rank 3 block 23: shares 223..223 ({step, share, of})
+    // rank 3 block 23: shares 219..219 ({step, share, of})
     {2, 6, 16},
-    // rank 3 block 24: shares 224..224 ({step, share, of})
+    // rank 3 block 24: shares 220..220 ({step, share, of})
     {2, 7, 16},
-    // rank 3 block 25: shares 225..225 ({step, share, of})
+    // rank 3 block 25: shares 221..221 ({step, share, of})
     {2, 8, 16},
-    // rank 3 block 26: shares 226..226 ({step, share, of})
+    // rank 3 block 26: shares 222..222 ({step, share, of})
     {2, 9, 16},
-    // rank 3 block 27: shares 227..227 ({step, share, of})
+    // rank 3 block 27: shares 223..223 ({step, share, of})
     {2, 10, 16},
-    // rank 3 block 28: shares 228..228 ({step, share, of})
+    // rank 3 block 28: shares 224..224 ({step, share, of})
     {2, 11, 16},
-    // rank 3 block 29: shares 229..229 ({step, share, of})
+    // rank 3 block 29: shares 225..225 ({step, share, of})
     {2, 12, 16},
-    // rank 3 block 30: shares 230..230 ({step, share, of})
+    // rank 3 block 30: shares 226..226 ({step, share, of})
     {2, 13, 16},
-    // rank 3 block 31: shares 231..231 ({step, share, of})
+    // rank 3 block 31: shares 227..227 ({step, share, of})
     {2, 14, 16},
-    // rank 3 block 32: shares 232..232 ({step, share, of})
+    // rank 3 block 32: shares 228..228 ({step, share, of})
     {2, 15, 16},
-    // rank 3 block 33: shares 233..233 ({step, share, of})
+    // rank 3 block 33: shares 229..229 ({step, share, of})
     {3, 0, 16},
-    // rank 3 block 34: shares 234..234 ({step, share, of})
+    // rank 3 block 34: shares 230..230 ({step, share, of})
     {3, 1, 16},
-    // rank 3 block 35: shares 235..235 ({step, share, of})
+    // rank 3 block 35: shares 231..231 ({step, share, of})
     {3, 2, 16},
-    // rank 3 block 36: shares 236..236 ({step, share, of})
+    // rank 3 block 36: shares 232..232 ({step, share, of})
     {3, 3, 16},
-    // rank 3 block 37: shares 237..237 ({step, share, of})
+    // rank 3 block 37: shares 233..233 ({step, share, of})
     {3, 4, 16},
-    // rank 3 block 38: shares 238..238 ({step, share, of})
+    // rank 3 block 38: shares 234..234 ({step, share, of})
     {3, 5, 16},
-    // rank 3 block 39: shares 239..239 ({step, share, of})
+    // rank 3 block 39: shares 235..235 ({step, share, of})
     {3, 6, 16},
-    // rank 3 block 40: shares 240..240 ({step, share, of})
+    // rank 3 block 40: shares 236..236 ({step, share, of})
     {3, 7, 16},
-    // rank 3 block 41: shares 241..241 ({step, share, of})
+    // rank 3 block 41: shares 237..237 ({step, share, of})
     {3, 8, 16},
-    // rank 3 block 42: shares 242..242 ({step, share, of})
+    // rank 3 block 42: shares 238..238 ({step, share, of})
     {3, 9, 16},
-    // rank 3 block 43: shares 243..243 ({step, share, of})
+    // rank 3 block 43: shares 239..239 ({step, share, of})
     {3, 10, 16},
-    // rank 3 block 44: shares 244..244 ({step, share, of})
+    // rank 3 block 44: shares 240..240 ({step, share, of})
     {3, 11, 16},
-    // rank 3 block 45: shares 245..245 ({step, share, of})
+    // rank 3 block 45: shares 241..241 ({step, share, of})
     {3, 12, 16},
-    // rank 3 block 46: shares 246..246 ({step, share, of})
+    // rank 3 block 46: shares 242..242 ({step, share, of})
     {3, 13, 16},
-    // rank 3 block 47: shares 247..247 ({step, share, of})
+    // rank 3 block 47: shares 243..243 ({step, share, of})
     {3, 14, 16},
-    // rank 3 block 48: shares 248..248 ({step, share, of})
+    // rank 3 block 48: shares 244..244 ({step, share, of})
     {3, 15, 16},
-    // rank 3 block 49: shares 249..249 ({step, share, of})
+    // rank 3 block 49: shares 245..245 ({step, share, of})
     {4, 0, 16},
-    // rank 3 block 50: shares 250..250 ({step, share, of})
+    // rank 3 block 50: shares 246..246 ({step, share, of})
     {4, 1, 16},
-    // rank 3 block 51: shares 251..251 ({step, share, of})
+    // rank 3 block 51: shares 247..247 ({step, share, of})
     {4, 2, 16},
-    // rank 3 block 52: shares 252..252 ({step, share, of})
+    // rank 3 block 52: shares 248..248 ({step, share, of})
     {4, 3, 16},
-    // rank 3 block 53: shares 253..253 ({step, share, of})
+    // rank 3 block 53: shares 249..249 ({step, share, of})
     {4, 4, 16},
-    // rank 3 block 54: shares 254..254 ({step, share, of})
+    // rank 3 block 54: shares 250..250 ({step, share, of})
     {4, 5, 16},
-    // rank 3 block 55: shares 255..255 ({step, share, of})
+    // rank 3 block 55: shares 251..251 ({step, share, of})
     {4, 6, 16},
-    // rank 3 block 56: shares 256..256 ({step, share, of})
+    // rank 3 block 56: shares 252..252 ({step, share, of})
     {4, 7, 16},
-    // rank 3 block 57: shares 257..257 ({step, share, of})
+    // rank 3 block 57: shares 253..253 ({step, share, of})
     {4, 8, 16},
-    // rank 3 block 58: shares 258..258 ({step, share, of})
+    // rank 3 block 58: shares 254..254 ({step, share, of})
     {4, 9, 16},
-    // rank 3 block 59: shares 259..259 ({step, share, of})
+    // rank 3 block 59: shares 255..255 ({step, share, of})
     {4, 10, 16},
-    // rank 3 block 60: shares 260..260 ({step, share, of})
+    // rank 3 block 60: shares 256..256 ({step, share, of})
     {4, 11, 16},
-    // rank 3 block 61: shares 261..261 ({step, share, of})
+    // rank 3 block 61: shares 257..257 ({step, share, of})
     {4, 12, 16},
-    // rank 3 block 62: shares 262..262 ({step, share, of})
+    // rank 3 block 62: shares 258..258 ({step, share, of})
     {4, 13, 16},
-    // rank 3 block 63: shares 263..263 ({step, share, of})
+    // rank 3 block 63: shares 259..259 ({step, share, of})
     {4, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66 },
-    { 66, 68, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132 },
-    { 132, 134, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198 },
-    { 198, 200, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264 },
+    { 0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65 },
+    { 65, 66, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130 },
+    { 130, 131, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195 },
+    { 195, 196, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 1040 block shares over 64 blocks.
+// Plan for world size 8: 80 steps, 1032 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -2412,1041 +2407,1041 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 3..5 ({step, share, of})
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 2..4 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 0 block 2: shares 6..7 ({step, share, of})
+    // rank 0 block 2: shares 5..6 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 0 block 3: shares 8..9 ({step, share, of})
+    // rank 0 block 3: shares 7..8 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 0 block 4: shares 10..11 ({step, share, of})
+    // rank 0 block 4: shares 9..10 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 0 block 5: shares 12..13 ({step, share, of})
+    // rank 0 block 5: shares 11..12 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 0 block 6: shares 14..15 ({step, share, of})
+    // rank 0 block 6: shares 13..14 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 0 block 7: shares 16..17 ({step, share, of})
+    // rank 0 block 7: shares 15..16 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 0 block 8: shares 18..19 ({step, share, of})
+    // rank 0 block 8: shares 17..18 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 0 block 9: shares 20..21 ({step, share, of})
+    // rank 0 block 9: shares 19..20 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 0 block 10: shares 22..23 ({step, share, of})
+    // rank 0 block 10: shares 21..22 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 0 block 11: shares 24..25 ({step, share, of})
+    // rank 0 block 11: shares 23..24 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 0 block 12: shares 26..27 ({step, share, of})
+    // rank 0 block 12: shares 25..26 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 0 block 13: shares 28..29 ({step, share, of})
+    // rank 0 block 13: shares 27..28 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 0 block 14: shares 30..31 ({step, share, of})
+    // rank 0 block 14: shares 29..30 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 0 block 15: shares 32..33 ({step, share, of})
+    // rank 0 block 15: shares 31..32 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 0 block 16: shares 34..35 ({step, share, of})
+    // rank 0 block 16: shares 33..34 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 0 block 17: shares 36..37 ({step, share, of})
+    // rank 0 block 17: shares 35..36 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 0 block 18: shares 38..39 ({step, share, of})
+    // rank 0 block 18: shares 37..38 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 0 block 19: shares 40..41 ({step, share, of})
+    // rank 0 block 19: shares 39..40 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 0 block 20: shares 42..43 ({step, share, of})
+    // rank 0 block 20: shares 41..42 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 0 block 21: shares 44..45 ({step, share, of})
+    // rank 0 block 21: shares 43..44 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 0 block 22: shares 46..47 ({step, share, of})
+    // rank 0 block 22: shares 45..46 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 0 block 23: shares 48..49 ({step, share, of})
+    // rank 0 block 23: shares 47..48 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 0 block 24: shares 50..51 ({step, share, of})
+    // rank 0 block 24: shares 49..50 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 0 block 25: shares 52..53 ({step, share, of})
+    // rank 0 block 25: shares 51..52 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 0 block 26: shares 54..55 ({step, share, of})
+    // rank 0 block 26: shares 53..54 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 0 block 27: shares 56..57 ({step, share, of})
+    // rank 0 block 27: shares 55..56 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 0 block 28: shares 58..59 ({step, share, of})
+    // rank 0 block 28: shares 57..58 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 0 block 29: shares 60..61 ({step, share, of})
+    // rank 0 block 29: shares 59..60 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 0 block 30: shares 62..63 ({step, share, of})
+    // rank 0 block 30: shares 61..62 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 0 block 31: shares 64..65 ({step, share, of})
+    // rank 0 block 31: shares 63..64 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 0 block 32: shares 66..67 ({step, share, of})
+    // rank 0 block 32: shares 65..66 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 0 block 33: shares 68..69 ({step, share, of})
+    // rank 0 block 33: shares 67..68 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 0 block 34: shares 70..71 ({step, share, of})
+    // rank 0 block 34: shares 69..70 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 0 block 35: shares 72..73 ({step, share, of})
+    // rank 0 block 35: shares 71..72 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 0 block 36: shares 74..75 ({step, share, of})
+    // rank 0 block 36: shares 73..74 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 0 block 37: shares 76..77 ({step, share, of})
+    // rank 0 block 37: shares 75..76 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 0 block 38: shares 78..79 ({step, share, of})
+    // rank 0 block 38: shares 77..78 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 0 block 39: shares 80..81 ({step, share, of})
+    // rank 0 block 39: shares 79..80 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 0 block 40: shares 82..83 ({step, share, of})
+    // rank 0 block 40: shares 81..82 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 0 block 41: shares 84..85 ({step, share, of})
+    // rank 0 block 41: shares 83..84 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 0 block 42: shares 86..87 ({step, share, of})
+    // rank 0 block 42: shares 85..86 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 0 block 43: shares 88..89 ({step, share, of})
+    // rank 0 block 43: shares 87..88 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 0 block 44: shares 90..91 ({step, share, of})
+    // rank 0 block 44: shares 89..90 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 0 block 45: shares 92..93 ({step, share, of})
+    // rank 0 block 45: shares 91..92 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 0 block 46: shares 94..95 ({step, share, of})
+    // rank 0 block 46: shares 93..94 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 0 block 47: shares 96..97 ({step, share, of})
+    // rank 0 block 47: shares 95..96 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 0 block 48: shares 98..99 ({step, share, of})
+    // rank 0 block 48: shares 97..98 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 0 block 49: shares 100..101 ({step, share, of})
+    // rank 0 block 49: shares 99..100 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 102..103 ({step, share, of})
+    // rank 0 block 50: shares 101..102 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 104..105 ({step, share, of})
+    // rank 0 block 51: shares 103..104 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 106..107 ({step, share, of})
+    // rank 0 block 52: shares 105..106 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 108..109 ({step, share, of})
+    // rank 0 block 53: shares 107..108 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 110..111 ({step, share, of})
+    // rank 0 block 54: shares 109..110 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 112..113 ({step, share, of})
+    // rank 0 block 55: shares 111..112 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 114..115 ({step, share, of})
+    // rank 0 block 56: shares 113..114 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 116..117 ({step, share, of})
+    // rank 0 block 57: shares 115..116 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 118..119 ({step, share, of})
+    // rank 0 block 58: shares 117..118 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 120..121 ({step, share, of})
+    // rank 0 block 59: shares 119..120 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 122..123 ({step, share, of})
+    // rank 0 block 60: shares 121..122 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 124..125 ({step, share, of})
+    // rank 0 block 61: shares 123..124 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 126..127 ({step, share, of})
+    // rank 0 block 62: shares 125..126 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 128..129 ({step, share, of})
+    // rank 0 block 63: shares 127..128 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 130..132 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 133..135 ({step, share, of})
+    // rank 1 block 0: shares 129..130 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 131..133 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 1 block 2: shares 136..137 ({step, share, of})
+    // rank 1 block 2: shares 134..135 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 1 block 3: shares 138..139 ({step, share, of})
+    // rank 1 block 3: shares 136..137 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 1 block 4: shares 140..141 ({step, share, of})
+    // rank 1 block 4: shares 138..139 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 1 block 5: shares 142..143 ({step, share, of})
+    // rank 1 block 5: shares 140..141 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 1 block 6: shares 144..145 ({step, share, of})
+    // rank 1 block 6: shares 142..143 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 1 block 7: shares 146..147 ({step, share, of})
+    // rank 1 block 7: shares 144..145 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 1 block 8: shares 148..149 ({step, share, of})
+    // rank 1 block 8: shares 146..147 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 1 block 9: shares 150..151 ({step, share, of})
+    // rank 1 block 9: shares 148..149 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 1 block 10: shares 152..153 ({step, share, of})
+    // rank 1 block 10: shares 150..151 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 1 block 11: shares 154..155 ({step, share, of})
+    // rank 1 block 11: shares 152..153 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 1 block 12: shares 156..157 ({step, share, of})
+    // rank 1 block 12: shares 154..155 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 1 block 13: shares 158..159 ({step, share, of})
+    // rank 1 block 13: shares 156..157 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 1 block 14: shares 160..161 ({step, share, of})
+    // rank 1 block 14: shares 158..159 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 1 block 15: shares 162..163 ({step, share, of})
+    // rank 1 block 15: shares 160..161 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 1 block 16: shares 164..165 ({step, share, of})
+    // rank 1 block 16: shares 162..163 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 1 block 17: shares 166..167 ({step, share, of})
+    // rank 1 block 17: shares 164..165 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 1 block 18: shares 168..169 ({step, share, of})
+    // rank 1 block 18: shares 166..167 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 1 block 19: shares 170..171 ({step, share, of})
+    // rank 1 block 19: shares 168..169 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 1 block 20: shares 172..173 ({step, share, of})
+    // rank 1 block 20: shares 170..171 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 1 block 21: shares 174..175 ({step, share, of})
+    // rank 1 block 21: shares 172..173 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 1 block 22: shares 176..177 ({step, share, of})
+    // rank 1 block 22: shares 174..175 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 1 block 23: shares 178..179 ({step, share, of})
+    // rank 1 block 23: shares 176..177 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 1 block 24: shares 180..181 ({step, share, of})
+    // rank 1 block 24: shares 178..179 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 1 block 25: shares 182..183 ({step, share, of})
+    // rank 1 block 25: shares 180..181 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 1 block 26: shares 184..185 ({step, share, of})
+    // rank 1 block 26: shares 182..183 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 1 block 27: shares 186..187 ({step, share, of})
+    // rank 1 block 27: shares 184..185 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 1 block 28: shares 188..189 ({step, share, of})
+    // rank 1 block 28: shares 186..187 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 1 block 29: shares 190..191 ({step, share, of})
+    // rank 1 block 29: shares 188..189 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 1 block 30: shares 192..193 ({step, share, of})
+    // rank 1 block 30: shares 190..191 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 1 block 31: shares 194..195 ({step, share, of})
+    // rank 1 block 31: shares 192..193 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 1 block 32: shares 196..197 ({step, share, of})
+    // rank 1 block 32: shares 194..195 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 1 block 33: shares 198..199 ({step, share, of})
+    // rank 1 block 33: shares 196..197 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 1 block 34: shares 200..201 ({step, share, of})
+    // rank 1 block 34: shares 198..199 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 1 block 35: shares 202..203 ({step, share, of})
+    // rank 1 block 35: shares 200..201 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 1 block 36: shares 204..205 ({step, share, of})
+    // rank 1 block 36: shares 202..203 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 1 block 37: shares 206..207 ({step, share, of})
+    // rank 1 block 37: shares 204..205 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 1 block 38: shares 208..209 ({step, share, of})
+    // rank 1 block 38: shares 206..207 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 1 block 39: shares 210..211 ({step, share, of})
+    // rank 1 block 39: shares 208..209 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 1 block 40: shares 212..213 ({step, share, of})
+    // rank 1 block 40: shares 210..211 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 1 block 41: shares 214..215 ({step, share, of})
+    // rank 1 block 41: shares 212..213 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 1 block 42: shares 216..217 ({step, share, of})
+    // rank 1 block 42: shares 214..215 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 1 block 43: shares 218..219 ({step, share, of})
+    // rank 1 block 43: shares 216..217 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 1 block 44: shares 220..221 ({step, share, of})
+    // rank 1 block 44: shares 218..219 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 1 block 45: shares 222..223 ({step, share, of})
+    // rank 1 block 45: shares 220..221 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 1 block 46: shares 224..225 ({step, share, of})
+    // rank 1 block 46: shares 222..223 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 1 block 47: shares 226..227 ({step, share, of})
+    // rank 1 block 47: shares 224..225 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 1 block 48: shares 228..229 ({step, share, of})
+    // rank 1 block 48: shares 226..227 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 1 block 49: shares 230..231 ({step, share, of})
+    // rank 1 block 49: shares 228..229 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 232..233 ({step, share, of})
+    // rank 1 block 50: shares 230..231 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 234..235 ({step, share, of})
+    // rank 1 block 51: shares 232..233 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 236..237 ({step, share, of})
+    // rank 1 block 52: shares 234..235 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 238..239 ({step, share, of})
+    // rank 1 block 53: shares 236..237 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 240..241 ({step, share, of})
+    // rank 1 block 54: shares 238..239 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 242..243 ({step, share, of})
+    // rank 1 block 55: shares 240..241 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 244..245 ({step, share, of})
+    // rank 1 block 56: shares 242..243 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 246..247 ({step, share, of})
+    // rank 1 block 57: shares 244..245 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 248..249 ({step, share, of})
+    // rank 1 block 58: shares 246..247 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 250..251 ({step, share, of})
+    // rank 1 block 59: shares 248..249 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 252..253 ({step, share, of})
+    // rank 1 block 60: shares 250..251 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 254..255 ({step, share, of})
+    // rank 1 block 61: shares 252..253 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 256..257 ({step, share, of})
+    // rank 1 block 62: shares 254..255 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 258..259 ({step, share, of})
+    // rank 1 block 63: shares 256..257 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 260..262 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 263..265 ({step, share, of})
+    // rank 2 block 0: shares 258..259 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 260..262 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 2 block 2: shares 266..267 ({step, share, of})
+    // rank 2 block 2: shares 263..264 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 2 block 3: shares 268..269 ({step, share, of})
+    // rank 2 block 3: shares 265..266 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 2 block 4: shares 270..271 ({step, share, of})
+    // rank 2 block 4: shares 267..268 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 2 block 5: shares 272..273 ({step, share, of})
+    // rank 2 block 5: shares 269..270 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 2 block 6: shares 274..275 ({step, share, of})
+    // rank 2 block 6: shares 271..272 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 2 block 7: shares 276..277 ({step, share, of})
+    // rank 2 block 7: shares 273..274 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 2 block 8: shares 278..279 ({step, share, of})
+    // rank 2 block 8: shares 275..276 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 2 block 9: shares 280..281 ({step, share, of})
+    // rank 2 block 9: shares 277..278 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 2 block 10: shares 282..283 ({step, share, of})
+    // rank 2 block 10: shares 279..280 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 2 block 11: shares 284..285 ({step, share, of})
+    // rank 2 block 11: shares 281..282 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 2 block 12: shares 286..287 ({step, share, of})
+    // rank 2 block 12: shares 283..284 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 2 block 13: shares 288..289 ({step, share, of})
+    // rank 2 block 13: shares 285..286 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 2 block 14: shares 290..291 ({step, share, of})
+    // rank 2 block 14: shares 287..288 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 2 block 15: shares 292..293 ({step, share, of})
+    // rank 2 block 15: shares 289..290 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 2 block 16: shares 294..295 ({step, share, of})
+    // rank 2 block 16: shares 291..292 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 2 block 17: shares 296..297 ({step, share, of})
+    // rank 2 block 17: shares 293..294 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 2 block 18: shares 298..299 ({step, share, of})
+    // rank 2 block 18: shares 295..296 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 2 block 19: shares 300..301 ({step, share, of})
+    // rank 2 block 19: shares 297..298 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 2 block 20: shares 302..303 ({step, share, of})
+    // rank 2 block 20: shares 299..300 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 2 block 21: shares 304..305 ({step, share, of})
+    // rank 2 block 21: shares 301..302 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 2 block 22: shares 306..307 ({step, share, of})
+    // rank 2 block 22: shares 303..304 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 2 block 23: shares 308..309 ({step, share, of})
+    // rank 2 block 23: shares 305..306 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 2 block 24: shares 310..311 ({step, share, of})
+    // rank 2 block 24: shares 307..308 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 2 block 25: shares 312..313 ({step, share, of})
+    // rank 2 block 25: shares 309..310 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 2 block 26: shares 314..315 ({step, share, of})
+    // rank 2 block 26: shares 311..312 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 2 block 27: shares 316..317 ({step, share, of})
+    // rank 2 block 27: shares 313..314 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 2 block 28: shares 318..319 ({step, share, of})
+    // rank 2 block 28: shares 315..316 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 2 block 29: shares 320..321 ({step, share, of})
+    // rank 2 block 29: shares 317..318 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 2 block 30: shares 322..323 ({step, share, of})
+    // rank 2 block 30: shares 319..320 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 2 block 31: shares 324..325 ({step, share, of})
+    // rank 2 block 31: shares 321..322 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 2 block 32: shares 326..327 ({step, share, of})
+    // rank 2 block 32: shares 323..324 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 2 block 33: shares 328..329 ({step, share, of})
+    // rank 2 block 33: shares 325..326 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 2 block 34: shares 330..331 ({step, share, of})
+    // rank 2 block 34: shares 327..328 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 2 block 35: shares 332..333 ({step, share, of})
+    // rank 2 block 35: shares 329..330 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 2 block 36: shares 334..335 ({step, share, of})
+    // rank 2 block 36: shares 331..332 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 2 block 37: shares 336..337 ({step, share, of})
+    // rank 2 block 37: shares 333..334 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 2 block 38: shares 338..339 ({step, share, of})
+    // rank 2 block 38: shares 335..336 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 2 block 39: shares 340..341 ({step, share, of})
+    // rank 2 block 39: shares 337..338 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 2 block 40: shares 342..343 ({step, share, of})
+    // rank 2 block 40: shares 339..340 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 2 block 41: shares 344..345 ({step, share, of})
+    // rank 2 block 41: shares 341..342 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 2 block 42: shares 346..347 ({step, share, of})
+    // rank 2 block 42: shares 343..344 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 2 block 43: shares 348..349 ({step, share, of})
+    // rank 2 block 43: shares 345..346 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 2 block 44: shares 350..351 ({step, share, of})
+    // rank 2 block 44: shares 347..348 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 2 block 45: shares 352..353 ({step, share, of})
+    // rank 2 block 45: shares 349..350 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 2 block 46: shares 354..355 ({step, share, of})
+    // rank 2 block 46: shares 351..352 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 2 block 47: shares 356..357 ({step, share, of})
+    // rank 2 block 47: shares 353..354 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 2 block 48: shares 358..359 ({step, share, of})
+    // rank 2 block 48: shares 355..356 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 2 block 49: shares 360..361 ({step, share, of})
+    // rank 2 block 49: shares 357..358 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 362..363 ({step, share, of})
+    // rank 2 block 50: shares 359..360 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 364..365 ({step, share, of})
+    // rank 2 block 51: shares 361..362 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 366..367 ({step, share, of})
+    // rank 2 block 52: shares 363..364 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 368..369 ({step, share, of})
+    // rank 2 block 53: shares 365..366 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 370..371 ({step, share, of})
+    // rank 2 block 54: shares 367..368 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 372..373 ({step, share, of})
+    // rank 2 block 55: shares 369..370 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 374..375 ({step, share, of})
+    // rank 2 block 56: shares 371..372 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 376..377 ({step, share, of})
+    // rank 2 block 57: shares 373..374 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 378..379 ({step, share, of})
+    // rank 2 block 58: shares 375..376 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 380..381 ({step, share, of})
+    // rank 2 block 59: shares 377..378 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 382..383 ({step, share, of})
+    // rank 2 block 60: shares 379..380 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 384..385 ({step, share, of})
+    // rank 2 block 61: shares 381..382 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 386..387 ({step, share, of})
+    // rank 2 block 62: shares 383..384 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 388..389 ({step, share, of})
+    // rank 2 block 63: shares 385..386 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 390..392 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 393..395 ({step, share, of})
+    // rank 3 block 0: shares 387..388 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 3 block 1: shares 389..391 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 3 block 2: shares 396..397 ({step, share, of})
+    // rank 3 block 2: shares 392..393 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 3 block 3: shares 398..399 ({step, share, of})
+    // rank 3 block 3: shares 394..395 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 3 block 4: shares 400..401 ({step, share, of})
+    // rank 3 block 4: shares 396..397 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 3 block 5: shares 402..403 ({step, share, of})
+    // rank 3 block 5: shares 398..399 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 3 block 6: shares 404..405 ({step, share, of})
+    // rank 3 block 6: shares 400..401 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 3 block 7: shares 406..407 ({step, share, of})
+    // rank 3 block 7: shares 402..403 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 3 block 8: shares 408..409 ({step, share, of})
+    // rank 3 block 8: shares 404..405 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 3 block 9: shares 410..411 ({step, share, of})
+    // rank 3 block 9: shares 406..407 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 3 block 10: shares 412..413 ({step, share, of})
+    // rank 3 block 10: shares 408..409 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 3 block 11: shares 414..415 ({step, share, of})
+    // rank 3 block 11: shares 410..411 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 3 block 12: shares 416..417 ({step, share, of})
+    // rank 3 block 12: shares 412..413 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 3 block 13: shares 418..419 ({step, share, of})
+    // rank 3 block 13: shares 414..415 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 3 block 14: shares 420..421 ({step, share, of})
+    // rank 3 block 14: shares 416..417 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 3 block 15: shares 422..423 ({step, share, of})
+    // rank 3 block 15: shares 418..419 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 3 block 16: shares 424..425 ({step, share, of})
+    // rank 3 block 16: shares 420..421 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 3 block 17: shares 426..427 ({step, share, of})
+    // rank 3 block 17: shares 422..423 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 3 block 18: shares 428..429 ({step, share, of})
+    // rank 3 block 18: shares 424..425 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 3 block 19: shares 430..431 ({step, share, of})
+    // rank 3 block 19: shares 426..427 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 3 block 20: shares 432..433 ({step, share, of})
+    // rank 3 block 20: shares 428..429 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 3 block 21: shares 434..435 ({step, share, of})
+    // rank 3 block 21: shares 430..431 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 3 block 22: shares 436..437 ({step, share, of})
+    // rank 3 block 22: shares 432..433 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 3 block 23: shares 438..439 ({step, share, of})
+    // rank 3 block 23: shares 434..435 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 3 block 24: shares 440..441 ({step, share, of})
+    // rank 3 block 24: shares 436..437 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 3 block 25: shares 442..443 ({step, share, of})
+    // rank 3 block 25: shares 438..439 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 3 block 26: shares 444..445 ({step, share, of})
+    // rank 3 block 26: shares 440..441 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 3 block 27: shares 446..447 ({step, share, of})
+    // rank 3 block 27: shares 442..443 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 3 block 28: shares 448..449 ({step, share, of})
+    // rank 3 block 28: shares 444..445 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 3 block 29: shares 450..451 ({step, share, of})
+    // rank 3 block 29: shares 446..447 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 3 block 30: shares 452..453 ({step, share, of})
+    // rank 3 block 30: shares 448..449 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 3 block 31: shares 454..455 ({step, share, of})
+    // rank 3 block 31: shares 450..451 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 3 block 32: shares 456..457 ({step, share, of})
+    // rank 3 block 32: shares 452..453 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 3 block 33: shares 458..459 ({step, share, of})
+    // rank 3 block 33: shares 454..455 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 3 block 34: shares 460..461 ({step, share, of})
+    // rank 3 block 34: shares 456..457 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 3 block 35: shares 462..463 ({step, share, of})
+    // rank 3 block 35: shares 458..459 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 3 block 36: shares 464..465 ({step, share, of})
+    // rank 3 block 36: shares 460..461 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 3 block 37: shares 466..467 ({step, share, of})
+    // rank 3 block 37: shares 462..463 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 3 block 38: shares 468..469 ({step, share, of})
+    // rank 3 block 38: shares 464..465 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 3 block 39: shares 470..471 ({step, share, of})
+    // rank 3 block 39: shares 466..467 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 3 block 40: shares 472..473 ({step, share, of})
+    // rank 3 block 40: shares 468..469 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 3 block 41: shares 474..475 ({step, share, of})
+    // rank 3 block 41: shares 470..471 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 3 block 42: shares 476..477 ({step, share, of})
+    // rank 3 block 42: shares 472..473 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 3 block 43: shares 478..479 ({step, share, of})
+    // rank 3 block 43: shares 474..475 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 3 block 44: shares 480..481 ({step, share, of})
+    // rank 3 block 44: shares 476..477 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 3 block 45: shares 482..483 ({step, share, of})
+    // rank 3 block 45: shares 478..479 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 3 block 46: shares 484..485 ({step, share, of})
+    // rank 3 block 46: shares 480..481 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 3 block 47: shares 486..487 ({step, share, of})
+    // rank 3 block 47: shares 482..483 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 3 block 48: shares 488..489 ({step, share, of})
+    // rank 3 block 48: shares 484..485 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 3 block 49: shares 490..491 ({step, share, of})
+    // rank 3 block 49: shares 486..487 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 3 block 50: shares 492..493 ({step, share, of})
+    // rank 3 block 50: shares 488..489 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 494..495 ({step, share, of})
+    // rank 3 block 51: shares 490..491 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 496..497 ({step, share, of})
+    // rank 3 block 52: shares 492..493 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 498..499 ({step, share, of})
+    // rank 3 block 53: shares 494..495 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 500..501 ({step, share, of})
+    // rank 3 block 54: shares 496..497 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 502..503 ({step, share, of})
+    // rank 3 block 55: shares 498..499 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 504..505 ({step, share, of})
+    // rank 3 block 56: shares 500..501 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 506..507 ({step, share, of})
+    // rank 3 block 57: shares 502..503 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 508..509 ({step, share, of})
+    // rank 3 block 58: shares 504..505 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 510..511 ({step, share, of})
+    // rank 3 block 59: shares 506..507 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 512..513 ({step, share, of})
+    // rank 3 block 60: shares 508..509 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 514..515 ({step, share, of})
+    // rank 3 block 61: shares 510..511 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 516..517 ({step, share, of})
+    // rank 3 block 62: shares 512..513 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 518..519 ({step, share, of})
+    // rank 3 block 63: shares 514..515 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 4 block 0: shares 520..522 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 4 block 1: shares 523..525 ({step, share, of})
+    // rank 4 block 0: shares 516..517 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 4 block 1: shares 518..520 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 4 block 2: shares 526..527 ({step, share, of})
+    // rank 4 block 2: shares 521..522 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 4 block 3: shares 528..529 ({step, share, of})
+    // rank 4 block 3: shares 523..524 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 4 block 4: shares 530..531 ({step, share, of})
+    // rank 4 block 4: shares 525..526 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 4 block 5: shares 532..533 ({step, share, of})
+    // rank 4 block 5: shares 527..528 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 4 block 6: shares 534..535 ({step, share, of})
+    // rank 4 block 6: shares 529..530 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 4 block 7: shares 536..537 ({step, share, of})
+    // rank 4 block 7: shares 531..532 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 4 block 8: shares 538..539 ({step, share, of})
+    // rank 4 block 8: shares 533..534 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 4 block 9: shares 540..541 ({step, share, of})
+    // rank 4 block 9: shares 535..536 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 4 block 10: shares 542..543 ({step, share, of})
+    // rank 4 block 10: shares 537..538 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 4 block 11: shares 544..545 ({step, share, of})
+    // rank 4 block 11: shares 539..540 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 4 block 12: shares 546..547 ({step, share, of})
+    // rank 4 block 12: shares 541..542 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 4 block 13: shares 548..549 ({step, share, of})
+    // rank 4 block 13: shares 543..544 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 4 block 14: shares 550..551 ({step, share, of})
+    // rank 4 block 14: shares 545..546 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 4 block 15: shares 552..553 ({step, share, of})
+    // rank 4 block 15: shares 547..548 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 4 block 16: shares 554..555 ({step, share, of})
+    // rank 4 block 16: shares 549..550 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 4 block 17: shares 556..557 ({step, share, of})
+    // rank 4 block 17: shares 551..552 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 4 block 18: shares 558..559 ({step, share, of})
+    // rank 4 block 18: shares 553..554 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 4 block 19: shares 560..561 ({step, share, of})
+    // rank 4 block 19: shares 555..556 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 4 block 20: shares 562..563 ({step, share, of})
+    // rank 4 block 20: shares 557..558 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 4 block 21: shares 564..565 ({step, share, of})
+    // rank 4 block 21: shares 559..560 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 4 block 22: shares 566..567 ({step, share, of})
+    // rank 4 block 22: shares 561..562 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 4 block 23: shares 568..569 ({step, share, of})
+    // rank 4 block 23: shares 563..564 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 4 block 24: shares 570..571 ({step, share, of})
+    // rank 4 block 24: shares 565..566 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 4 block 25: shares 572..573 ({step, share, of})
+    // rank 4 block 25: shares 567..568 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 4 block 26: shares 574..575 ({step, share, of})
+    // rank 4 block 26: shares 569..570 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 4 block 27: shares 576..577 ({step, share, of})
+    // rank 4 block 27: shares 571..572 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 4 block 28: shares 578..579 ({step, share, of})
+    // rank 4 block 28: shares 573..574 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 4 block 29: shares 580..581 ({step, share, of})
+    // rank 4 block 29: shares 575..576 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 4 block 30: shares 582..583 ({step, share, of})
+    // rank 4 block 30: shares 577..578 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 4 block 31: shares 584..585 ({step, share, of})
+    // rank 4 block 31: shares 579..580 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 4 block 32: shares 586..587 ({step, share, of})
+    // rank 4 block 32: shares 581..582 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 4 block 33: shares 588..589 ({step, share, of})
+    // rank 4 block 33: shares 583..584 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 4 block 34: shares 590..591 ({step, share, of})
+    // rank 4 block 34: shares 585..586 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 4 block 35: shares 592..593 ({step, share, of})
+    // rank 4 block 35: shares 587..588 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 4 block 36: shares 594..595 ({step, share, of})
+    // rank 4 block 36: shares 589..590 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 4 block 37: shares 596..597 ({step, share, of})
+    // rank 4 block 37: shares 591..592 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 4 block 38: shares 598..599 ({step, share, of})
+    // rank 4 block 38: shares 593..594 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 4 block 39: shares 600..601 ({step, share, of})
+    // rank 4 block 39: shares 595..596 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 4 block 40: shares 602..603 ({step, share, of})
+    // rank 4 block 40: shares 597..598 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 4 block 41: shares 604..605 ({step, share, of})
+    // rank 4 block 41: shares 599..600 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 4 block 42: shares 606..607 ({step, share, of})
+    // rank 4 block 42: shares 601..602 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 4 block 43: shares 608..609 ({step, share, of})
+    // rank 4 block 43: shares 603..604 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 4 block 44: shares 610..611 ({step, share, of})
+    // rank 4 block 44: shares 605..606 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 4 block 45: shares 612..613 ({step, share, of})
+    // rank 4 block 45: shares 607..608 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 4 block 46: shares 614..615 ({step, share, of})
+    // rank 4 block 46: shares 609..610 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 4 block 47: shares 616..617 ({step, share, of})
+    // rank 4 block 47: shares 611..612 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 4 block 48: shares 618..619 ({step, share, of})
+    // rank 4 block 48: shares 613..614 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 4 block 49: shares 620..621 ({step, share, of})
+    // rank 4 block 49: shares 615..616 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 4 block 50: shares 622..623 ({step, share, of})
+    // rank 4 block 50: shares 617..618 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 4 block 51: shares 624..625 ({step, share, of})
+    // rank 4 block 51: shares 619..620 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 4 block 52: shares 626..627 ({step, share, of})
+    // rank 4 block 52: shares 621..622 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 4 block 53: shares 628..629 ({step, share, of})
+    // rank 4 block 53: shares 623..624 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 4 block 54: shares 630..631 ({step, share, of})
+    // rank 4 block 54: shares 625..626 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 4 block 55: shares 632..633 ({step, share, of})
+    // rank 4 block 55: shares 627..628 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 4 block 56: shares 634..635 ({step, share, of})
+    // rank 4 block 56: shares 629..630 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 4 block 57: shares 636..637 ({step, share, of})
+    // rank 4 block 57: shares 631..632 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 4 block 58: shares 638..639 ({step, share, of})
+    // rank 4 block 58: shares 633..634 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 4 block 59: shares 640..641 ({step, share, of})
+    // rank 4 block 59: shares 635..636 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 4 block 60: shares 642..643 ({step, share, of})
+    // rank 4 block 60: shares 637..638 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 4 block 61: shares 644..645 ({step, share, of})
+    // rank 4 block 61: shares 639..640 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 4 block 62: shares 646..647 ({step, share, of})
+    // rank 4 block 62: shares 641..642 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 4 block 63: shares 648..649 ({step, share, of})
+    // rank 4 block 63: shares 643..644 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 5 block 0: shares 650..652 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 5 block 1: shares 653..655 ({step, share, of})
+    // rank 5 block 0: shares 645..646 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 5 block 1: shares 647..649 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 5 block 2: shares 656..657 ({step, share, of})
+    // rank 5 block 2: shares 650..651 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 5 block 3: shares 658..659 ({step, share, of})
+    // rank 5 block 3: shares 652..653 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 5 block 4: shares 660..661 ({step, share, of})
+    // rank 5 block 4: shares 654..655 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 5 block 5: shares 662..663 ({step, share, of})
+    // rank 5 block 5: shares 656..657 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 5 block 6: shares 664..665 ({step, share, of})
+    // rank 5 block 6: shares 658..659 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 5 block 7: shares 666..667 ({step, share, of})
+    // rank 5 block 7: shares 660..661 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 5 block 8: shares 668..669 ({step, share, of})
+    // rank 5 block 8: shares 662..663 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 5 block 9: shares 670..671 ({step, share, of})
+    // rank 5 block 9: shares 664..665 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 5 block 10: shares 672..673 ({step, share, of})
+    // rank 5 block 10: shares 666..667 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 5 block 11: shares 674..675 ({step, share, of})
+    // rank 5 block 11: shares 668..669 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 5 block 12: shares 676..677 ({step, share, of})
+    // rank 5 block 12: shares 670..671 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 5 block 13: shares 678..679 ({step, share, of})
+    // rank 5 block 13: shares 672..673 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 5 block 14: shares 680..681 ({step, share, of})
+    // rank 5 block 14: shares 674..675 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 5 block 15: shares 682..683 ({step, share, of})
+    // rank 5 block 15: shares 676..677 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 5 block 16: shares 684..685 ({step, share, of})
+    // rank 5 block 16: shares 678..679 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 5 block 17: shares 686..687 ({step, share, of})
+    // rank 5 block 17: shares 680..681 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 5 block 18: shares 688..689 ({step, share, of})
+    // rank 5 block 18: shares 682..683 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 5 block 19: shares 690..691 ({step, share, of})
+    // rank 5 block 19: shares 684..685 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 5 block 20: shares 692..693 ({step, share, of})
+    // rank 5 block 20: shares 686..687 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 5 block 21: shares 694..695 ({step, share, of})
+    // rank 5 block 21: shares 688..689 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 5 block 22: shares 696..697 ({step, share, of})
+    // rank 5 block 22: shares 690..691 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 5 block 23: shares 698..699 ({step, share, of})
+    // rank 5 block 23: shares 692..693 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 5 block 24: shares 700..701 ({step, share, of})
+    // rank 5 block 24: shares 694..695 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 5 block 25: shares 702..703 ({step, share, of})
+    // rank 5 block 25: shares 696..697 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 5 block 26: shares 704..705 ({step, share, of})
+    // rank 5 block 26: shares 698..699 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 5 block 27: shares 706..707 ({step, share, of})
+    // rank 5 block 27: shares 700..701 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 5 block 28: shares 708..709 ({step, share, of})
+    // rank 5 block 28: shares 702..703 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 5 block 29: shares 710..711 ({step, share, of})
+    // rank 5 block 29: shares 704..705 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 5 block 30: shares 712..713 ({step, share, of})
+    // rank 5 block 30: shares 706..707 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 5 block 31: shares 714..715 ({step, share, of})
+    // rank 5 block 31: shares 708..709 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 5 block 32: shares 716..717 ({step, share, of})
+    // rank 5 block 32: shares 710..711 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 5 block 33: shares 718..719 ({step, share, of})
+    // rank 5 block 33: shares 712..713 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 5 block 34: shares 720..721 ({step, share, of})
+    // rank 5 block 34: shares 714..715 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 5 block 35: shares 722..723 ({step, share, of})
+    // rank 5 block 35: shares 716..717 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 5 block 36: shares 724..725 ({step, share, of})
+    // rank 5 block 36: shares 718..719 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 5 block 37: shares 726..727 ({step, share, of})
+    // rank 5 block 37: shares 720..721 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 5 block 38: shares 728..729 ({step, share, of})
+    // rank 5 block 38: shares 722..723 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 5 block 39: shares 730..731 ({step, share, of})
+    // rank 5 block 39: shares 724..725 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 5 block 40: shares 732..733 ({step, share, of})
+    // rank 5 block 40: shares 726..727 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 5 block 41: shares 734..735 ({step, share, of})
+    // rank 5 block 41: shares 728..729 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 5 block 42: shares 736..737 ({step, share, of})
+    // rank 5 block 42: shares 730..731 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 5 block 43: shares 738..739 ({step, share, of})
+    // rank 5 block 43: shares 732..733 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 5 block 44: shares 740..741 ({step, share, of})
+    // rank 5 block 44: shares 734..735 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 5 block 45: shares 742..743 ({step, share, of})
+    // rank 5 block 45: shares 736..737 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 5 block 46: shares 744..745 ({step, share, of})
+    // rank 5 block 46: shares 738..739 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 5 block 47: shares 746..747 ({step, share, of})
+    // rank 5 block 47: shares 740..741 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 5 block 48: shares 748..749 ({step, share, of})
+    // rank 5 block 48: shares 742..743 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 5 block 49: shares 750..751 ({step, share, of})
+    // rank 5 block 49: shares 744..745 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 5 block 50: shares 752..753 ({step, share, of})
+    // rank 5 block 50: shares 746..747 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 5 block 51: shares 754..755 ({step, share, of})
+    // rank 5 block 51: shares 748..749 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 5 block 52: shares 756..757 ({step, share, of})
+    // rank 5 block 52: shares 750..751 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 5 block 53: shares 758..759 ({step, share, of})
+    // rank 5 block 53: shares 752..753 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 5 block 54: shares 760..761 ({step, share, of})
+    // rank 5 block 54: shares 754..755 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 5 block 55: shares 762..763 ({step, share, of})
+    // rank 5 block 55: shares 756..757 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 5 block 56: shares 764..765 ({step, share, of})
+    // rank 5 block 56: shares 758..759 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 5 block 57: shares 766..767 ({step, share, of})
+    // rank 5 block 57: shares 760..761 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 5 block 58: shares 768..769 ({step, share, of})
+    // rank 5 block 58: shares 762..763 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 5 block 59: shares 770..771 ({step, share, of})
+    // rank 5 block 59: shares 764..765 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 5 block 60: shares 772..773 ({step, share, of})
+    // rank 5 block 60: shares 766..767 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 5 block 61: shares 774..775 ({step, share, of})
+    // rank 5 block 61: shares 768..769 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 5 block 62: shares 776..777 ({step, share, of})
+    // rank 5 block 62: shares 770..771 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 5 block 63: shares 778..779 ({step, share, of})
+    // rank 5 block 63: shares 772..773 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 6 block 0: shares 780..782 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 6 block 1: shares 783..785 ({step, share, of})
+    // rank 6 block 0: shares 774..775 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 6 block 1: shares 776..778 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 6 block 2: shares 786..787 ({step, share, of})
+    // rank 6 block 2: shares 779..780 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 6 block 3: shares 788..789 ({step, share, of})
+    // rank 6 block 3: shares 781..782 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 6 block 4: shares 790..791 ({step, share, of})
+    // rank 6 block 4: shares 783..784 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 6 block 5: shares 792..793 ({step, share, of})
+    // rank 6 block 5: shares 785..786 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 6 block 6: shares 794..795 ({step, share, of})
+    // rank 6 block 6: shares 787..788 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 6 block 7: shares 796..797 ({step, share, of})
+    // rank 6 block 7: shares 789..790 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 6 block 8: shares 798..799 ({step, share, of})
+    // rank 6 block 8: shares 791..792 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 6 block 9: shares 800..801 ({step, share, of})
+    // rank 6 block 9: shares 793..794 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 6 block 10: shares 802..803 ({step, share, of})
+    // rank 6 block 10: shares 795..796 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 6 block 11: shares 804..805 ({step, share, of})
+    // rank 6 block 11: shares 797..798 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 6 block 12: shares 806..807 ({step, share, of})
+    // rank 6 block 12: shares 799..800 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 6 block 13: shares 808..809 ({step, share, of})
+    // rank 6 block 13: shares 801..802 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 6 block 14: shares 810..811 ({step, share, of})
+    // rank 6 block 14: shares 803..804 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 6 block 15: shares 812..813 ({step, share, of})
+    // rank 6 block 15: shares 805..806 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 6 block 16: shares 814..815 ({step, share, of})
+    // rank 6 block 16: shares 807..808 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 6 block 17: shares 816..817 ({step, share, of})
+    // rank 6 block 17: shares 809..810 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 6 block 18: shares 818..819 ({step, share, of})
+    // rank 6 block 18: shares 811..812 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 6 block 19: shares 820..821 ({step, share, of})
+    // rank 6 block 19: shares 813..814 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 6 block 20: shares 822..823 ({step, share, of})
+    // rank 6 block 20: shares 815..816 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 6 block 21: shares 824..825 ({step, share, of})
+    // rank 6 block 21: shares 817..818 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 6 block 22: shares 826..827 ({step, share, of})
+    // rank 6 block 22: shares 819..820 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 6 block 23: shares 828..829 ({step, share, of})
+    // rank 6 block 23: shares 821..822 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 6 block 24: shares 830..831 ({step, share, of})
+    // rank 6 block 24: shares 823..824 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 6 block 25: shares 832..833 ({step, share, of})
+    // rank 6 block 25: shares 825..826 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 6 block 26: shares 834..835 ({step, share, of})
+    // rank 6 block 26: shares 827..828 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 6 block 27: shares 836..837 ({step, share, of})
+    // rank 6 block 27: shares 829..830 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 6 block 28: shares 838..839 ({step, share, of})
+    // rank 6 block 28: shares 831..832 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 6 block 29: shares 840..841 ({step, share, of})
+    // rank 6 block 29: shares 833..834 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 6 block 30: shares 842..843 ({step, share, of})
+    // rank 6 block 30: shares 835..836 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 6 block 31: shares 844..845 ({step, share, of})
+    // rank 6 block 31: shares 837..838 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 6 block 32: shares 846..847 ({step, share, of})
+    // rank 6 block 32: shares 839..840 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 6 block 33: shares 848..849 ({step, share, of})
+    // rank 6 block 33: shares 841..842 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 6 block 34: shares 850..851 ({step, share, of})
+    // rank 6 block 34: shares 843..844 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 6 block 35: shares 852..853 ({step, share, of})
+    // rank 6 block 35: shares 845..846 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 6 block 36: shares 854..855 ({step, share, of})
+    // rank 6 block 36: shares 847..848 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 6 block 37: shares 856..857 ({step, share, of})
+    // rank 6 block 37: shares 849..850 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 6 block 38: shares 858..859 ({step, share, of})
+    // rank 6 block 38: shares 851..852 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 6 block 39: shares 860..861 ({step, share, of})
+    // rank 6 block 39: shares 853..854 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 6 block 40: shares 862..863 ({step, share, of})
+    // rank 6 block 40: shares 855..856 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 6 block 41: shares 864..865 ({step, share, of})
+    // rank 6 block 41: shares 857..858 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 6 block 42: shares 866..867 ({step, share, of})
+    // rank 6 block 42: shares 859..860 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 6 block 43: shares 868..869 ({step, share, of})
+    // rank 6 block 43: shares 861..862 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 6 block 44: shares 870..871 ({step, share, of})
+    // rank 6 block 44: shares 863..864 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 6 block 45: shares 872..873 ({step, share, of})
+    // rank 6 block 45: shares 865..866 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 6 block 46: shares 874..875 ({step, share, of})
+    // rank 6 block 46: shares 867..868 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 6 block 47: shares 876..877 ({step, share, of})
+    // rank 6 block 47: shares 869..870 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 6 block 48: shares 878..879 ({step, share, of})
+    // rank 6 block 48: shares 871..872 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 6 block 49: shares 880..881 ({step, share, of})
+    // rank 6 block 49: shares 873..874 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 6 block 50: shares 882..883 ({step, share, of})
+    // rank 6 block 50: shares 875..876 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 6 block 51: shares 884..885 ({step, share, of})
+    // rank 6 block 51: shares 877..878 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 6 block 52: shares 886..887 ({step, share, of})
+    // rank 6 block 52: shares 879..880 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 6 block 53: shares 888..889 ({step, share, of})
+    // rank 6 block 53: shares 881..882 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 6 block 54: shares 890..891 ({step, share, of})
+    // rank 6 block 54: shares 883..884 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 6 block 55: shares 892..893 ({step, share, of})
+    // rank 6 block 55: shares 885..886 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 6 block 56: shares 894..895 ({step, share, of})
+    // rank 6 block 56: shares 887..888 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 6 block 57: shares 896..897 ({step, share, of})
+    // rank 6 block 57: shares 889..890 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 6 block 58: shares 898..899 ({step, share, of})
+    // rank 6 block 58: shares 891..892 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 6 block 59: shares 900..901 ({step, share, of})
+    // rank 6 block 59: shares 893..894 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 6 block 60: shares 902..903 ({step, share, of})
+    // rank 6 block 60: shares 895..896 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 6 block 61: shares 904..905 ({step, share, of})
+    // rank 6 block 61: shares 897..898 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 6 block 62: shares 906..907 ({step, share, of})
+    // rank 6 block 62: shares 899..900 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 6 block 63: shares 908..909 ({step, share, of})
+    // rank 6 block 63: shares 901..902 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
-    // rank 7 block 0: shares 910..912 ({step, share, of})
-    {0, 0, 1}, {4, 15, 16}, {8, 15, 16},
-    // rank 7 block 1: shares 913..915 ({step, share, of})
+    // rank 7 block 0: shares 903..904 ({step, share, of})
+    {4, 15, 16}, {8, 15, 16},
+    // rank 7 block 1: shares 905..907 ({step, share, of})
     {1, 0, 16}, {5, 0, 16}, {9, 0, 1},
-    // rank 7 block 2: shares 916..917 ({step, share, of})
+    // rank 7 block 2: shares 908..909 ({step, share, of})
     {1, 1, 16}, {5, 1, 16},
-    // rank 7 block 3: shares 918..919 ({step, share, of})
+    // rank 7 block 3: shares 910..911 ({step, share, of})
     {1, 2, 16}, {5, 2, 16},
-    // rank 7 block 4: shares 920..921 ({step, share, of})
+    // rank 7 block 4: shares 912..913 ({step, share, of})
     {1, 3, 16}, {5, 3, 16},
-    // rank 7 block 5: shares 922..923 ({step, share, of})
+    // rank 7 block 5: shares 914..915 ({step, share, of})
     {1, 4, 16}, {5, 4, 16},
-    // rank 7 block 6: shares 924..925 ({step, share, of})
+    // rank 7 block 6: shares 916..917 ({step, share, of})
     {1, 5, 16}, {5, 5, 16},
-    // rank 7 block 7: shares 926..927 ({step, share, of})
+    // rank 7 block 7: shares 918..919 ({step, share, of})
     {1, 6, 16}, {5, 6, 16},
-    // rank 7 block 8: shares 928..929 ({step, share, of})
+    // rank 7 block 8: shares 920..921 ({step, share, of})
     {1, 7, 16}, {5, 7, 16},
-    // rank 7 block 9: shares 930..931 ({step, share, of})
+    // rank 7 block 9: shares 922..923 ({step, share, of})
     {1, 8, 16}, {5, 8, 16},
-    // rank 7 block 10: shares 932..933 ({step, share, of})
+    // rank 7 block 10: shares 924..925 ({step, share, of})
     {1, 9, 16}, {5, 9, 16},
-    // rank 7 block 11: shares 934..935 ({step, share, of})
+    // rank 7 block 11: shares 926..927 ({step, share, of})
     {1, 10, 16}, {5, 10, 16},
-    // rank 7 block 12: shares 936..937 ({step, share, of})
+    // rank 7 block 12: shares 928..929 ({step, share, of})
     {1, 11, 16}, {5, 11, 16},
-    // rank 7 block 13: shares 938..939 ({step, share, of})
+    // rank 7 block 13: shares 930..931 ({step, share, of})
     {1, 12, 16}, {5, 12, 16},
-    // rank 7 block 14: shares 940..941 ({step, share, of})
+    // rank 7 block 14: shares 932..933 ({step, share, of})
     {1, 13, 16}, {5, 13, 16},
-    // rank 7 block 15: shares 942..943 ({step, share, of})
+    // rank 7 block 15: shares 934..935 ({step, share, of})
     {1, 14, 16}, {5, 14, 16},
-    // rank 7 block 16: shares 944..945 ({step, share, of})
+    // rank 7 block 16: shares 936..937 ({step, share, of})
     {1, 15, 16}, {5, 15, 16},
-    // rank 7 block 17: shares 946..947 ({step, share, of})
+    // rank 7 block 17: shares 938..939 ({step, share, of})
     {2, 0, 16}, {6, 0, 16},
-    // rank 7 block 18: shares 948..949 ({step, share, of})
+    // rank 7 block 18: shares 940..941 ({step, share, of})
     {2, 1, 16}, {6, 1, 16},
-    // rank 7 block 19: shares 950..951 ({step, share, of})
+    // rank 7 block 19: shares 942..943 ({step, share, of})
     {2, 2, 16}, {6, 2, 16},
-    // rank 7 block 20: shares 952..953 ({step, share, of})
+    // rank 7 block 20: shares 944..945 ({step, share, of})
     {2, 3, 16}, {6, 3, 16},
-    // rank 7 block 21: shares 954..955 ({step, share, of})
+    // rank 7 block 21: shares 946..947 ({step, share, of})
     {2, 4, 16}, {6, 4, 16},
-    // rank 7 block 22: shares 956..957 ({step, share, of})
+    // rank 7 block 22: shares 948..949 ({step, share, of})
     {2, 5, 16}, {6, 5, 16},
-    // rank 7 block 23: shares 958..959 ({step, share, of})
+    // rank 7 block 23: shares 950..951 ({step, share, of})
     {2, 6, 16}, {6, 6, 16},
-    // rank 7 block 24: shares 960..961 ({step, share, of})
+    // rank 7 block 24: shares 952..953 ({step, share, of})
     {2, 7, 16}, {6, 7, 16},
-    // rank 7 block 25: shares 962..963 ({step, share, of})
+    // rank 7 block 25: shares 954..955 ({step, share, of})
     {2, 8, 16}, {6, 8, 16},
-    // rank 7 block 26: shares 964..965 ({step, share, of})
+    // rank 7 block 26: shares 956..957 ({step, share, of})
     {2, 9, 16}, {6, 9, 16},
-    // rank 7 block 27: shares 966..967 ({step, share, of})
+    // rank 7 block 27: shares 958..959 ({step, share, of})
     {2, 10, 16}, {6, 10, 16},
-    // rank 7 block 28: shares 968..969 ({step, share, of})
+    // rank 7 block 28: shares 960..961 ({step, share, of})
     {2, 11, 16}, {6, 11, 16},
-    // rank 7 block 29: shares 970..971 ({step, share, of})
+    // rank 7 block 29: shares 962..963 ({step, share, of})
     {2, 12, 16}, {6, 12, 16},
-    // rank 7 block 30: shares 972..973 ({step, share, of})
+    // rank 7 block 30: shares 964..965 ({step, share, of})
     {2, 13, 16}, {6, 13, 16},
-    // rank 7 block 31: shares 974..975 ({step, share, of})
+    // rank 7 block 31: shares 966..967 ({step, share, of})
     {2, 14, 16}, {6, 14, 16},
-    // rank 7 block 32: shares 976..977 ({step, share, of})
+    // rank 7 block 32: shares 968..969 ({step, share, of})
     {2, 15, 16}, {6, 15, 16},
-    // rank 7 block 33: shares 978..979 ({step, share, of})
+    // rank 7 block 33: shares 970..971 ({step, share, of})
     {3, 0, 16}, {7, 0, 16},
-    // rank 7 block 34: shares 980..981 ({step, share, of})
+    // rank 7 block 34: shares 972..973 ({step, share, of})
     {3, 1, 16}, {7, 1, 16},
-    // rank 7 block 35: shares 982..983 ({step, share, of})
+    // rank 7 block 35: shares 974..975 ({step, share, of})
     {3, 2, 16}, {7, 2, 16},
-    // rank 7 block 36: shares 984..985 ({step, share, of})
+    // rank 7 block 36: shares 976..977 ({step, share, of})
     {3, 3, 16}, {7, 3, 16},
-    // rank 7 block 37: shares 986..987 ({step, share, of})
+    // rank 7 block 37: shares 978..979 ({step, share, of})
     {3, 4, 16}, {7, 4, 16},
-    // rank 7 block 38: shares 988..989 ({step, share, of})
+    // rank 7 block 38: shares 980..981 ({step, share, of})
     {3, 5, 16}, {7, 5, 16},
-    // rank 7 block 39: shares 990..991 ({step, share, of})
+    // rank 7 block 39: shares 982..983 ({step, share, of})
     {3, 6, 16}, {7, 6, 16},
-    // rank 7 block 40: shares 992..993 ({step, share, of})
+    // rank 7 block 40: shares 984..985 ({step, share, of})
     {3, 7, 16}, {7, 7, 16},
-    // rank 7 block 41: shares 994..995 ({step, share, of})
+    // rank 7 block 41: shares 986..987 ({step, share, of})
     {3, 8, 16}, {7, 8, 16},
-    // rank 7 block 42: shares 996..997 ({step, share, of})
+    // rank 7 block 42: shares 988..989 ({step, share, of})
     {3, 9, 16}, {7, 9, 16},
-    // rank 7 block 43: shares 998..999 ({step, share, of})
+    // rank 7 block 43: shares 990..991 ({step, share, of})
     {3, 10, 16}, {7, 10, 16},
-    // rank 7 block 44: shares 1000..1001 ({step, share, of})
+    // rank 7 block 44: shares 992..993 ({step, share, of})
     {3, 11, 16}, {7, 11, 16},
-    // rank 7 block 45: shares 1002..1003 ({step, share, of})
+    // rank 7 block 45: shares 994..995 ({step, share, of})
     {3, 12, 16}, {7, 12, 16},
-    // rank 7 block 46: shares 1004..1005 ({step, share, of})
+    // rank 7 block 46: shares 996..997 ({step, share, of})
     {3, 13, 16}, {7, 13, 16},
-    // rank 7 block 47: shares 1006..1007 ({step, share, of})
+    // rank 7 block 47: shares 998..999 ({step, share, of})
     {3, 14, 16}, {7, 14, 16},
-    // rank 7 block 48: shares 1008..1009 ({step, share, of})
+    // rank 7 block 48: shares 1000..1001 ({step, share, of})
     {3, 15, 16}, {7, 15, 16},
-    // rank 7 block 49: shares 1010..1011 ({step, share, of})
+    // rank 7 block 49: shares 1002..1003 ({step, share, of})
     {4, 0, 16}, {8, 0, 16},
-    // rank 7 block 50: shares 1012..1013 ({step, share, of})
+    // rank 7 block 50: shares 1004..1005 ({step, share, of})
     {4, 1, 16}, {8, 1, 16},
-    // rank 7 block 51: shares 1014..1015 ({step, share, of})
+    // rank 7 block 51: shares 1006..1007 ({step, share, of})
     {4, 2, 16}, {8, 2, 16},
-    // rank 7 block 52: shares 1016..1017 ({step, share, of})
+    // rank 7 block 52: shares 1008..1009 ({step, share, of})
     {4, 3, 16}, {8, 3, 16},
-    // rank 7 block 53: shares 1018..1019 ({step, share, of})
+    // rank 7 block 53: shares 1010..1011 ({step, share, of})
     {4, 4, 16}, {8, 4, 16},
-    // rank 7 block 54: shares 1020..1021 ({step, share, of})
+    // rank 7 block 54: shares 1012..1013 ({step, share, of})
     {4, 5, 16}, {8, 5, 16},
-    // rank 7 block 55: shares 1022..1023 ({step, share, of})
+    // rank 7 block 55: shares 1014..1015 ({step, share, of})
     {4, 6, 16}, {8, 6, 16},
-    // rank 7 block 56: shares 1024..1025 ({step, share, of})
+    // rank 7 block 56: shares 1016..1017 ({step, share, of})
     {4, 7, 16}, {8, 7, 16},
-    // rank 7 block 57: shares 1026..1027 ({step, share, of})
+    // rank 7 block 57: shares 1018..1019 ({step, share, of})
     {4, 8, 16}, {8, 8, 16},
-    // rank 7 block 58: shares 1028..1029 ({step, share, of})
+    // rank 7 block 58: shares 1020..1021 ({step, share, of})
     {4, 9, 16}, {8, 9, 16},
-    // rank 7 block 59: shares 1030..1031 ({step, share, of})
+    // rank 7 block 59: shares 1022..1023 ({step, share, of})
     {4, 10, 16}, {8, 10, 16},
-    // rank 7 block 60: shares 1032..1033 ({step, share, of})
+    // rank 7 block 60: shares 1024..1025 ({step, share, of})
     {4, 11, 16}, {8, 11, 16},
-    // rank 7 block 61: shares 1034..1035 ({step, share, of})
+    // rank 7 block 61: shares 1026..1027 ({step, share, of})
     {4, 12, 16}, {8, 12, 16},
-    // rank 7 block 62: shares 1036..1037 ({step, share, of})
+    // rank 7 block 62: shares 1028..1029 ({step, share, of})
     {4, 13, 16}, {8, 13, 16},
-    // rank 7 block 63: shares 1038..1039 ({step, share, of})
+    // rank 7 block 63: shares 1030..1031 ({step, share, of})
     {4, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 3, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130 },
-    { 130, 133, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260 },
-    { 260, 263, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 330, 332, 334, 336, 338, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384, 386, 388, 390 },
-    { 390, 393, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516, 518, 520 },
-    { 520, 523, 526, 528, 530, 532, 534, 536, 538, 540, 542, 544, 546, 548, 550, 552, 554, 556, 558, 560, 562, 564, 566, 568, 570, 572, 574, 576, 578, 580, 582, 584, 586, 588, 590, 592, 594, 596, 598, 600, 602, 604, 606, 608, 610, 612, 614, 616, 618, 620, 622, 624, 626, 628, 630, 632, 634, 636, 638, 640, 642, 644, 646, 648, 650 },
-    { 650, 653, 656, 658, 660, 662, 664, 666, 668, 670, 672, 674, 676, 678, 680, 682, 684, 686, 688, 690, 692, 694, 696, 698, 700, 702, 704, 706, 708, 710, 712, 714, 716, 718, 720, 722, 724, 726, 728, 730, 732, 734, 736, 738, 740, 742, 744, 746, 748, 750, 752, 754, 756, 758, 760, 762, 764, 766, 768, 770, 772, 774, 776, 778, 780 },
-    { 780, 783, 786, 788, 790, 792, 794, 796, 798, 800, 802, 804, 806, 808, 810, 812, 814, 816, 818, 820, 822, 824, 826, 828, 830, 832, 834, 836, 838, 840, 842, 844, 846, 848, 850, 852, 854, 856, 858, 860, 862, 864, 866, 868, 870, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 900, 902, 904, 906, 908, 910 },
-    { 910, 913, 916, 918, 920, 922, 924, 926, 928, 930, 932, 934, 936, 938, 940, 942, 944, 946, 948, 950, 952, 954, 956, 958, 960, 962, 964, 966, 968, 970, 972, 974, 976, 978, 980, 982, 984, 986, 988, 990, 992, 994, 996, 998, 1000, 1002, 1004, 1006, 1008, 1010, 1012, 1014, 1016, 1018, 1020, 1022, 1024, 1026, 1028, 1030, 1032, 1034, 1036, 1038, 1040 },
+    { 0, 2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
+    { 129, 131, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258 },
+    { 258, 260, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 355, 357, 359, 361, 363, 365, 367, 369, 371, 373, 375, 377, 379, 381, 383, 385, 387 },
+    { 387, 389, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516 },
+    { 516, 518, 521, 523, 525, 527, 529, 531, 533, 535, 537, 539, 541, 543, 545, 547, 549, 551, 553, 555, 557, 559, 561, 563, 565, 567, 569, 571, 573, 575, 577, 579, 581, 583, 585, 587, 589, 591, 593, 595, 597, 599, 601, 603, 605, 607, 609, 611, 613, 615, 617, 619, 621, 623, 625, 627, 629, 631, 633, 635, 637, 639, 641, 643, 645 },
+    { 645, 647, 650, 652, 654, 656, 658, 660, 662, 664, 666, 668, 670, 672, 674, 676, 678, 680, 682, 684, 686, 688, 690, 692, 694, 696, 698, 700, 702, 704, 706, 708, 710, 712, 714, 716, 718, 720, 722, 724, 726, 728, 730, 732, 734, 736, 738, 740, 742, 744, 746, 748, 750, 752, 754, 756, 758, 760, 762, 764, 766, 768, 770, 772, 774 },
+    { 774, 776, 779, 781, 783, 785, 787, 789, 791, 793, 795, 797, 799, 801, 803, 805, 807, 809, 811, 813, 815, 817, 819, 821, 823, 825, 827, 829, 831, 833, 835, 837, 839, 841, 843, 845, 847, 849, 851, 853, 855, 857, 859, 861, 863, 865, 867, 869, 871, 873, 875, 877, 879, 881, 883, 885, 887, 889, 891, 893, 895, 897, 899, 901, 903 },
+    { 903, 905, 908, 910, 912, 914, 916, 918, 920, 922, 924, 926, 928, 930, 932, 934, 936, 938, 940, 942, 944, 946, 948, 950, 952, 954, 956, 958, 960, 962, 964, 966, 968, 970, 972, 974, 976, 978, 980, 982, 984, 986, 988, 990, 992, 994, 996, 998, 1000, 1002, 1004, 1006, 1008, 1010, 1012, 1014, 1016, 1018, 1020, 1022, 1024, 1026, 1028, 1030, 1032 },
 };
 
 template <int WORLD> struct plan;
@@ -3454,27 +3449,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

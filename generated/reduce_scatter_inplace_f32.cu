@@ -1075,12 +1075,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1124,11 +1132,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1155,7 +1160,7 @@ typedef float T;
 static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 10 steps, 130 block shares over 64 blocks.
+// Plan for world size 2: 10 steps, 128 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1182,147 +1187,143 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
+    // rank 0 block 1: shares 0..1 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
+    // rank 0 block 2: shares 2..3 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
+    // rank 0 block 3: shares 4..5 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
+    // rank 0 block 4: shares 6..7 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
+    // rank 0 block 5: shares 8..9 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
+    // rank 0 block 6: shares 10..11 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
+    // rank 0 block 7: shares 12..13 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
+    // rank 0 block 8: shares 14..15 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
+    // rank 0 block 9: shares 16..17 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
+    // rank 0 block 10: shares 18..19 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
+    // rank 0 block 11: shares 20..21 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
+    // rank 0 block 12: shares 22..23 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
+    // rank 0 block 13: shares 24..25 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
+    // rank 0 block 14: shares 26..27 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
+    // rank 0 block 15: shares 28..29 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
+    // rank 0 block 16: shares 30..31 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
+    // rank 0 block 17: shares 32..33 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
+    // rank 0 block 18: shares 34..35 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
+    // rank 0 block 19: shares 36..37 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
+    // rank 0 block 20: shares 38..39 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
+    // rank 0 block 21: shares 40..41 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
+    // rank 0 block 22: shares 42..43 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
+    // rank 0 block 23: shares 44..45 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
+    // rank 0 block 24: shares 46..47 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
+    // rank 0 block 25: shares 48..49 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
+    // rank 0 block 26: shares 50..51 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
+    // rank 0 block 27: shares 52..53 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
+    // rank 0 block 28: shares 54..55 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
+    // rank 0 block 29: shares 56..57 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
+    // rank 0 block 30: shares 58..59 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
+    // rank 0 block 31: shares 60..61 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
+    // rank 0 block 32: shares 62..63 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 0: shares 65..65 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 66..67 ({step, share, of})
+    // rank 1 block 1: shares 64..65 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 68..69 ({step, share, of})
+    // rank 1 block 2: shares 66..67 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 70..71 ({step, share, of})
+    // rank 1 block 3: shares 68..69 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 72..73 ({step, share, of})
+    // rank 1 block 4: shares 70..71 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 74..75 ({step, share, of})
+    // rank 1 block 5: shares 72..73 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 76..77 ({step, share, of})
+    // rank 1 block 6: shares 74..75 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 78..79 ({step, share, of})
+    // rank 1 block 7: shares 76..77 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 80..81 ({step, share, of})
+    // rank 1 block 8: shares 78..79 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 82..83 ({step, share, of})
+    // rank 1 block 9: shares 80..81 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 84..85 ({step, share, of})
+    // rank 1 block 10: shares 82..83 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 86..87 ({step, share, of})
+    // rank 1 block 11: shares 84..85 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 88..89 ({step, share, of})
+    // rank 1 block 12: shares 86..87 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 90..91 ({step, share, of})
+    // rank 1 block 13: shares 88..89 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 92..93 ({step, share, of})
+    // rank 1 block 14: shares 90..91 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 94..95 ({step, share, of})
+    // rank 1 block 15: shares 92..93 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 96..97 ({step, share, of})
+    // rank 1 block 16: shares 94..95 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 98..99 ({step, share, of})
+    // rank 1 block 17: shares 96..97 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 100..101 ({step, share, of})
+    // rank 1 block 18: shares 98..99 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 102..103 ({step, share, of})
+    // rank 1 block 19: shares 100..101 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 104..105 ({step, share, of})
+    // rank 1 block 20: shares 102..103 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 106..107 ({step, share, of})
+    // rank 1 block 21: shares 104..105 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 108..109 ({step, share, of})
+    // rank 1 block 22: shares 106..107 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 110..111 ({step, share, of})
+    // rank 1 block 23: shares 108..109 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 112..113 ({step, share, of})
+    // rank 1 block 24: shares 110..111 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 114..115 ({step, share, of})
+    // rank 1 block 25: shares 112..113 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 116..117 ({step, share, of})
+    // rank 1 block 26: shares 114..115 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 118..119 ({step, share, of})
+    // rank 1 block 27: shares 116..117 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 120..121 ({step, share, of})
+    // rank 1 block 28: shares 118..119 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 122..123 ({step, share, of})
+    // rank 1 block 29: shares 120..121 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 124..125 ({step, share, of})
+    // rank 1 block 30: shares 122..123 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 126..127 ({step, share, of})
+    // rank 1 block 31: shares 124..125 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 128..129 ({step, share, of})
+    // rank 1 block 32: shares 126..127 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][65] = {
-    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65, 65 },
-    { 65, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130, 130 },
+    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64, 64 },
+    { 64, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 21 steps, 291 block shares over 64 blocks.
+// Plan for world size 3: 21 steps, 288 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1371,310 +1372,304 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..0 ({step, share, of})
-    {0, 0, 1},
-    // rank 0 block 1: shares 1..2 ({step, share, of})
+    // rank 0 block 1: shares 0..1 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 3..4 ({step, share, of})
+    // rank 0 block 2: shares 2..3 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 5..6 ({step, share, of})
+    // rank 0 block 3: shares 4..5 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 7..8 ({step, share, of})
+    // rank 0 block 4: shares 6..7 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 9..10 ({step, share, of})
+    // rank 0 block 5: shares 8..9 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 11..12 ({step, share, of})
+    // rank 0 block 6: shares 10..11 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 13..14 ({step, share, of})
+    // rank 0 block 7: shares 12..13 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 15..16 ({step, share, of})
+    // rank 0 block 8: shares 14..15 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 17..18 ({step, share, of})
+    // rank 0 block 9: shares 16..17 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 19..20 ({step, share, of})
+    // rank 0 block 10: shares 18..19 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 21..22 ({step, share, of})
+    // rank 0 block 11: shares 20..21 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 23..24 ({step, share, of})
+    // rank 0 block 12: shares 22..23 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 25..26 ({step, share, of})
+    // rank 0 block 13: shares 24..25 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 27..28 ({step, share, of})
+    // rank 0 block 14: shares 26..27 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 29..30 ({step, share, of})
+    // rank 0 block 15: shares 28..29 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 31..32 ({step, share, of})
+    // rank 0 block 16: shares 30..31 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 33..34 ({step, share, of})
+    // rank 0 block 17: shares 32..33 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 35..36 ({step, share, of})
+    // rank 0 block 18: shares 34..35 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 37..38 ({step, share, of})
+    // rank 0 block 19: shares 36..37 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 39..40 ({step, share, of})
+    // rank 0 block 20: shares 38..39 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 41..42 ({step, share, of})
+    // rank 0 block 21: shares 40..41 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 43..44 ({step, share, of})
+    // rank 0 block 22: shares 42..43 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 45..46 ({step, share, of})
+    // rank 0 block 23: shares 44..45 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 47..48 ({step, share, of})
+    // rank 0 block 24: shares 46..47 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 49..50 ({step, share, of})
+    // rank 0 block 25: shares 48..49 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 51..52 ({step, share, of})
+    // rank 0 block 26: shares 50..51 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 53..54 ({step, share, of})
+    // rank 0 block 27: shares 52..53 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 55..56 ({step, share, of})
+    // rank 0 block 28: shares 54..55 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 57..58 ({step, share, of})
+    // rank 0 block 29: shares 56..57 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 59..60 ({step, share, of})
+    // rank 0 block 30: shares 58..59 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 61..62 ({step, share, of})
+    // rank 0 block 31: shares 60..61 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 63..64 ({step, share, of})
+    // rank 0 block 32: shares 62..63 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 65..66 ({step, share, of})
+    // rank 0 block 33: shares 64..65 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 67..68 ({step, share, of})
+    // rank 0 block 34: shares 66..67 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 69..70 ({step, share, of})
+    // rank 0 block 35: shares 68..69 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 71..72 ({step, share, of})
+    // rank 0 block 36: shares 70..71 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 73..74 ({step, share, of})
+    // rank 0 block 37: shares 72..73 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 75..76 ({step, share, of})
+    // rank 0 block 38: shares 74..75 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 77..78 ({step, share, of})
+    // rank 0 block 39: shares 76..77 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 79..80 ({step, share, of})
+    // rank 0 block 40: shares 78..79 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 81..82 ({step, share, of})
+    // rank 0 block 41: shares 80..81 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 83..84 ({step, share, of})
+    // rank 0 block 42: shares 82..83 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 85..86 ({step, share, of})
+    // rank 0 block 43: shares 84..85 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 87..88 ({step, share, of})
+    // rank 0 block 44: shares 86..87 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 89..90 ({step, share, of})
+    // rank 0 block 45: shares 88..89 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 91..92 ({step, share, of})
+    // rank 0 block 46: shares 90..91 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 93..94 ({step, share, of})
+    // rank 0 block 47: shares 92..93 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 95..96 ({step, share, of})
+    // rank 0 block 48: shares 94..95 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 0: shares 97..97 ({step, share, of})
-    {0, 0, 1},
-    // rank 1 block 1: shares 98..99 ({step, share, of})
+    // rank 1 block 1: shares 96..97 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 100..101 ({step, share, of})
+    // rank 1 block 2: shares 98..99 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 102..103 ({step, share, of})
+    // rank 1 block 3: shares 100..101 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 104..105 ({step, share, of})
+    // rank 1 block 4: shares 102..103 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 106..107 ({step, share, of})
+    // rank 1 block 5: shares 104..105 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 108..109 ({step, share, of})
+    // rank 1 block 6: shares 106..107 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 110..111 ({step, share, of})
+    // rank 1 block 7: shares 108..109 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 112..113 ({step, share, of})
+    // rank 1 block 8: shares 110..111 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 114..115 ({step, share, of})
+    // rank 1 block 9: shares 112..113 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 116..117 ({step, share, of})
+    // rank 1 block 10: shares 114..115 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 118..119 ({step, share, of})
+    // rank 1 block 11: shares 116..117 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 120..121 ({step, share, of})
+    // rank 1 block 12: shares 118..119 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 122..123 ({step, share, of})
+    // rank 1 block 13: shares 120..121 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 124..125 ({step, share, of})
+    // rank 1 block 14: shares 122..123 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 126..127 ({step, share, of})
+    // rank 1 block 15: shares 124..125 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 128..129 ({step, share, of})
+    // rank 1 block 16: shares 126..127 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 130..131 ({step, share, of})
+    // rank 1 block 17: shares 128..129 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 132..133 ({step, share, of})
+    // rank 1 block 18: shares 130..131 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 134..135 ({step, share, of})
+    // rank 1 block 19: shares 132..133 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 136..137 ({step, share, of})
+    // rank 1 block 20: shares 134..135 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 138..139 ({step, share, of})
+    // rank 1 block 21: shares 136..137 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 140..141 ({step, share, of})
+    // rank 1 block 22: shares 138..139 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 142..143 ({step, share, of})
+    // rank 1 block 23: shares 140..141 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 144..145 ({step, share, of})
+    // rank 1 block 24: shares 142..143 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 146..147 ({step, share, of})
+    // rank 1 block 25: shares 144..145 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 148..149 ({step, share, of})
+    // rank 1 block 26: shares 146..147 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 150..151 ({step, share, of})
+    // rank 1 block 27: shares 148..149 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 152..153 ({step, share, of})
+    // rank 1 block 28: shares 150..151 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 154..155 ({step, share, of})
+    // rank 1 block 29: shares 152..153 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 156..157 ({step, share, of})
+    // rank 1 block 30: shares 154..155 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 158..159 ({step, share, of})
+    // rank 1 block 31: shares 156..157 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 160..161 ({step, share, of})
+    // rank 1 block 32: shares 158..159 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 162..163 ({step, share, of})
+    // rank 1 block 33: shares 160..161 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 164..165 ({step, share, of})
+    // rank 1 block 34: shares 162..163 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 166..167 ({step, share, of})
+    // rank 1 block 35: shares 164..165 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 168..169 ({step, share, of})
+    // rank 1 block 36: shares 166..167 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 170..171 ({step, share, of})
+    // rank 1 block 37: shares 168..169 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 172..173 ({step, share, of})
+    // rank 1 block 38: shares 170..171 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 174..175 ({step, share, of})
+    // rank 1 block 39: shares 172..173 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 176..177 ({step, share, of})
+    // rank 1 block 40: shares 174..175 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 178..179 ({step, share, of})
+    // rank 1 block 41: shares 176..177 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 180..181 ({step, share, of})
+    // rank 1 block 42: shares 178..179 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 182..183 ({step, share, of})
+    // rank 1 block 43: shares 180..181 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 184..185 ({step, share, of})
+    // rank 1 block 44: shares 182..183 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 186..187 ({step, share, of})
+    // rank 1 block 45: shares 184..185 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 188..189 ({step, share, of})
+    // rank 1 block 46: shares 186..187 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 190..191 ({step, share, of})
+    // rank 1 block 47: shares 188..189 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 192..193 ({step, share, of})
+    // rank 1 block 48: shares 190..191 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 0: shares 194..194 ({step, share, of})
-    {0, 0, 1},
-    // rank 2 block 1: shares 195..196 ({step, share, of})
+    // rank 2 block 1: shares 192..193 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 2 block 2: shares 197..198 ({step, share, of})
+    // rank 2 block 2: shares 194..195 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 2 block 3: shares 199..200 ({step, share, of})
+    // rank 2 block 3: shares 196..197 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 2 block 4: shares 201..202 ({step, share, of})
+    // rank 2 block 4: shares 198..199 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 2 block 5: shares 203..204 ({step, share, of})
+    // rank 2 block 5: shares 200..201 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 2 block 6: shares 205..206 ({step, share, of})
+    // rank 2 block 6: shares 202..203 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 2 block 7: shares 207..208 ({step, share, of})
+    // rank 2 block 7: shares 204..205 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 2 block 8: shares 209..210 ({step, share, of})
+    // rank 2 block 8: shares 206..207 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 2 block 9: shares 211..212 ({step, share, of})
+    // rank 2 block 9: shares 208..209 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 2 block 10: shares 213..214 ({step, share, of})
+    // rank 2 block 10: shares 210..211 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 2 block 11: shares 215..216 ({step, share, of})
+    // rank 2 block 11: shares 212..213 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 2 block 12: shares 217..218 ({step, share, of})
+    // rank 2 block 12: shares 214..215 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 2 block 13: shares 219..220 ({step, share, of})
+    // rank 2 block 13: shares 216..217 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 2 block 14: shares 221..222 ({step, share, of})
+    // rank 2 block 14: shares 218..219 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 2 block 15: shares 223..224 ({step, share, of})
+    // rank 2 block 15: shares 220..221 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 2 block 16: shares 225..226 ({step, share, of})
+    // rank 2 block 16: shares 222..223 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 2 block 17: shares 227..228 ({step, share, of})
+    // rank 2 block 17: shares 224..225 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 2 block 18: shares 229..230 ({step, share, of})
+    // rank 2 block 18: shares 226..227 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 231..232 ({step, share, of})
+    // rank 2 block 19: shares 228..229 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 233..234 ({step, share, of})
+    // rank 2 block 20: shares 230..231 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 235..236 ({step, share, of})
+    // rank 2 block 21: shares 232..233 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 237..238 ({step, share, of})
+    // rank 2 block 22: shares 234..235 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 239..240 ({step, share, of})
+    // rank 2 block 23: shares 236..237 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 241..242 ({step, share, of})
+    // rank 2 block 24: shares 238..239 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 243..244 ({step, share, of})
+    // rank 2 block 25: shares 240..241 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 245..246 ({step, share, of})
+    // rank 2 block 26: shares 242..243 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 247..248 ({step, share, of})
+    // rank 2 block 27: shares 244..245 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 249..250 ({step, share, of})
+    // rank 2 block 28: shares 246..247 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 251..252 ({step, share, of})
+    // rank 2 block 29: shares 248..249 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 253..254 ({step, share, of})
+    // rank 2 block 30: shares 250..251 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 255..256 ({step, share, of})
+    // rank 2 block 31: shares 252..253 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 257..258 ({step, share, of})
+    // rank 2 block 32: shares 254..255 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 259..260 ({step, share, of})
+    // rank 2 block 33: shares 256..257 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 261..262 ({step, share, of})
+    // rank 2 block 34: shares 258..259 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 263..264 ({step, share, of})
+    // rank 2 block 35: shares 260..261 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 265..266 ({step, share, of})
+    // rank 2 block 36: shares 262..263 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 267..268 ({step, share, of})
+    // rank 2 block 37: shares 264..265 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 269..270 ({step, share, of})
+    // rank 2 block 38: shares 266..267 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 271..272 ({step, share, of})
+    // rank 2 block 39: shares 268..269 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 273..274 ({step, share, of})
+    // rank 2 block 40: shares 270..271 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 275..276 ({step, share, of})
+    // rank 2 block 41: shares 272..273 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 277..278 ({step, share, of})
+    // rank 2 block 42: shares 274..275 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 279..280 ({step, share, of})
+    // rank 2 block 43: shares 276..277 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 281..282 ({step, share, of})
+    // rank 2 block 44: shares 278..279 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 283..284 ({step, share, of})
+    // rank 2 block 45: shares 280..281 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 285..286 ({step, share, of})
+    // rank 2 block 46: shares 282..283 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 287..288 ({step, share, of})
+    // rank 2 block 47: shares 284..285 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 289..290 ({step, share, of})
+    // rank 2 block 48: shares 286..287 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][65] = {
-    { 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97, 97 },
-    { 97, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194, 194 },
-    { 194, 195, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225, 227, 229, 231, 233, 235, 237, 239, 241, 243, 245, 247, 249, 251, 253, 255, 257, 259, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291, 291 },
+    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96 },
+    { 96, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192, 192 },
+    { 192, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288, 288 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 36 steps, 516 block shares over 64 blocks.
+// Plan for world size 4: 36 steps, 512 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -1753,529 +1748,529 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..2 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 0 block 1: shares 3..4 ({step, share, of})
+    // rank 0 block 0: shares 0..1 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 0 block 1: shares 2..3 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 0 block 2: shares 5..6 ({step, share, of})
+    // rank 0 block 2: shares 4..5 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 0 block 3: shares 7..8 ({step, share, of})
+    // rank 0 block 3: shares 6..7 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 0 block 4: shares 9..10 ({step, share, of})
+    // rank 0 block 4: shares 8..9 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 0 block 5: shares 11..12 ({step, share, of})
+    // rank 0 block 5: shares 10..11 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 0 block 6: shares 13..14 ({step, share, of})
+    // rank 0 block 6: shares 12..13 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 0 block 7: shares 15..16 ({step, share, of})
+    // rank 0 block 7: shares 14..15 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 0 block 8: shares 17..18 ({step, share, of})
+    // rank 0 block 8: shares 16..17 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 0 block 9: shares 19..20 ({step, share, of})
+    // rank 0 block 9: shares 18..19 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 0 block 10: shares 21..22 ({step, share, of})
+    // rank 0 block 10: shares 20..21 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 0 block 11: shares 23..24 ({step, share, of})
+    // rank 0 block 11: shares 22..23 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 0 block 12: shares 25..26 ({step, share, of})
+    // rank 0 block 12: shares 24..25 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 0 block 13: shares 27..28 ({step, share, of})
+    // rank 0 block 13: shares 26..27 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 0 block 14: shares 29..30 ({step, share, of})
+    // rank 0 block 14: shares 28..29 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 0 block 15: shares 31..32 ({step, share, of})
+    // rank 0 block 15: shares 30..31 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 0 block 16: shares 33..34 ({step, share, of})
+    // rank 0 block 16: shares 32..33 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 0 block 17: shares 35..36 ({step, share, of})
+    // rank 0 block 17: shares 34..35 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 0 block 18: shares 37..38 ({step, share, of})
+    // rank 0 block 18: shares 36..37 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 0 block 19: shares 39..40 ({step, share, of})
+    // rank 0 block 19: shares 38..39 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 0 block 20: shares 41..42 ({step, share, of})
+    // rank 0 block 20: shares 40..41 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 0 block 21: shares 43..44 ({step, share, of})
+    // rank 0 block 21: shares 42..43 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 0 block 22: shares 45..46 ({step, share, of})
+    // rank 0 block 22: shares 44..45 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 0 block 23: shares 47..48 ({step, share, of})
+    // rank 0 block 23: shares 46..47 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 0 block 24: shares 49..50 ({step, share, of})
+    // rank 0 block 24: shares 48..49 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 0 block 25: shares 51..52 ({step, share, of})
+    // rank 0 block 25: shares 50..51 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 0 block 26: shares 53..54 ({step, share, of})
+    // rank 0 block 26: shares 52..53 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 0 block 27: shares 55..56 ({step, share, of})
+    // rank 0 block 27: shares 54..55 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 0 block 28: shares 57..58 ({step, share, of})
+    // rank 0 block 28: shares 56..57 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 0 block 29: shares 59..60 ({step, share, of})
+    // rank 0 block 29: shares 58..59 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 0 block 30: shares 61..62 ({step, share, of})
+    // rank 0 block 30: shares 60..61 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 0 block 31: shares 63..64 ({step, share, of})
+    // rank 0 block 31: shares 62..63 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 0 block 32: shares 65..66 ({step, share, of})
+    // rank 0 block 32: shares 64..65 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 0 block 33: shares 67..68 ({step, share, of})
+    // rank 0 block 33: shares 66..67 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 0 block 34: shares 69..70 ({step, share, of})
+    // rank 0 block 34: shares 68..69 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 0 block 35: shares 71..72 ({step, share, of})
+    // rank 0 block 35: shares 70..71 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 0 block 36: shares 73..74 ({step, share, of})
+    // rank 0 block 36: shares 72..73 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 0 block 37: shares 75..76 ({step, share, of})
+    // rank 0 block 37: shares 74..75 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 0 block 38: shares 77..78 ({step, share, of})
+    // rank 0 block 38: shares 76..77 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 0 block 39: shares 79..80 ({step, share, of})
+    // rank 0 block 39: shares 78..79 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 0 block 40: shares 81..82 ({step, share, of})
+    // rank 0 block 40: shares 80..81 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 0 block 41: shares 83..84 ({step, share, of})
+    // rank 0 block 41: shares 82..83 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 0 block 42: shares 85..86 ({step, share, of})
+    // rank 0 block 42: shares 84..85 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 0 block 43: shares 87..88 ({step, share, of})
+    // rank 0 block 43: shares 86..87 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 0 block 44: shares 89..90 ({step, share, of})
+    // rank 0 block 44: shares 88..89 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 0 block 45: shares 91..92 ({step, share, of})
+    // rank 0 block 45: shares 90..91 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 0 block 46: shares 93..94 ({step, share, of})
+    // rank 0 block 46: shares 92..93 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 0 block 47: shares 95..96 ({step, share, of})
+    // rank 0 block 47: shares 94..95 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 0 block 48: shares 97..98 ({step, share, of})
+    // rank 0 block 48: shares 96..97 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 0 block 49: shares 99..100 ({step, share, of})
+    // rank 0 block 49: shares 98..99 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 0 block 50: shares 101..102 ({step, share, of})
+    // rank 0 block 50: shares 100..101 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 0 block 51: shares 103..104 ({step, share, of})
+    // rank 0 block 51: shares 102..103 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 0 block 52: shares 105..106 ({step, share, of})
+    // rank 0 block 52: shares 104..105 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 0 block 53: shares 107..108 ({step, share, of})
+    // rank 0 block 53: shares 106..107 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 0 block 54: shares 109..110 ({step, share, of})
+    // rank 0 block 54: shares 108..109 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 0 block 55: shares 111..112 ({step, share, of})
+    // rank 0 block 55: shares 110..111 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 0 block 56: shares 113..114 ({step, share, of})
+    // rank 0 block 56: shares 112..113 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 0 block 57: shares 115..116 ({step, share, of})
+    // rank 0 block 57: shares 114..115 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 0 block 58: shares 117..118 ({step, share, of})
+    // rank 0 block 58: shares 116..117 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 0 block 59: shares 119..120 ({step, share, of})
+    // rank 0 block 59: shares 118..119 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 0 block 60: shares 121..122 ({step, share, of})
+    // rank 0 block 60: shares 120..121 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 0 block 61: shares 123..124 ({step, share, of})
+    // rank 0 block 61: shares 122..123 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 0 block 62: shares 125..126 ({step, share, of})
+    // rank 0 block 62: shares 124..125 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 0 block 63: shares 127..128 ({step, share, of})
+    // rank 0 block 63: shares 126..127 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 1 block 0: shares 129..131 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 1 block 1: shares 132..133 ({step, share, of})
+    // rank 1 block 0: shares 128..129 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 1 block 1: shares 130..131 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 1 block 2: shares 134..135 ({step, share, of})
+    // rank 1 block 2: shares 132..133 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 1 block 3: shares 136..137 ({step, share, of})
+    // rank 1 block 3: shares 134..135 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 1 block 4: shares 138..139 ({step, share, of})
+    // rank 1 block 4: shares 136..137 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 1 block 5: shares 140..141 ({step, share, of})
+    // rank 1 block 5: shares 138..139 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 1 block 6: shares 142..143 ({step, share, of})
+    // rank 1 block 6: shares 140..141 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 1 block 7: shares 144..145 ({step, share, of})
+    // rank 1 block 7: shares 142..143 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 1 block 8: shares 146..147 ({step, share, of})
+    // rank 1 block 8: shares 144..145 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 1 block 9: shares 148..149 ({step, share, of})
+    // rank 1 block 9: shares 146..147 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 1 block 10: shares 150..151 ({step, share, of})
+    // rank 1 block 10: shares 148..149 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 1 block 11: shares 152..153 ({step, share, of})
+    // rank 1 block 11: shares 150..151 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 1 block 12: shares 154..155 ({step, share, of})
+    // rank 1 block 12: shares 152..153 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 1 block 13: shares 156..157 ({step, share, of})
+    // rank 1 block 13: shares 154..155 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 1 block 14: shares 158..159 ({step, share, of})
+    // rank 1 block 14: shares 156..157 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 1 block 15: shares 160..161 ({step, share, of})
+    // rank 1 block 15: shares 158..159 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 1 block 16: shares 162..163 ({step, share, of})
+    // rank 1 block 16: shares 160..161 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 1 block 17: shares 164..165 ({step, share, of})
+    // rank 1 block 17: shares 162..163 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 1 block 18: shares 166..167 ({step, share, of})
+    // rank 1 block 18: shares 164..165 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 1 block 19: shares 168..169 ({step, share, of})
+    // rank 1 block 19: shares 166..167 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 1 block 20: shares 170..171 ({step, share, of})
+    // rank 1 block 20: shares 168..169 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 1 block 21: shares 172..173 ({step, share, of})
+    // rank 1 block 21: shares 170..171 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 1 block 22: shares 174..175 ({step, share, of})
+    // rank 1 block 22: shares 172..173 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 1 block 23: shares 176..177 ({step, share, of})
+    // rank 1 block 23: shares 174..175 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 1 block 24: shares 178..179 ({step, share, of})
+    // rank 1 block 24: shares 176..177 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 1 block 25: shares 180..181 ({step, share, of})
+    // rank 1 block 25: shares 178..179 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 1 block 26: shares 182..183 ({step, share, of})
+    // rank 1 block 26: shares 180..181 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 1 block 27: shares 184..185 ({step, share, of})
+    // rank 1 block 27: shares 182..183 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 1 block 28: shares 186..187 ({step, share, of})
+    // rank 1 block 28: shares 184..185 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 1 block 29: shares 188..189 ({step, share, of})
+    // rank 1 block 29: shares 186..187 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 1 block 30: shares 190..191 ({step, share, of})
+    // rank 1 block 30: shares 188..189 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 1 block 31: shares 192..193 ({step, share, of})
+    // rank 1 block 31: shares 190..191 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 1 block 32: shares 194..195 ({step, share, of})
+    // rank 1 block 32: shares 192..193 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 1 block 33: shares 196..197 ({step, share, of})
+    // rank 1 block 33: shares 194..195 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 1 block 34: shares 198..199 ({step, share, of})
+    // rank 1 block 34: shares 196..197 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 1 block 35: shares 200..201 ({step, share, of})
+    // rank 1 block 35: shares 198..199 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 1 block 36: shares 202..203 ({step, share, of})
+    // rank 1 block 36: shares 200..201 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 1 block 37: shares 204..205 ({step, share, of})
+    // rank 1 block 37: shares 202..203 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 1 block 38: shares 206..207 ({step, share, of})
+    // rank 1 block 38: shares 204..205 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 1 block 39: shares 208..209 ({step, share, of})
+    // rank 1 block 39: shares 206..207 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 1 block 40: shares 210..211 ({step, share, of})
+    // rank 1 block 40: shares 208..209 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 1 block 41: shares 212..213 ({step, share, of})
+    // rank 1 block 41: shares 210..211 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 1 block 42: shares 214..215 ({step, share, of})
+    // rank 1 block 42: shares 212..213 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 1 block 43: shares 216..217 ({step, share, of})
+    // rank 1 block 43: shares 214..215 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 1 block 44: shares 218..219 ({step, share, of})
+    // rank 1 block 44: shares 216..217 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 1 block 45: shares 220..221 ({step, share, of})
+    // rank 1 block 45: shares 218..219 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 1 block 46: shares 222..223 ({step, share, of})
+    // rank 1 block 46: shares 220..221 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 1 block 47: shares 224..225 ({step, share, of})
+    // rank 1 block 47: shares 222..223 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 1 block 48: shares 226..227 ({step, share, of})
+    // rank 1 block 48: shares 224..225 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 1 block 49: shares 228..229 ({step, share, of})
+    // rank 1 block 49: shares 226..227 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 1 block 50: shares 230..231 ({step, share, of})
+    // rank 1 block 50: shares 228..229 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 1 block 51: shares 232..233 ({step, share, of})
+    // rank 1 block 51: shares 230..231 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 1 block 52: shares 234..235 ({step, share, of})
+    // rank 1 block 52: shares 232..233 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 1 block 53: shares 236..237 ({step, share, of})
+    // rank 1 block 53: shares 234..235 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 1 block 54: shares 238..239 ({step, share, of})
+    // rank 1 block 54: shares 236..237 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 1 block 55: shares 240..241 ({step, share, of})
+    // rank 1 block 55: shares 238..239 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 1 block 56: shares 242..243 ({step, share, of})
+    // rank 1 block 56: shares 240..241 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 1 block 57: shares 244..245 ({step, share, of})
+    // rank 1 block 57: shares 242..243 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 1 block 58: shares 246..247 ({step, share, of})
+    // rank 1 block 58: shares 244..245 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 1 block 59: shares 248..249 ({step, share, of})
+    // rank 1 block 59: shares 246..247 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 1 block 60: shares 250..251 ({step, share, of})
+    // rank 1 block 60: shares 248..249 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 1 block 61: shares 252..253 ({step, share, of})
+    // rank 1 block 61: shares 250..251 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 1 block 62: shares 254..255 ({step, share, of})
+    // rank 1 block 62: shares 252..253 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 1 block 63: shares 256..257 ({step, share, of})
+    // rank 1 block 63: shares 254..255 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 2 block 0: shares 258..260 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 2 block 1: shares 261..262 ({step, share, of})
+    // rank 2 block 0: shares 256..257 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 2 block 1: shares 258..259 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 2 block 2: shares 263..264 ({step, share, of})
+    // rank 2 block 2: shares 260..261 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 2 block 3: shares 265..266 ({step, share, of})
+    // rank 2 block 3: shares 262..263 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 2 block 4: shares 267..268 ({step, share, of})
+    // rank 2 block 4: shares 264..265 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 2 block 5: shares 269..270 ({step, share, of})
+    // rank 2 block 5: shares 266..267 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 2 block 6: shares 271..272 ({step, share, of})
+    // rank 2 block 6: shares 268..269 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 2 block 7: shares 273..274 ({step, share, of})
+    // rank 2 block 7: shares 270..271 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 2 block 8: shares 275..276 ({step, share, of})
+    // rank 2 block 8: shares 272..273 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 2 block 9: shares 277..278 ({step, share, of})
+    // rank 2 block 9: shares 274..275 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 2 block 10: shares 279..280 ({step, share, of})
+    // rank 2 block 10: shares 276..277 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 2 block 11: shares 281..282 ({step, share, of})
+    // rank 2 block 11: shares 278..279 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 2 block 12: shares 283..284 ({step, share, of})
+    // rank 2 block 12: shares 280..281 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 2 block 13: shares 285..286 ({step, share, of})
+    // rank 2 block 13: shares 282..283 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 2 block 14: shares 287..288 ({step, share, of})
+    // rank 2 block 14: shares 284..285 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 2 block 15: shares 289..290 ({step, share, of})
+    // rank 2 block 15: shares 286..287 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 2 block 16: shares 291..292 ({step, share, of})
+    // rank 2 block 16: shares 288..289 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 2 block 17: shares 293..294 ({step, share, of})
+    // rank 2 block 17: shares 290..291 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 2 block 18: shares 295..296 ({step, share, of})
+    // rank 2 block 18: shares 292..293 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 2 block 19: shares 297..298 ({step, share, of})
+    // rank 2 block 19: shares 294..295 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 2 block 20: shares 299..300 ({step, share, of})
+    // rank 2 block 20: shares 296..297 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 2 block 21: shares 301..302 ({step, share, of})
+    // rank 2 block 21: shares 298..299 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 2 block 22: shares 303..304 ({step, share, of})
+    // rank 2 block 22: shares 300..301 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 2 block 23: shares 305..306 ({step, share, of})
+    // rank 2 block 23: shares 302..303 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 2 block 24: shares 307..308 ({step, share, of})
+    // rank 2 block 24: shares 304..305 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 2 block 25: shares 309..310 ({step, share, of})
+    // rank 2 block 25: shares 306..307 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 2 block 26: shares 311..312 ({step, share, of})
+    // rank 2 block 26: shares 308..309 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 2 block 27: shares 313..314 ({step, share, of})
+    // rank 2 block 27: shares 310..311 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 2 block 28: shares 315..316 ({step, share, of})
+    // rank 2 block 28: shares 312..313 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 2 block 29: shares 317..318 ({step, share, of})
+    // rank 2 block 29: shares 314..315 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 2 block 30: shares 319..320 ({step, share, of})
+    // rank 2 block 30: shares 316..317 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 2 block 31: shares 321..322 ({step, share, of})
+    // rank 2 block 31: shares 318..319 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 2 block 32: shares 323..324 ({step, share, of})
+    // rank 2 block 32: shares 320..321 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 2 block 33: shares 325..326 ({step, share, of})
+    // rank 2 block 33: shares 322..323 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 2 block 34: shares 327..328 ({step, share, of})
+    // rank 2 block 34: shares 324..325 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 2 block 35: shares 329..330 ({step, share, of})
+    // rank 2 block 35: shares 326..327 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 2 block 36: shares 331..332 ({step, share, of})
+    // rank 2 block 36: shares 328..329 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 2 block 37: shares 333..334 ({step, share, of})
+    // rank 2 block 37: shares 330..331 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 2 block 38: shares 335..336 ({step, share, of})
+    // rank 2 block 38: shares 332..333 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 2 block 39: shares 337..338 ({step, share, of})
+    // rank 2 block 39: shares 334..335 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 2 block 40: shares 339..340 ({step, share, of})
+    // rank 2 block 40: shares 336..337 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 2 block 41: shares 341..342 ({step, share, of})
+    // rank 2 block 41: shares 338..339 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 2 block 42: shares 343..344 ({step, share, of})
+    // rank 2 block 42: shares 340..341 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 2 block 43: shares 345..346 ({step, share, of})
+    // rank 2 block 43: shares 342..343 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 2 block 44: shares 347..348 ({step, share, of})
+    // rank 2 block 44: shares 344..345 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 2 block 45: shares 349..350 ({step, share, of})
+    // rank 2 block 45: shares 346..347 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 2 block 46: shares 351..352 ({step, share, of})
+    // rank 2 block 46: shares 348..349 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 2 block 47: shares 353..354 ({step, share, of})
+    // rank 2 block 47: shares 350..351 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 2 block 48: shares 355..356 ({step, share, of})
+    // rank 2 block 48: shares 352..353 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 2 block 49: shares 357..358 ({step, share, of})
+    // rank 2 block 49: shares 354..355 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 2 block 50: shares 359..360 ({step, share, of})
+    // rank 2 block 50: shares 356..357 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 2 block 51: shares 361..362 ({step, share, of})
+    // rank 2 block 51: shares 358..359 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 2 block 52: shares 363..364 ({step, share, of})
+    // rank 2 block 52: shares 360..361 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 2 block 53: shares 365..366 ({step, share, of})
+    // rank 2 block 53: shares 362..363 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 2 block 54: shares 367..368 ({step, share, of})
+    // rank 2 block 54: shares 364..365 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 2 block 55: shares 369..370 ({step, share, of})
+    // rank 2 block 55: shares 366..367 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 2 block 56: shares 371..372 ({step, share, of})
+    // rank 2 block 56: shares 368..369 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 2 block 57: shares 373..374 ({step, share, of})
+    // rank 2 block 57: shares 370..371 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 2 block 58: shares 375..376 ({step, share, of})
+    // rank 2 block 58: shares 372..373 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 2 block 59: shares 377..378 ({step, share, of})
+    // rank 2 block 59: shares 374..375 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 2 block 60: shares 379..380 ({step, share, of})
+    // rank 2 block 60: shares 376..377 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 2 block 61: shares 381..382 ({step, share, of})
+    // rank 2 block 61: shares 378..379 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 2 block 62: shares 383..384 ({step, share, of})
+    // rank 2 block 62: shares 380..381 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 2 block 63: shares 385..386 ({step, share, of})
+    // rank 2 block 63: shares 382..383 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
-    // rank 3 block 0: shares 387..389 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16},
-    // rank 3 block 1: shares 390..391 ({step, share, of})
+    // rank 3 block 0: shares 384..385 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16},
+    // rank 3 block 1: shares 386..387 ({step, share, of})
     {1, 0, 16}, {2, 0, 16},
-    // rank 3 block 2: shares 392..393 ({step, share, of})
+    // rank 3 block 2: shares 388..389 ({step, share, of})
     {1, 1, 16}, {2, 1, 16},
-    // rank 3 block 3: shares 394..395 ({step, share, of})
+    // rank 3 block 3: shares 390..391 ({step, share, of})
     {1, 2, 16}, {2, 2, 16},
-    // rank 3 block 4: shares 396..397 ({step, share, of})
+    // rank 3 block 4: shares 392..393 ({step, share, of})
     {1, 3, 16}, {2, 3, 16},
-    // rank 3 block 5: shares 398..399 ({step, share, of})
+    // rank 3 block 5: shares 394..395 ({step, share, of})
     {1, 4, 16}, {2, 4, 16},
-    // rank 3 block 6: shares 400..401 ({step, share, of})
+    // rank 3 block 6: shares 396..397 ({step, share, of})
     {1, 5, 16}, {2, 5, 16},
-    // rank 3 block 7: shares 402..403 ({step, share, of})
+    // rank 3 block 7: shares 398..399 ({step, share, of})
     {1, 6, 16}, {2, 6, 16},
-    // rank 3 block 8: shares 404..405 ({step, share, of})
+    // rank 3 block 8: shares 400..401 ({step, share, of})
     {1, 7, 16}, {2, 7, 16},
-    // rank 3 block 9: shares 406..407 ({step, share, of})
+    // rank 3 block 9: shares 402..403 ({step, share, of})
     {1, 8, 16}, {2, 8, 16},
-    // rank 3 block 10: shares 408..409 ({step, share, of})
+    // rank 3 block 10: shares 404..405 ({step, share, of})
     {1, 9, 16}, {2, 9, 16},
-    // rank 3 block 11: shares 410..411 ({step, share, of})
+    // rank 3 block 11: shares 406..407 ({step, share, of})
     {1, 10, 16}, {2, 10, 16},
-    // rank 3 block 12: shares 412..413 ({step, share, of})
+    // rank 3 block 12: shares 408..409 ({step, share, of})
     {1, 11, 16}, {2, 11, 16},
-    // rank 3 block 13: shares 414..415 ({step, share, of})
+    // rank 3 block 13: shares 410..411 ({step, share, of})
     {1, 12, 16}, {2, 12, 16},
-    // rank 3 block 14: shares 416..417 ({step, share, of})
+    // rank 3 block 14: shares 412..413 ({step, share, of})
     {1, 13, 16}, {2, 13, 16},
-    // rank 3 block 15: shares 418..419 ({step, share, of})
+    // rank 3 block 15: shares 414..415 ({step, share, of})
     {1, 14, 16}, {2, 14, 16},
-    // rank 3 block 16: shares 420..421 ({step, share, of})
+    // rank 3 block 16: shares 416..417 ({step, share, of})
     {1, 15, 16}, {2, 15, 16},
-    // rank 3 block 17: shares 422..423 ({step, share, of})
+    // rank 3 block 17: shares 418..419 ({step, share, of})
     {3, 0, 16}, {4, 0, 16},
-    // rank 3 block 18: shares 424..425 ({step, share, of})
+    // rank 3 block 18: shares 420..421 ({step, share, of})
     {3, 1, 16}, {4, 1, 16},
-    // rank 3 block 19: shares 426..427 ({step, share, of})
+    // rank 3 block 19: shares 422..423 ({step, share, of})
     {3, 2, 16}, {4, 2, 16},
-    // rank 3 block 20: shares 428..429 ({step, share, of})
+    // rank 3 block 20: shares 424..425 ({step, share, of})
     {3, 3, 16}, {4, 3, 16},
-    // rank 3 block 21: shares 430..431 ({step, share, of})
+    // rank 3 block 21: shares 426..427 ({step, share, of})
     {3, 4, 16}, {4, 4, 16},
-    // rank 3 block 22: shares 432..433 ({step, share, of})
+    // rank 3 block 22: shares 428..429 ({step, share, of})
     {3, 5, 16}, {4, 5, 16},
-    // rank 3 block 23: shares 434..435 ({step, share, of})
+    // rank 3 block 23: shares 430..431 ({step, share, of})
     {3, 6, 16}, {4, 6, 16},
-    // rank 3 block 24: shares 436..437 ({step, share, of})
+    // rank 3 block 24: shares 432..433 ({step, share, of})
     {3, 7, 16}, {4, 7, 16},
-    // rank 3 block 25: shares 438..439 ({step, share, of})
+    // rank 3 block 25: shares 434..435 ({step, share, of})
     {3, 8, 16}, {4, 8, 16},
-    // rank 3 block 26: shares 440..441 ({step, share, of})
+    // rank 3 block 26: shares 436..437 ({step, share, of})
     {3, 9, 16}, {4, 9, 16},
-    // rank 3 block 27: shares 442..443 ({step, share, of})
+    // rank 3 block 27: shares 438..439 ({step, share, of})
     {3, 10, 16}, {4, 10, 16},
-    // rank 3 block 28: shares 444..445 ({step, share, of})
+    // rank 3 block 28: shares 440..441 ({step, share, of})
     {3, 11, 16}, {4, 11, 16},
-    // rank 3 block 29: shares 446..447 ({step, share, of})
+    // rank 3 block 29: shares 442..443 ({step, share, of})
     {3, 12, 16}, {4, 12, 16},
-    // rank 3 block 30: shares 448..449 ({step, share, of})
+    // rank 3 block 30: shares 444..445 ({step, share, of})
     {3, 13, 16}, {4, 13, 16},
-    // rank 3 block 31: shares 450..451 ({step, share, of})
+    // rank 3 block 31: shares 446..447 ({step, share, of})
     {3, 14, 16}, {4, 14, 16},
-    // rank 3 block 32: shares 452..453 ({step, share, of})
+    // rank 3 block 32: shares 448..449 ({step, share, of})
     {3, 15, 16}, {4, 15, 16},
-    // rank 3 block 33: shares 454..455 ({step, share, of})
+    // rank 3 block 33: shares 450..451 ({step, share, of})
     {5, 0, 16}, {6, 0, 16},
-    // rank 3 block 34: shares 456..457 ({step, share, of})
+    // rank 3 block 34: shares 452..453 ({step, share, of})
     {5, 1, 16}, {6, 1, 16},
-    // rank 3 block 35: shares 458..459 ({step, share, of})
+    // rank 3 block 35: shares 454..455 ({step, share, of})
     {5, 2, 16}, {6, 2, 16},
-    // rank 3 block 36: shares 460..461 ({step, share, of})
+    // rank 3 block 36: shares 456..457 ({step, share, of})
     {5, 3, 16}, {6, 3, 16},
-    // rank 3 block 37: shares 462..463 ({step, share, of})
+    // rank 3 block 37: shares 458..459 ({step, share, of})
     {5, 4, 16}, {6, 4, 16},
-    // rank 3 block 38: shares 464..465 ({step, share, of})
+    // rank 3 block 38: shares 460..461 ({step, share, of})
     {5, 5, 16}, {6, 5, 16},
-    // rank 3 block 39: shares 466..467 ({step, share, of})
+    // rank 3 block 39: shares 462..463 ({step, share, of})
     {5, 6, 16}, {6, 6, 16},
-    // rank 3 block 40: shares 468..469 ({step, share, of})
+    // rank 3 block 40: shares 464..465 ({step, share, of})
     {5, 7, 16}, {6, 7, 16},
-    // rank 3 block 41: shares 470..471 ({step, share, of})
+    // rank 3 block 41: shares 466..467 ({step, share, of})
     {5, 8, 16}, {6, 8, 16},
-    // rank 3 block 42: shares 472..473 ({step, share, of})
+    // rank 3 block 42: shares 468..469 ({step, share, of})
     {5, 9, 16}, {6, 9, 16},
-    // rank 3 block 43: shares 474..475 ({step, share, of})
+    // rank 3 block 43: shares 470..471 ({step, share, of})
     {5, 10, 16}, {6, 10, 16},
-    // rank 3 block 44: shares 476..477 ({step, share, of})
+    // rank 3 block 44: shares 472..473 ({step, share, of})
     {5, 11, 16}, {6, 11, 16},
-    // rank 3 block 45: shares 478..479 ({step, share, of})
+    // rank 3 block 45: shares 474..475 ({step, share, of})
     {5, 12, 16}, {6, 12, 16},
-    // rank 3 block 46: shares 480..481 ({step, share, of})
+    // rank 3 block 46: shares 476..477 ({step, share, of})
     {5, 13, 16}, {6, 13, 16},
-    // rank 3 block 47: shares 482..483 ({step, share, of})
+    // rank 3 block 47: shares 478..479 ({step, share, of})
     {5, 14, 16}, {6, 14, 16},
-    // rank 3 block 48: shares 484..485 ({step, share, of})
+    // rank 3 block 48: shares 480..481 ({step, share, of})
     {5, 15, 16}, {6, 15, 16},
-    // rank 3 block 49: shares 486..487 ({step, share, of})
+    // rank 3 block 49: shares 482..483 ({step, share, of})
     {7, 0, 16}, {8, 0, 16},
-    // rank 3 block 50: shares 488..489 ({step, share, of})
+    // rank 3 block 50: shares 484..485 ({step, share, of})
     {7, 1, 16}, {8, 1, 16},
-    // rank 3 block 51: shares 490..491 ({step, share, of})
+    // rank 3 block 51: shares 486..487 ({step, share, of})
     {7, 2, 16}, {8, 2, 16},
-    // rank 3 block 52: shares 492..493 ({step, share, of})
+    // rank 3 block 52: shares 488..489 ({step, share, of})
     {7, 3, 16}, {8, 3, 16},
-    // rank 3 block 53: shares 494..495 ({step, share, of})
+    // rank 3 block 53: shares 490..491 ({step, share, of})
     {7, 4, 16}, {8, 4, 16},
-    // rank 3 block 54: shares 496..497 ({step, share, of})
+    // rank 3 block 54: shares 492..493 ({step, share, of})
     {7, 5, 16}, {8, 5, 16},
-    // rank 3 block 55: shares 498..499 ({step, share, of})
+    // rank 3 block 55: shares 494..495 ({step, share, of})
     {7, 6, 16}, {8, 6, 16},
-    // rank 3 block 56: shares 500..501 ({step, share, of})
+    // rank 3 block 56: shares 496..497 ({step, share, of})
     {7, 7, 16}, {8, 7, 16},
-    // rank 3 block 57: shares 502..503 ({step, share, of})
+    // rank 3 block 57: shares 498..499 ({step, share, of})
     {7, 8, 16}, {8, 8, 16},
-    // rank 3 block 58: shares 504..505 ({step, share, of})
+    // rank 3 block 58: shares 500..501 ({step, share, of})
     {7, 9, 16}, {8, 9, 16},
-    // rank 3 block 59: shares 506..507 ({step, share, of})
+    // rank 3 block 59: shares 502..503 ({step, share, of})
     {7, 10, 16}, {8, 10, 16},
-    // rank 3 block 60: shares 508..509 ({step, share, of})
+    // rank 3 block 60: shares 504..505 ({step, share, of})
     {7, 11, 16}, {8, 11, 16},
-    // rank 3 block 61: shares 510..511 ({step, share, of})
+    // rank 3 block 61: shares 506..507 ({step, share, of})
     {7, 12, 16}, {8, 12, 16},
-    // rank 3 block 62: shares 512..513 ({step, share, of})
+    // rank 3 block 62: shares 508..509 ({step, share, of})
     {7, 13, 16}, {8, 13, 16},
-    // rank 3 block 63: shares 514..515 ({step, share, of})
+    // rank 3 block 63: shares 510..511 ({step, share, of})
     {7, 14, 16}, {8, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][65] = {
-    { 0, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
-    { 129, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258 },
-    { 258, 261, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 355, 357, 359, 361, 363, 365, 367, 369, 371, 373, 375, 377, 379, 381, 383, 385, 387 },
-    { 387, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512, 514, 516 },
+    { 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128 },
+    { 128, 130, 132, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256 },
+    { 256, 258, 260, 262, 264, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 330, 332, 334, 336, 338, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384 },
+    { 384, 386, 388, 390, 392, 394, 396, 398, 400, 402, 404, 406, 408, 410, 412, 414, 416, 418, 420, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450, 452, 454, 456, 458, 460, 462, 464, 466, 468, 470, 472, 474, 476, 478, 480, 482, 484, 486, 488, 490, 492, 494, 496, 498, 500, 502, 504, 506, 508, 510, 512 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 136 steps, 2056 block shares over 64 blocks.
+// Plan for world size 8: 136 steps, 2048 block shares over 64 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -2554,1041 +2549,1041 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..4 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 0 block 1: shares 5..8 ({step, share, of})
+    // rank 0 block 0: shares 0..3 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 0 block 1: shares 4..7 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 0 block 2: shares 9..12 ({step, share, of})
+    // rank 0 block 2: shares 8..11 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 0 block 3: shares 13..16 ({step, share, of})
+    // rank 0 block 3: shares 12..15 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 0 block 4: shares 17..20 ({step, share, of})
+    // rank 0 block 4: shares 16..19 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 0 block 5: shares 21..24 ({step, share, of})
+    // rank 0 block 5: shares 20..23 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 0 block 6: shares 25..28 ({step, share, of})
+    // rank 0 block 6: shares 24..27 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 0 block 7: shares 29..32 ({step, share, of})
+    // rank 0 block 7: shares 28..31 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 0 block 8: shares 33..36 ({step, share, of})
+    // rank 0 block 8: shares 32..35 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 0 block 9: shares 37..40 ({step, share, of})
+    // rank 0 block 9: shares 36..39 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 0 block 10: shares 41..44 ({step, share, of})
+    // rank 0 block 10: shares 40..43 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 0 block 11: shares 45..48 ({step, share, of})
+    // rank 0 block 11: shares 44..47 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 0 block 12: shares 49..52 ({step, share, of})
+    // rank 0 block 12: shares 48..51 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 0 block 13: shares 53..56 ({step, share, of})
+    // rank 0 block 13: shares 52..55 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 0 block 14: shares 57..60 ({step, share, of})
+    // rank 0 block 14: shares 56..59 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 0 block 15: shares 61..64 ({step, share, of})
+    // rank 0 block 15: shares 60..63 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 0 block 16: shares 65..68 ({step, share, of})
+    // rank 0 block 16: shares 64..67 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 0 block 17: shares 69..72 ({step, share, of})
+    // rank 0 block 17: shares 68..71 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 0 block 18: shares 73..76 ({step, share, of})
+    // rank 0 block 18: shares 72..75 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 0 block 19: shares 77..80 ({step, share, of})
+    // rank 0 block 19: shares 76..79 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 0 block 20: shares 81..84 ({step, share, of})
+    // rank 0 block 20: shares 80..83 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 0 block 21: shares 85..88 ({step, share, of})
+    // rank 0 block 21: shares 84..87 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 0 block 22: shares 89..92 ({step, share, of})
+    // rank 0 block 22: shares 88..91 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 0 block 23: shares 93..96 ({step, share, of})
+    // rank 0 block 23: shares 92..95 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 0 block 24: shares 97..100 ({step, share, of})
+    // rank 0 block 24: shares 96..99 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 0 block 25: shares 101..104 ({step, share, of})
+    // rank 0 block 25: shares 100..103 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 0 block 26: shares 105..108 ({step, share, of})
+    // rank 0 block 26: shares 104..107 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 0 block 27: shares 109..112 ({step, share, of})
+    // rank 0 block 27: shares 108..111 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 0 block 28: shares 113..116 ({step, share, of})
+    // rank 0 block 28: shares 112..115 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 0 block 29: shares 117..120 ({step, share, of})
+    // rank 0 block 29: shares 116..119 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 0 block 30: shares 121..124 ({step, share, of})
+    // rank 0 block 30: shares 120..123 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 0 block 31: shares 125..128 ({step, share, of})
+    // rank 0 block 31: shares 124..127 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 0 block 32: shares 129..132 ({step, share, of})
+    // rank 0 block 32: shares 128..131 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 0 block 33: shares 133..136 ({step, share, of})
+    // rank 0 block 33: shares 132..135 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 0 block 34: shares 137..140 ({step, share, of})
+    // rank 0 block 34: shares 136..139 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 0 block 35: shares 141..144 ({step, share, of})
+    // rank 0 block 35: shares 140..143 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 0 block 36: shares 145..148 ({step, share, of})
+    // rank 0 block 36: shares 144..147 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 0 block 37: shares 149..152 ({step, share, of})
+    // rank 0 block 37: shares 148..151 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 0 block 38: shares 153..156 ({step, share, of})
+    // rank 0 block 38: shares 152..155 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 0 block 39: shares 157..160 ({step, share, of})
+    // rank 0 block 39: shares 156..159 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 0 block 40: shares 161..164 ({step, share, of})
+    // rank 0 block 40: shares 160..163 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 0 block 41: shares 165..168 ({step, share, of})
+    // rank 0 block 41: shares 164..167 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 0 block 42: shares 169..172 ({step, share, of})
+    // rank 0 block 42: shares 168..171 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 0 block 43: shares 173..176 ({step, share, of})
+    // rank 0 block 43: shares 172..175 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 0 block 44: shares 177..180 ({step, share, of})
+    // rank 0 block 44: shares 176..179 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 0 block 45: shares 181..184 ({step, share, of})
+    // rank 0 block 45: shares 180..183 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 0 block 46: shares 185..188 ({step, share, of})
+    // rank 0 block 46: shares 184..187 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 0 block 47: shares 189..192 ({step, share, of})
+    // rank 0 block 47: shares 188..191 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 0 block 48: shares 193..196 ({step, share, of})
+    // rank 0 block 48: shares 192..195 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 0 block 49: shares 197..200 ({step, share, of})
+    // rank 0 block 49: shares 196..199 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 0 block 50: shares 201..204 ({step, share, of})
+    // rank 0 block 50: shares 200..203 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 0 block 51: shares 205..208 ({step, share, of})
+    // rank 0 block 51: shares 204..207 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 0 block 52: shares 209..212 ({step, share, of})
+    // rank 0 block 52: shares 208..211 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 0 block 53: shares 213..216 ({step, share, of})
+    // rank 0 block 53: shares 212..215 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 0 block 54: shares 217..220 ({step, share, of})
+    // rank 0 block 54: shares 216..219 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 0 block 55: shares 221..224 ({step, share, of})
+    // rank 0 block 55: shares 220..223 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 0 block 56: shares 225..228 ({step, share, of})
+    // rank 0 block 56: shares 224..227 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 0 block 57: shares 229..232 ({step, share, of})
+    // rank 0 block 57: shares 228..231 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 0 block 58: shares 233..236 ({step, share, of})
+    // rank 0 block 58: shares 232..235 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 0 block 59: shares 237..240 ({step, share, of})
+    // rank 0 block 59: shares 236..239 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 0 block 60: shares 241..244 ({step, share, of})
+    // rank 0 block 60: shares 240..243 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 0 block 61: shares 245..248 ({step, share, of})
+    // rank 0 block 61: shares 244..247 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 0 block 62: shares 249..252 ({step, share, of})
+    // rank 0 block 62: shares 248..251 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 0 block 63: shares 253..256 ({step, share, of})
+    // rank 0 block 63: shares 252..255 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 1 block 0: shares 257..261 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 1 block 1: shares 262..265 ({step, share, of})
+    // rank 1 block 0: shares 256..259 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 1 block 1: shares 260..263 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 1 block 2: shares 266..269 ({step, share, of})
+    // rank 1 block 2: shares 264..267 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 1 block 3: shares 270..273 ({step, share, of})
+    // rank 1 block 3: shares 268..271 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 1 block 4: shares 274..277 ({step, share, of})
+    // rank 1 block 4: shares 272..275 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 1 block 5: shares 278..281 ({step, share, of})
+    // rank 1 block 5: shares 276..279 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 1 block 6: shares 282..285 ({step, share, of})
+    // rank 1 block 6: shares 280..283 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 1 block 7: shares 286..289 ({step, share, of})
+    // rank 1 block 7: shares 284..287 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 1 block 8: shares 290..293 ({step, share, of})
+    // rank 1 block 8: shares 288..291 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 1 block 9: shares 294..297 ({step, share, of})
+    // rank 1 block 9: shares 292..295 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 1 block 10: shares 298..301 ({step, share, of})
+    // rank 1 block 10: shares 296..299 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 1 block 11: shares 302..305 ({step, share, of})
+    // rank 1 block 11: shares 300..303 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 1 block 12: shares 306..309 ({step, share, of})
+    // rank 1 block 12: shares 304..307 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 1 block 13: shares 310..313 ({step, share, of})
+    // rank 1 block 13: shares 308..311 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 1 block 14: shares 314..317 ({step, share, of})
+    // rank 1 block 14: shares 312..315 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 1 block 15: shares 318..321 ({step, share, of})
+    // rank 1 block 15: shares 316..319 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 1 block 16: shares 322..325 ({step, share, of})
+    // rank 1 block 16: shares 320..323 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 1 block 17: shares 326..329 ({step, share, of})
+    // rank 1 block 17: shares 324..327 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 1 block 18: shares 330..333 ({step, share, of})
+    // rank 1 block 18: shares 328..331 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 1 block 19: shares 334..337 ({step, share, of})
+    // rank 1 block 19: shares 332..335 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 1 block 20: shares 338..341 ({step, share, of})
+    // rank 1 block 20: shares 336..339 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 1 block 21: shares 342..345 ({step, share, of})
+    // rank 1 block 21: shares 340..343 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 1 block 22: shares 346..349 ({step, share, of})
+    // rank 1 block 22: shares 344..347 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 1 block 23: shares 350..353 ({step, share, of})
+    // rank 1 block 23: shares 348..351 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 1 block 24: shares 354..357 ({step, share, of})
+    // rank 1 block 24: shares 352..355 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 1 block 25: shares 358..361 ({step, share, of})
+    // rank 1 block 25: shares 356..359 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 1 block 26: shares 362..365 ({step, share, of})
+    // rank 1 block 26: shares 360..363 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 1 block 27: shares 366..369 ({step, share, of})
+    // rank 1 block 27: shares 364..367 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 1 block 28: shares 370..373 ({step, share, of})
+    // rank 1 block 28: shares 368..371 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 1 block 29: shares 374..377 ({step, share, of})
+    // rank 1 block 29: shares 372..375 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 1 block 30: shares 378..381 ({step, share, of})
+    // rank 1 block 30: shares 376..379 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 1 block 31: shares 382..385 ({step, share, of})
+    // rank 1 block 31: shares 380..383 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 1 block 32: shares 386..389 ({step, share, of})
+    // rank 1 block 32: shares 384..387 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 1 block 33: shares 390..393 ({step, share, of})
+    // rank 1 block 33: shares 388..391 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 1 block 34: shares 394..397 ({step, share, of})
+    // rank 1 block 34: shares 392..395 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 1 block 35: shares 398..401 ({step, share, of})
+    // rank 1 block 35: shares 396..399 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 1 block 36: shares 402..405 ({step, share, of})
+    // rank 1 block 36: shares 400..403 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 1 block 37: shares 406..409 ({step, share, of})
+    // rank 1 block 37: shares 404..407 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 1 block 38: shares 410..413 ({step, share, of})
+    // rank 1 block 38: shares 408..411 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 1 block 39: shares 414..417 ({step, share, of})
+    // rank 1 block 39: shares 412..415 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 1 block 40: shares 418..421 ({step, share, of})
+    // rank 1 block 40: shares 416..419 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 1 block 41: shares 422..425 ({step, share, of})
+    // rank 1 block 41: shares 420..423 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 1 block 42: shares 426..429 ({step, share, of})
+    // rank 1 block 42: shares 424..427 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 1 block 43: shares 430..433 ({step, share, of})
+    // rank 1 block 43: shares 428..431 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 1 block 44: shares 434..437 ({step, share, of})
+    // rank 1 block 44: shares 432..435 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 1 block 45: shares 438..441 ({step, share, of})
+    // rank 1 block 45: shares 436..439 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 1 block 46: shares 442..445 ({step, share, of})
+    // rank 1 block 46: shares 440..443 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 1 block 47: shares 446..449 ({step, share, of})
+    // rank 1 block 47: shares 444..447 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 1 block 48: shares 450..453 ({step, share, of})
+    // rank 1 block 48: shares 448..451 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 1 block 49: shares 454..457 ({step, share, of})
+    // rank 1 block 49: shares 452..455 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 1 block 50: shares 458..461 ({step, share, of})
+    // rank 1 block 50: shares 456..459 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 1 block 51: shares 462..465 ({step, share, of})
+    // rank 1 block 51: shares 460..463 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 1 block 52: shares 466..469 ({step, share, of})
+    // rank 1 block 52: shares 464..467 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 1 block 53: shares 470..473 ({step, share, of})
+    // rank 1 block 53: shares 468..471 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 1 block 54: shares 474..477 ({step, share, of})
+    // rank 1 block 54: shares 472..475 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 1 block 55: shares 478..481 ({step, share, of})
+    // rank 1 block 55: shares 476..479 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 1 block 56: shares 482..485 ({step, share, of})
+    // rank 1 block 56: shares 480..483 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 1 block 57: shares 486..489 ({step, share, of})
+    // rank 1 block 57: shares 484..487 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 1 block 58: shares 490..493 ({step, share, of})
+    // rank 1 block 58: shares 488..491 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 1 block 59: shares 494..497 ({step, share, of})
+    // rank 1 block 59: shares 492..495 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 1 block 60: shares 498..501 ({step, share, of})
+    // rank 1 block 60: shares 496..499 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 1 block 61: shares 502..505 ({step, share, of})
+    // rank 1 block 61: shares 500..503 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 1 block 62: shares 506..509 ({step, share, of})
+    // rank 1 block 62: shares 504..507 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 1 block 63: shares 510..513 ({step, share, of})
+    // rank 1 block 63: shares 508..511 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 2 block 0: shares 514..518 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 2 block 1: shares 519..522 ({step, share, of})
+    // rank 2 block 0: shares 512..515 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 2 block 1: shares 516..519 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 2 block 2: shares 523..526 ({step, share, of})
+    // rank 2 block 2: shares 520..523 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 2 block 3: shares 527..530 ({step, share, of})
+    // rank 2 block 3: shares 524..527 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 2 block 4: shares 531..534 ({step, share, of})
+    // rank 2 block 4: shares 528..531 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 2 block 5: shares 535..538 ({step, share, of})
+    // rank 2 block 5: shares 532..535 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 2 block 6: shares 539..542 ({step, share, of})
+    // rank 2 block 6: shares 536..539 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 2 block 7: shares 543..546 ({step, share, of})
+    // rank 2 block 7: shares 540..543 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 2 block 8: shares 547..550 ({step, share, of})
+    // rank 2 block 8: shares 544..547 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 2 block 9: shares 551..554 ({step, share, of})
+    // rank 2 block 9: shares 548..551 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 2 block 10: shares 555..558 ({step, share, of})
+    // rank 2 block 10: shares 552..555 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 2 block 11: shares 559..562 ({step, share, of})
+    // rank 2 block 11: shares 556..559 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 2 block 12: shares 563..566 ({step, share, of})
+    // rank 2 block 12: shares 560..563 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 2 block 13: shares 567..570 ({step, share, of})
+    // rank 2 block 13: shares 564..567 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 2 block 14: shares 571..574 ({step, share, of})
+    // rank 2 block 14: shares 568..571 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 2 block 15: shares 575..578 ({step, share, of})
+    // rank 2 block 15: shares 572..575 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 2 block 16: shares 579..582 ({step, share, of})
+    // rank 2 block 16: shares 576..579 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 2 block 17: shares 583..586 ({step, share, of})
+    // rank 2 block 17: shares 580..583 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 2 block 18: shares 587..590 ({step, share, of})
+    // rank 2 block 18: shares 584..587 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 2 block 19: shares 591..594 ({step, share, of})
+    // rank 2 block 19: shares 588..591 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 2 block 20: shares 595..598 ({step, share, of})
+    // rank 2 block 20: shares 592..595 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 2 block 21: shares 599..602 ({step, share, of})
+    // rank 2 block 21: shares 596..599 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 2 block 22: shares 603..606 ({step, share, of})
+    // rank 2 block 22: shares 600..603 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 2 block 23: shares 607..610 ({step, share, of})
+    // rank 2 block 23: shares 604..607 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 2 block 24: shares 611..614 ({step, share, of})
+    // rank 2 block 24: shares 608..611 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 2 block 25: shares 615..618 ({step, share, of})
+    // rank 2 block 25: shares 612..615 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 2 block 26: shares 619..622 ({step, share, of})
+    // rank 2 block 26: shares 616..619 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 2 block 27: shares 623..626 ({step, share, of})
+    // rank 2 block 27: shares 620..623 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 2 block 28: shares 627..630 ({step, share, of})
+    // rank 2 block 28: shares 624..627 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 2 block 29: shares 631..634 ({step, share, of})
+    // rank 2 block 29: shares 628..631 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 2 block 30: shares 635..638 ({step, share, of})
+    // rank 2 block 30: shares 632..635 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 2 block 31: shares 639..642 ({step, share, of})
+    // rank 2 block 31: shares 636..639 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 2 block 32: shares 643..646 ({step, share, of})
+    // rank 2 block 32: shares 640..643 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 2 block 33: shares 647..650 ({step, share, of})
+    // rank 2 block 33: shares 644..647 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 2 block 34: shares 651..654 ({step, share, of})
+    // rank 2 block 34: shares 648..651 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 2 block 35: shares 655..658 ({step, share, of})
+    // rank 2 block 35: shares 652..655 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 2 block 36: shares 659..662 ({step, share, of})
+    // rank 2 block 36: shares 656..659 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 2 block 37: shares 663..666 ({step, share, of})
+    // rank 2 block 37: shares 660..663 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 2 block 38: shares 667..670 ({step, share, of})
+    // rank 2 block 38: shares 664..667 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 2 block 39: shares 671..674 ({step, share, of})
+    // rank 2 block 39: shares 668..671 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 2 block 40: shares 675..678 ({step, share, of})
+    // rank 2 block 40: shares 672..675 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 2 block 41: shares 679..682 ({step, share, of})
+    // rank 2 block 41: shares 676..679 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 2 block 42: shares 683..686 ({step, share, of})
+    // rank 2 block 42: shares 680..683 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 2 block 43: shares 687..690 ({step, share, of})
+    // rank 2 block 43: shares 684..687 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 2 block 44: shares 691..694 ({step, share, of})
+    // rank 2 block 44: shares 688..691 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 2 block 45: shares 695..698 ({step, share, of})
+    // rank 2 block 45: shares 692..695 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 2 block 46: shares 699..702 ({step, share, of})
+    // rank 2 block 46: shares 696..699 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 2 block 47: shares 703..706 ({step, share, of})
+    // rank 2 block 47: shares 700..703 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 2 block 48: shares 707..710 ({step, share, of})
+    // rank 2 block 48: shares 704..707 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 2 block 49: shares 711..714 ({step, share, of})
+    // rank 2 block 49: shares 708..711 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 2 block 50: shares 715..718 ({step, share, of})
+    // rank 2 block 50: shares 712..715 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 2 block 51: shares 719..722 ({step, share, of})
+    // rank 2 block 51: shares 716..719 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 2 block 52: shares 723..726 ({step, share, of})
+    // rank 2 block 52: shares 720..723 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 2 block 53: shares 727..730 ({step, share, of})
+    // rank 2 block 53: shares 724..727 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 2 block 54: shares 731..734 ({step, share, of})
+    // rank 2 block 54: shares 728..731 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 2 block 55: shares 735..738 ({step, share, of})
+    // rank 2 block 55: shares 732..735 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 2 block 56: shares 739..742 ({step, share, of})
+    // rank 2 block 56: shares 736..739 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 2 block 57: shares 743..746 ({step, share, of})
+    // rank 2 block 57: shares 740..743 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 2 block 58: shares 747..750 ({step, share, of})
+    // rank 2 block 58: shares 744..747 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 2 block 59: shares 751..754 ({step, share, of})
+    // rank 2 block 59: shares 748..751 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 2 block 60: shares 755..758 ({step, share, of})
+    // rank 2 block 60: shares 752..755 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 2 block 61: shares 759..762 ({step, share, of})
+    // rank 2 block 61: shares 756..759 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 2 block 62: shares 763..766 ({step, share, of})
+    // rank 2 block 62: shares 760..763 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 2 block 63: shares 767..770 ({step, share, of})
+    // rank 2 block 63: shares 764..767 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 3 block 0: shares 771..775 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 3 block 1: shares 776..779 ({step, share, of})
+    // rank 3 block 0: shares 768..771 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 3 block 1: shares 772..775 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 3 block 2: shares 780..783 ({step, share, of})
+    // rank 3 block 2: shares 776..779 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 3 block 3: shares 784..787 ({step, share, of})
+    // rank 3 block 3: shares 780..783 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 3 block 4: shares 788..791 ({step, share, of})
+    // rank 3 block 4: shares 784..787 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 3 block 5: shares 792..795 ({step, share, of})
+    // rank 3 block 5: shares 788..791 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 3 block 6: shares 796..799 ({step, share, of})
+    // rank 3 block 6: shares 792..795 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 3 block 7: shares 800..803 ({step, share, of})
+    // rank 3 block 7: shares 796..799 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 3 block 8: shares 804..807 ({step, share, of})
+    // rank 3 block 8: shares 800..803 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 3 block 9: shares 808..811 ({step, share, of})
+    // rank 3 block 9: shares 804..807 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 3 block 10: shares 812..815 ({step, share, of})
+    // rank 3 block 10: shares 808..811 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 3 block 11: shares 816..819 ({step, share, of})
+    // rank 3 block 11: shares 812..815 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 3 block 12: shares 820..823 ({step, share, of})
+    // rank 3 block 12: shares 816..819 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 3 block 13: shares 824..827 ({step, share, of})
+    // rank 3 block 13: shares 820..823 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 3 block 14: shares 828..831 ({step, share, of})
+    // rank 3 block 14: shares 824..827 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 3 block 15: shares 832..835 ({step, share, of})
+    // rank 3 block 15: shares 828..831 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 3 block 16: shares 836..839 ({step, share, of})
+    // rank 3 block 16: shares 832..835 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 3 block 17: shares 840..843 ({step, share, of})
+    // rank 3 block 17: shares 836..839 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 3 block 18: shares 844..847 ({step, share, of})
+    // rank 3 block 18: shares 840..843 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 3 block 19: shares 848..851 ({step, share, of})
+    // rank 3 block 19: shares 844..847 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 3 block 20: shares 852..855 ({step, share, of})
+    // rank 3 block 20: shares 848..851 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 3 block 21: shares 856..859 ({step, share, of})
+    // rank 3 block 21: shares 852..855 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 3 block 22: shares 860..863 ({step, share, of})
+    // rank 3 block 22: shares 856..859 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 3 block 23: shares 864..867 ({step, share, of})
+    // rank 3 block 23: shares 860..863 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 3 block 24: shares 868..871 ({step, share, of})
+    // rank 3 block 24: shares 864..867 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 3 block 25: shares 872..875 ({step, share, of})
+    // rank 3 block 25: shares 868..871 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 3 block 26: shares 876..879 ({step, share, of})
+    // rank 3 block 26: shares 872..875 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 3 block 27: shares 880..883 ({step, share, of})
+    // rank 3 block 27: shares 876..879 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 3 block 28: shares 884..887 ({step, share, of})
+    // rank 3 block 28: shares 880..883 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 3 block 29: shares 888..891 ({step, share, of})
+    // rank 3 block 29: shares 884..887 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 3 block 30: shares 892..895 ({step, share, of})
+    // rank 3 block 30: shares 888..891 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 3 block 31: shares 896..899 ({step, share, of})
+    // rank 3 block 31: shares 892..895 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 3 block 32: shares 900..903 ({step, share, of})
+    // rank 3 block 32: shares 896..899 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 3 block 33: shares 904..907 ({step, share, of})
+    // rank 3 block 33: shares 900..903 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 3 block 34: shares 908..911 ({step, share, of})
+    // rank 3 block 34: shares 904..907 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 3 block 35: shares 912..915 ({step, share, of})
+    // rank 3 block 35: shares 908..911 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 3 block 36: shares 916..919 ({step, share, of})
+    // rank 3 block 36: shares 912..915 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 3 block 37: shares 920..923 ({step, share, of})
+    // rank 3 block 37: shares 916..919 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 3 block 38: shares 924..927 ({step, share, of})
+    // rank 3 block 38: shares 920..923 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 3 block 39: shares 928..931 ({step, share, of})
+    // rank 3 block 39: shares 924..927 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 3 block 40: shares 932..935 ({step, share, of})
+    // rank 3 block 40: shares 928..931 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 3 block 41: shares 936..939 ({step, share, of})
+    // rank 3 block 41: shares 932..935 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 3 block 42: shares 940..943 ({step, share, of})
+    // rank 3 block 42: shares 936..939 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 3 block 43: shares 944..947 ({step, share, of})
+    // rank 3 block 43: shares 940..943 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 3 block 44: shares 948..951 ({step, share, of})
+    // rank 3 block 44: shares 944..947 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 3 block 45: shares 952..955 ({step, share, of})
+    // rank 3 block 45: shares 948..951 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 3 block 46: shares 956..959 ({step, share, of})
+    // rank 3 block 46: shares 952..955 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 3 block 47: shares 960..963 ({step, share, of})
+    // rank 3 block 47: shares 956..959 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 3 block 48: shares 964..967 ({step, share, of})
+    // rank 3 block 48: shares 960..963 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 3 block 49: shares 968..971 ({step, share, of})
+    // rank 3 block 49: shares 964..967 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 3 block 50: shares 972..975 ({step, share, of})
+    // rank 3 block 50: shares 968..971 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 3 block 51: shares 976..979 ({step, share, of})
+    // rank 3 block 51: shares 972..975 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 3 block 52: shares 980..983 ({step, share, of})
+    // rank 3 block 52: shares 976..979 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 3 block 53: shares 984..987 ({step, share, of})
+    // rank 3 block 53: shares 980..983 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 3 block 54: shares 988..991 ({step, share, of})
+    // rank 3 block 54: shares 984..987 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 3 block 55: shares 992..995 ({step, share, of})
+    // rank 3 block 55: shares 988..991 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 3 block 56: shares 996..999 ({step, share, of})
+    // rank 3 block 56: shares 992..995 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 3 block 57: shares 1000..1003 ({step, share, of})
+    // rank 3 block 57: shares 996..999 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 3 block 58: shares 1004..1007 ({step, share, of})
+    // rank 3 block 58: shares 1000..1003 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 3 block 59: shares 1008..1011 ({step, share, of})
+    // rank 3 block 59: shares 1004..1007 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 3 block 60: shares 1012..1015 ({step, share, of})
+    // rank 3 block 60: shares 1008..1011 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 3 block 61: shares 1016..1019 ({step, share, of})
+    // rank 3 block 61: shares 1012..1015 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 3 block 62: shares 1020..1023 ({step, share, of})
+    // rank 3 block 62: shares 1016..1019 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 3 block 63: shares 1024..1027 ({step, share, of})
+    // rank 3 block 63: shares 1020..1023 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 4 block 0: shares 1028..1032 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 4 block 1: shares 1033..1036 ({step, share, of})
+    // rank 4 block 0: shares 1024..1027 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 4 block 1: shares 1028..1031 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 4 block 2: shares 1037..1040 ({step, share, of})
+    // rank 4 block 2: shares 1032..1035 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 4 block 3: shares 1041..1044 ({step, share, of})
+    // rank 4 block 3: shares 1036..1039 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 4 block 4: shares 1045..1048 ({step, share, of})
+    // rank 4 block 4: shares 1040..1043 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 4 block 5: shares 1049..1052 ({step, share, of})
+    // rank 4 block 5: shares 1044..1047 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 4 block 6: shares 1053..1056 ({step, share, of})
+    // rank 4 block 6: shares 1048..1051 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 4 block 7: shares 1057..1060 ({step, share, of})
+    // rank 4 block 7: shares 1052..1055 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 4 block 8: shares 1061..1064 ({step, share, of})
+    // rank 4 block 8: shares 1056..1059 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 4 block 9: shares 1065..1068 ({step, share, of})
+    // rank 4 block 9: shares 1060..1063 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 4 block 10: shares 1069..1072 ({step, share, of})
+    // rank 4 block 10: shares 1064..1067 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 4 block 11: shares 1073..1076 ({step, share, of})
+    // rank 4 block 11: shares 1068..1071 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 4 block 12: shares 1077..1080 ({step, share, of})
+    // rank 4 block 12: shares 1072..1075 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 4 block 13: shares 1081..1084 ({step, share, of})
+    // rank 4 block 13: shares 1076..1079 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 4 block 14: shares 1085..1088 ({step, share, of})
+    // rank 4 block 14: shares 1080..1083 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 4 block 15: shares 1089..1092 ({step, share, of})
+    // rank 4 block 15: shares 1084..1087 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 4 block 16: shares 1093..1096 ({step, share, of})
+    // rank 4 block 16: shares 1088..1091 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 4 block 17: shares 1097..1100 ({step, share, of})
+    // rank 4 block 17: shares 1092..1095 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 4 block 18: shares 1101..1104 ({step, share, of})
+    // rank 4 block 18: shares 1096..1099 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 4 block 19: shares 1105..1108 ({step, share, of})
+    // rank 4 block 19: shares 1100..1103 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 4 block 20: shares 1109..1112 ({step, share, of})
+    // rank 4 block 20: shares 1104..1107 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 4 block 21: shares 1113..1116 ({step, share, of})
+    // rank 4 block 21: shares 1108..1111 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 4 block 22: shares 1117..1120 ({step, share, of})
+    // rank 4 block 22: shares 1112..1115 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 4 block 23: shares 1121..1124 ({step, share, of})
+    // rank 4 block 23: shares 1116..1119 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 4 block 24: shares 1125..1128 ({step, share, of})
+    // rank 4 block 24: shares 1120..1123 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 4 block 25: shares 1129..1132 ({step, share, of})
+    // rank 4 block 25: shares 1124..1127 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 4 block 26: shares 1133..1136 ({step, share, of})
+    // rank 4 block 26: shares 1128..1131 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 4 block 27: shares 1137..1140 ({step, share, of})
+    // rank 4 block 27: shares 1132..1135 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 4 block 28: shares 1141..1144 ({step, share, of})
+    // rank 4 block 28: shares 1136..1139 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 4 block 29: shares 1145..1148 ({step, share, of})
+    // rank 4 block 29: shares 1140..1143 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 4 block 30: shares 1149..1152 ({step, share, of})
+    // rank 4 block 30: shares 1144..1147 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 4 block 31: shares 1153..1156 ({step, share, of})
+    // rank 4 block 31: shares 1148..1151 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 4 block 32: shares 1157..1160 ({step, share, of})
+    // rank 4 block 32: shares 1152..1155 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 4 block 33: shares 1161..1164 ({step, share, of})
+    // rank 4 block 33: shares 1156..1159 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 4 block 34: shares 1165..1168 ({step, share, of})
+    // rank 4 block 34: shares 1160..1163 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 4 block 35: shares 1169..1172 ({step, share, of})
+    // rank 4 block 35: shares 1164..1167 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 4 block 36: shares 1173..1176 ({step, share, of})
+    // rank 4 block 36: shares 1168..1171 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 4 block 37: shares 1177..1180 ({step, share, of})
+    // rank 4 block 37: shares 1172..1175 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 4 block 38: shares 1181..1184 ({step, share, of})
+    // rank 4 block 38: shares 1176..1179 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 4 block 39: shares 1185..1188 ({step, share, of})
+    // rank 4 block 39: shares 1180..1183 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 4 block 40: shares 1189..1192 ({step, share, of})
+    // rank 4 block 40: shares 1184..1187 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 4 block 41: shares 1193..1196 ({step, share, of})
+    // rank 4 block 41: shares 1188..1191 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 4 block 42: shares 1197..1200 ({step, share, of})
+    // rank 4 block 42: shares 1192..1195 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 4 block 43: shares 1201..1204 ({step, share, of})
+    // rank 4 block 43: shares 1196..1199 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 4 block 44: shares 1205..1208 ({step, share, of})
+    // rank 4 block 44: shares 1200..1203 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 4 block 45: shares 1209..1212 ({step, share, of})
+    // rank 4 block 45: shares 1204..1207 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 4 block 46: shares 1213..1216 ({step, share, of})
+    // rank 4 block 46: shares 1208..1211 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 4 block 47: shares 1217..1220 ({step, share, of})
+    // rank 4 block 47: shares 1212..1215 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 4 block 48: shares 1221..1224 ({step, share, of})
+    // rank 4 block 48: shares 1216..1219 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 4 block 49: shares 1225..1228 ({step, share, of})
+    // rank 4 block 49: shares 1220..1223 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 4 block 50: shares 1229..1232 ({step, share, of})
+    // rank 4 block 50: shares 1224..1227 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 4 block 51: shares 1233..1236 ({step, share, of})
+    // rank 4 block 51: shares 1228..1231 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 4 block 52: shares 1237..1240 ({step, share, of})
+    // rank 4 block 52: shares 1232..1235 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 4 block 53: shares 1241..1244 ({step, share, of})
+    // rank 4 block 53: shares 1236..1239 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 4 block 54: shares 1245..1248 ({step, share, of})
+    // rank 4 block 54: shares 1240..1243 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 4 block 55: shares 1249..1252 ({step, share, of})
+    // rank 4 block 55: shares 1244..1247 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 4 block 56: shares 1253..1256 ({step, share, of})
+    // rank 4 block 56: shares 1248..1251 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 4 block 57: shares 1257..1260 ({step, share, of})
+    // rank 4 block 57: shares 1252..1255 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 4 block 58: shares 1261..1264 ({step, share, of})
+    // rank 4 block 58: shares 1256..1259 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 4 block 59: shares 1265..1268 ({step, share, of})
+    // rank 4 block 59: shares 1260..1263 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 4 block 60: shares 1269..1272 ({step, share, of})
+    // rank 4 block 60: shares 1264..1267 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 4 block 61: shares 1273..1276 ({step, share, of})
+    // rank 4 block 61: shares 1268..1271 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 4 block 62: shares 1277..1280 ({step, share, of})
+    // rank 4 block 62: shares 1272..1275 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 4 block 63: shares 1281..1284 ({step, share, of})
+    // rank 4 block 63: shares 1276..1279 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 5 block 0: shares 1285..1289 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 5 block 1: shares 1290..1293 ({step, share, of})
+    // rank 5 block 0: shares 1280..1283 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 5 block 1: shares 1284..1287 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 5 block 2: shares 1294..1297 ({step, share, of})
+    // rank 5 block 2: shares 1288..1291 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 5 block 3: shares 1298..1301 ({step, share, of})
+    // rank 5 block 3: shares 1292..1295 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 5 block 4: shares 1302..1305 ({step, share, of})
+    // rank 5 block 4: shares 1296..1299 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 5 block 5: shares 1306..1309 ({step, share, of})
+    // rank 5 block 5: shares 1300..1303 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 5 block 6: shares 1310..1313 ({step, share, of})
+    // rank 5 block 6: shares 1304..1307 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 5 block 7: shares 1314..1317 ({step, share, of})
+    // rank 5 block 7: shares 1308..1311 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 5 block 8: shares 1318..1321 ({step, share, of})
+    // rank 5 block 8: shares 1312..1315 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 5 block 9: shares 1322..1325 ({step, share, of})
+    // rank 5 block 9: shares 1316..1319 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 5 block 10: shares 1326..1329 ({step, share, of})
+    // rank 5 block 10: shares 1320..1323 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 5 block 11: shares 1330..1333 ({step, share, of})
+    // rank 5 block 11: shares 1324..1327 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 5 block 12: shares 1334..1337 ({step, share, of})
+    // rank 5 block 12: shares 1328..1331 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 5 block 13: shares 1338..1341 ({step, share, of})
+    // rank 5 block 13: shares 1332..1335 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 5 block 14: shares 1342..1345 ({step, share, of})
+    // rank 5 block 14: shares 1336..1339 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 5 block 15: shares 1346..1349 ({step, share, of})
+    // rank 5 block 15: shares 1340..1343 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 5 block 16: shares 1350..1353 ({step, share, of})
+    // rank 5 block 16: shares 1344..1347 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 5 block 17: shares 1354..1357 ({step, share, of})
+    // rank 5 block 17: shares 1348..1351 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 5 block 18: shares 1358..1361 ({step, share, of})
+    // rank 5 block 18: shares 1352..1355 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 5 block 19: shares 1362..1365 ({step, share, of})
+    // rank 5 block 19: shares 1356..1359 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 5 block 20: shares 1366..1369 ({step, share, of})
+    // rank 5 block 20: shares 1360..1363 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 5 block 21: shares 1370..1373 ({step, share, of})
+    // rank 5 block 21: shares 1364..1367 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 5 block 22: shares 1374..1377 ({step, share, of})
+    // rank 5 block 22: shares 1368..1371 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 5 block 23: shares 1378..1381 ({step, share, of})
+    // rank 5 block 23: shares 1372..1375 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 5 block 24: shares 1382..1385 ({step, share, of})
+    // rank 5 block 24: shares 1376..1379 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 5 block 25: shares 1386..1389 ({step, share, of})
+    // rank 5 block 25: shares 1380..1383 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 5 block 26: shares 1390..1393 ({step, share, of})
+    // rank 5 block 26: shares 1384..1387 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 5 block 27: shares 1394..1397 ({step, share, of})
+    // rank 5 block 27: shares 1388..1391 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 5 block 28: shares 1398..1401 ({step, share, of})
+    // rank 5 block 28: shares 1392..1395 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 5 block 29: shares 1402..1405 ({step, share, of})
+    // rank 5 block 29: shares 1396..1399 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 5 block 30: shares 1406..1409 ({step, share, of})
+    // rank 5 block 30: shares 1400..1403 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 5 block 31: shares 1410..1413 ({step, share, of})
+    // rank 5 block 31: shares 1404..1407 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 5 block 32: shares 1414..1417 ({step, share, of})
+    // rank 5 block 32: shares 1408..1411 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 5 block 33: shares 1418..1421 ({step, share, of})
+    // rank 5 block 33: shares 1412..1415 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 5 block 34: shares 1422..1425 ({step, share, of})
+    // rank 5 block 34: shares 1416..1419 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 5 block 35: shares 1426..1429 ({step, share, of})
+    // rank 5 block 35: shares 1420..1423 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 5 block 36: shares 1430..1433 ({step, share, of})
+    // rank 5 block 36: shares 1424..1427 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 5 block 37: shares 1434..1437 ({step, share, of})
+    // rank 5 block 37: shares 1428..1431 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 5 block 38: shares 1438..1441 ({step, share, of})
+    // rank 5 block 38: shares 1432..1435 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 5 block 39: shares 1442..1445 ({step, share, of})
+    // rank 5 block 39: shares 1436..1439 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 5 block 40: shares 1446..1449 ({step, share, of})
+    // rank 5 block 40: shares 1440..1443 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 5 block 41: shares 1450..1453 ({step, share, of})
+    // rank 5 block 41: shares 1444..1447 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 5 block 42: shares 1454..1457 ({step, share, of})
+    // rank 5 block 42: shares 1448..1451 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 5 block 43: shares 1458..1461 ({step, share, of})
+    // rank 5 block 43: shares 1452..1455 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 5 block 44: shares 1462..1465 ({step, share, of})
+    // rank 5 block 44: shares 1456..1459 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 5 block 45: shares 1466..1469 ({step, share, of})
+    // rank 5 block 45: shares 1460..1463 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 5 block 46: shares 1470..1473 ({step, share, of})
+    // rank 5 block 46: shares 1464..1467 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 5 block 47: shares 1474..1477 ({step, share, of})
+    // rank 5 block 47: shares 1468..1471 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 5 block 48: shares 1478..1481 ({step, share, of})
+    // rank 5 block 48: shares 1472..1475 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 5 block 49: shares 1482..1485 ({step, share, of})
+    // rank 5 block 49: shares 1476..1479 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 5 block 50: shares 1486..1489 ({step, share, of})
+    // rank 5 block 50: shares 1480..1483 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 5 block 51: shares 1490..1493 ({step, share, of})
+    // rank 5 block 51: shares 1484..1487 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 5 block 52: shares 1494..1497 ({step, share, of})
+    // rank 5 block 52: shares 1488..1491 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 5 block 53: shares 1498..1501 ({step, share, of})
+    // rank 5 block 53: shares 1492..1495 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 5 block 54: shares 1502..1505 ({step, share, of})
+    // rank 5 block 54: shares 1496..1499 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 5 block 55: shares 1506..1509 ({step, share, of})
+    // rank 5 block 55: shares 1500..1503 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 5 block 56: shares 1510..1513 ({step, share, of})
+    // rank 5 block 56: shares 1504..1507 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 5 block 57: shares 1514..1517 ({step, share, of})
+    // rank 5 block 57: shares 1508..1511 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 5 block 58: shares 1518..1521 ({step, share, of})
+    // rank 5 block 58: shares 1512..1515 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 5 block 59: shares 1522..1525 ({step, share, of})
+    // rank 5 block 59: shares 1516..1519 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 5 block 60: shares 1526..1529 ({step, share, of})
+    // rank 5 block 60: shares 1520..1523 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 5 block 61: shares 1530..1533 ({step, share, of})
+    // rank 5 block 61: shares 1524..1527 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 5 block 62: shares 1534..1537 ({step, share, of})
+    // rank 5 block 62: shares 1528..1531 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 5 block 63: shares 1538..1541 ({step, share, of})
+    // rank 5 block 63: shares 1532..1535 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 6 block 0: shares 1542..1546 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 6 block 1: shares 1547..1550 ({step, share, of})
+    // rank 6 block 0: shares 1536..1539 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 6 block 1: shares 1540..1543 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 6 block 2: shares 1551..1554 ({step, share, of})
+    // rank 6 block 2: shares 1544..1547 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 6 block 3: shares 1555..1558 ({step, share, of})
+    // rank 6 block 3: shares 1548..1551 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 6 block 4: shares 1559..1562 ({step, share, of})
+    // rank 6 block 4: shares 1552..1555 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 6 block 5: shares 1563..1566 ({step, share, of})
+    // rank 6 block 5: shares 1556..1559 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 6 block 6: shares 1567..1570 ({step, share, of})
+    // rank 6 block 6: shares 1560..1563 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 6 block 7: shares 1571..1574 ({step, share, of})
+    // rank 6 block 7: shares 1564..1567 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 6 block 8: shares 1575..1578 ({step, share, of})
+    // rank 6 block 8: shares 1568..1571 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 6 block 9: shares 1579..1582 ({step, share, of})
+    // rank 6 block 9: shares 1572..1575 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 6 block 10: shares 1583..1586 ({step, share, of})
+    // rank 6 block 10: shares 1576..1579 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 6 block 11: shares 1587..1590 ({step, share, of})
+    // rank 6 block 11: shares 1580..1583 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 6 block 12: shares 1591..1594 ({step, share, of})
+    // rank 6 block 12: shares 1584..1587 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 6 block 13: shares 1595..1598 ({step, share, of})
+    // rank 6 block 13: shares 1588..1591 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 6 block 14: shares 1599..1602 ({step, share, of})
+    // rank 6 block 14: shares 1592..1595 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 6 block 15: shares 1603..1606 ({step, share, of})
+    // rank 6 block 15: shares 1596..1599 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 6 block 16: shares 1607..1610 ({step, share, of})
+    // rank 6 block 16: shares 1600..1603 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 6 block 17: shares 1611..1614 ({step, share, of})
+    // rank 6 block 17: shares 1604..1607 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 6 block 18: shares 1615..1618 ({step, share, of})
+    // rank 6 block 18: shares 1608..1611 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 6 block 19: shares 1619..1622 ({step, share, of})
+    // rank 6 block 19: shares 1612..1615 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 6 block 20: shares 1623..1626 ({step, share, of})
+    // rank 6 block 20: shares 1616..1619 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 6 block 21: shares 1627..1630 ({step, share, of})
+    // rank 6 block 21: shares 1620..1623 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 6 block 22: shares 1631..1634 ({step, share, of})
+    // rank 6 block 22: shares 1624..1627 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 6 block 23: shares 1635..1638 ({step, share, of})
+    // rank 6 block 23: shares 1628..1631 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 6 block 24: shares 1639..1642 ({step, share, of})
+    // rank 6 block 24: shares 1632..1635 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 6 block 25: shares 1643..1646 ({step, share, of})
+    // rank 6 block 25: shares 1636..1639 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 6 block 26: shares 1647..1650 ({step, share, of})
+    // rank 6 block 26: shares 1640..1643 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 6 block 27: shares 1651..1654 ({step, share, of})
+    // rank 6 block 27: shares 1644..1647 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 6 block 28: shares 1655..1658 ({step, share, of})
+    // rank 6 block 28: shares 1648..1651 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 6 block 29: shares 1659..1662 ({step, share, of})
+    // rank 6 block 29: shares 1652..1655 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 6 block 30: shares 1663..1666 ({step, share, of})
+    // rank 6 block 30: shares 1656..1659 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 6 block 31: shares 1667..1670 ({step, share, of})
+    // rank 6 block 31: shares 1660..1663 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 6 block 32: shares 1671..1674 ({step, share, of})
+    // rank 6 block 32: shares 1664..1667 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 6 block 33: shares 1675..1678 ({step, share, of})
+    // rank 6 block 33: shares 1668..1671 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 6 block 34: shares 1679..1682 ({step, share, of})
+    // rank 6 block 34: shares 1672..1675 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 6 block 35: shares 1683..1686 ({step, share, of})
+    // rank 6 block 35: shares 1676..1679 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 6 block 36: shares 1687..1690 ({step, share, of})
+    // rank 6 block 36: shares 1680..1683 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 6 block 37: shares 1691..1694 ({step, share, of})
+    // rank 6 block 37: shares 1684..1687 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 6 block 38: shares 1695..1698 ({step, share, of})
+    // rank 6 block 38: shares 1688..1691 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 6 block 39: shares 1699..1702 ({step, share, of})
+    // rank 6 block 39: shares 1692..1695 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 6 block 40: shares 1703..1706 ({step, share, of})
+    // rank 6 block 40: shares 1696..1699 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 6 block 41: shares 1707..1710 ({step, share, of})
+    // rank 6 block 41: shares 1700..1703 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 6 block 42: shares 1711..1714 ({step, share, of})
+    // rank 6 block 42: shares 1704..1707 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 6 block 43: shares 1715..1718 ({step, share, of})
+    // rank 6 block 43: shares 1708..1711 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 6 block 44: shares 1719..1722 ({step, share, of})
+    // rank 6 block 44: shares 1712..1715 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 6 block 45: shares 1723..1726 ({step, share, of})
+    // rank 6 block 45: shares 1716..1719 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 6 block 46: shares 1727..1730 ({step, share, of})
+    // rank 6 block 46: shares 1720..1723 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 6 block 47: shares 1731..1734 ({step, share, of})
+    // rank 6 block 47: shares 1724..1727 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 6 block 48: shares 1735..1738 ({step, share, of})
+    // rank 6 block 48: shares 1728..1731 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 6 block 49: shares 1739..1742 ({step, share, of})
+    // rank 6 block 49: shares 1732..1735 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 6 block 50: shares 1743..1746 ({step, share, of})
+    // rank 6 block 50: shares 1736..1739 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 6 block 51: shares 1747..1750 ({step, share, of})
+    // rank 6 block 51: shares 1740..1743 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 6 block 52: shares 1751..1754 ({step, share, of})
+    // rank 6 block 52: shares 1744..1747 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 6 block 53: shares 1755..1758 ({step, share, of})
+    // rank 6 block 53: shares 1748..1751 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 6 block 54: shares 1759..1762 ({step, share, of})
+    // rank 6 block 54: shares 1752..1755 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 6 block 55: shares 1763..1766 ({step, share, of})
+    // rank 6 block 55: shares 1756..1759 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 6 block 56: shares 1767..1770 ({step, share, of})
+    // rank 6 block 56: shares 1760..1763 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 6 block 57: shares 1771..1774 ({step, share, of})
+    // rank 6 block 57: shares 1764..1767 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 6 block 58: shares 1775..1778 ({step, share, of})
+    // rank 6 block 58: shares 1768..1771 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 6 block 59: shares 1779..1782 ({step, share, of})
+    // rank 6 block 59: shares 1772..1775 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 6 block 60: shares 1783..1786 ({step, share, of})
+    // rank 6 block 60: shares 1776..1779 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 6 block 61: shares 1787..1790 ({step, share, of})
+    // rank 6 block 61: shares 1780..1783 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 6 block 62: shares 1791..1794 ({step, share, of})
+    // rank 6 block 62: shares 1784..1787 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 6 block 63: shares 1795..1798 ({step, share, of})
+    // rank 6 block 63: shares 1788..1791 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
-    // rank 7 block 0: shares 1799..1803 ({step, share, of})
-    {0, 0, 1}, {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
-    // rank 7 block 1: shares 1804..1807 ({step, share, of})
+    // rank 7 block 0: shares 1792..1795 ({step, share, of})
+    {7, 15, 16}, {8, 15, 16}, {15, 15, 16}, {16, 15, 16},
+    // rank 7 block 1: shares 1796..1799 ({step, share, of})
     {1, 0, 16}, {2, 0, 16}, {9, 0, 16}, {10, 0, 16},
-    // rank 7 block 2: shares 1808..1811 ({step, share, of})
+    // rank 7 block 2: shares 1800..1803 ({step, share, of})
     {1, 1, 16}, {2, 1, 16}, {9, 1, 16}, {10, 1, 16},
-    // rank 7 block 3: shares 1812..1815 ({step, share, of})
+    // rank 7 block 3: shares 1804..1807 ({step, share, of})
     {1, 2, 16}, {2, 2, 16}, {9, 2, 16}, {10, 2, 16},
-    // rank 7 block 4: shares 1816..1819 ({step, share, of})
+    // rank 7 block 4: shares 1808..1811 ({step, share, of})
     {1, 3, 16}, {2, 3, 16}, {9, 3, 16}, {10, 3, 16},
-    // rank 7 block 5: shares 1820..1823 ({step, share, of})
+    // rank 7 block 5: shares 1812..1815 ({step, share, of})
     {1, 4, 16}, {2, 4, 16}, {9, 4, 16}, {10, 4, 16},
-    // rank 7 block 6: shares 1824..1827 ({step, share, of})
+    // rank 7 block 6: shares 1816..1819 ({step, share, of})
     {1, 5, 16}, {2, 5, 16}, {9, 5, 16}, {10, 5, 16},
-    // rank 7 block 7: shares 1828..1831 ({step, share, of})
+    // rank 7 block 7: shares 1820..1823 ({step, share, of})
     {1, 6, 16}, {2, 6, 16}, {9, 6, 16}, {10, 6, 16},
-    // rank 7 block 8: shares 1832..1835 ({step, share, of})
+    // rank 7 block 8: shares 1824..1827 ({step, share, of})
     {1, 7, 16}, {2, 7, 16}, {9, 7, 16}, {10, 7, 16},
-    // rank 7 block 9: shares 1836..1839 ({step, share, of})
+    // rank 7 block 9: shares 1828..1831 ({step, share, of})
     {1, 8, 16}, {2, 8, 16}, {9, 8, 16}, {10, 8, 16},
-    // rank 7 block 10: shares 1840..1843 ({step, share, of})
+    // rank 7 block 10: shares 1832..1835 ({step, share, of})
     {1, 9, 16}, {2, 9, 16}, {9, 9, 16}, {10, 9, 16},
-    // rank 7 block 11: shares 1844..1847 ({step, share, of})
+    // rank 7 block 11: shares 1836..1839 ({step, share, of})
     {1, 10, 16}, {2, 10, 16}, {9, 10, 16}, {10, 10, 16},
-    // rank 7 block 12: shares 1848..1851 ({step, share, of})
+    // rank 7 block 12: shares 1840..1843 ({step, share, of})
     {1, 11, 16}, {2, 11, 16}, {9, 11, 16}, {10, 11, 16},
-    // rank 7 block 13: shares 1852..1855 ({step, share, of})
+    // rank 7 block 13: shares 1844..1847 ({step, share, of})
     {1, 12, 16}, {2, 12, 16}, {9, 12, 16}, {10, 12, 16},
-    // rank 7 block 14: shares 1856..1859 ({step, share, of})
+    // rank 7 block 14: shares 1848..1851 ({step, share, of})
     {1, 13, 16}, {2, 13, 16}, {9, 13, 16}, {10, 13, 16},
-    // rank 7 block 15: shares 1860..1863 ({step, share, of})
+    // rank 7 block 15: shares 1852..1855 ({step, share, of})
     {1, 14, 16}, {2, 14, 16}, {9, 14, 16}, {10, 14, 16},
-    // rank 7 block 16: shares 1864..1867 ({step, share, of})
+    // rank 7 block 16: shares 1856..1859 ({step, share, of})
     {1, 15, 16}, {2, 15, 16}, {9, 15, 16}, {10, 15, 16},
-    // rank 7 block 17: shares 1868..1871 ({step, share, of})
+    // rank 7 block 17: shares 1860..1863 ({step, share, of})
     {3, 0, 16}, {4, 0, 16}, {11, 0, 16}, {12, 0, 16},
-    // rank 7 block 18: shares 1872..1875 ({step, share, of})
+    // rank 7 block 18: shares 1864..1867 ({step, share, of})
     {3, 1, 16}, {4, 1, 16}, {11, 1, 16}, {12, 1, 16},
-    // rank 7 block 19: shares 1876..1879 ({step, share, of})
+    // rank 7 block 19: shares 1868..1871 ({step, share, of})
     {3, 2, 16}, {4, 2, 16}, {11, 2, 16}, {12, 2, 16},
-    // rank 7 block 20: shares 1880..1883 ({step, share, of})
+    // rank 7 block 20: shares 1872..1875 ({step, share, of})
     {3, 3, 16}, {4, 3, 16}, {11, 3, 16}, {12, 3, 16},
-    // rank 7 block 21: shares 1884..1887 ({step, share, of})
+    // rank 7 block 21: shares 1876..1879 ({step, share, of})
     {3, 4, 16}, {4, 4, 16}, {11, 4, 16}, {12, 4, 16},
-    // rank 7 block 22: shares 1888..1891 ({step, share, of})
+    // rank 7 block 22: shares 1880..1883 ({step, share, of})
     {3, 5, 16}, {4, 5, 16}, {11, 5, 16}, {12, 5, 16},
-    // rank 7 block 23: shares 1892..1895 ({step, share, of})
+    // rank 7 block 23: shares 1884..1887 ({step, share, of})
     {3, 6, 16}, {4, 6, 16}, {11, 6, 16}, {12, 6, 16},
-    // rank 7 block 24: shares 1896..1899 ({step, share, of})
+    // rank 7 block 24: shares 1888..1891 ({step, share, of})
     {3, 7, 16}, {4, 7, 16}, {11, 7, 16}, {12, 7, 16},
-    // rank 7 block 25: shares 1900..1903 ({step, share, of})
+    // rank 7 block 25: shares 1892..1895 ({step, share, of})
     {3, 8, 16}, {4, 8, 16}, {11, 8, 16}, {12, 8, 16},
-    // rank 7 block 26: shares 1904..1907 ({step, share, of})
+    // rank 7 block 26: shares 1896..1899 ({step, share, of})
     {3, 9, 16}, {4, 9, 16}, {11, 9, 16}, {12, 9, 16},
-    // rank 7 block 27: shares 1908..1911 ({step, share, of})
+    // rank 7 block 27: shares 1900..1903 ({step, share, of})
     {3, 10, 16}, {4, 10, 16}, {11, 10, 16}, {12, 10, 16},
-    // rank 7 block 28: shares 1912..1915 ({step, share, of})
+    // rank 7 block 28: shares 1904..1907 ({step, share, of})
     {3, 11, 16}, {4, 11, 16}, {11, 11, 16}, {12, 11, 16},
-    // rank 7 block 29: shares 1916..1919 ({step, share, of})
+    // rank 7 block 29: shares 1908..1911 ({step, share, of})
     {3, 12, 16}, {4, 12, 16}, {11, 12, 16}, {12, 12, 16},
-    // rank 7 block 30: shares 1920..1923 ({step, share, of})
+    // rank 7 block 30: shares 1912..1915 ({step, share, of})
     {3, 13, 16}, {4, 13, 16}, {11, 13, 16}, {12, 13, 16},
-    // rank 7 block 31: shares 1924..1927 ({step, share, of})
+    // rank 7 block 31: shares 1916..1919 ({step, share, of})
     {3, 14, 16}, {4, 14, 16}, {11, 14, 16}, {12, 14, 16},
-    // rank 7 block 32: shares 1928..1931 ({step, share, of})
+    // rank 7 block 32: shares 1920..1923 ({step, share, of})
     {3, 15, 16}, {4, 15, 16}, {11, 15, 16}, {12, 15, 16},
-    // rank 7 block 33: shares 1932..1935 ({step, share, of})
+    // rank 7 block 33: shares 1924..1927 ({step, share, of})
     {5, 0, 16}, {6, 0, 16}, {13, 0, 16}, {14, 0, 16},
-    // rank 7 block 34: shares 1936..1939 ({step, share, of})
+    // rank 7 block 34: shares 1928..1931 ({step, share, of})
     {5, 1, 16}, {6, 1, 16}, {13, 1, 16}, {14, 1, 16},
-    // rank 7 block 35: shares 1940..1943 ({step, share, of})
+    // rank 7 block 35: shares 1932..1935 ({step, share, of})
     {5, 2, 16}, {6, 2, 16}, {13, 2, 16}, {14, 2, 16},
-    // rank 7 block 36: shares 1944..1947 ({step, share, of})
+    // rank 7 block 36: shares 1936..1939 ({step, share, of})
     {5, 3, 16}, {6, 3, 16}, {13, 3, 16}, {14, 3, 16},
-    // rank 7 block 37: shares 1948..1951 ({step, share, of})
+    // rank 7 block 37: shares 1940..1943 ({step, share, of})
     {5, 4, 16}, {6, 4, 16}, {13, 4, 16}, {14, 4, 16},
-    // rank 7 block 38: shares 1952..1955 ({step, share, of})
+    // rank 7 block 38: shares 1944..1947 ({step, share, of})
     {5, 5, 16}, {6, 5, 16}, {13, 5, 16}, {14, 5, 16},
-    // rank 7 block 39: shares 1956..1959 ({step, share, of})
+    // rank 7 block 39: shares 1948..1951 ({step, share, of})
     {5, 6, 16}, {6, 6, 16}, {13, 6, 16}, {14, 6, 16},
-    // rank 7 block 40: shares 1960..1963 ({step, share, of})
+    // rank 7 block 40: shares 1952..1955 ({step, share, of})
     {5, 7, 16}, {6, 7, 16}, {13, 7, 16}, {14, 7, 16},
-    // rank 7 block 41: shares 1964..1967 ({step, share, of})
+    // rank 7 block 41: shares 1956..1959 ({step, share, of})
     {5, 8, 16}, {6, 8, 16}, {13, 8, 16}, {14, 8, 16},
-    // rank 7 block 42: shares 1968..1971 ({step, share, of})
+    // rank 7 block 42: shares 1960..1963 ({step, share, of})
     {5, 9, 16}, {6, 9, 16}, {13, 9, 16}, {14, 9, 16},
-    // rank 7 block 43: shares 1972..1975 ({step, share, of})
+    // rank 7 block 43: shares 1964..1967 ({step, share, of})
     {5, 10, 16}, {6, 10, 16}, {13, 10, 16}, {14, 10, 16},
-    // rank 7 block 44: shares 1976..1979 ({step, share, of})
+    // rank 7 block 44: shares 1968..1971 ({step, share, of})
     {5, 11, 16}, {6, 11, 16}, {13, 11, 16}, {14, 11, 16},
-    // rank 7 block 45: shares 1980..1983 ({step, share, of})
+    // rank 7 block 45: shares 1972..1975 ({step, share, of})
     {5, 12, 16}, {6, 12, 16}, {13, 12, 16}, {14, 12, 16},
-    // rank 7 block 46: shares 1984..1987 ({step, share, of})
+    // rank 7 block 46: shares 1976..1979 ({step, share, of})
     {5, 13, 16}, {6, 13, 16}, {13, 13, 16}, {14, 13, 16},
-    // rank 7 block 47: shares 1988..1991 ({step, share, of})
+    // rank 7 block 47: shares 1980..1983 ({step, share, of})
     {5, 14, 16}, {6, 14, 16}, {13, 14, 16}, {14, 14, 16},
-    // rank 7 block 48: shares 1992..1995 ({step, share, of})
+    // rank 7 block 48: shares 1984..1987 ({step, share, of})
     {5, 15, 16}, {6, 15, 16}, {13, 15, 16}, {14, 15, 16},
-    // rank 7 block 49: shares 1996..1999 ({step, share, of})
+    // rank 7 block 49: shares 1988..1991 ({step, share, of})
     {7, 0, 16}, {8, 0, 16}, {15, 0, 16}, {16, 0, 16},
-    // rank 7 block 50: shares 2000..2003 ({step, share, of})
+    // rank 7 block 50: shares 1992..1995 ({step, share, of})
     {7, 1, 16}, {8, 1, 16}, {15, 1, 16}, {16, 1, 16},
-    // rank 7 block 51: shares 2004..2007 ({step, share, of})
+    // rank 7 block 51: shares 1996..1999 ({step, share, of})
     {7, 2, 16}, {8, 2, 16}, {15, 2, 16}, {16, 2, 16},
-    // rank 7 block 52: shares 2008..2011 ({step, share, of})
+    // rank 7 block 52: shares 2000..2003 ({step, share, of})
     {7, 3, 16}, {8, 3, 16}, {15, 3, 16}, {16, 3, 16},
-    // rank 7 block 53: shares 2012..2015 ({step, share, of})
+    // rank 7 block 53: shares 2004..2007 ({step, share, of})
     {7, 4, 16}, {8, 4, 16}, {15, 4, 16}, {16, 4, 16},
-    // rank 7 block 54: shares 2016..2019 ({step, share, of})
+    // rank 7 block 54: shares 2008..2011 ({step, share, of})
     {7, 5, 16}, {8, 5, 16}, {15, 5, 16}, {16, 5, 16},
-    // rank 7 block 55: shares 2020..2023 ({step, share, of})
+    // rank 7 block 55: shares 2012..2015 ({step, share, of})
     {7, 6, 16}, {8, 6, 16}, {15, 6, 16}, {16, 6, 16},
-    // rank 7 block 56: shares 2024..2027 ({step, share, of})
+    // rank 7 block 56: shares 2016..2019 ({step, share, of})
     {7, 7, 16}, {8, 7, 16}, {15, 7, 16}, {16, 7, 16},
-    // rank 7 block 57: shares 2028..2031 ({step, share, of})
+    // rank 7 block 57: shares 2020..2023 ({step, share, of})
     {7, 8, 16}, {8, 8, 16}, {15, 8, 16}, {16, 8, 16},
-    // rank 7 block 58: shares 2032..2035 ({step, share, of})
+    // rank 7 block 58: shares 2024..2027 ({step, share, of})
     {7, 9, 16}, {8, 9, 16}, {15, 9, 16}, {16, 9, 16},
-    // rank 7 block 59: shares 2036..2039 ({step, share, of})
+    // rank 7 block 59: shares 2028..2031 ({step, share, of})
     {7, 10, 16}, {8, 10, 16}, {15, 10, 16}, {16, 10, 16},
-    // rank 7 block 60: shares 2040..2043 ({step, share, of})
+    // rank 7 block 60: shares 2032..2035 ({step, share, of})
     {7, 11, 16}, {8, 11, 16}, {15, 11, 16}, {16, 11, 16},
-    // rank 7 block 61: shares 2044..2047 ({step, share, of})
+    // rank 7 block 61: shares 2036..2039 ({step, share, of})
     {7, 12, 16}, {8, 12, 16}, {15, 12, 16}, {16, 12, 16},
-    // rank 7 block 62: shares 2048..2051 ({step, share, of})
+    // rank 7 block 62: shares 2040..2043 ({step, share, of})
     {7, 13, 16}, {8, 13, 16}, {15, 13, 16}, {16, 13, 16},
-    // rank 7 block 63: shares 2052..2055 ({step, share, of})
+    // rank 7 block 63: shares 2044..2047 ({step, share, of})
     {7, 14, 16}, {8, 14, 16}, {15, 14, 16}, {16, 14, 16},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][65] = {
-    { 0, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117, 121, 125, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257 },
-    { 257, 262, 266, 270, 274, 278, 282, 286, 290, 294, 298, 302, 306, 310, 314, 318, 322, 326, 330, 334, 338, 342, 346, 350, 354, 358, 362, 366, 370, 374, 378, 382, 386, 390, 394, 398, 402, 406, 410, 414, 418, 422, 426, 430, 434, 438, 442, 446, 450, 454, 458, 462, 466, 470, 474, 478, 482, 486, 490, 494, 498, 502, 506, 510, 514 },
-    { 514, 519, 523, 527, 531, 535, 539, 543, 547, 551, 555, 559, 563, 567, 571, 575, 579, 583, 587, 591, 595, 599, 603, 607, 611, 615, 619, 623, 627, 631, 635, 639, 643, 647, 651, 655, 659, 663, 667, 671, 675, 679, 683, 687, 691, 695, 699, 703, 707, 711, 715, 719, 723, 727, 731, 735, 739, 743, 747, 751, 755, 759, 763, 767, 771 },
-    { 771, 776, 780, 784, 788, 792, 796, 800, 804, 808, 812, 816, 820, 824, 828, 832, 836, 840, 844, 848, 852, 856, 860, 864, 868, 872, 876, 880, 884, 888, 892, 896, 900, 904, 908, 912, 916, 920, 924, 928, 932, 936, 940, 944, 948, 952, 956, 960, 964, 968, 972, 976, 980, 984, 988, 992, 996, 1000, 1004, 1008, 1012, 1016, 1020, 1024, 1028 },
-    { 1028, 1033, 1037, 1041, 1045, 1049, 1053, 1057, 1061, 1065, 1069, 1073, 1077, 1081, 1085, 1089, 1093, 1097, 1101, 1105, 1109, 1113, 1117, 1121, 1125, 1129, 1133, 1137, 1141, 1145, 1149, 1153, 1157, 1161, 1165, 1169, 1173, 1177, 1181, 1185, 1189, 1193, 1197, 1201, 1205, 1209, 1213, 1217, 1221, 1225, 1229, 1233, 1237, 1241, 1245, 1249, 1253, 1257, 1261, 1265, 1269, 1273, 1277, 1281, 1285 },
-    { 1285, 1290, 1294, 1298, 1302, 1306, 1310, 1314, 1318, 1322, 1326, 1330, 1334, 1338, 1342, 1346, 1350, 1354, 1358, 1362, 1366, 1370, 1374, 1378, 1382, 1386, 1390, 1394, 1398, 1402, 1406, 1410, 1414, 1418, 1422, 1426, 1430, 1434, 1438, 1442, 1446, 1450, 1454, 1458, 1462, 1466, 1470, 1474, 1478, 1482, 1486, 1490, 1494, 1498, 1502, 1506, 1510, 1514, 1518, 1522, 1526, 1530, 1534, 1538, 1542 },
-    { 1542, 1547, 1551, 1555, 1559, 1563, 1567, 1571, 1575, 1579, 1583, 1587, 1591, 1595, 1599, 1603, 1607, 1611, 1615, 1619, 1623, 1627, 1631, 1635, 1639, 1643, 1647, 1651, 1655, 1659, 1663, 1667, 1671, 1675, 1679, 1683, 1687, 1691, 1695, 1699, 1703, 1707, 1711, 1715, 1719, 1723, 1727, 1731, 1735, 1739, 1743, 1747, 1751, 1755, 1759, 1763, 1767, 1771, 1775, 1779, 1783, 1787, 1791, 1795, 1799 },
-    { 1799, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048, 2052, 2056 },
+    { 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 132, 136, 140, 144, 148, 152, 156, 160, 164, 168, 172, 176, 180, 184, 188, 192, 196, 200, 204, 208, 212, 216, 220, 224, 228, 232, 236, 240, 244, 248, 252, 256 },
+    { 256, 260, 264, 268, 272, 276, 280, 284, 288, 292, 296, 300, 304, 308, 312, 316, 320, 324, 328, 332, 336, 340, 344, 348, 352, 356, 360, 364, 368, 372, 376, 380, 384, 388, 392, 396, 400, 404, 408, 412, 416, 420, 424, 428, 432, 436, 440, 444, 448, 452, 456, 460, 464, 468, 472, 476, 480, 484, 488, 492, 496, 500, 504, 508, 512 },
+    { 512, 516, 520, 524, 528, 532, 536, 540, 544, 548, 552, 556, 560, 564, 568, 572, 576, 580, 584, 588, 592, 596, 600, 604, 608, 612, 616, 620, 624, 628, 632, 636, 640, 644, 648, 652, 656, 660, 664, 668, 672, 676, 680, 684, 688, 692, 696, 700, 704, 708, 712, 716, 720, 724, 728, 732, 736, 740, 744, 748, 752, 756, 760, 764, 768 },
+    { 768, 772, 776, 780, 784, 788, 792, 796, 800, 804, 808, 812, 816, 820, 824, 828, 832, 836, 840, 844, 848, 852, 856, 860, 864, 868, 872, 876, 880, 884, 888, 892, 896, 900, 904, 908, 912, 916, 920, 924, 928, 932, 936, 940, 944, 948, 952, 956, 960, 964, 968, 972, 976, 980, 984, 988, 992, 996, 1000, 1004, 1008, 1012, 1016, 1020, 1024 },
+    { 1024, 1028, 1032, 1036, 1040, 1044, 1048, 1052, 1056, 1060, 1064, 1068, 1072, 1076, 1080, 1084, 1088, 1092, 1096, 1100, 1104, 1108, 1112, 1116, 1120, 1124, 1128, 1132, 1136, 1140, 1144, 1148, 1152, 1156, 1160, 1164, 1168, 1172, 1176, 1180, 1184, 1188, 1192, 1196, 1200, 1204, 1208, 1212, 1216, 1220, 1224, 1228, 1232, 1236, 1240, 1244, 1248, 1252, 1256, 1260, 1264, 1268, 1272, 1276, 1280 },
+    { 1280, 1284, 1288, 1292, 1296, 1300, 1304, 1308, 1312, 1316, 1320, 1324, 1328, 1332, 1336, 1340, 1344, 1348, 1352, 1356, 1360, 1364, 1368, 1372, 1376, 1380, 1384, 1388, 1392, 1396, 1400, 1404, 1408, 1412, 1416, 1420, 1424, 1428, 1432, 1436, 1440, 1444, 1448, 1452, 1456, 1460, 1464, 1468, 1472, 1476, 1480, 1484, 1488, 1492, 1496, 1500, 1504, 1508, 1512, 1516, 1520, 1524, 1528, 1532, 1536 },
+    { 1536, 1540, 1544, 1548, 1552, 1556, 1560, 1564, 1568, 1572, 1576, 1580, 1584, 1588, 1592, 1596, 1600, 1604, 1608, 1612, 1616, 1620, 1624, 1628, 1632, 1636, 1640, 1644, 1648, 1652, 1656, 1660, 1664, 1668, 1672, 1676, 1680, 1684, 1688, 1692, 1696, 1700, 1704, 1708, 1712, 1716, 1720, 1724, 1728, 1732, 1736, 1740, 1744, 1748, 1752, 1756, 1760, 1764, 1768, 1772, 1776, 1780, 1784, 1788, 1792 },
+    { 1792, 1796, 1800, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048 },
 };
 
 template <int WORLD> struct plan;
@@ -3596,27 +3591,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x6u, index = 0; break;
+      case 1: mask = 0x5u, index = 1; break;
+      case 2: mask = 0x3u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xeu, index = 0; break;
+      case 1: mask = 0xdu, index = 1; break;
+      case 2: mask = 0xbu, index = 2; break;
+      case 3: mask = 0x7u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0xfeu, index = 0; break;
+      case 1: mask = 0xfdu, index = 1; break;
+      case 2: mask = 0xfbu, index = 2; break;
+      case 3: mask = 0xf7u, index = 3; break;
+      case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break;
+      case 6: mask = 0xbfu, index = 6; break;
+      case 7: mask = 0x7fu, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[3], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

@@ -1082,12 +1082,20 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// A plan's opening signal (its entry step, rendered as code): block 0 raises counter
+// `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
+// anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
+// this rank's input, written before the kernel in stream order, and its last call's reads
+// of peers, finished -- is complete (PyTorch's symm-mem entry barrier is relaxed too).
+static __device__ __forceinline__ void tsgen_open_signal(uint32_t peer_mask, char* sig, int index, int rank,
+                                                         char* const* peers) {
+  if (blockIdx.x == 0 && threadIdx.x < 32 && ((peer_mask >> threadIdx.x) & 1u))
+    red_add_relaxed_sys_global_u64(tsgen_peer_ptr((uint64_t*)sig + index, peers, rank, (int)threadIdx.x), 1ull);
+}
+
 // Execute this block's shares of the plan. Reductions keep UNROLL / 2 vectors per
 // thread in flight per source (their fp32 accumulators cost registers; with
 // several sources there is as much memory parallelism as a copy's UNROLL).
-// The block's first share, when it only signals (the entry step), raises its counters
-// relaxed: no write of this kernel precedes it in the block, and what the signal stands
-// for -- this rank's input, written before this kernel in stream order -- is complete.
 template <typename T, int UNROLL>
 static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
                                                       const tsgen_share* shares, int first,
@@ -1131,11 +1139,8 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
     if (threadIdx.x < st.nsignal) {  // one thread per counter
       const tsgen_signal s = st.signal[threadIdx.x];
       uint64_t* c = (uint64_t*)bufs[s.buf] + s.index;
-      uint64_t* signal = s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank);
-      if (k == first && st.op == TSGEN_OP_NONE && st.nwait == 0)
-        red_add_relaxed_sys_global_u64(signal, 1ull);  // the entry step: see above
-      else
-        red_add_release_sys_global_u64(signal, 1ull);
+      red_add_release_sys_global_u64(s.rank == rank ? c : tsgen_peer_ptr(c, peers, rank, s.rank),
+                                     1ull);
     }
   }
 }
@@ -1163,7 +1168,7 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 34 steps, 2050 block shares over 128 blocks.
+// Plan for world size 2: 34 steps, 2048 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
@@ -1238,529 +1243,527 @@ static __device__ const tsgen_step steps_w2[] = {
 };
 static __device__ const int step_base_w2[2] = { 0, 17 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 0: shares 0..8 ({step, share, of})
-    {0, 0, 1}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64},
-    {16, 63, 64},
-    // rank 0 block 1: shares 9..16 ({step, share, of})
+    // rank 0 block 0: shares 0..7 ({step, share, of})
+    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
+    // rank 0 block 1: shares 8..15 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    // rank 0 block 2: shares 17..24 ({step, share, of})
+    // rank 0 block 2: shares 16..23 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 0 block 3: shares 25..32 ({step, share, of})
+    // rank 0 block 3: shares 24..31 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 0 block 4: shares 33..40 ({step, share, of})
+    // rank 0 block 4: shares 32..39 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 0 block 5: shares 41..48 ({step, share, of})
+    // rank 0 block 5: shares 40..47 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 0 block 6: shares 49..56 ({step, share, of})
+    // rank 0 block 6: shares 48..55 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 0 block 7: shares 57..64 ({step, share, of})
+    // rank 0 block 7: shares 56..63 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 0 block 8: shares 65..72 ({step, share, of})
+    // rank 0 block 8: shares 64..71 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 0 block 9: shares 73..80 ({step, share, of})
+    // rank 0 block 9: shares 72..79 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 0 block 10: shares 81..88 ({step, share, of})
+    // rank 0 block 10: shares 80..87 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 0 block 11: shares 89..96 ({step, share, of})
+    // rank 0 block 11: shares 88..95 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 0 block 12: shares 97..104 ({step, share, of})
+    // rank 0 block 12: shares 96..103 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 0 block 13: shares 105..112 ({step, share, of})
+    // rank 0 block 13: shares 104..111 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 0 block 14: shares 113..120 ({step, share, of})
+    // rank 0 block 14: shares 112..119 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 0 block 15: shares 121..128 ({step, share, of})
+    // rank 0 block 15: shares 120..127 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 0 block 16: shares 129..136 ({step, share, of})
+    // rank 0 block 16: shares 128..135 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 0 block 17: shares 137..144 ({step, share, of})
+    // rank 0 block 17: shares 136..143 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 0 block 18: shares 145..152 ({step, share, of})
+    // rank 0 block 18: shares 144..151 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 0 block 19: shares 153..160 ({step, share, of})
+    // rank 0 block 19: shares 152..159 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 0 block 20: shares 161..168 ({step, share, of})
+    // rank 0 block 20: shares 160..167 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 0 block 21: shares 169..176 ({step, share, of})
+    // rank 0 block 21: shares 168..175 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 0 block 22: shares 177..184 ({step, share, of})
+    // rank 0 block 22: shares 176..183 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 0 block 23: shares 185..192 ({step, share, of})
+    // rank 0 block 23: shares 184..191 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 0 block 24: shares 193..200 ({step, share, of})
+    // rank 0 block 24: shares 192..199 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 0 block 25: shares 201..208 ({step, share, of})
+    // rank 0 block 25: shares 200..207 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 0 block 26: shares 209..216 ({step, share, of})
+    // rank 0 block 26: shares 208..215 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 0 block 27: shares 217..224 ({step, share, of})
+    // rank 0 block 27: shares 216..223 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 0 block 28: shares 225..232 ({step, share, of})
+    // rank 0 block 28: shares 224..231 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 0 block 29: shares 233..240 ({step, share, of})
+    // rank 0 block 29: shares 232..239 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 0 block 30: shares 241..248 ({step, share, of})
+    // rank 0 block 30: shares 240..247 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 0 block 31: shares 249..256 ({step, share, of})
+    // rank 0 block 31: shares 248..255 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 0 block 32: shares 257..264 ({step, share, of})
+    // rank 0 block 32: shares 256..263 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 0 block 33: shares 265..272 ({step, share, of})
+    // rank 0 block 33: shares 264..271 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 0 block 34: shares 273..280 ({step, share, of})
+    // rank 0 block 34: shares 272..279 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 0 block 35: shares 281..288 ({step, share, of})
+    // rank 0 block 35: shares 280..287 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 0 block 36: shares 289..296 ({step, share, of})
+    // rank 0 block 36: shares 288..295 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 0 block 37: shares 297..304 ({step, share, of})
+    // rank 0 block 37: shares 296..303 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 0 block 38: shares 305..312 ({step, share, of})
+    // rank 0 block 38: shares 304..311 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 0 block 39: shares 313..320 ({step, share, of})
+    // rank 0 block 39: shares 312..319 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 0 block 40: shares 321..328 ({step, share, of})
+    // rank 0 block 40: shares 320..327 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 0 block 41: shares 329..336 ({step, share, of})
+    // rank 0 block 41: shares 328..335 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 0 block 42: shares 337..344 ({step, share, of})
+    // rank 0 block 42: shares 336..343 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 0 block 43: shares 345..352 ({step, share, of})
+    // rank 0 block 43: shares 344..351 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 0 block 44: shares 353..360 ({step, share, of})
+    // rank 0 block 44: shares 352..359 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 0 block 45: shares 361..368 ({step, share, of})
+    // rank 0 block 45: shares 360..367 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 0 block 46: shares 369..376 ({step, share, of})
+    // rank 0 block 46: shares 368..375 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 0 block 47: shares 377..384 ({step, share, of})
+    // rank 0 block 47: shares 376..383 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 0 block 48: shares 385..392 ({step, share, of})
+    // rank 0 block 48: shares 384..391 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 0 block 49: shares 393..400 ({step, share, of})
+    // rank 0 block 49: shares 392..399 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 0 block 50: shares 401..408 ({step, share, of})
+    // rank 0 block 50: shares 400..407 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 0 block 51: shares 409..416 ({step, share, of})
+    // rank 0 block 51: shares 408..415 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 0 block 52: shares 417..424 ({step, share, of})
+    // rank 0 block 52: shares 416..423 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 0 block 53: shares 425..432 ({step, share, of})
+    // rank 0 block 53: shares 424..431 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 0 block 54: shares 433..440 ({step, share, of})
+    // rank 0 block 54: shares 432..439 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 0 block 55: shares 441..448 ({step, share, of})
+    // rank 0 block 55: shares 440..447 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 0 block 56: shares 449..456 ({step, share, of})
+    // rank 0 block 56: shares 448..455 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 0 block 57: shares 457..464 ({step, share, of})
+    // rank 0 block 57: shares 456..463 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 0 block 58: shares 465..472 ({step, share, of})
+    // rank 0 block 58: shares 464..471 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 0 block 59: shares 473..480 ({step, share, of})
+    // rank 0 block 59: shares 472..479 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 0 block 60: shares 481..488 ({step, share, of})
+    // rank 0 block 60: shares 480..487 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 0 block 61: shares 489..496 ({step, share, of})
+    // rank 0 block 61: shares 488..495 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 0 block 62: shares 497..504 ({step, share, of})
+    // rank 0 block 62: shares 496..503 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 0 block 63: shares 505..512 ({step, share, of})
+    // rank 0 block 63: shares 504..511 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 0 block 64: shares 513..520 ({step, share, of})
+    // rank 0 block 64: shares 512..519 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 0 block 65: shares 521..528 ({step, share, of})
+    // rank 0 block 65: shares 520..527 ({step, share, of})
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 0 block 66: shares 529..536 ({step, share, of})
+    // rank 0 block 66: shares 528..535 ({step, share, of})
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 0 block 67: shares 537..544 ({step, share, of})
+    // rank 0 block 67: shares 536..543 ({step, share, of})
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 0 block 68: shares 545..552 ({step, share, of})
+    // rank 0 block 68: shares 544..551 ({step, share, of})
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 0 block 69: shares 553..560 ({step, share, of})
+    // rank 0 block 69: shares 552..559 ({step, share, of})
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 0 block 70: shares 561..568 ({step, share, of})
+    // rank 0 block 70: shares 560..567 ({step, share, of})
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 0 block 71: shares 569..576 ({step, share, of})
+    // rank 0 block 71: shares 568..575 ({step, share, of})
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 0 block 72: shares 577..584 ({step, share, of})
+    // rank 0 block 72: shares 576..583 ({step, share, of})
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 0 block 73: shares 585..592 ({step, share, of})
+    // rank 0 block 73: shares 584..591 ({step, share, of})
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 0 block 74: shares 593..600 ({step, share, of})
+    // rank 0 block 74: shares 592..599 ({step, share, of})
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 0 block 75: shares 601..608 ({step, share, of})
+    // rank 0 block 75: shares 600..607 ({step, share, of})
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 0 block 76: shares 609..616 ({step, share, of})
+    // rank 0 block 76: shares 608..615 ({step, share, of})
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 0 block 77: shares 617..624 ({step, share, of})
+    // rank 0 block 77: shares 616..623 ({step, share, of})
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 0 block 78: shares 625..632 ({step, share, of})
+    // rank 0 block 78: shares 624..631 ({step, share, of})
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 0 block 79: shares 633..640 ({step, share, of})
+    // rank 0 block 79: shares 632..639 ({step, share, of})
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 0 block 80: shares 641..648 ({step, share, of})
+    // rank 0 block 80: shares 640..647 ({step, share, of})
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 0 block 81: shares 649..656 ({step, share, of})
+    // rank 0 block 81: shares 648..655 ({step, share, of})
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 0 block 82: shares 657..664 ({step, share, of})
+    // rank 0 block 82: shares 656..663 ({step, share, of})
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 0 block 83: shares 665..672 ({step, share, of})
+    // rank 0 block 83: shares 664..671 ({step, share, of})
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 0 block 84: shares 673..680 ({step, share, of})
+    // rank 0 block 84: shares 672..679 ({step, share, of})
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 0 block 85: shares 681..688 ({step, share, of})
+    // rank 0 block 85: shares 680..687 ({step, share, of})
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 0 block 86: shares 689..696 ({step, share, of})
+    // rank 0 block 86: shares 688..695 ({step, share, of})
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 0 block 87: shares 697..704 ({step, share, of})
+    // rank 0 block 87: shares 696..703 ({step, share, of})
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 0 block 88: shares 705..712 ({step, share, of})
+    // rank 0 block 88: shares 704..711 ({step, share, of})
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 0 block 89: shares 713..720 ({step, share, of})
+    // rank 0 block 89: shares 712..719 ({step, share, of})
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 0 block 90: shares 721..728 ({step, share, of})
+    // rank 0 block 90: shares 720..727 ({step, share, of})
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 0 block 91: shares 729..736 ({step, share, of})
+    // rank 0 block 91: shares 728..735 ({step, share, of})
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 0 block 92: shares 737..744 ({step, share, of})
+    // rank 0 block 92: shares 736..743 ({step, share, of})
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 0 block 93: shares 745..752 ({step, share, of})
+    // rank 0 block 93: shares 744..751 ({step, share, of})
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 0 block 94: shares 753..760 ({step, share, of})
+    // rank 0 block 94: shares 752..759 ({step, share, of})
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 0 block 95: shares 761..768 ({step, share, of})
+    // rank 0 block 95: shares 760..767 ({step, share, of})
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 0 block 96: shares 769..776 ({step, share, of})
+    // rank 0 block 96: shares 768..775 ({step, share, of})
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 0 block 97: shares 777..784 ({step, share, of})
+    // rank 0 block 97: shares 776..783 ({step, share, of})
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 0 block 98: shares 785..792 ({step, share, of})
+    // rank 0 block 98: shares 784..791 ({step, share, of})
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 0 block 99: shares 793..800 ({step, share, of})
+    // rank 0 block 99: shares 792..799 ({step, share, of})
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 0 block 100: shares 801..808 ({step, share, of})
+    // rank 0 block 100: shares 800..807 ({step, share, of})
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 0 block 101: shares 809..816 ({step, share, of})
+    // rank 0 block 101: shares 808..815 ({step, share, of})
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 0 block 102: shares 817..824 ({step, share, of})
+    // rank 0 block 102: shares 816..823 ({step, share, of})
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 0 block 103: shares 825..832 ({step, share, of})
+    // rank 0 block 103: shares 824..831 ({step, share, of})
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 0 block 104: shares 833..840 ({step, share, of})
+    // rank 0 block 104: shares 832..839 ({step, share, of})
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 0 block 105: shares 841..848 ({step, share, of})
+    // rank 0 block 105: shares 840..847 ({step, share, of})
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 0 block 106: shares 849..856 ({step, share, of})
+    // rank 0 block 106: shares 848..855 ({step, share, of})
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 0 block 107: shares 857..864 ({step, share, of})
+    // rank 0 block 107: shares 856..863 ({step, share, of})
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 0 block 108: shares 865..872 ({step, share, of})
+    // rank 0 block 108: shares 864..871 ({step, share, of})
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 0 block 109: shares 873..880 ({step, share, of})
+    // rank 0 block 109: shares 872..879 ({step, share, of})
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 0 block 110: shares 881..888 ({step, share, of})
+    // rank 0 block 110: shares 880..887 ({step, share, of})
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 0 block 111: shares 889..896 ({step, share, of})
+    // rank 0 block 111: shares 888..895 ({step, share, of})
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 0 block 112: shares 897..904 ({step, share, of})
+    // rank 0 block 112: shares 896..903 ({step, share, of})
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 0 block 113: shares 905..912 ({step, share, of})
+    // rank 0 block 113: shares 904..911 ({step, share, of})
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 0 block 114: shares 913..920 ({step, share, of})
+    // rank 0 block 114: shares 912..919 ({step, share, of})
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 0 block 115: shares 921..928 ({step, share, of})
+    // rank 0 block 115: shares 920..927 ({step, share, of})
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 0 block 116: shares 929..936 ({step, share, of})
+    // rank 0 block 116: shares 928..935 ({step, share, of})
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 0 block 117: shares 937..944 ({step, share, of})
+    // rank 0 block 117: shares 936..943 ({step, share, of})
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 0 block 118: shares 945..952 ({step, share, of})
+    // rank 0 block 118: shares 944..951 ({step, share, of})
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 0 block 119: shares 953..960 ({step, share, of})
+    // rank 0 block 119: shares 952..959 ({step, share, of})
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 0 block 120: shares 961..968 ({step, share, of})
+    // rank 0 block 120: shares 960..967 ({step, share, of})
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 0 block 121: shares 969..976 ({step, share, of})
+    // rank 0 block 121: shares 968..975 ({step, share, of})
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 0 block 122: shares 977..984 ({step, share, of})
+    // rank 0 block 122: shares 976..983 ({step, share, of})
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 0 block 123: shares 985..992 ({step, share, of})
+    // rank 0 block 123: shares 984..991 ({step, share, of})
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 0 block 124: shares 993..1000 ({step, share, of})
+    // rank 0 block 124: shares 992..999 ({step, share, of})
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 0 block 125: shares 1001..1008 ({step, share, of})
+    // rank 0 block 125: shares 1000..1007 ({step, share, of})
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 0 block 126: shares 1009..1016 ({step, share, of})
+    // rank 0 block 126: shares 1008..1015 ({step, share, of})
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 0 block 127: shares 1017..1024 ({step, share, of})
+    // rank 0 block 127: shares 1016..1023 ({step, share, of})
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 1 block 0: shares 1025..1033 ({step, share, of})
-    {0, 0, 1}, {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64},
-    {16, 63, 64},
-    // rank 1 block 1: shares 1034..1041 ({step, share, of})
+    // rank 1 block 0: shares 1024..1031 ({step, share, of})
+    {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
+    // rank 1 block 1: shares 1032..1039 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
-    // rank 1 block 2: shares 1042..1049 ({step, share, of})
+    // rank 1 block 2: shares 1040..1047 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
-    // rank 1 block 3: shares 1050..1057 ({step, share, of})
+    // rank 1 block 3: shares 1048..1055 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
-    // rank 1 block 4: shares 1058..1065 ({step, share, of})
+    // rank 1 block 4: shares 1056..1063 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
-    // rank 1 block 5: shares 1066..1073 ({step, share, of})
+    // rank 1 block 5: shares 1064..1071 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
-    // rank 1 block 6: shares 1074..1081 ({step, share, of})
+    // rank 1 block 6: shares 1072..1079 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
-    // rank 1 block 7: shares 1082..1089 ({step, share, of})
+    // rank 1 block 7: shares 1080..1087 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
-    // rank 1 block 8: shares 1090..1097 ({step, share, of})
+    // rank 1 block 8: shares 1088..1095 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
-    // rank 1 block 9: shares 1098..1105 ({step, share, of})
+    // rank 1 block 9: shares 1096..1103 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
-    // rank 1 block 10: shares 1106..1113 ({step, share, of})
+    // rank 1 block 10: shares 1104..1111 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
-    // rank 1 block 11: shares 1114..1121 ({step, share, of})
+    // rank 1 block 11: shares 1112..1119 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
-    // rank 1 block 12: shares 1122..1129 ({step, share, of})
+    // rank 1 block 12: shares 1120..1127 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
-    // rank 1 block 13: shares 1130..1137 ({step, share, of})
+    // rank 1 block 13: shares 1128..1135 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
-    // rank 1 block 14: shares 1138..1145 ({step, share, of})
+    // rank 1 block 14: shares 1136..1143 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
-    // rank 1 block 15: shares 1146..1153 ({step, share, of})
+    // rank 1 block 15: shares 1144..1151 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
-    // rank 1 block 16: shares 1154..1161 ({step, share, of})
+    // rank 1 block 16: shares 1152..1159 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
-    // rank 1 block 17: shares 1162..1169 ({step, share, of})
+    // rank 1 block 17: shares 1160..1167 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
-    // rank 1 block 18: shares 1170..1177 ({step, share, of})
+    // rank 1 block 18: shares 1168..1175 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
-    // rank 1 block 19: shares 1178..1185 ({step, share, of})
+    // rank 1 block 19: shares 1176..1183 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
-    // rank 1 block 20: shares 1186..1193 ({step, share, of})
+    // rank 1 block 20: shares 1184..1191 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
-    // rank 1 block 21: shares 1194..1201 ({step, share, of})
+    // rank 1 block 21: shares 1192..1199 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
-    // rank 1 block 22: shares 1202..1209 ({step, share, of})
+    // rank 1 block 22: shares 1200..1207 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
-    // rank 1 block 23: shares 1210..1217 ({step, share, of})
+    // rank 1 block 23: shares 1208..1215 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
-    // rank 1 block 24: shares 1218..1225 ({step, share, of})
+    // rank 1 block 24: shares 1216..1223 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
-    // rank 1 block 25: shares 1226..1233 ({step, share, of})
+    // rank 1 block 25: shares 1224..1231 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
-    // rank 1 block 26: shares 1234..1241 ({step, share, of})
+    // rank 1 block 26: shares 1232..1239 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
-    // rank 1 block 27: shares 1242..1249 ({step, share, of})
+    // rank 1 block 27: shares 1240..1247 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
-    // rank 1 block 28: shares 1250..1257 ({step, share, of})
+    // rank 1 block 28: shares 1248..1255 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
-    // rank 1 block 29: shares 1258..1265 ({step, share, of})
+    // rank 1 block 29: shares 1256..1263 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
-    // rank 1 block 30: shares 1266..1273 ({step, share, of})
+    // rank 1 block 30: shares 1264..1271 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
-    // rank 1 block 31: shares 1274..1281 ({step, share, of})
+    // rank 1 block 31: shares 1272..1279 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
-    // rank 1 block 32: shares 1282..1289 ({step, share, of})
+    // rank 1 block 32: shares 1280..1287 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
-    // rank 1 block 33: shares 1290..1297 ({step, share, of})
+    // rank 1 block 33: shares 1288..1295 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
-    // rank 1 block 34: shares 1298..1305 ({step, share, of})
+    // rank 1 block 34: shares 1296..1303 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
-    // rank 1 block 35: shares 1306..1313 ({step, share, of})
+    // rank 1 block 35: shares 1304..1311 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
-    // rank 1 block 36: shares 1314..1321 ({step, share, of})
+    // rank 1 block 36: shares 1312..1319 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
-    // rank 1 block 37: shares 1322..1329 ({step, share, of})
+    // rank 1 block 37: shares 1320..1327 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
-    // rank 1 block 38: shares 1330..1337 ({step, share, of})
+    // rank 1 block 38: shares 1328..1335 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
-    // rank 1 block 39: shares 1338..1345 ({step, share, of})
+    // rank 1 block 39: shares 1336..1343 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
-    // rank 1 block 40: shares 1346..1353 ({step, share, of})
+    // rank 1 block 40: shares 1344..1351 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
-    // rank 1 block 41: shares 1354..1361 ({step, share, of})
+    // rank 1 block 41: shares 1352..1359 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
-    // rank 1 block 42: shares 1362..1369 ({step, share, of})
+    // rank 1 block 42: shares 1360..1367 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
-    // rank 1 block 43: shares 1370..1377 ({step, share, of})
+    // rank 1 block 43: shares 1368..1375 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
-    // rank 1 block 44: shares 1378..1385 ({step, share, of})
+    // rank 1 block 44: shares 1376..1383 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
-    // rank 1 block 45: shares 1386..1393 ({step, share, of})
+    // rank 1 block 45: shares 1384..1391 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
-    // rank 1 block 46: shares 1394..1401 ({step, share, of})
+    // rank 1 block 46: shares 1392..1399 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
-    // rank 1 block 47: shares 1402..1409 ({step, share, of})
+    // rank 1 block 47: shares 1400..1407 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
-    // rank 1 block 48: shares 1410..1417 ({step, share, of})
+    // rank 1 block 48: shares 1408..1415 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
-    // rank 1 block 49: shares 1418..1425 ({step, share, of})
+    // rank 1 block 49: shares 1416..1423 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
-    // rank 1 block 50: shares 1426..1433 ({step, share, of})
+    // rank 1 block 50: shares 1424..1431 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
-    // rank 1 block 51: shares 1434..1441 ({step, share, of})
+    // rank 1 block 51: shares 1432..1439 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
-    // rank 1 block 52: shares 1442..1449 ({step, share, of})
+    // rank 1 block 52: shares 1440..1447 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
-    // rank 1 block 53: shares 1450..1457 ({step, share, of})
+    // rank 1 block 53: shares 1448..1455 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
-    // rank 1 block 54: shares 1458..1465 ({step, share, of})
+    // rank 1 block 54: shares 1456..1463 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
-    // rank 1 block 55: shares 1466..1473 ({step, share, of})
+    // rank 1 block 55: shares 1464..1471 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
-    // rank 1 block 56: shares 1474..1481 ({step, share, of})
+    // rank 1 block 56: shares 1472..1479 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
-    // rank 1 block 57: shares 1482..1489 ({step, share, of})
+    // rank 1 block 57: shares 1480..1487 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
-    // rank 1 block 58: shares 1490..1497 ({step, share, of})
+    // rank 1 block 58: shares 1488..1495 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
-    // rank 1 block 59: shares 1498..1505 ({step, share, of})
+    // rank 1 block 59: shares 1496..1503 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
-    // rank 1 block 60: shares 1506..1513 ({step, share, of})
+    // rank 1 block 60: shares 1504..1511 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
-    // rank 1 block 61: shares 1514..1521 ({step, share, of})
+    // rank 1 block 61: shares 1512..1519 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
-    // rank 1 block 62: shares 1522..1529 ({step, share, of})
+    // rank 1 block 62: shares 1520..1527 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
-    // rank 1 block 63: shares 1530..1537 ({step, share, of})
+    // rank 1 block 63: shares 1528..1535 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
-    // rank 1 block 64: shares 1538..1545 ({step, share, of})
+    // rank 1 block 64: shares 1536..1543 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
-    // rank 1 block 65: shares 1546..1553 ({step, share, of})
+    // rank 1 block 65: shares 1544..1551 ({step, share, of})
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 1 block 66: shares 1554..1561 ({step, share, of})
+    // rank 1 block 66: shares 1552..1559 ({step, share, of})
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 1 block 67: shares 1562..1569 ({step, share, of})
+    // rank 1 block 67: shares 1560..1567 ({step, share, of})
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 1 block 68: shares 1570..1577 ({step, share, of})
+    // rank 1 block 68: shares 1568..1575 ({step, share, of})
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 1 block 69: shares 1578..1585 ({step, share, of})
+    // rank 1 block 69: shares 1576..1583 ({step, share, of})
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 1 block 70: shares 1586..1593 ({step, share, of})
+    // rank 1 block 70: shares 1584..1591 ({step, share, of})
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 1 block 71: shares 1594..1601 ({step, share, of})
+    // rank 1 block 71: shares 1592..1599 ({step, share, of})
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 1 block 72: shares 1602..1609 ({step, share, of})
+    // rank 1 block 72: shares 1600..1607 ({step, share, of})
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 1 block 73: shares 1610..1617 ({step, share, of})
+    // rank 1 block 73: shares 1608..1615 ({step, share, of})
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 1 block 74: shares 1618..1625 ({step, share, of})
+    // rank 1 block 74: shares 1616..1623 ({step, share, of})
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 1 block 75: shares 1626..1633 ({step, share, of})
+    // rank 1 block 75: shares 1624..1631 ({step, share, of})
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 1 block 76: shares 1634..1641 ({step, share, of})
+    // rank 1 block 76: shares 1632..1639 ({step, share, of})
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 1 block 77: shares 1642..1649 ({step, share, of})
+    // rank 1 block 77: shares 1640..1647 ({step, share, of})
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 1 block 78: shares 1650..1657 ({step, share, of})
+    // rank 1 block 78: shares 1648..1655 ({step, share, of})
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 1 block 79: shares 1658..1665 ({step, share, of})
+    // rank 1 block 79: shares 1656..1663 ({step, share, of})
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 1 block 80: shares 1666..1673 ({step, share, of})
+    // rank 1 block 80: shares 1664..1671 ({step, share, of})
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 1 block 81: shares 1674..1681 ({step, share, of})
+    // rank 1 block 81: shares 1672..1679 ({step, share, of})
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 1 block 82: shares 1682..1689 ({step, share, of})
+    // rank 1 block 82: shares 1680..1687 ({step, share, of})
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 1 block 83: shares 1690..1697 ({step, share, of})
+    // rank 1 block 83: shares 1688..1695 ({step, share, of})
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 1 block 84: shares 1698..1705 ({step, share, of})
+    // rank 1 block 84: shares 1696..1703 ({step, share, of})
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 1 block 85: shares 1706..1713 ({step, share, of})
+    // rank 1 block 85: shares 1704..1711 ({step, share, of})
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 1 block 86: shares 1714..1721 ({step, share, of})
+    // rank 1 block 86: shares 1712..1719 ({step, share, of})
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 1 block 87: shares 1722..1729 ({step, share, of})
+    // rank 1 block 87: shares 1720..1727 ({step, share, of})
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 1 block 88: shares 1730..1737 ({step, share, of})
+    // rank 1 block 88: shares 1728..1735 ({step, share, of})
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 1 block 89: shares 1738..1745 ({step, share, of})
+    // rank 1 block 89: shares 1736..1743 ({step, share, of})
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 1 block 90: shares 1746..1753 ({step, share, of})
+    // rank 1 block 90: shares 1744..1751 ({step, share, of})
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 1 block 91: shares 1754..1761 ({step, share, of})
+    // rank 1 block 91: shares 1752..1759 ({step, share, of})
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 1 block 92: shares 1762..1769 ({step, share, of})
+    // rank 1 block 92: shares 1760..1767 ({step, share, of})
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 1 block 93: shares 1770..1777 ({step, share, of})
+    // rank 1 block 93: shares 1768..1775 ({step, share, of})
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 1 block 94: shares 1778..1785 ({step, share, of})
+    // rank 1 block 94: shares 1776..1783 ({step, share, of})
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 1 block 95: shares 1786..1793 ({step, share, of})
+    // rank 1 block 95: shares 1784..1791 ({step, share, of})
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 1 block 96: shares 1794..1801 ({step, share, of})
+    // rank 1 block 96: shares 1792..1799 ({step, share, of})
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 1 block 97: shares 1802..1809 ({step, share, of})
+    // rank 1 block 97: shares 1800..1807 ({step, share, of})
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 1 block 98: shares 1810..1817 ({step, share, of})
+    // rank 1 block 98: shares 1808..1815 ({step, share, of})
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 1 block 99: shares 1818..1825 ({step, share, of})
+    // rank 1 block 99: shares 1816..1823 ({step, share, of})
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 1 block 100: shares 1826..1833 ({step, share, of})
+    // rank 1 block 100: shares 1824..1831 ({step, share, of})
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 1 block 101: shares 1834..1841 ({step, share, of})
+    // rank 1 block 101: shares 1832..1839 ({step, share, of})
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 1 block 102: shares 1842..1849 ({step, share, of})
+    // rank 1 block 102: shares 1840..1847 ({step, share, of})
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 1 block 103: shares 1850..1857 ({step, share, of})
+    // rank 1 block 103: shares 1848..1855 ({step, share, of})
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 1 block 104: shares 1858..1865 ({step, share, of})
+    // rank 1 block 104: shares 1856..1863 ({step, share, of})
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 1 block 105: shares 1866..1873 ({step, share, of})
+    // rank 1 block 105: shares 1864..1871 ({step, share, of})
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 1 block 106: shares 1874..1881 ({step, share, of})
+    // rank 1 block 106: shares 1872..1879 ({step, share, of})
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 1 block 107: shares 1882..1889 ({step, share, of})
+    // rank 1 block 107: shares 1880..1887 ({step, share, of})
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 1 block 108: shares 1890..1897 ({step, share, of})
+    // rank 1 block 108: shares 1888..1895 ({step, share, of})
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 1 block 109: shares 1898..1905 ({step, share, of})
+    // rank 1 block 109: shares 1896..1903 ({step, share, of})
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 1 block 110: shares 1906..1913 ({step, share, of})
+    // rank 1 block 110: shares 1904..1911 ({step, share, of})
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 1 block 111: shares 1914..1921 ({step, share, of})
+    // rank 1 block 111: shares 1912..1919 ({step, share, of})
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 1 block 112: shares 1922..1929 ({step, share, of})
+    // rank 1 block 112: shares 1920..1927 ({step, share, of})
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 1 block 113: shares 1930..1937 ({step, share, of})
+    // rank 1 block 113: shares 1928..1935 ({step, share, of})
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 1 block 114: shares 1938..1945 ({step, share, of})
+    // rank 1 block 114: shares 1936..1943 ({step, share, of})
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 1 block 115: shares 1946..1953 ({step, share, of})
+    // rank 1 block 115: shares 1944..1951 ({step, share, of})
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 1 block 116: shares 1954..1961 ({step, share, of})
+    // rank 1 block 116: shares 1952..1959 ({step, share, of})
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 1 block 117: shares 1962..1969 ({step, share, of})
+    // rank 1 block 117: shares 1960..1967 ({step, share, of})
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 1 block 118: shares 1970..1977 ({step, share, of})
+    // rank 1 block 118: shares 1968..1975 ({step, share, of})
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 1 block 119: shares 1978..1985 ({step, share, of})
+    // rank 1 block 119: shares 1976..1983 ({step, share, of})
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 1 block 120: shares 1986..1993 ({step, share, of})
+    // rank 1 block 120: shares 1984..1991 ({step, share, of})
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 1 block 121: shares 1994..2001 ({step, share, of})
+    // rank 1 block 121: shares 1992..1999 ({step, share, of})
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 1 block 122: shares 2002..2009 ({step, share, of})
+    // rank 1 block 122: shares 2000..2007 ({step, share, of})
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 1 block 123: shares 2010..2017 ({step, share, of})
+    // rank 1 block 123: shares 2008..2015 ({step, share, of})
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 1 block 124: shares 2018..2025 ({step, share, of})
+    // rank 1 block 124: shares 2016..2023 ({step, share, of})
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 1 block 125: shares 2026..2033 ({step, share, of})
+    // rank 1 block 125: shares 2024..2031 ({step, share, of})
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 1 block 126: shares 2034..2041 ({step, share, of})
+    // rank 1 block 126: shares 2032..2039 ({step, share, of})
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 1 block 127: shares 2042..2049 ({step, share, of})
+    // rank 1 block 127: shares 2040..2047 ({step, share, of})
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][129] = {
-    { 0, 9, 17, 25, 33, 41, 49, 57, 65, 73, 81, 89, 97, 105, 113, 121, 129, 137, 145, 153, 161, 169, 177, 185, 193, 201, 209, 217, 225, 233, 241, 249, 257, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 521, 529, 537, 545, 553, 561, 569, 577, 585, 593, 601, 609, 617, 625, 633, 641, 649, 657, 665, 673, 681, 689, 697, 705, 713, 721, 729, 737, 745, 753, 761, 769, 777, 785, 793, 801, 809, 817, 825, 833, 841, 849, 857, 865, 873, 881, 889, 897, 905, 913, 921, 929, 937, 945, 953, 961, 969, 977, 985, 993, 1001, 1009, 1017, 1025 },
-    { 1025, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1290, 1298, 1306, 1314, 1322, 1330, 1338, 1346, 1354, 1362, 1370, 1378, 1386, 1394, 1402, 1410, 1418, 1426, 1434, 1442, 1450, 1458, 1466, 1474, 1482, 1490, 1498, 1506, 1514, 1522, 1530, 1538, 1546, 1554, 1562, 1570, 1578, 1586, 1594, 1602, 1610, 1618, 1626, 1634, 1642, 1650, 1658, 1666, 1674, 1682, 1690, 1698, 1706, 1714, 1722, 1730, 1738, 1746, 1754, 1762, 1770, 1778, 1786, 1794, 1802, 1810, 1818, 1826, 1834, 1842, 1850, 1858, 1866, 1874, 1882, 1890, 1898, 1906, 1914, 1922, 1930, 1938, 1946, 1954, 1962, 1970, 1978, 1986, 1994, 2002, 2010, 2018, 2026, 2034, 2042, 2050 },
+    { 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 392, 400, 408, 416, 424, 432, 440, 448, 456, 464, 472, 480, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 648, 656, 664, 672, 680, 688, 696, 704, 712, 720, 728, 736, 744, 752, 760, 768, 776, 784, 792, 800, 808, 816, 824, 832, 840, 848, 856, 864, 872, 880, 888, 896, 904, 912, 920, 928, 936, 944, 952, 960, 968, 976, 984, 992, 1000, 1008, 1016, 1024 },
+    { 1024, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1848, 1856, 1864, 1872, 1880, 1888, 1896, 1904, 1912, 1920, 1928, 1936, 1944, 1952, 1960, 1968, 1976, 1984, 1992, 2000, 2008, 2016, 2024, 2032, 2040, 2048 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 75 steps, 4611 block shares over 128 blocks.
+// Plan for world size 3: 75 steps, 4608 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
@@ -1917,979 +1920,976 @@ static __device__ const tsgen_step steps_w3[] = {
 };
 static __device__ const int step_base_w3[3] = { 0, 25, 50 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 0: shares 0..8 ({step, share, of})
-    {0, 0, 1}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64},
-    {24, 63, 64},
-    // rank 0 block 1: shares 9..24 ({step, share, of})
+    // rank 0 block 0: shares 0..7 ({step, share, of})
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
+    // rank 0 block 1: shares 8..23 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 0 block 2: shares 25..40 ({step, share, of})
+    // rank 0 block 2: shares 24..39 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 0 block 3: shares 41..56 ({step, share, of})
+    // rank 0 block 3: shares 40..55 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 0 block 4: shares 57..72 ({step, share, of})
+    // rank 0 block 4: shares 56..71 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 0 block 5: shares 73..88 ({step, share, of})
+    // rank 0 block 5: shares 72..87 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 0 block 6: shares 89..104 ({step, share, of})
+    // rank 0 block 6: shares 88..103 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 0 block 7: shares 105..120 ({step, share, of})
+    // rank 0 block 7: shares 104..119 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 0 block 8: shares 121..136 ({step, share, of})
+    // rank 0 block 8: shares 120..135 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 0 block 9: shares 137..152 ({step, share, of})
+    // rank 0 block 9: shares 136..151 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 0 block 10: shares 153..168 ({step, share, of})
+    // rank 0 block 10: shares 152..167 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 0 block 11: shares 169..184 ({step, share, of})
+    // rank 0 block 11: shares 168..183 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 0 block 12: shares 185..200 ({step, share, of})
+    // rank 0 block 12: shares 184..199 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 0 block 13: shares 201..216 ({step, share, of})
+    // rank 0 block 13: shares 200..215 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 0 block 14: shares 217..232 ({step, share, of})
+    // rank 0 block 14: shares 216..231 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 0 block 15: shares 233..248 ({step, share, of})
+    // rank 0 block 15: shares 232..247 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 0 block 16: shares 249..264 ({step, share, of})
+    // rank 0 block 16: shares 248..263 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 0 block 17: shares 265..280 ({step, share, of})
+    // rank 0 block 17: shares 264..279 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 0 block 18: shares 281..296 ({step, share, of})
+    // rank 0 block 18: shares 280..295 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 0 block 19: shares 297..312 ({step, share, of})
+    // rank 0 block 19: shares 296..311 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 0 block 20: shares 313..328 ({step, share, of})
+    // rank 0 block 20: shares 312..327 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 0 block 21: shares 329..344 ({step, share, of})
+    // rank 0 block 21: shares 328..343 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 0 block 22: shares 345..360 ({step, share, of})
+    // rank 0 block 22: shares 344..359 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 0 block 23: shares 361..376 ({step, share, of})
+    // rank 0 block 23: shares 360..375 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 0 block 24: shares 377..392 ({step, share, of})
+    // rank 0 block 24: shares 376..391 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 0 block 25: shares 393..408 ({step, share, of})
+    // rank 0 block 25: shares 392..407 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 0 block 26: shares 409..424 ({step, share, of})
+    // rank 0 block 26: shares 408..423 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 0 block 27: shares 425..440 ({step, share, of})
+    // rank 0 block 27: shares 424..439 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 0 block 28: shares 441..456 ({step, share, of})
+    // rank 0 block 28: shares 440..455 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 0 block 29: shares 457..472 ({step, share, of})
+    // rank 0 block 29: shares 456..471 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 0 block 30: shares 473..488 ({step, share, of})
+    // rank 0 block 30: shares 472..487 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 0 block 31: shares 489..504 ({step, share, of})
+    // rank 0 block 31: shares 488..503 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 0 block 32: shares 505..520 ({step, share, of})
+    // rank 0 block 32: shares 504..519 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 0 block 33: shares 521..536 ({step, share, of})
+    // rank 0 block 33: shares 520..535 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 0 block 34: shares 537..552 ({step, share, of})
+    // rank 0 block 34: shares 536..551 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 0 block 35: shares 553..568 ({step, share, of})
+    // rank 0 block 35: shares 552..567 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 0 block 36: shares 569..584 ({step, share, of})
+    // rank 0 block 36: shares 568..583 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 0 block 37: shares 585..600 ({step, share, of})
+    // rank 0 block 37: shares 584..599 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 0 block 38: shares 601..616 ({step, share, of})
+    // rank 0 block 38: shares 600..615 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 0 block 39: shares 617..632 ({step, share, of})
+    // rank 0 block 39: shares 616..631 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 0 block 40: shares 633..648 ({step, share, of})
+    // rank 0 block 40: shares 632..647 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 0 block 41: shares 649..664 ({step, share, of})
+    // rank 0 block 41: shares 648..663 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 0 block 42: shares 665..680 ({step, share, of})
+    // rank 0 block 42: shares 664..679 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 0 block 43: shares 681..696 ({step, share, of})
+    // rank 0 block 43: shares 680..695 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 0 block 44: shares 697..712 ({step, share, of})
+    // rank 0 block 44: shares 696..711 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 0 block 45: shares 713..728 ({step, share, of})
+    // rank 0 block 45: shares 712..727 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 0 block 46: shares 729..744 ({step, share, of})
+    // rank 0 block 46: shares 728..743 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 0 block 47: shares 745..760 ({step, share, of})
+    // rank 0 block 47: shares 744..759 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 0 block 48: shares 761..776 ({step, share, of})
+    // rank 0 block 48: shares 760..775 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 0 block 49: shares 777..792 ({step, share, of})
+    // rank 0 block 49: shares 776..791 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 0 block 50: shares 793..808 ({step, share, of})
+    // rank 0 block 50: shares 792..807 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 0 block 51: shares 809..824 ({step, share, of})
+    // rank 0 block 51: shares 808..823 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 0 block 52: shares 825..840 ({step, share, of})
+    // rank 0 block 52: shares 824..839 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 0 block 53: shares 841..856 ({step, share, of})
+    // rank 0 block 53: shares 840..855 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 0 block 54: shares 857..872 ({step, share, of})
+    // rank 0 block 54: shares 856..871 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 0 block 55: shares 873..888 ({step, share, of})
+    // rank 0 block 55: shares 872..887 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 0 block 56: shares 889..904 ({step, share, of})
+    // rank 0 block 56: shares 888..903 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 0 block 57: shares 905..920 ({step, share, of})
+    // rank 0 block 57: shares 904..919 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 0 block 58: shares 921..936 ({step, share, of})
+    // rank 0 block 58: shares 920..935 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 0 block 59: shares 937..952 ({step, share, of})
+    // rank 0 block 59: shares 936..951 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 0 block 60: shares 953..968 ({step, share, of})
+    // rank 0 block 60: shares 952..967 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 0 block 61: shares 969..984 ({step, share, of})
+    // rank 0 block 61: shares 968..983 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 0 block 62: shares 985..1000 ({step, share, of})
+    // rank 0 block 62: shares 984..999 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 0 block 63: shares 1001..1016 ({step, share, of})
+    // rank 0 block 63: shares 1000..1015 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 0 block 64: shares 1017..1032 ({step, share, of})
+    // rank 0 block 64: shares 1016..1031 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 0 block 65: shares 1033..1040 ({step, share, of})
+    // rank 0 block 65: shares 1032..1039 ({step, share, of})
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 0 block 66: shares 1041..1048 ({step, share, of})
+    // rank 0 block 66: shares 1040..1047 ({step, share, of})
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 0 block 67: shares 1049..1056 ({step, share, of})
+    // rank 0 block 67: shares 1048..1055 ({step, share, of})
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 0 block 68: shares 1057..1064 ({step, share, of})
+    // rank 0 block 68: shares 1056..1063 ({step, share, of})
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 0 block 69: shares 1065..1072 ({step, share, of})
+    // rank 0 block 69: shares 1064..1071 ({step, share, of})
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 0 block 70: shares 1073..1080 ({step, share, of})
+    // rank 0 block 70: shares 1072..1079 ({step, share, of})
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 0 block 71: shares 1081..1088 ({step, share, of})
+    // rank 0 block 71: shares 1080..1087 ({step, share, of})
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 0 block 72: shares 1089..1096 ({step, share, of})
+    // rank 0 block 72: shares 1088..1095 ({step, share, of})
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 0 block 73: shares 1097..1104 ({step, share, of})
+    // rank 0 block 73: shares 1096..1103 ({step, share, of})
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 0 block 74: shares 1105..1112 ({step, share, of})
+    // rank 0 block 74: shares 1104..1111 ({step, share, of})
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 0 block 75: shares 1113..1120 ({step, share, of})
+    // rank 0 block 75: shares 1112..1119 ({step, share, of})
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 0 block 76: shares 1121..1128 ({step, share, of})
+    // rank 0 block 76: shares 1120..1127 ({step, share, of})
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 0 block 77: shares 1129..1136 ({step, share, of})
+    // rank 0 block 77: shares 1128..1135 ({step, share, of})
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 0 block 78: shares 1137..1144 ({step, share, of})
+    // rank 0 block 78: shares 1136..1143 ({step, share, of})
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 0 block 79: shares 1145..1152 ({step, share, of})
+    // rank 0 block 79: shares 1144..1151 ({step, share, of})
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 0 block 80: shares 1153..1160 ({step, share, of})
+    // rank 0 block 80: shares 1152..1159 ({step, share, of})
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 0 block 81: shares 1161..1168 ({step, share, of})
+    // rank 0 block 81: shares 1160..1167 ({step, share, of})
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 0 block 82: shares 1169..1176 ({step, share, of})
+    // rank 0 block 82: shares 1168..1175 ({step, share, of})
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 0 block 83: shares 1177..1184 ({step, share, of})
+    // rank 0 block 83: shares 1176..1183 ({step, share, of})
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 0 block 84: shares 1185..1192 ({step, share, of})
+    // rank 0 block 84: shares 1184..1191 ({step, share, of})
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 0 block 85: shares 1193..1200 ({step, share, of})
+    // rank 0 block 85: shares 1192..1199 ({step, share, of})
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 0 block 86: shares 1201..1208 ({step, share, of})
+    // rank 0 block 86: shares 1200..1207 ({step, share, of})
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 0 block 87: shares 1209..1216 ({step, share, of})
+    // rank 0 block 87: shares 1208..1215 ({step, share, of})
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 0 block 88: shares 1217..1224 ({step, share, of})
+    // rank 0 block 88: shares 1216..1223 ({step, share, of})
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 0 block 89: shares 1225..1232 ({step, share, of})
+    // rank 0 block 89: shares 1224..1231 ({step, share, of})
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 0 block 90: shares 1233..1240 ({step, share, of})
+    // rank 0 block 90: shares 1232..1239 ({step, share, of})
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 0 block 91: shares 1241..1248 ({step, share, of})
+    // rank 0 block 91: shares 1240..1247 ({step, share, of})
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 0 block 92: shares 1249..1256 ({step, share, of})
+    // rank 0 block 92: shares 1248..1255 ({step, share, of})
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 0 block 93: shares 1257..1264 ({step, share, of})
+    // rank 0 block 93: shares 1256..1263 ({step, share, of})
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 0 block 94: shares 1265..1272 ({step, share, of})
+    // rank 0 block 94: shares 1264..1271 ({step, share, of})
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 0 block 95: shares 1273..1280 ({step, share, of})
+    // rank 0 block 95: shares 1272..1279 ({step, share, of})
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 0 block 96: shares 1281..1288 ({step, share, of})
+    // rank 0 block 96: shares 1280..1287 ({step, share, of})
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 0 block 97: shares 1289..1296 ({step, share, of})
+    // rank 0 block 97: shares 1288..1295 ({step, share, of})
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 0 block 98: shares 1297..1304 ({step, share, of})
+    // rank 0 block 98: shares 1296..1303 ({step, share, of})
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 0 block 99: shares 1305..1312 ({step, share, of})
+    // rank 0 block 99: shares 1304..1311 ({step, share, of})
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 0 block 100: shares 1313..1320 ({step, share, of})
+    // rank 0 block 100: shares 1312..1319 ({step, share, of})
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 0 block 101: shares 1321..1328 ({step, share, of})
+    // rank 0 block 101: shares 1320..1327 ({step, share, of})
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 0 block 102: shares 1329..1336 ({step, share, of})
+    // rank 0 block 102: shares 1328..1335 ({step, share, of})
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 0 block 103: shares 1337..1344 ({step, share, of})
+    // rank 0 block 103: shares 1336..1343 ({step, share, of})
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 0 block 104: shares 1345..1352 ({step, share, of})
+    // rank 0 block 104: shares 1344..1351 ({step, share, of})
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 0 block 105: shares 1353..1360 ({step, share, of})
+    // rank 0 block 105: shares 1352..1359 ({step, share, of})
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 0 block 106: shares 1361..1368 ({step, share, of})
+    // rank 0 block 106: shares 1360..1367 ({step, share, of})
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 0 block 107: shares 1369..1376 ({step, share, of})
+    // rank 0 block 107: shares 1368..1375 ({step, share, of})
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 0 block 108: shares 1377..1384 ({step, share, of})
+    // rank 0 block 108: shares 1376..1383 ({step, share, of})
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 0 block 109: shares 1385..1392 ({step, share, of})
+    // rank 0 block 109: shares 1384..1391 ({step, share, of})
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 0 block 110: shares 1393..1400 ({step, share, of})
+    // rank 0 block 110: shares 1392..1399 ({step, share, of})
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 0 block 111: shares 1401..1408 ({step, share, of})
+    // rank 0 block 111: shares 1400..1407 ({step, share, of})
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 0 block 112: shares 1409..1416 ({step, share, of})
+    // rank 0 block 112: shares 1408..1415 ({step, share, of})
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 0 block 113: shares 1417..1424 ({step, share, of})
+    // rank 0 block 113: shares 1416..1423 ({step, share, of})
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 0 block 114: shares 1425..1432 ({step, share, of})
+    // rank 0 block 114: shares 1424..1431 ({step, share, of})
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 0 block 115: shares 1433..1440 ({step, share, of})
+    // rank 0 block 115: shares 1432..1439 ({step, share, of})
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 0 block 116: shares 1441..1448 ({step, share, of})
+    // rank 0 block 116: shares 1440..1447 ({step, share, of})
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 0 block 117: shares 1449..1456 ({step, share, of})
+    // rank 0 block 117: shares 1448..1455 ({step, share, of})
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 0 block 118: shares 1457..1464 ({step, share, of})
+    // rank 0 block 118: shares 1456..1463 ({step, share, of})
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 0 block 119: shares 1465..1472 ({step, share, of})
+    // rank 0 block 119: shares 1464..1471 ({step, share, of})
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 0 block 120: shares 1473..1480 ({step, share, of})
+    // rank 0 block 120: shares 1472..1479 ({step, share, of})
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 0 block 121: shares 1481..1488 ({step, share, of})
+    // rank 0 block 121: shares 1480..1487 ({step, share, of})
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 0 block 122: shares 1489..1496 ({step, share, of})
+    // rank 0 block 122: shares 1488..1495 ({step, share, of})
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 0 block 123: shares 1497..1504 ({step, share, of})
+    // rank 0 block 123: shares 1496..1503 ({step, share, of})
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 0 block 124: shares 1505..1512 ({step, share, of})
+    // rank 0 block 124: shares 1504..1511 ({step, share, of})
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 0 block 125: shares 1513..1520 ({step, share, of})
+    // rank 0 block 125: shares 1512..1519 ({step, share, of})
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 0 block 126: shares 1521..1528 ({step, share, of})
+    // rank 0 block 126: shares 1520..1527 ({step, share, of})
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 0 block 127: shares 1529..1536 ({step, share, of})
+    // rank 0 block 127: shares 1528..1535 ({step, share, of})
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 1 block 0: shares 1537..1545 ({step, share, of})
-    {0, 0, 1}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64},
-    {24, 63, 64},
-    // rank 1 block 1: shares 1546..1561 ({step, share, of})
+    // rank 1 block 0: shares 1536..1543 ({step, share, of})
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
+    // rank 1 block 1: shares 1544..1559 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 1 block 2: shares 1562..1577 ({step, share, of})
+    // rank 1 block 2: shares 1560..1575 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 1 block 3: shares 1578..1593 ({step, share, of})
+    // rank 1 block 3: shares 1576..1591 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 1 block 4: shares 1594..1609 ({step, share, of})
+    // rank 1 block 4: shares 1592..1607 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 1 block 5: shares 1610..1625 ({step, share, of})
+    // rank 1 block 5: shares 1608..1623 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 1 block 6: shares 1626..1641 ({step, share, of})
+    // rank 1 block 6: shares 1624..1639 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 1 block 7: shares 1642..1657 ({step, share, of})
+    // rank 1 block 7: shares 1640..1655 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 1 block 8: shares 1658..1673 ({step, share, of})
+    // rank 1 block 8: shares 1656..1671 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 1 block 9: shares 1674..1689 ({step, share, of})
+    // rank 1 block 9: shares 1672..1687 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 1 block 10: shares 1690..1705 ({step, share, of})
+    // rank 1 block 10: shares 1688..1703 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 1 block 11: shares 1706..1721 ({step, share, of})
+    // rank 1 block 11: shares 1704..1719 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 1 block 12: shares 1722..1737 ({step, share, of})
+    // rank 1 block 12: shares 1720..1735 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 1 block 13: shares 1738..1753 ({step, share, of})
+    // rank 1 block 13: shares 1736..1751 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 1 block 14: shares 1754..1769 ({step, share, of})
+    // rank 1 block 14: shares 1752..1767 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 1 block 15: shares 1770..1785 ({step, share, of})
+    // rank 1 block 15: shares 1768..1783 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 1 block 16: shares 1786..1801 ({step, share, of})
+    // rank 1 block 16: shares 1784..1799 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 1 block 17: shares 1802..1817 ({step, share, of})
+    // rank 1 block 17: shares 1800..1815 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 1 block 18: shares 1818..1833 ({step, share, of})
+    // rank 1 block 18: shares 1816..1831 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 1 block 19: shares 1834..1849 ({step, share, of})
+    // rank 1 block 19: shares 1832..1847 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 1 block 20: shares 1850..1865 ({step, share, of})
+    // rank 1 block 20: shares 1848..1863 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 1 block 21: shares 1866..1881 ({step, share, of})
+    // rank 1 block 21: shares 1864..1879 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 1 block 22: shares 1882..1897 ({step, share, of})
+    // rank 1 block 22: shares 1880..1895 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 1 block 23: shares 1898..1913 ({step, share, of})
+    // rank 1 block 23: shares 1896..1911 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 1 block 24: shares 1914..1929 ({step, share, of})
+    // rank 1 block 24: shares 1912..1927 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 1 block 25: shares 1930..1945 ({step, share, of})
+    // rank 1 block 25: shares 1928..1943 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 1 block 26: shares 1946..1961 ({step, share, of})
+    // rank 1 block 26: shares 1944..1959 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 1 block 27: shares 1962..1977 ({step, share, of})
+    // rank 1 block 27: shares 1960..1975 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 1 block 28: shares 1978..1993 ({step, share, of})
+    // rank 1 block 28: shares 1976..1991 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 1 block 29: shares 1994..2009 ({step, share, of})
+    // rank 1 block 29: shares 1992..2007 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 1 block 30: shares 2010..2025 ({step, share, of})
+    // rank 1 block 30: shares 2008..2023 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 1 block 31: shares 2026..2041 ({step, share, of})
+    // rank 1 block 31: shares 2024..2039 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 1 block 32: shares 2042..2057 ({step, share, of})
+    // rank 1 block 32: shares 2040..2055 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 1 block 33: shares 2058..2073 ({step, share, of})
+    // rank 1 block 33: shares 2056..2071 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 1 block 34: shares 2074..2089 ({step, share, of})
+    // rank 1 block 34: shares 2072..2087 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 1 block 35: shares 2090..2105 ({step, share, of})
+    // rank 1 block 35: shares 2088..2103 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 1 block 36: shares 2106..2121 ({step, share, of})
+    // rank 1 block 36: shares 2104..2119 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 1 block 37: shares 2122..2137 ({step, share, of})
+    // rank 1 block 37: shares 2120..2135 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 1 block 38: shares 2138..2153 ({step, share, of})
+    // rank 1 block 38: shares 2136..2151 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 1 block 39: shares 2154..2169 ({step, share, of})
+    // rank 1 block 39: shares 2152..2167 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 1 block 40: shares 2170..2185 ({step, share, of})
+    // rank 1 block 40: shares 2168..2183 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 1 block 41: shares 2186..2201 ({step, share, of})
+    // rank 1 block 41: shares 2184..2199 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 1 block 42: shares 2202..2217 ({step, share, of})
+    // rank 1 block 42: shares 2200..2215 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 1 block 43: shares 2218..2233 ({step, share, of})
+    // rank 1 block 43: shares 2216..2231 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 1 block 44: shares 2234..2249 ({step, share, of})
+    // rank 1 block 44: shares 2232..2247 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 1 block 45: shares 2250..2265 ({step, share, of})
+    // rank 1 block 45: shares 2248..2263 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 1 block 46: shares 2266..2281 ({step, share, of})
+    // rank 1 block 46: shares 2264..2279 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 1 block 47: shares 2282..2297 ({step, share, of})
+    // rank 1 block 47: shares 2280..2295 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 1 block 48: shares 2298..2313 ({step, share, of})
+    // rank 1 block 48: shares 2296..2311 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 1 block 49: shares 2314..2329 ({step, share, of})
+    // rank 1 block 49: shares 2312..2327 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 1 block 50: shares 2330..2345 ({step, share, of})
+    // rank 1 block 50: shares 2328..2343 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 1 block 51: shares 2346..2361 ({step, share, of})
+    // rank 1 block 51: shares 2344..2359 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 1 block 52: shares 2362..2377 ({step, share, of})
+    // rank 1 block 52: shares 2360..2375 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 1 block 53: shares 2378..2393 ({step, share, of})
+    // rank 1 block 53: shares 2376..2391 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 1 block 54: shares 2394..2409 ({step, share, of})
+    // rank 1 block 54: shares 2392..2407 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 1 block 55: shares 2410..2425 ({step, share, of})
+    // rank 1 block 55: shares 2408..2423 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 1 block 56: shares 2426..2441 ({step, share, of})
+    // rank 1 block 56: shares 2424..2439 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 1 block 57: shares 2442..2457 ({step, share, of})
+    // rank 1 block 57: shares 2440..2455 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 1 block 58: shares 2458..2473 ({step, share, of})
+    // rank 1 block 58: shares 2456..2471 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 1 block 59: shares 2474..2489 ({step, share, of})
+    // rank 1 block 59: shares 2472..2487 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 1 block 60: shares 2490..2505 ({step, share, of})
+    // rank 1 block 60: shares 2488..2503 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 1 block 61: shares 2506..2521 ({step, share, of})
+    // rank 1 block 61: shares 2504..2519 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 1 block 62: shares 2522..2537 ({step, share, of})
+    // rank 1 block 62: shares 2520..2535 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 1 block 63: shares 2538..2553 ({step, share, of})
+    // rank 1 block 63: shares 2536..2551 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 1 block 64: shares 2554..2569 ({step, share, of})
+    // rank 1 block 64: shares 2552..2567 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 1 block 65: shares 2570..2577 ({step, share, of})
+    // rank 1 block 65: shares 2568..2575 ({step, share, of})
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 1 block 66: shares 2578..2585 ({step, share, of})
+    // rank 1 block 66: shares 2576..2583 ({step, share, of})
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 1 block 67: shares 2586..2593 ({step, share, of})
+    // rank 1 block 67: shares 2584..2591 ({step, share, of})
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 1 block 68: shares 2594..2601 ({step, share, of})
+    // rank 1 block 68: shares 2592..2599 ({step, share, of})
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 1 block 69: shares 2602..2609 ({step, share, of})
+    // rank 1 block 69: shares 2600..2607 ({step, share, of})
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 1 block 70: shares 2610..2617 ({step, share, of})
+    // rank 1 block 70: shares 2608..2615 ({step, share, of})
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 1 block 71: shares 2618..2625 ({step, share, of})
+    // rank 1 block 71: shares 2616..2623 ({step, share, of})
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 1 block 72: shares 2626..2633 ({step, share, of})
+    // rank 1 block 72: shares 2624..2631 ({step, share, of})
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 1 block 73: shares 2634..2641 ({step, share, of})
+    // rank 1 block 73: shares 2632..2639 ({step, share, of})
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 1 block 74: shares 2642..2649 ({step, share, of})
+    // rank 1 block 74: shares 2640..2647 ({step, share, of})
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 1 block 75: shares 2650..2657 ({step, share, of})
+    // rank 1 block 75: shares 2648..2655 ({step, share, of})
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 1 block 76: shares 2658..2665 ({step, share, of})
+    // rank 1 block 76: shares 2656..2663 ({step, share, of})
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 1 block 77: shares 2666..2673 ({step, share, of})
+    // rank 1 block 77: shares 2664..2671 ({step, share, of})
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 1 block 78: shares 2674..2681 ({step, share, of})
+    // rank 1 block 78: shares 2672..2679 ({step, share, of})
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 1 block 79: shares 2682..2689 ({step, share, of})
+    // rank 1 block 79: shares 2680..2687 ({step, share, of})
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 1 block 80: shares 2690..2697 ({step, share, of})
+    // rank 1 block 80: shares 2688..2695 ({step, share, of})
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 1 block 81: shares 2698..2705 ({step, share, of})
+    // rank 1 block 81: shares 2696..2703 ({step, share, of})
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 1 block 82: shares 2706..2713 ({step, share, of})
+    // rank 1 block 82: shares 2704..2711 ({step, share, of})
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 1 block 83: shares 2714..2721 ({step, share, of})
+    // rank 1 block 83: shares 2712..2719 ({step, share, of})
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 1 block 84: shares 2722..2729 ({step, share, of})
+    // rank 1 block 84: shares 2720..2727 ({step, share, of})
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 1 block 85: shares 2730..2737 ({step, share, of})
+    // rank 1 block 85: shares 2728..2735 ({step, share, of})
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 1 block 86: shares 2738..2745 ({step, share, of})
+    // rank 1 block 86: shares 2736..2743 ({step, share, of})
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 1 block 87: shares 2746..2753 ({step, share, of})
+    // rank 1 block 87: shares 2744..2751 ({step, share, of})
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 1 block 88: shares 2754..2761 ({step, share, of})
+    // rank 1 block 88: shares 2752..2759 ({step, share, of})
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 1 block 89: shares 2762..2769 ({step, share, of})
+    // rank 1 block 89: shares 2760..2767 ({step, share, of})
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 1 block 90: shares 2770..2777 ({step, share, of})
+    // rank 1 block 90: shares 2768..2775 ({step, share, of})
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 1 block 91: shares 2778..2785 ({step, share, of})
+    // rank 1 block 91: shares 2776..2783 ({step, share, of})
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 1 block 92: shares 2786..2793 ({step, share, of})
+    // rank 1 block 92: shares 2784..2791 ({step, share, of})
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 1 block 93: shares 2794..2801 ({step, share, of})
+    // rank 1 block 93: shares 2792..2799 ({step, share, of})
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 1 block 94: shares 2802..2809 ({step, share, of})
+    // rank 1 block 94: shares 2800..2807 ({step, share, of})
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 1 block 95: shares 2810..2817 ({step, share, of})
+    // rank 1 block 95: shares 2808..2815 ({step, share, of})
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 1 block 96: shares 2818..2825 ({step, share, of})
+    // rank 1 block 96: shares 2816..2823 ({step, share, of})
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 1 block 97: shares 2826..2833 ({step, share, of})
+    // rank 1 block 97: shares 2824..2831 ({step, share, of})
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 1 block 98: shares 2834..2841 ({step, share, of})
+    // rank 1 block 98: shares 2832..2839 ({step, share, of})
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 1 block 99: shares 2842..2849 ({step, share, of})
+    // rank 1 block 99: shares 2840..2847 ({step, share, of})
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 1 block 100: shares 2850..2857 ({step, share, of})
+    // rank 1 block 100: shares 2848..2855 ({step, share, of})
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 1 block 101: shares 2858..2865 ({step, share, of})
+    // rank 1 block 101: shares 2856..2863 ({step, share, of})
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 1 block 102: shares 2866..2873 ({step, share, of})
+    // rank 1 block 102: shares 2864..2871 ({step, share, of})
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 1 block 103: shares 2874..2881 ({step, share, of})
+    // rank 1 block 103: shares 2872..2879 ({step, share, of})
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 1 block 104: shares 2882..2889 ({step, share, of})
+    // rank 1 block 104: shares 2880..2887 ({step, share, of})
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 1 block 105: shares 2890..2897 ({step, share, of})
+    // rank 1 block 105: shares 2888..2895 ({step, share, of})
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 1 block 106: shares 2898..2905 ({step, share, of})
+    // rank 1 block 106: shares 2896..2903 ({step, share, of})
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 1 block 107: shares 2906..2913 ({step, share, of})
+    // rank 1 block 107: shares 2904..2911 ({step, share, of})
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 1 block 108: shares 2914..2921 ({step, share, of})
+    // rank 1 block 108: shares 2912..2919 ({step, share, of})
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 1 block 109: shares 2922..2929 ({step, share, of})
+    // rank 1 block 109: shares 2920..2927 ({step, share, of})
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 1 block 110: shares 2930..2937 ({step, share, of})
+    // rank 1 block 110: shares 2928..2935 ({step, share, of})
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 1 block 111: shares 2938..2945 ({step, share, of})
+    // rank 1 block 111: shares 2936..2943 ({step, share, of})
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 1 block 112: shares 2946..2953 ({step, share, of})
+    // rank 1 block 112: shares 2944..2951 ({step, share, of})
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 1 block 113: shares 2954..2961 ({step, share, of})
+    // rank 1 block 113: shares 2952..2959 ({step, share, of})
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 1 block 114: shares 2962..2969 ({step, share, of})
+    // rank 1 block 114: shares 2960..2967 ({step, share, of})
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 1 block 115: shares 2970..2977 ({step, share, of})
+    // rank 1 block 115: shares 2968..2975 ({step, share, of})
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 1 block 116: shares 2978..2985 ({step, share, of})
+    // rank 1 block 116: shares 2976..2983 ({step, share, of})
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 1 block 117: shares 2986..2993 ({step, share, of})
+    // rank 1 block 117: shares 2984..2991 ({step, share, of})
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 1 block 118: shares 2994..3001 ({step, share, of})
+    // rank 1 block 118: shares 2992..2999 ({step, share, of})
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 1 block 119: shares 3002..3009 ({step, share, of})
+    // rank 1 block 119: shares 3000..3007 ({step, share, of})
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 1 block 120: shares 3010..3017 ({step, share, of})
+    // rank 1 block 120: shares 3008..3015 ({step, share, of})
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 1 block 121: shares 3018..3025 ({step, share, of})
+    // rank 1 block 121: shares 3016..3023 ({step, share, of})
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 1 block 122: shares 3026..3033 ({step, share, of})
+    // rank 1 block 122: shares 3024..3031 ({step, share, of})
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 1 block 123: shares 3034..3041 ({step, share, of})
+    // rank 1 block 123: shares 3032..3039 ({step, share, of})
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 1 block 124: shares 3042..3049 ({step, share, of})
+    // rank 1 block 124: shares 3040..3047 ({step, share, of})
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 1 block 125: shares 3050..3057 ({step, share, of})
+    // rank 1 block 125: shares 3048..3055 ({step, share, of})
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 1 block 126: shares 3058..3065 ({step, share, of})
+    // rank 1 block 126: shares 3056..3063 ({step, share, of})
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 1 block 127: shares 3066..3073 ({step, share, of})
+    // rank 1 block 127: shares 3064..3071 ({step, share, of})
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 2 block 0: shares 3074..3082 ({step, share, of})
-    {0, 0, 1}, {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64},
-    {24, 63, 64},
-    // rank 2 block 1: shares 3083..3098 ({step, share, of})
+    // rank 2 block 0: shares 3072..3079 ({step, share, of})
+    {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
+    // rank 2 block 1: shares 3080..3095 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
-    // rank 2 block 2: shares 3099..3114 ({step, share, of})
+    // rank 2 block 2: shares 3096..3111 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
-    // rank 2 block 3: shares 3115..3130 ({step, share, of})
+    // rank 2 block 3: shares 3112..3127 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
-    // rank 2 block 4: shares 3131..3146 ({step, share, of})
+    // rank 2 block 4: shares 3128..3143 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
-    // rank 2 block 5: shares 3147..3162 ({step, share, of})
+    // rank 2 block 5: shares 3144..3159 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
-    // rank 2 block 6: shares 3163..3178 ({step, share, of})
+    // rank 2 block 6: shares 3160..3175 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
-    // rank 2 block 7: shares 3179..3194 ({step, share, of})
+    // rank 2 block 7: shares 3176..3191 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
-    // rank 2 block 8: shares 3195..3210 ({step, share, of})
+    // rank 2 block 8: shares 3192..3207 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
-    // rank 2 block 9: shares 3211..3226 ({step, share, of})
+    // rank 2 block 9: shares 3208..3223 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
-    // rank 2 block 10: shares 3227..3242 ({step, share, of})
+    // rank 2 block 10: shares 3224..3239 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
-    // rank 2 block 11: shares 3243..3258 ({step, share, of})
+    // rank 2 block 11: shares 3240..3255 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
-    // rank 2 block 12: shares 3259..3274 ({step, share, of})
+    // rank 2 block 12: shares 3256..3271 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
-    // rank 2 block 13: shares 3275..3290 ({step, share, of})
+    // rank 2 block 13: shares 3272..3287 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
-    // rank 2 block 14: shares 3291..3306 ({step, share, of})
+    // rank 2 block 14: shares 3288..3303 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
-    // rank 2 block 15: shares 3307..3322 ({step, share, of})
+    // rank 2 block 15: shares 3304..3319 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
-    // rank 2 block 16: shares 3323..3338 ({step, share, of})
+    // rank 2 block 16: shares 3320..3335 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
-    // rank 2 block 17: shares 3339..3354 ({step, share, of})
+    // rank 2 block 17: shares 3336..3351 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
-    // rank 2 block 18: shares 3355..3370 ({step, share, of})
+    // rank 2 block 18: shares 3352..3367 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
-    // rank 2 block 19: shares 3371..3386 ({step, share, of})
+    // rank 2 block 19: shares 3368..3383 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
-    // rank 2 block 20: shares 3387..3402 ({step, share, of})
+    // rank 2 block 20: shares 3384..3399 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
-    // rank 2 block 21: shares 3403..3418 ({step, share, of})
+    // rank 2 block 21: shares 3400..3415 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
-    // rank 2 block 22: shares 3419..3434 ({step, share, of})
+    // rank 2 block 22: shares 3416..3431 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
-    // rank 2 block 23: shares 3435..3450 ({step, share, of})
+    // rank 2 block 23: shares 3432..3447 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
-    // rank 2 block 24: shares 3451..3466 ({step, share, of})
+    // rank 2 block 24: shares 3448..3463 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
-    // rank 2 block 25: shares 3467..3482 ({step, share, of})
+    // rank 2 block 25: shares 3464..3479 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
-    // rank 2 block 26: shares 3483..3498 ({step, share, of})
+    // rank 2 block 26: shares 3480..3495 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
-    // rank 2 block 27: shares 3499..3514 ({step, share, of})
+    // rank 2 block 27: shares 3496..3511 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
-    // rank 2 block 28: shares 3515..3530 ({step, share, of})
+    // rank 2 block 28: shares 3512..3527 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
-    // rank 2 block 29: shares 3531..3546 ({step, share, of})
+    // rank 2 block 29: shares 3528..3543 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
-    // rank 2 block 30: shares 3547..3562 ({step, share, of})
+    // rank 2 block 30: shares 3544..3559 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
-    // rank 2 block 31: shares 3563..3578 ({step, share, of})
+    // rank 2 block 31: shares 3560..3575 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
-    // rank 2 block 32: shares 3579..3594 ({step, share, of})
+    // rank 2 block 32: shares 3576..3591 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
-    // rank 2 block 33: shares 3595..3610 ({step, share, of})
+    // rank 2 block 33: shares 3592..3607 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
-    // rank 2 block 34: shares 3611..3626 ({step, share, of})
+    // rank 2 block 34: shares 3608..3623 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
-    // rank 2 block 35: shares 3627..3642 ({step, share, of})
+    // rank 2 block 35: shares 3624..3639 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
-    // rank 2 block 36: shares 3643..3658 ({step, share, of})
+    // rank 2 block 36: shares 3640..3655 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
-    // rank 2 block 37: shares 3659..3674 ({step, share, of})
+    // rank 2 block 37: shares 3656..3671 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
-    // rank 2 block 38: shares 3675..3690 ({step, share, of})
+    // rank 2 block 38: shares 3672..3687 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
-    // rank 2 block 39: shares 3691..3706 ({step, share, of})
+    // rank 2 block 39: shares 3688..3703 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
-    // rank 2 block 40: shares 3707..3722 ({step, share, of})
+    // rank 2 block 40: shares 3704..3719 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
-    // rank 2 block 41: shares 3723..3738 ({step, share, of})
+    // rank 2 block 41: shares 3720..3735 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
-    // rank 2 block 42: shares 3739..3754 ({step, share, of})
+    // rank 2 block 42: shares 3736..3751 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
-    // rank 2 block 43: shares 3755..3770 ({step, share, of})
+    // rank 2 block 43: shares 3752..3767 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
-    // rank 2 block 44: shares 3771..3786 ({step, share, of})
+    // rank 2 block 44: shares 3768..3783 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
-    // rank 2 block 45: shares 3787..3802 ({step, share, of})
+    // rank 2 block 45: shares 3784..3799 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
-    // rank 2 block 46: shares 3803..3818 ({step, share, of})
+    // rank 2 block 46: shares 3800..3815 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
-    // rank 2 block 47: shares 3819..3834 ({step, share, of})
+    // rank 2 block 47: shares 3816..3831 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
-    // rank 2 block 48: shares 3835..3850 ({step, share, of})
+    // rank 2 block 48: shares 3832..3847 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
-    // rank 2 block 49: shares 3851..3866 ({step, share, of})
+    // rank 2 block 49: shares 3848..3863 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
-    // rank 2 block 50: shares 3867..3882 ({step, share, of})
+    // rank 2 block 50: shares 3864..3879 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
-    // rank 2 block 51: shares 3883..3898 ({step, share, of})
+    // rank 2 block 51: shares 3880..3895 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
-    // rank 2 block 52: shares 3899..3914 ({step, share, of})
+    // rank 2 block 52: shares 3896..3911 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
-    // rank 2 block 53: shares 3915..3930 ({step, share, of})
+    // rank 2 block 53: shares 3912..3927 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
-    // rank 2 block 54: shares 3931..3946 ({step, share, of})
+    // rank 2 block 54: shares 3928..3943 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
-    // rank 2 block 55: shares 3947..3962 ({step, share, of})
+    // rank 2 block 55: shares 3944..3959 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
-    // rank 2 block 56: shares 3963..3978 ({step, share, of})
+    // rank 2 block 56: shares 3960..3975 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
-    // rank 2 block 57: shares 3979..3994 ({step, share, of})
+    // rank 2 block 57: shares 3976..3991 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
-    // rank 2 block 58: shares 3995..4010 ({step, share, of})
+    // rank 2 block 58: shares 3992..4007 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
-    // rank 2 block 59: shares 4011..4026 ({step, share, of})
+    // rank 2 block 59: shares 4008..4023 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
-    // rank 2 block 60: shares 4027..4042 ({step, share, of})
+    // rank 2 block 60: shares 4024..4039 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
-    // rank 2 block 61: shares 4043..4058 ({step, share, of})
+    // rank 2 block 61: shares 4040..4055 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
-    // rank 2 block 62: shares 4059..4074 ({step, share, of})
+    // rank 2 block 62: shares 4056..4071 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
-    // rank 2 block 63: shares 4075..4090 ({step, share, of})
+    // rank 2 block 63: shares 4072..4087 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
-    // rank 2 block 64: shares 4091..4106 ({step, share, of})
+    // rank 2 block 64: shares 4088..4103 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
-    // rank 2 block 65: shares 4107..4114 ({step, share, of})
+    // rank 2 block 65: shares 4104..4111 ({step, share, of})
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 2 block 66: shares 4115..4122 ({step, share, of})
+    // rank 2 block 66: shares 4112..4119 ({step, share, of})
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 2 block 67: shares 4123..4130 ({step, share, of})
+    // rank 2 block 67: shares 4120..4127 ({step, share, of})
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 2 block 68: shares 4131..4138 ({step, share, of})
+    // rank 2 block 68: shares 4128..4135 ({step, share, of})
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 2 block 69: shares 4139..4146 ({step, share, of})
+    // rank 2 block 69: shares 4136..4143 ({step, share, of})
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 2 block 70: shares 4147..4154 ({step, share, of})
+    // rank 2 block 70: shares 4144..4151 ({step, share, of})
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 2 block 71: shares 4155..4162 ({step, share, of})
+    // rank 2 block 71: shares 4152..4159 ({step, share, of})
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 2 block 72: shares 4163..4170 ({step, share, of})
+    // rank 2 block 72: shares 4160..4167 ({step, share, of})
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 2 block 73: shares 4171..4178 ({step, share, of})
+    // rank 2 block 73: shares 4168..4175 ({step, share, of})
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 2 block 74: shares 4179..4186 ({step, share, of})
+    // rank 2 block 74: shares 4176..4183 ({step, share, of})
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 2 block 75: shares 4187..4194 ({step, share, of})
+    // rank 2 block 75: shares 4184..4191 ({step, share, of})
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 2 block 76: shares 4195..4202 ({step, share, of})
+    // rank 2 block 76: shares 4192..4199 ({step, share, of})
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 2 block 77: shares 4203..4210 ({step, share, of})
+    // rank 2 block 77: shares 4200..4207 ({step, share, of})
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 2 block 78: shares 4211..4218 ({step, share, of})
+    // rank 2 block 78: shares 4208..4215 ({step, share, of})
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 2 block 79: shares 4219..4226 ({step, share, of})
+    // rank 2 block 79: shares 4216..4223 ({step, share, of})
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 2 block 80: shares 4227..4234 ({step, share, of})
+    // rank 2 block 80: shares 4224..4231 ({step, share, of})
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 2 block 81: shares 4235..4242 ({step, share, of})
+    // rank 2 block 81: shares 4232..4239 ({step, share, of})
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 2 block 82: shares 4243..4250 ({step, share, of})
+    // rank 2 block 82: shares 4240..4247 ({step, share, of})
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 2 block 83: shares 4251..4258 ({step, share, of})
+    // rank 2 block 83: shares 4248..4255 ({step, share, of})
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 2 block 84: shares 4259..4266 ({step, share, of})
+    // rank 2 block 84: shares 4256..4263 ({step, share, of})
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 2 block 85: shares 4267..4274 ({step, share, of})
+    // rank 2 block 85: shares 4264..4271 ({step, share, of})
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 2 block 86: shares 4275..4282 ({step, share, of})
+    // rank 2 block 86: shares 4272..4279 ({step, share, of})
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 2 block 87: shares 4283..4290 ({step, share, of})
+    // rank 2 block 87: shares 4280..4287 ({step, share, of})
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 2 block 88: shares 4291..4298 ({step, share, of})
+    // rank 2 block 88: shares 4288..4295 ({step, share, of})
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 2 block 89: shares 4299..4306 ({step, share, of})
+    // rank 2 block 89: shares 4296..4303 ({step, share, of})
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 2 block 90: shares 4307..4314 ({step, share, of})
+    // rank 2 block 90: shares 4304..4311 ({step, share, of})
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 2 block 91: shares 4315..4322 ({step, share, of})
+    // rank 2 block 91: shares 4312..4319 ({step, share, of})
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 2 block 92: shares 4323..4330 ({step, share, of})
+    // rank 2 block 92: shares 4320..4327 ({step, share, of})
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 2 block 93: shares 4331..4338 ({step, share, of})
+    // rank 2 block 93: shares 4328..4335 ({step, share, of})
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 2 block 94: shares 4339..4346 ({step, share, of})
+    // rank 2 block 94: shares 4336..4343 ({step, share, of})
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 2 block 95: shares 4347..4354 ({step, share, of})
+    // rank 2 block 95: shares 4344..4351 ({step, share, of})
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 2 block 96: shares 4355..4362 ({step, share, of})
+    // rank 2 block 96: shares 4352..4359 ({step, share, of})
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 2 block 97: shares 4363..4370 ({step, share, of})
+    // rank 2 block 97: shares 4360..4367 ({step, share, of})
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 2 block 98: shares 4371..4378 ({step, share, of})
+    // rank 2 block 98: shares 4368..4375 ({step, share, of})
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 2 block 99: shares 4379..4386 ({step, share, of})
+    // rank 2 block 99: shares 4376..4383 ({step, share, of})
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 2 block 100: shares 4387..4394 ({step, share, of})
+    // rank 2 block 100: shares 4384..4391 ({step, share, of})
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 2 block 101: shares 4395..4402 ({step, share, of})
+    // rank 2 block 101: shares 4392..4399 ({step, share, of})
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 2 block 102: shares 4403..4410 ({step, share, of})
+    // rank 2 block 102: shares 4400..4407 ({step, share, of})
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 2 block 103: shares 4411..4418 ({step, share, of})
+    // rank 2 block 103: shares 4408..4415 ({step, share, of})
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 2 block 104: shares 4419..4426 ({step, share, of})
+    // rank 2 block 104: shares 4416..4423 ({step, share, of})
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 2 block 105: shares 4427..4434 ({step, share, of})
+    // rank 2 block 105: shares 4424..4431 ({step, share, of})
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 2 block 106: shares 4435..4442 ({step, share, of})
+    // rank 2 block 106: shares 4432..4439 ({step, share, of})
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 2 block 107: shares 4443..4450 ({step, share, of})
+    // rank 2 block 107: shares 4440..4447 ({step, share, of})
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 2 block 108: shares 4451..4458 ({step, share, of})
+    // rank 2 block 108: shares 4448..4455 ({step, share, of})
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 2 block 109: shares 4459..4466 ({step, share, of})
+    // rank 2 block 109: shares 4456..4463 ({step, share, of})
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 2 block 110: shares 4467..4474 ({step, share, of})
+    // rank 2 block 110: shares 4464..4471 ({step, share, of})
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 2 block 111: shares 4475..4482 ({step, share, of})
+    // rank 2 block 111: shares 4472..4479 ({step, share, of})
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 2 block 112: shares 4483..4490 ({step, share, of})
+    // rank 2 block 112: shares 4480..4487 ({step, share, of})
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 2 block 113: shares 4491..4498 ({step, share, of})
+    // rank 2 block 113: shares 4488..4495 ({step, share, of})
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 2 block 114: shares 4499..4506 ({step, share, of})
+    // rank 2 block 114: shares 4496..4503 ({step, share, of})
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 2 block 115: shares 4507..4514 ({step, share, of})
+    // rank 2 block 115: shares 4504..4511 ({step, share, of})
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 2 block 116: shares 4515..4522 ({step, share, of})
+    // rank 2 block 116: shares 4512..4519 ({step, share, of})
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 2 block 117: shares 4523..4530 ({step, share, of})
+    // rank 2 block 117: shares 4520..4527 ({step, share, of})
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 2 block 118: shares 4531..4538 ({step, share, of})
+    // rank 2 block 118: shares 4528..4535 ({step, share, of})
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 2 block 119: shares 4539..4546 ({step, share, of})
+    // rank 2 block 119: shares 4536..4543 ({step, share, of})
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 2 block 120: shares 4547..4554 ({step, share, of})
+    // rank 2 block 120: shares 4544..4551 ({step, share, of})
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 2 block 121: shares 4555..4562 ({step, share, of})
+    // rank 2 block 121: shares 4552..4559 ({step, share, of})
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 2 block 122: shares 4563..4570 ({step, share, of})
+    // rank 2 block 122: shares 4560..4567 ({step, share, of})
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 2 block 123: shares 4571..4578 ({step, share, of})
+    // rank 2 block 123: shares 4568..4575 ({step, share, of})
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 2 block 124: shares 4579..4586 ({step, share, of})
+    // rank 2 block 124: shares 4576..4583 ({step, share, of})
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 2 block 125: shares 4587..4594 ({step, share, of})
+    // rank 2 block 125: shares 4584..4591 ({step, share, of})
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 2 block 126: shares 4595..4602 ({step, share, of})
+    // rank 2 block 126: shares 4592..4599 ({step, share, of})
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 2 block 127: shares 4603..4610 ({step, share, of})
+    // rank 2 block 127: shares 4600..4607 ({step, share, of})
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][129] = {
-    { 0, 9, 25, 41, 57, 73, 89, 105, 121, 137, 153, 169, 185, 201, 217, 233, 249, 265, 281, 297, 313, 329, 345, 361, 377, 393, 409, 425, 441, 457, 473, 489, 505, 521, 537, 553, 569, 585, 601, 617, 633, 649, 665, 681, 697, 713, 729, 745, 761, 777, 793, 809, 825, 841, 857, 873, 889, 905, 921, 937, 953, 969, 985, 1001, 1017, 1033, 1041, 1049, 1057, 1065, 1073, 1081, 1089, 1097, 1105, 1113, 1121, 1129, 1137, 1145, 1153, 1161, 1169, 1177, 1185, 1193, 1201, 1209, 1217, 1225, 1233, 1241, 1249, 1257, 1265, 1273, 1281, 1289, 1297, 1305, 1313, 1321, 1329, 1337, 1345, 1353, 1361, 1369, 1377, 1385, 1393, 1401, 1409, 1417, 1425, 1433, 1441, 1449, 1457, 1465, 1473, 1481, 1489, 1497, 1505, 1513, 1521, 1529, 1537 },
-    { 1537, 1546, 1562, 1578, 1594, 1610, 1626, 1642, 1658, 1674, 1690, 1706, 1722, 1738, 1754, 1770, 1786, 1802, 1818, 1834, 1850, 1866, 1882, 1898, 1914, 1930, 1946, 1962, 1978, 1994, 2010, 2026, 2042, 2058, 2074, 2090, 2106, 2122, 2138, 2154, 2170, 2186, 2202, 2218, 2234, 2250, 2266, 2282, 2298, 2314, 2330, 2346, 2362, 2378, 2394, 2410, 2426, 2442, 2458, 2474, 2490, 2506, 2522, 2538, 2554, 2570, 2578, 2586, 2594, 2602, 2610, 2618, 2626, 2634, 2642, 2650, 2658, 2666, 2674, 2682, 2690, 2698, 2706, 2714, 2722, 2730, 2738, 2746, 2754, 2762, 2770, 2778, 2786, 2794, 2802, 2810, 2818, 2826, 2834, 2842, 2850, 2858, 2866, 2874, 2882, 2890, 2898, 2906, 2914, 2922, 2930, 2938, 2946, 2954, 2962, 2970, 2978, 2986, 2994, 3002, 3010, 3018, 3026, 3034, 3042, 3050, 3058, 3066, 3074 },
-    { 3074, 3083, 3099, 3115, 3131, 3147, 3163, 3179, 3195, 3211, 3227, 3243, 3259, 3275, 3291, 3307, 3323, 3339, 3355, 3371, 3387, 3403, 3419, 3435, 3451, 3467, 3483, 3499, 3515, 3531, 3547, 3563, 3579, 3595, 3611, 3627, 3643, 3659, 3675, 3691, 3707, 3723, 3739, 3755, 3771, 3787, 3803, 3819, 3835, 3851, 3867, 3883, 3899, 3915, 3931, 3947, 3963, 3979, 3995, 4011, 4027, 4043, 4059, 4075, 4091, 4107, 4115, 4123, 4131, 4139, 4147, 4155, 4163, 4171, 4179, 4187, 4195, 4203, 4211, 4219, 4227, 4235, 4243, 4251, 4259, 4267, 4275, 4283, 4291, 4299, 4307, 4315, 4323, 4331, 4339, 4347, 4355, 4363, 4371, 4379, 4387, 4395, 4403, 4411, 4419, 4427, 4435, 4443, 4451, 4459, 4467, 4475, 4483, 4491, 4499, 4507, 4515, 4523, 4531, 4539, 4547, 4555, 4563, 4571, 4579, 4587, 4595, 4603, 4611 },
+    { 0, 8, 24, 40, 56, 72, 88, 104, 120, 136, 152, 168, 184, 200, 216, 232, 248, 264, 280, 296, 312, 328, 344, 360, 376, 392, 408, 424, 440, 456, 472, 488, 504, 520, 536, 552, 568, 584, 600, 616, 632, 648, 664, 680, 696, 712, 728, 744, 760, 776, 792, 808, 824, 840, 856, 872, 888, 904, 920, 936, 952, 968, 984, 1000, 1016, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536 },
+    { 1536, 1544, 1560, 1576, 1592, 1608, 1624, 1640, 1656, 1672, 1688, 1704, 1720, 1736, 1752, 1768, 1784, 1800, 1816, 1832, 1848, 1864, 1880, 1896, 1912, 1928, 1944, 1960, 1976, 1992, 2008, 2024, 2040, 2056, 2072, 2088, 2104, 2120, 2136, 2152, 2168, 2184, 2200, 2216, 2232, 2248, 2264, 2280, 2296, 2312, 2328, 2344, 2360, 2376, 2392, 2408, 2424, 2440, 2456, 2472, 2488, 2504, 2520, 2536, 2552, 2568, 2576, 2584, 2592, 2600, 2608, 2616, 2624, 2632, 2640, 2648, 2656, 2664, 2672, 2680, 2688, 2696, 2704, 2712, 2720, 2728, 2736, 2744, 2752, 2760, 2768, 2776, 2784, 2792, 2800, 2808, 2816, 2824, 2832, 2840, 2848, 2856, 2864, 2872, 2880, 2888, 2896, 2904, 2912, 2920, 2928, 2936, 2944, 2952, 2960, 2968, 2976, 2984, 2992, 3000, 3008, 3016, 3024, 3032, 3040, 3048, 3056, 3064, 3072 },
+    { 3072, 3080, 3096, 3112, 3128, 3144, 3160, 3176, 3192, 3208, 3224, 3240, 3256, 3272, 3288, 3304, 3320, 3336, 3352, 3368, 3384, 3400, 3416, 3432, 3448, 3464, 3480, 3496, 3512, 3528, 3544, 3560, 3576, 3592, 3608, 3624, 3640, 3656, 3672, 3688, 3704, 3720, 3736, 3752, 3768, 3784, 3800, 3816, 3832, 3848, 3864, 3880, 3896, 3912, 3928, 3944, 3960, 3976, 3992, 4008, 4024, 4040, 4056, 4072, 4088, 4104, 4112, 4120, 4128, 4136, 4144, 4152, 4160, 4168, 4176, 4184, 4192, 4200, 4208, 4216, 4224, 4232, 4240, 4248, 4256, 4264, 4272, 4280, 4288, 4296, 4304, 4312, 4320, 4328, 4336, 4344, 4352, 4360, 4368, 4376, 4384, 4392, 4400, 4408, 4416, 4424, 4432, 4440, 4448, 4456, 4464, 4472, 4480, 4488, 4496, 4504, 4512, 4520, 4528, 4536, 4544, 4552, 4560, 4568, 4576, 4584, 4592, 4600, 4608 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 132 steps, 8196 block shares over 128 blocks.
+// Plan for world size 4: 132 steps, 8192 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
@@ -3160,1557 +3160,1553 @@ static __device__ const tsgen_step steps_w4[] = {
 };
 static __device__ const int step_base_w4[4] = { 0, 33, 66, 99 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 0: shares 0..8 ({step, share, of})
-    {0, 0, 1}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64},
-    {32, 63, 64},
-    // rank 0 block 1: shares 9..32 ({step, share, of})
+    // rank 0 block 0: shares 0..7 ({step, share, of})
+    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
+    // rank 0 block 1: shares 8..31 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 0 block 2: shares 33..56 ({step, share, of})
+    // rank 0 block 2: shares 32..55 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 0 block 3: shares 57..80 ({step, share, of})
+    // rank 0 block 3: shares 56..79 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 0 block 4: shares 81..104 ({step, share, of})
+    // rank 0 block 4: shares 80..103 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 0 block 5: shares 105..128 ({step, share, of})
+    // rank 0 block 5: shares 104..127 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 0 block 6: shares 129..152 ({step, share, of})
+    // rank 0 block 6: shares 128..151 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 0 block 7: shares 153..176 ({step, share, of})
+    // rank 0 block 7: shares 152..175 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 0 block 8: shares 177..200 ({step, share, of})
+    // rank 0 block 8: shares 176..199 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 0 block 9: shares 201..224 ({step, share, of})
+    // rank 0 block 9: shares 200..223 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 0 block 10: shares 225..248 ({step, share, of})
+    // rank 0 block 10: shares 224..247 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 0 block 11: shares 249..272 ({step, share, of})
+    // rank 0 block 11: shares 248..271 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 0 block 12: shares 273..296 ({step, share, of})
+    // rank 0 block 12: shares 272..295 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 0 block 13: shares 297..320 ({step, share, of})
+    // rank 0 block 13: shares 296..319 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 0 block 14: shares 321..344 ({step, share, of})
+    // rank 0 block 14: shares 320..343 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 0 block 15: shares 345..368 ({step, share, of})
+    // rank 0 block 15: shares 344..367 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 0 block 16: shares 369..392 ({step, share, of})
+    // rank 0 block 16: shares 368..391 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 0 block 17: shares 393..416 ({step, share, of})
+    // rank 0 block 17: shares 392..415 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 0 block 18: shares 417..440 ({step, share, of})
+    // rank 0 block 18: shares 416..439 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 0 block 19: shares 441..464 ({step, share, of})
+    // rank 0 block 19: shares 440..463 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 0 block 20: shares 465..488 ({step, share, of})
+    // rank 0 block 20: shares 464..487 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 0 block 21: shares 489..512 ({step, share, of})
+    // rank 0 block 21: shares 488..511 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 0 block 22: shares 513..536 ({step, share, of})
+    // rank 0 block 22: shares 512..535 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 0 block 23: shares 537..560 ({step, share, of})
+    // rank 0 block 23: shares 536..559 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 0 block 24: shares 561..584 ({step, share, of})
+    // rank 0 block 24: shares 560..583 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 0 block 25: shares 585..608 ({step, share, of})
+    // rank 0 block 25: shares 584..607 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 0 block 26: shares 609..632 ({step, share, of})
+    // rank 0 block 26: shares 608..631 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 0 block 27: shares 633..656 ({step, share, of})
+    // rank 0 block 27: shares 632..655 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 0 block 28: shares 657..680 ({step, share, of})
+    // rank 0 block 28: shares 656..679 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 0 block 29: shares 681..704 ({step, share, of})
+    // rank 0 block 29: shares 680..703 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 0 block 30: shares 705..728 ({step, share, of})
+    // rank 0 block 30: shares 704..727 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 0 block 31: shares 729..752 ({step, share, of})
+    // rank 0 block 31: shares 728..751 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 0 block 32: shares 753..776 ({step, share, of})
+    // rank 0 block 32: shares 752..775 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 0 block 33: shares 777..800 ({step, share, of})
+    // rank 0 block 33: shares 776..799 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 0 block 34: shares 801..824 ({step, share, of})
+    // rank 0 block 34: shares 800..823 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 0 block 35: shares 825..848 ({step, share, of})
+    // rank 0 block 35: shares 824..847 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 0 block 36: shares 849..872 ({step, share, of})
+    // rank 0 block 36: shares 848..871 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 0 block 37: shares 873..896 ({step, share, of})
+    // rank 0 block 37: shares 872..895 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 0 block 38: shares 897..920 ({step, share, of})
+    // rank 0 block 38: shares 896..919 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 0 block 39: shares 921..944 ({step, share, of})
+    // rank 0 block 39: shares 920..943 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 0 block 40: shares 945..968 ({step, share, of})
+    // rank 0 block 40: shares 944..967 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 0 block 41: shares 969..992 ({step, share, of})
+    // rank 0 block 41: shares 968..991 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 0 block 42: shares 993..1016 ({step, share, of})
+    // rank 0 block 42: shares 992..1015 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 0 block 43: shares 1017..1040 ({step, share, of})
+    // rank 0 block 43: shares 1016..1039 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 0 block 44: shares 1041..1064 ({step, share, of})
+    // rank 0 block 44: shares 1040..1063 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 0 block 45: shares 1065..1088 ({step, share, of})
+    // rank 0 block 45: shares 1064..1087 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 0 block 46: shares 1089..1112 ({step, share, of})
+    // rank 0 block 46: shares 1088..1111 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 0 block 47: shares 1113..1136 ({step, share, of})
+    // rank 0 block 47: shares 1112..1135 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 0 block 48: shares 1137..1160 ({step, share, of})
+    // rank 0 block 48: shares 1136..1159 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 0 block 49: shares 1161..1184 ({step, share, of})
+    // rank 0 block 49: shares 1160..1183 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 0 block 50: shares 1185..1208 ({step, share, of})
+    // rank 0 block 50: shares 1184..1207 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 0 block 51: shares 1209..1232 ({step, share, of})
+    // rank 0 block 51: shares 1208..1231 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 0 block 52: shares 1233..1256 ({step, share, of})
+    // rank 0 block 52: shares 1232..1255 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 0 block 53: shares 1257..1280 ({step, share, of})
+    // rank 0 block 53: shares 1256..1279 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 0 block 54: shares 1281..1304 ({step, share, of})
+    // rank 0 block 54: shares 1280..1303 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 0 block 55: shares 1305..1328 ({step, share, of})
+    // rank 0 block 55: shares 1304..1327 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 0 block 56: shares 1329..1352 ({step, share, of})
+    // rank 0 block 56: shares 1328..1351 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 0 block 57: shares 1353..1376 ({step, share, of})
+    // rank 0 block 57: shares 1352..1375 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 0 block 58: shares 1377..1400 ({step, share, of})
+    // rank 0 block 58: shares 1376..1399 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 0 block 59: shares 1401..1424 ({step, share, of})
+    // rank 0 block 59: shares 1400..1423 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 0 block 60: shares 1425..1448 ({step, share, of})
+    // rank 0 block 60: shares 1424..1447 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 0 block 61: shares 1449..1472 ({step, share, of})
+    // rank 0 block 61: shares 1448..1471 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 0 block 62: shares 1473..1496 ({step, share, of})
+    // rank 0 block 62: shares 1472..1495 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 0 block 63: shares 1497..1520 ({step, share, of})
+    // rank 0 block 63: shares 1496..1519 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 0 block 64: shares 1521..1544 ({step, share, of})
+    // rank 0 block 64: shares 1520..1543 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    // rank 0 block 65: shares 1545..1552 ({step, share, of})
+    // rank 0 block 65: shares 1544..1551 ({step, share, of})
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 0 block 66: shares 1553..1560 ({step, share, of})
+    // rank 0 block 66: shares 1552..1559 ({step, share, of})
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 0 block 67: shares 1561..1568 ({step, share, of})
+    // rank 0 block 67: shares 1560..1567 ({step, share, of})
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 0 block 68: shares 1569..1576 ({step, share, of})
+    // rank 0 block 68: shares 1568..1575 ({step, share, of})
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 0 block 69: shares 1577..1584 ({step, share, of})
+    // rank 0 block 69: shares 1576..1583 ({step, share, of})
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64}, {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 0 block 70: shares 1585..1592 ({step, share, of})
+    // rank 0 block 70: shares 1584..1591 ({step, share, of})
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64}, {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 0 block 71: shares 1593..1600 ({step, share, of})
+    // rank 0 block 71: shares 1592..1599 ({step, share, of})
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64}, {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 0 block 72: shares 1601..1608 ({step, share, of})
+    // rank 0 block 72: shares 1600..1607 ({step, share, of})
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64}, {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 0 block 73: shares 1609..1616 ({step, share, of})
+    // rank 0 block 73: shares 1608..1615 ({step, share, of})
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64}, {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 0 block 74: shares 1617..1624 ({step, share, of})
+    // rank 0 block 74: shares 1616..1623 ({step, share, of})
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64}, {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 0 block 75: shares 1625..1632 ({step, share, of})
+    // rank 0 block 75: shares 1624..1631 ({step, share, of})
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64}, {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 0 block 76: shares 1633..1640 ({step, share, of})
+    // rank 0 block 76: shares 1632..1639 ({step, share, of})
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64}, {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 0 block 77: shares 1641..1648 ({step, share, of})
+    // rank 0 block 77: shares 1640..1647 ({step, share, of})
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64}, {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 0 block 78: shares 1649..1656 ({step, share, of})
+    // rank 0 block 78: shares 1648..1655 ({step, share, of})
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64}, {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 0 block 79: shares 1657..1664 ({step, share, of})
+    // rank 0 block 79: shares 1656..1663 ({step, share, of})
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64}, {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 0 block 80: shares 1665..1672 ({step, share, of})
+    // rank 0 block 80: shares 1664..1671 ({step, share, of})
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64}, {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 0 block 81: shares 1673..1680 ({step, share, of})
+    // rank 0 block 81: shares 1672..1679 ({step, share, of})
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64}, {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 0 block 82: shares 1681..1688 ({step, share, of})
+    // rank 0 block 82: shares 1680..1687 ({step, share, of})
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64}, {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 0 block 83: shares 1689..1696 ({step, share, of})
+    // rank 0 block 83: shares 1688..1695 ({step, share, of})
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64}, {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 0 block 84: shares 1697..1704 ({step, share, of})
+    // rank 0 block 84: shares 1696..1703 ({step, share, of})
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64}, {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 0 block 85: shares 1705..1712 ({step, share, of})
+    // rank 0 block 85: shares 1704..1711 ({step, share, of})
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64}, {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 0 block 86: shares 1713..1720 ({step, share, of})
+    // rank 0 block 86: shares 1712..1719 ({step, share, of})
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64}, {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 0 block 87: shares 1721..1728 ({step, share, of})
+    // rank 0 block 87: shares 1720..1727 ({step, share, of})
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64}, {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 0 block 88: shares 1729..1736 ({step, share, of})
+    // rank 0 block 88: shares 1728..1735 ({step, share, of})
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64}, {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 0 block 89: shares 1737..1744 ({step, share, of})
+    // rank 0 block 89: shares 1736..1743 ({step, share, of})
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64}, {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 0 block 90: shares 1745..1752 ({step, share, of})
+    // rank 0 block 90: shares 1744..1751 ({step, share, of})
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64}, {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 0 block 91: shares 1753..1760 ({step, share, of})
+    // rank 0 block 91: shares 1752..1759 ({step, share, of})
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64}, {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 0 block 92: shares 1761..1768 ({step, share, of})
+    // rank 0 block 92: shares 1760..1767 ({step, share, of})
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64}, {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 0 block 93: shares 1769..1776 ({step, share, of})
+    // rank 0 block 93: shares 1768..1775 ({step, share, of})
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64}, {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 0 block 94: shares 1777..1784 ({step, share, of})
+    // rank 0 block 94: shares 1776..1783 ({step, share, of})
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64}, {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 0 block 95: shares 1785..1792 ({step, share, of})
+    // rank 0 block 95: shares 1784..1791 ({step, share, of})
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64}, {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 0 block 96: shares 1793..1800 ({step, share, of})
+    // rank 0 block 96: shares 1792..1799 ({step, share, of})
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64}, {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 0 block 97: shares 1801..1808 ({step, share, of})
+    // rank 0 block 97: shares 1800..1807 ({step, share, of})
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64}, {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 0 block 98: shares 1809..1816 ({step, share, of})
+    // rank 0 block 98: shares 1808..1815 ({step, share, of})
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64}, {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 0 block 99: shares 1817..1824 ({step, share, of})
+    // rank 0 block 99: shares 1816..1823 ({step, share, of})
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64}, {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 0 block 100: shares 1825..1832 ({step, share, of})
+    // rank 0 block 100: shares 1824..1831 ({step, share, of})
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64}, {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 0 block 101: shares 1833..1840 ({step, share, of})
+    // rank 0 block 101: shares 1832..1839 ({step, share, of})
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64}, {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 0 block 102: shares 1841..1848 ({step, share, of})
+    // rank 0 block 102: shares 1840..1847 ({step, share, of})
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64}, {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 0 block 103: shares 1849..1856 ({step, share, of})
+    // rank 0 block 103: shares 1848..1855 ({step, share, of})
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64}, {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 0 block 104: shares 1857..1864 ({step, share, of})
+    // rank 0 block 104: shares 1856..1863 ({step, share, of})
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64}, {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 0 block 105: shares 1865..1872 ({step, share, of})
+    // rank 0 block 105: shares 1864..1871 ({step, share, of})
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64}, {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 0 block 106: shares 1873..1880 ({step, share, of})
+    // rank 0 block 106: shares 1872..1879 ({step, share, of})
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64}, {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 0 block 107: shares 1881..1888 ({step, share, of})
+    // rank 0 block 107: shares 1880..1887 ({step, share, of})
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64}, {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 0 block 108: shares 1889..1896 ({step, share, of})
+    // rank 0 block 108: shares 1888..1895 ({step, share, of})
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64}, {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 0 block 109: shares 1897..1904 ({step, share, of})
+    // rank 0 block 109: shares 1896..1903 ({step, share, of})
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64}, {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 0 block 110: shares 1905..1912 ({step, share, of})
+    // rank 0 block 110: shares 1904..1911 ({step, share, of})
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64}, {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 0 block 111: shares 1913..1920 ({step, share, of})
+    // rank 0 block 111: shares 1912..1919 ({step, share, of})
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64}, {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 0 block 112: shares 1921..1928 ({step, share, of})
+    // rank 0 block 112: shares 1920..1927 ({step, share, of})
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64}, {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 0 block 113: shares 1929..1936 ({step, share, of})
+    // rank 0 block 113: shares 1928..1935 ({step, share, of})
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64}, {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 0 block 114: shares 1937..1944 ({step, share, of})
+    // rank 0 block 114: shares 1936..1943 ({step, share, of})
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64}, {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 0 block 115: shares 1945..1952 ({step, share, of})
+    // rank 0 block 115: shares 1944..1951 ({step, share, of})
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64}, {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 0 block 116: shares 1953..1960 ({step, share, of})
+    // rank 0 block 116: shares 1952..1959 ({step, share, of})
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64}, {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 0 block 117: shares 1961..1968 ({step, share, of})
+    // rank 0 block 117: shares 1960..1967 ({step, share, of})
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64}, {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 0 block 118: shares 1969..1976 ({step, share, of})
+    // rank 0 block 118: shares 1968..1975 ({step, share, of})
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64}, {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 0 block 119: shares 1977..1984 ({step, share, of})
+    // rank 0 block 119: shares 1976..1983 ({step, share, of})
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64}, {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 0 block 120: shares 1985..1992 ({step, share, of})
+    // rank 0 block 120: shares 1984..1991 ({step, share, of})
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64}, {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 0 block 121: shares 1993..2000 ({step, share, of})
+    // rank 0 block 121: shares 1992..1999 ({step, share, of})
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64}, {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 0 block 122: shares 2001..2008 ({step, share, of})
+    // rank 0 block 122: shares 2000..2007 ({step, share, of})
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64}, {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 0 block 123: shares 2009..2016 ({step, share, of})
+    // rank 0 block 123: shares 2008..2015 ({step, share, of})
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64}, {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 0 block 124: shares 2017..2024 ({step, share, of})
+    // rank 0 block 124: shares 2016..2023 ({step, share, of})
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64}, {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 0 block 125: shares 2025..2032 ({step, share, of})
+    // rank 0 block 125: shares 2024..2031 ({step, share, of})
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64}, {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 0 block 126: shares 2033..2040 ({step, share, of})
+    // rank 0 block 126: shares 2032..2039 ({step, share, of})
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64}, {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 0 block 127: shares 2041..2048 ({step, share, of})
+    // rank 0 block 127: shares 2040..2047 ({step, share, of})
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64}, {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 1 block 0: shares 2049..2057 ({step, share, of})
-    {0, 0, 1}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64},
-    {32, 63, 64},
-    // rank 1 block 1: shares 2058..2081 ({step, share, of})
+    // rank 1 block 0: shares 2048..2055 ({step, share, of})
+    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
+    // rank 1 block 1: shares 2056..2079 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 1 block 2: shares 2082..2105 ({step, share, of})
+    // rank 1 block 2: shares 2080..2103 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 1 block 3: shares 2106..2129 ({step, share, of})
+    // rank 1 block 3: shares 2104..2127 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 1 block 4: shares 2130..2153 ({step, share, of})
+    // rank 1 block 4: shares 2128..2151 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 1 block 5: shares 2154..2177 ({step, share, of})
+    // rank 1 block 5: shares 2152..2175 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 1 block 6: shares 2178..2201 ({step, share, of})
+    // rank 1 block 6: shares 2176..2199 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 1 block 7: shares 2202..2225 ({step, share, of})
+    // rank 1 block 7: shares 2200..2223 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 1 block 8: shares 2226..2249 ({step, share, of})
+    // rank 1 block 8: shares 2224..2247 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 1 block 9: shares 2250..2273 ({step, share, of})
+    // rank 1 block 9: shares 2248..2271 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 1 block 10: shares 2274..2297 ({step, share, of})
+    // rank 1 block 10: shares 2272..2295 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 1 block 11: shares 2298..2321 ({step, share, of})
+    // rank 1 block 11: shares 2296..2319 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 1 block 12: shares 2322..2345 ({step, share, of})
+    // rank 1 block 12: shares 2320..2343 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 1 block 13: shares 2346..2369 ({step, share, of})
+    // rank 1 block 13: shares 2344..2367 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 1 block 14: shares 2370..2393 ({step, share, of})
+    // rank 1 block 14: shares 2368..2391 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 1 block 15: shares 2394..2417 ({step, share, of})
+    // rank 1 block 15: shares 2392..2415 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 1 block 16: shares 2418..2441 ({step, share, of})
+    // rank 1 block 16: shares 2416..2439 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 1 block 17: shares 2442..2465 ({step, share, of})
+    // rank 1 block 17: shares 2440..2463 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 1 block 18: shares 2466..2489 ({step, share, of})
+    // rank 1 block 18: shares 2464..2487 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 1 block 19: shares 2490..2513 ({step, share, of})
+    // rank 1 block 19: shares 2488..2511 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 1 block 20: shares 2514..2537 ({step, share, of})
+    // rank 1 block 20: shares 2512..2535 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 1 block 21: shares 2538..2561 ({step, share, of})
+    // rank 1 block 21: shares 2536..2559 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 1 block 22: shares 2562..2585 ({step, share, of})
+    // rank 1 block 22: shares 2560..2583 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 1 block 23: shares 2586..2609 ({step, share, of})
+    // rank 1 block 23: shares 2584..2607 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 1 block 24: shares 2610..2633 ({step, share, of})
+    // rank 1 block 24: shares 2608..2631 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 1 block 25: shares 2634..2657 ({step, share, of})
+    // rank 1 block 25: shares 2632..2655 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 1 block 26: shares 2658..2681 ({step, share, of})
+    // rank 1 block 26: shares 2656..2679 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 1 block 27: shares 2682..2705 ({step, share, of})
+    // rank 1 block 27: shares 2680..2703 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 1 block 28: shares 2706..2729 ({step, share, of})
+    // rank 1 block 28: shares 2704..2727 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 1 block 29: shares 2730..2753 ({step, share, of})
+    // rank 1 block 29: shares 2728..2751 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 1 block 30: shares 2754..2777 ({step, share, of})
+    // rank 1 block 30: shares 2752..2775 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 1 block 31: shares 2778..2801 ({step, share, of})
+    // rank 1 block 31: shares 2776..2799 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 1 block 32: shares 2802..2825 ({step, share, of})
+    // rank 1 block 32: shares 2800..2823 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 1 block 33: shares 2826..2849 ({step, share, of})
+    // rank 1 block 33: shares 2824..2847 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 1 block 34: shares 2850..2873 ({step, share, of})
+    // rank 1 block 34: shares 2848..2871 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 1 block 35: shares 2874..2897 ({step, share, of})
+    // rank 1 block 35: shares 2872..2895 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 1 block 36: shares 2898..2921 ({step, share, of})
+    // rank 1 block 36: shares 2896..2919 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 1 block 37: shares 2922..2945 ({step, share, of})
+    // rank 1 block 37: shares 2920..2943 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 1 block 38: shares 2946..2969 ({step, share, of})
+    // rank 1 block 38: shares 2944..2967 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 1 block 39: shares 2970..2993 ({step, share, of})
+    // rank 1 block 39: shares 2968..2991 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 1 block 40: shares 2994..3017 ({step, share, of})
+    // rank 1 block 40: shares 2992..3015 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 1 block 41: shares 3018..3041 ({step, share, of})
+    // rank 1 block 41: shares 3016..3039 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 1 block 42: shares 3042..3065 ({step, share, of})
+    // rank 1 block 42: shares 3040..3063 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 1 block 43: shares 3066..3089 ({step, share, of})
+    // rank 1 block 43: shares 3064..3087 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 1 block 44: shares 3090..3113 ({step, share, of})
+    // rank 1 block 44: shares 3088..3111 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 1 block 45: shares 3114..3137 ({step, share, of})
+    // rank 1 block 45: shares 3112..3135 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 1 block 46: shares 3138..3161 ({step, share, of})
+    // rank 1 block 46: shares 3136..3159 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 1 block 47: shares 3162..3185 ({step, share, of})
+    // rank 1 block 47: shares 3160..3183 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 1 block 48: shares 3186..3209 ({step, share, of})
+    // rank 1 block 48: shares 3184..3207 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 1 block 49: shares 3210..3233 ({step, share, of})
+    // rank 1 block 49: shares 3208..3231 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 1 block 50: shares 3234..3257 ({step, share, of})
+    // rank 1 block 50: shares 3232..3255 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 1 block 51: shares 3258..3281 ({step, share, of})
+    // rank 1 block 51: shares 3256..3279 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 1 block 52: shares 3282..3305 ({step, share, of})
+    // rank 1 block 52: shares 3280..3303 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 1 block 53: shares 3306..3329 ({step, share, of})
+    // rank 1 block 53: shares 3304..3327 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 1 block 54: shares 3330..3353 ({step, share, of})
+    // rank 1 block 54: shares 3328..3351 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 1 block 55: shares 3354..3377 ({step, share, of})
+    // rank 1 block 55: shares 3352..3375 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 1 block 56: shares 3378..3401 ({step, share, of})
+    // rank 1 block 56: shares 3376..3399 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 1 block 57: shares 3402..3425 ({step, share, of})
+    // rank 1 block 57: shares 3400..3423 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 1 block 58: shares 3426..3449 ({step, share, of})
+    // rank 1 block 58: shares 3424..3447 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 1 block 59: shares 3450..3473 ({step, share, of})
+    // rank 1 block 59: shares 3448..3471 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 1 block 60: shares 3474..3497 ({step, share, of})
+    // rank 1 block 60: shares 3472..3495 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 1 block 61: shares 3498..3521 ({step, share, of})
+    // rank 1 block 61: shares 3496..3519 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 1 block 62: shares 3522..3545 ({step, share, of})
+    // rank 1 block 62: shares 3520..3543 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 1 block 63: shares 3546..3569 ({step, share, of})
+    // rank 1 block 63: shares 3544..3567 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 1 block 64: shares 3570..3593 ({step, share, of})
+    // rank 1 block 64: shares 3568..3591 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    // rank 1 block 65: shares 3594..3601 ({step, share, of})
+    // rank 1 block 65: shares 3592..3599 ({step, share, of})
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 1 block 66: shares 3602..3609 ({step, share, of})
+    // rank 1 block 66: shares 3600..3607 ({step, share, of})
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 1 block 67: shares 3610..3617 ({step, share, of})
+    // rank 1 block 67: shares 3608..3615 ({step, share, of})
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 1 block 68: shares 3618..3625 ({step, share, of})
+    // rank 1 block 68: shares 3616..3623 ({step, share, of})
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 1 block 69: shares 3626..3633 ({step, share, of})
+    // rank 1 block 69: shares 3624..3631 ({step, share, of})
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64}, {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 1 block 70: shares 3634..3641 ({step, share, of})
+    // rank 1 block 70: shares 3632..3639 ({step, share, of})
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64}, {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 1 block 71: shares 3642..3649 ({step, share, of})
+    // rank 1 block 71: shares 3640..3647 ({step, share, of})
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64}, {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 1 block 72: shares 3650..3657 ({step, share, of})
+    // rank 1 block 72: shares 3648..3655 ({step, share, of})
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64}, {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 1 block 73: shares 3658..3665 ({step, share, of})
+    // rank 1 block 73: shares 3656..3663 ({step, share, of})
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64}, {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 1 block 74: shares 3666..3673 ({step, share, of})
+    // rank 1 block 74: shares 3664..3671 ({step, share, of})
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64}, {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 1 block 75: shares 3674..3681 ({step, share, of})
+    // rank 1 block 75: shares 3672..3679 ({step, share, of})
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64}, {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 1 block 76: shares 3682..3689 ({step, share, of})
+    // rank 1 block 76: shares 3680..3687 ({step, share, of})
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64}, {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 1 block 77: shares 3690..3697 ({step, share, of})
+    // rank 1 block 77: shares 3688..3695 ({step, share, of})
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64}, {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 1 block 78: shares 3698..3705 ({step, share, of})
+    // rank 1 block 78: shares 3696..3703 ({step, share, of})
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64}, {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 1 block 79: shares 3706..3713 ({step, share, of})
+    // rank 1 block 79: shares 3704..3711 ({step, share, of})
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64}, {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 1 block 80: shares 3714..3721 ({step, share, of})
+    // rank 1 block 80: shares 3712..3719 ({step, share, of})
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64}, {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 1 block 81: shares 3722..3729 ({step, share, of})
+    // rank 1 block 81: shares 3720..3727 ({step, share, of})
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64}, {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 1 block 82: shares 3730..3737 ({step, share, of})
+    // rank 1 block 82: shares 3728..3735 ({step, share, of})
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64}, {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 1 block 83: shares 3738..3745 ({step, share, of})
+    // rank 1 block 83: shares 3736..3743 ({step, share, of})
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64}, {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 1 block 84: shares 3746..3753 ({step, share, of})
+    // rank 1 block 84: shares 3744..3751 ({step, share, of})
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64}, {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 1 block 85: shares 3754..3761 ({step, share, of})
+    // rank 1 block 85: shares 3752..3759 ({step, share, of})
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64}, {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 1 block 86: shares 3762..3769 ({step, share, of})
+    // rank 1 block 86: shares 3760..3767 ({step, share, of})
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64}, {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 1 block 87: shares 3770..3777 ({step, share, of})
+    // rank 1 block 87: shares 3768..3775 ({step, share, of})
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64}, {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 1 block 88: shares 3778..3785 ({step, share, of})
+    // rank 1 block 88: shares 3776..3783 ({step, share, of})
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64}, {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 1 block 89: shares 3786..3793 ({step, share, of})
+    // rank 1 block 89: shares 3784..3791 ({step, share, of})
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64}, {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 1 block 90: shares 3794..3801 ({step, share, of})
+    // rank 1 block 90: shares 3792..3799 ({step, share, of})
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64}, {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 1 block 91: shares 3802..3809 ({step, share, of})
+    // rank 1 block 91: shares 3800..3807 ({step, share, of})
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64}, {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 1 block 92: shares 3810..3817 ({step, share, of})
+    // rank 1 block 92: shares 3808..3815 ({step, share, of})
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64}, {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 1 block 93: shares 3818..3825 ({step, share, of})
+    // rank 1 block 93: shares 3816..3823 ({step, share, of})
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64}, {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 1 block 94: shares 3826..3833 ({step, share, of})
+    // rank 1 block 94: shares 3824..3831 ({step, share, of})
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64}, {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 1 block 95: shares 3834..3841 ({step, share, of})
+    // rank 1 block 95: shares 3832..3839 ({step, share, of})
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64}, {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 1 block 96: shares 3842..3849 ({step, share, of})
+    // rank 1 block 96: shares 3840..3847 ({step, share, of})
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64}, {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 1 block 97: shares 3850..3857 ({step, share, of})
+    // rank 1 block 97: shares 3848..3855 ({step, share, of})
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64}, {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 1 block 98: shares 3858..3865 ({step, share, of})
+    // rank 1 block 98: shares 3856..3863 ({step, share, of})
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64}, {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 1 block 99: shares 3866..3873 ({step, share, of})
+    // rank 1 block 99: shares 3864..3871 ({step, share, of})
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64}, {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 1 block 100: shares 3874..3881 ({step, share, of})
+    // rank 1 block 100: shares 3872..3879 ({step, share, of})
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64}, {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 1 block 101: shares 3882..3889 ({step, share, of})
+    // rank 1 block 101: shares 3880..3887 ({step, share, of})
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64}, {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 1 block 102: shares 3890..3897 ({step, share, of})
+    // rank 1 block 102: shares 3888..3895 ({step, share, of})
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64}, {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 1 block 103: shares 3898..3905 ({step, share, of})
+    // rank 1 block 103: shares 3896..3903 ({step, share, of})
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64}, {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 1 block 104: shares 3906..3913 ({step, share, of})
+    // rank 1 block 104: shares 3904..3911 ({step, share, of})
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64}, {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 1 block 105: shares 3914..3921 ({step, share, of})
+    // rank 1 block 105: shares 3912..3919 ({step, share, of})
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64}, {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 1 block 106: shares 3922..3929 ({step, share, of})
+    // rank 1 block 106: shares 3920..3927 ({step, share, of})
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64}, {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 1 block 107: shares 3930..3937 ({step, share, of})
+    // rank 1 block 107: shares 3928..3935 ({step, share, of})
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64}, {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 1 block 108: shares 3938..3945 ({step, share, of})
+    // rank 1 block 108: shares 3936..3943 ({step, share, of})
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64}, {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 1 block 109: shares 3946..3953 ({step, share, of})
+    // rank 1 block 109: shares 3944..3951 ({step, share, of})
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64}, {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 1 block 110: shares 3954..3961 ({step, share, of})
+    // rank 1 block 110: shares 3952..3959 ({step, share, of})
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64}, {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 1 block 111: shares 3962..3969 ({step, share, of})
+    // rank 1 block 111: shares 3960..3967 ({step, share, of})
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64}, {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 1 block 112: shares 3970..3977 ({step, share, of})
+    // rank 1 block 112: shares 3968..3975 ({step, share, of})
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64}, {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 1 block 113: shares 3978..3985 ({step, share, of})
+    // rank 1 block 113: shares 3976..3983 ({step, share, of})
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64}, {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 1 block 114: shares 3986..3993 ({step, share, of})
+    // rank 1 block 114: shares 3984..3991 ({step, share, of})
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64}, {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 1 block 115: shares 3994..4001 ({step, share, of})
+    // rank 1 block 115: shares 3992..3999 ({step, share, of})
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64}, {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 1 block 116: shares 4002..4009 ({step, share, of})
+    // rank 1 block 116: shares 4000..4007 ({step, share, of})
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64}, {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 1 block 117: shares 4010..4017 ({step, share, of})
+    // rank 1 block 117: shares 4008..4015 ({step, share, of})
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64}, {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 1 block 118: shares 4018..4025 ({step, share, of})
+    // rank 1 block 118: shares 4016..4023 ({step, share, of})
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64}, {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 1 block 119: shares 4026..4033 ({step, share, of})
+    // rank 1 block 119: shares 4024..4031 ({step, share, of})
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64}, {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 1 block 120: shares 4034..4041 ({step, share, of})
+    // rank 1 block 120: shares 4032..4039 ({step, share, of})
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64}, {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 1 block 121: shares 4042..4049 ({step, share, of})
+    // rank 1 block 121: shares 4040..4047 ({step, share, of})
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64}, {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 1 block 122: shares 4050..4057 ({step, share, of})
+    // rank 1 block 122: shares 4048..4055 ({step, share, of})
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64}, {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 1 block 123: shares 4058..4065 ({step, share, of})
+    // rank 1 block 123: shares 4056..4063 ({step, share, of})
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64}, {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 1 block 124: shares 4066..4073 ({step, share, of})
+    // rank 1 block 124: shares 4064..4071 ({step, share, of})
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64}, {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 1 block 125: shares 4074..4081 ({step, share, of})
+    // rank 1 block 125: shares 4072..4079 ({step, share, of})
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64}, {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 1 block 126: shares 4082..4089 ({step, share, of})
+    // rank 1 block 126: shares 4080..4087 ({step, share, of})
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64}, {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 1 block 127: shares 4090..4097 ({step, share, of})
+    // rank 1 block 127: shares 4088..4095 ({step, share, of})
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64}, {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 2 block 0: shares 4098..4106 ({step, share, of})
-    {0, 0, 1}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64},
-    {32, 63, 64},
-    // rank 2 block 1: shares 4107..4130 ({step, share, of})
+    // rank 2 block 0: shares 4096..4103 ({step, share, of})
+    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
+    // rank 2 block 1: shares 4104..4127 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 2 block 2: shares 4131..4154 ({step, share, of})
+    // rank 2 block 2: shares 4128..4151 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 2 block 3: shares 4155..4178 ({step, share, of})
+    // rank 2 block 3: shares 4152..4175 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 2 block 4: shares 4179..4202 ({step, share, of})
+    // rank 2 block 4: shares 4176..4199 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 2 block 5: shares 4203..4226 ({step, share, of})
+    // rank 2 block 5: shares 4200..4223 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 2 block 6: shares 4227..4250 ({step, share, of})
+    // rank 2 block 6: shares 4224..4247 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 2 block 7: shares 4251..4274 ({step, share, of})
+    // rank 2 block 7: shares 4248..4271 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 2 block 8: shares 4275..4298 ({step, share, of})
+    // rank 2 block 8: shares 4272..4295 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 2 block 9: shares 4299..4322 ({step, share, of})
+    // rank 2 block 9: shares 4296..4319 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 2 block 10: shares 4323..4346 ({step, share, of})
+    // rank 2 block 10: shares 4320..4343 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 2 block 11: shares 4347..4370 ({step, share, of})
+    // rank 2 block 11: shares 4344..4367 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 2 block 12: shares 4371..4394 ({step, share, of})
+    // rank 2 block 12: shares 4368..4391 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 2 block 13: shares 4395..4418 ({step, share, of})
+    // rank 2 block 13: shares 4392..4415 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 2 block 14: shares 4419..4442 ({step, share, of})
+    // rank 2 block 14: shares 4416..4439 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 2 block 15: shares 4443..4466 ({step, share, of})
+    // rank 2 block 15: shares 4440..4463 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 2 block 16: shares 4467..4490 ({step, share, of})
+    // rank 2 block 16: shares 4464..4487 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 2 block 17: shares 4491..4514 ({step, share, of})
+    // rank 2 block 17: shares 4488..4511 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 2 block 18: shares 4515..4538 ({step, share, of})
+    // rank 2 block 18: shares 4512..4535 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 2 block 19: shares 4539..4562 ({step, share, of})
+    // rank 2 block 19: shares 4536..4559 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 2 block 20: shares 4563..4586 ({step, share, of})
+    // rank 2 block 20: shares 4560..4583 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 2 block 21: shares 4587..4610 ({step, share, of})
+    // rank 2 block 21: shares 4584..4607 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 2 block 22: shares 4611..4634 ({step, share, of})
+    // rank 2 block 22: shares 4608..4631 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 2 block 23: shares 4635..4658 ({step, share, of})
+    // rank 2 block 23: shares 4632..4655 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 2 block 24: shares 4659..4682 ({step, share, of})
+    // rank 2 block 24: shares 4656..4679 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 2 block 25: shares 4683..4706 ({step, share, of})
+    // rank 2 block 25: shares 4680..4703 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 2 block 26: shares 4707..4730 ({step, share, of})
+    // rank 2 block 26: shares 4704..4727 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 2 block 27: shares 4731..4754 ({step, share, of})
+    // rank 2 block 27: shares 4728..4751 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 2 block 28: shares 4755..4778 ({step, share, of})
+    // rank 2 block 28: shares 4752..4775 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 2 block 29: shares 4779..4802 ({step, share, of})
+    // rank 2 block 29: shares 4776..4799 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 2 block 30: shares 4803..4826 ({step, share, of})
+    // rank 2 block 30: shares 4800..4823 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 2 block 31: shares 4827..4850 ({step, share, of})
+    // rank 2 block 31: shares 4824..4847 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 2 block 32: shares 4851..4874 ({step, share, of})
+    // rank 2 block 32: shares 4848..4871 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 2 block 33: shares 4875..4898 ({step, share, of})
+    // rank 2 block 33: shares 4872..4895 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 2 block 34: shares 4899..4922 ({step, share, of})
+    // rank 2 block 34: shares 4896..4919 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 2 block 35: shares 4923..4946 ({step, share, of})
+    // rank 2 block 35: shares 4920..4943 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 2 block 36: shares 4947..4970 ({step, share, of})
+    // rank 2 block 36: shares 4944..4967 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 2 block 37: shares 4971..4994 ({step, share, of})
+    // rank 2 block 37: shares 4968..4991 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 2 block 38: shares 4995..5018 ({step, share, of})
+    // rank 2 block 38: shares 4992..5015 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 2 block 39: shares 5019..5042 ({step, share, of})
+    // rank 2 block 39: shares 5016..5039 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 2 block 40: shares 5043..5066 ({step, share, of})
+    // rank 2 block 40: shares 5040..5063 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 2 block 41: shares 5067..5090 ({step, share, of})
+    // rank 2 block 41: shares 5064..5087 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 2 block 42: shares 5091..5114 ({step, share, of})
+    // rank 2 block 42: shares 5088..5111 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 2 block 43: shares 5115..5138 ({step, share, of})
+    // rank 2 block 43: shares 5112..5135 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 2 block 44: shares 5139..5162 ({step, share, of})
+    // rank 2 block 44: shares 5136..5159 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 2 block 45: shares 5163..5186 ({step, share, of})
+    // rank 2 block 45: shares 5160..5183 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 2 block 46: shares 5187..5210 ({step, share, of})
+    // rank 2 block 46: shares 5184..5207 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 2 block 47: shares 5211..5234 ({step, share, of})
+    // rank 2 block 47: shares 5208..5231 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 2 block 48: shares 5235..5258 ({step, share, of})
+    // rank 2 block 48: shares 5232..5255 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 2 block 49: shares 5259..5282 ({step, share, of})
+    // rank 2 block 49: shares 5256..5279 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 2 block 50: shares 5283..5306 ({step, share, of})
+    // rank 2 block 50: shares 5280..5303 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 2 block 51: shares 5307..5330 ({step, share, of})
+    // rank 2 block 51: shares 5304..5327 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 2 block 52: shares 5331..5354 ({step, share, of})
+    // rank 2 block 52: shares 5328..5351 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 2 block 53: shares 5355..5378 ({step, share, of})
+    // rank 2 block 53: shares 5352..5375 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 2 block 54: shares 5379..5402 ({step, share, of})
+    // rank 2 block 54: shares 5376..5399 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 2 block 55: shares 5403..5426 ({step, share, of})
+    // rank 2 block 55: shares 5400..5423 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 2 block 56: shares 5427..5450 ({step, share, of})
+    // rank 2 block 56: shares 5424..5447 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 2 block 57: shares 5451..5474 ({step, share, of})
+    // rank 2 block 57: shares 5448..5471 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 2 block 58: shares 5475..5498 ({step, share, of})
+    // rank 2 block 58: shares 5472..5495 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 2 block 59: shares 5499..5522 ({step, share, of})
+    // rank 2 block 59: shares 5496..5519 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 2 block 60: shares 5523..5546 ({step, share, of})
+    // rank 2 block 60: shares 5520..5543 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 2 block 61: shares 5547..5570 ({step, share, of})
+    // rank 2 block 61: shares 5544..5567 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 2 block 62: shares 5571..5594 ({step, share, of})
+    // rank 2 block 62: shares 5568..5591 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 2 block 63: shares 5595..5618 ({step, share, of})
+    // rank 2 block 63: shares 5592..5615 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 2 block 64: shares 5619..5642 ({step, share, of})
+    // rank 2 block 64: shares 5616..5639 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    // rank 2 block 65: shares 5643..5650 ({step, share, of})
+    // rank 2 block 65: shares 5640..5647 ({step, share, of})
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 2 block 66: shares 5651..5658 ({step, share, of})
+    // rank 2 block 66: shares 5648..5655 ({step, share, of})
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 2 block 67: shares 5659..5666 ({step, share, of})
+    // rank 2 block 67: shares 5656..5663 ({step, share, of})
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 2 block 68: shares 5667..5674 ({step, share, of})
+    // rank 2 block 68: shares 5664..5671 ({step, share, of})
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 2 block 69: shares 5675..5682 ({step, share, of})
+    // rank 2 block 69: shares 5672..5679 ({step, share, of})
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64}, {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 2 block 70: shares 5683..5690 ({step, share, of})
+    // rank 2 block 70: shares 5680..5687 ({step, share, of})
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64}, {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 2 block 71: shares 5691..5698 ({step, share, of})
+    // rank 2 block 71: shares 5688..5695 ({step, share, of})
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64}, {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 2 block 72: shares 5699..5706 ({step, share, of})
+    // rank 2 block 72: shares 5696..5703 ({step, share, of})
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64}, {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 2 block 73: shares 5707..5714 ({step, share, of})
+    // rank 2 block 73: shares 5704..5711 ({step, share, of})
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64}, {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 2 block 74: shares 5715..5722 ({step, share, of})
+    // rank 2 block 74: shares 5712..5719 ({step, share, of})
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64}, {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 2 block 75: shares 5723..5730 ({step, share, of})
+    // rank 2 block 75: shares 5720..5727 ({step, share, of})
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64}, {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 2 block 76: shares 5731..5738 ({step, share, of})
+    // rank 2 block 76: shares 5728..5735 ({step, share, of})
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64}, {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 2 block 77: shares 5739..5746 ({step, share, of})
+    // rank 2 block 77: shares 5736..5743 ({step, share, of})
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64}, {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 2 block 78: shares 5747..5754 ({step, share, of})
+    // rank 2 block 78: shares 5744..5751 ({step, share, of})
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64}, {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 2 block 79: shares 5755..5762 ({step, share, of})
+    // rank 2 block 79: shares 5752..5759 ({step, share, of})
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64}, {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 2 block 80: shares 5763..5770 ({step, share, of})
+    // rank 2 block 80: shares 5760..5767 ({step, share, of})
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64}, {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 2 block 81: shares 5771..5778 ({step, share, of})
+    // rank 2 block 81: shares 5768..5775 ({step, share, of})
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64}, {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 2 block 82: shares 5779..5786 ({step, share, of})
+    // rank 2 block 82: shares 5776..5783 ({step, share, of})
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64}, {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 2 block 83: shares 5787..5794 ({step, share, of})
+    // rank 2 block 83: shares 5784..5791 ({step, share, of})
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64}, {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 2 block 84: shares 5795..5802 ({step, share, of})
+    // rank 2 block 84: shares 5792..5799 ({step, share, of})
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64}, {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 2 block 85: shares 5803..5810 ({step, share, of})
+    // rank 2 block 85: shares 5800..5807 ({step, share, of})
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64}, {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 2 block 86: shares 5811..5818 ({step, share, of})
+    // rank 2 block 86: shares 5808..5815 ({step, share, of})
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64}, {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 2 block 87: shares 5819..5826 ({step, share, of})
+    // rank 2 block 87: shares 5816..5823 ({step, share, of})
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64}, {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 2 block 88: shares 5827..5834 ({step, share, of})
+    // rank 2 block 88: shares 5824..5831 ({step, share, of})
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64}, {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 2 block 89: shares 5835..5842 ({step, share, of})
+    // rank 2 block 89: shares 5832..5839 ({step, share, of})
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64}, {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 2 block 90: shares 5843..5850 ({step, share, of})
+    // rank 2 block 90: shares 5840..5847 ({step, share, of})
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64}, {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 2 block 91: shares 5851..5858 ({step, share, of})
+    // rank 2 block 91: shares 5848..5855 ({step, share, of})
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64}, {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 2 block 92: shares 5859..5866 ({step, share, of})
+    // rank 2 block 92: shares 5856..5863 ({step, share, of})
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64}, {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 2 block 93: shares 5867..5874 ({step, share, of})
+    // rank 2 block 93: shares 5864..5871 ({step, share, of})
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64}, {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 2 block 94: shares 5875..5882 ({step, share, of})
+    // rank 2 block 94: shares 5872..5879 ({step, share, of})
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64}, {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 2 block 95: shares 5883..5890 ({step, share, of})
+    // rank 2 block 95: shares 5880..5887 ({step, share, of})
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64}, {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 2 block 96: shares 5891..5898 ({step, share, of})
+    // rank 2 block 96: shares 5888..5895 ({step, share, of})
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64}, {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 2 block 97: shares 5899..5906 ({step, share, of})
+    // rank 2 block 97: shares 5896..5903 ({step, share, of})
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64}, {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 2 block 98: shares 5907..5914 ({step, share, of})
+    // rank 2 block 98: shares 5904..5911 ({step, share, of})
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64}, {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 2 block 99: shares 5915..5922 ({step, share, of})
+    // rank 2 block 99: shares 5912..5919 ({step, share, of})
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64}, {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 2 block 100: shares 5923..5930 ({step, share, of})
+    // rank 2 block 100: shares 5920..5927 ({step, share, of})
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64}, {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 2 block 101: shares 5931..5938 ({step, share, of})
+    // rank 2 block 101: shares 5928..5935 ({step, share, of})
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64}, {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 2 block 102: shares 5939..5946 ({step, share, of})
+    // rank 2 block 102: shares 5936..5943 ({step, share, of})
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64}, {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 2 block 103: shares 5947..5954 ({step, share, of})
+    // rank 2 block 103: shares 5944..5951 ({step, share, of})
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64}, {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 2 block 104: shares 5955..5962 ({step, share, of})
+    // rank 2 block 104: shares 5952..5959 ({step, share, of})
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64}, {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 2 block 105: shares 5963..5970 ({step, share, of})
+    // rank 2 block 105: shares 5960..5967 ({step, share, of})
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64}, {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 2 block 106: shares 5971..5978 ({step, share, of})
+    // rank 2 block 106: shares 5968..5975 ({step, share, of})
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64}, {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 2 block 107: shares 5979..5986 ({step, share, of})
+    // rank 2 block 107: shares 5976..5983 ({step, share, of})
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64}, {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 2 block 108: shares 5987..5994 ({step, share, of})
+    // rank 2 block 108: shares 5984..5991 ({step, share, of})
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64}, {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 2 block 109: shares 5995..6002 ({step, share, of})
+    // rank 2 block 109: shares 5992..5999 ({step, share, of})
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64}, {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 2 block 110: shares 6003..6010 ({step, share, of})
+    // rank 2 block 110: shares 6000..6007 ({step, share, of})
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64}, {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 2 block 111: shares 6011..6018 ({step, share, of})
+    // rank 2 block 111: shares 6008..6015 ({step, share, of})
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64}, {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 2 block 112: shares 6019..6026 ({step, share, of})
+    // rank 2 block 112: shares 6016..6023 ({step, share, of})
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64}, {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 2 block 113: shares 6027..6034 ({step, share, of})
+    // rank 2 block 113: shares 6024..6031 ({step, share, of})
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64}, {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 2 block 114: shares 6035..6042 ({step, share, of})
+    // rank 2 block 114: shares 6032..6039 ({step, share, of})
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64}, {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 2 block 115: shares 6043..6050 ({step, share, of})
+    // rank 2 block 115: shares 6040..6047 ({step, share, of})
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64}, {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 2 block 116: shares 6051..6058 ({step, share, of})
+    // rank 2 block 116: shares 6048..6055 ({step, share, of})
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64}, {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 2 block 117: shares 6059..6066 ({step, share, of})
+    // rank 2 block 117: shares 6056..6063 ({step, share, of})
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64}, {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 2 block 118: shares 6067..6074 ({step, share, of})
+    // rank 2 block 118: shares 6064..6071 ({step, share, of})
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64}, {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 2 block 119: shares 6075..6082 ({step, share, of})
+    // rank 2 block 119: shares 6072..6079 ({step, share, of})
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64}, {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 2 block 120: shares 6083..6090 ({step, share, of})
+    // rank 2 block 120: shares 6080..6087 ({step, share, of})
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64}, {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 2 block 121: shares 6091..6098 ({step, share, of})
+    // rank 2 block 121: shares 6088..6095 ({step, share, of})
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64}, {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 2 block 122: shares 6099..6106 ({step, share, of})
+    // rank 2 block 122: shares 6096..6103 ({step, share, of})
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64}, {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 2 block 123: shares 6107..6114 ({step, share, of})
+    // rank 2 block 123: shares 6104..6111 ({step, share, of})
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64}, {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 2 block 124: shares 6115..6122 ({step, share, of})
+    // rank 2 block 124: shares 6112..6119 ({step, share, of})
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64}, {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 2 block 125: shares 6123..6130 ({step, share, of})
+    // rank 2 block 125: shares 6120..6127 ({step, share, of})
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64}, {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 2 block 126: shares 6131..6138 ({step, share, of})
+    // rank 2 block 126: shares 6128..6135 ({step, share, of})
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64}, {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 2 block 127: shares 6139..6146 ({step, share, of})
+    // rank 2 block 127: shares 6136..6143 ({step, share, of})
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64}, {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
-    // rank 3 block 0: shares 6147..6155 ({step, share, of})
-    {0, 0, 1}, {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64},
-    {32, 63, 64},
-    // rank 3 block 1: shares 6156..6179 ({step, share, of})
+    // rank 3 block 0: shares 6144..6151 ({step, share, of})
+    {25, 63, 64}, {26, 63, 64}, {27, 63, 64}, {28, 63, 64}, {29, 63, 64}, {30, 63, 64}, {31, 63, 64}, {32, 63, 64},
+    // rank 3 block 1: shares 6152..6175 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
-    // rank 3 block 2: shares 6180..6203 ({step, share, of})
+    // rank 3 block 2: shares 6176..6199 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
-    // rank 3 block 3: shares 6204..6227 ({step, share, of})
+    // rank 3 block 3: shares 6200..6223 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
-    // rank 3 block 4: shares 6228..6251 ({step, share, of})
+    // rank 3 block 4: shares 6224..6247 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
-    // rank 3 block 5: shares 6252..6275 ({step, share, of})
+    // rank 3 block 5: shares 6248..6271 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
-    // rank 3 block 6: shares 6276..6299 ({step, share, of})
+    // rank 3 block 6: shares 6272..6295 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
-    // rank 3 block 7: shares 6300..6323 ({step, share, of})
+    // rank 3 block 7: shares 6296..6319 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
-    // rank 3 block 8: shares 6324..6347 ({step, share, of})
+    // rank 3 block 8: shares 6320..6343 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
-    // rank 3 block 9: shares 6348..6371 ({step, share, of})
+    // rank 3 block 9: shares 6344..6367 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
-    // rank 3 block 10: shares 6372..6395 ({step, share, of})
+    // rank 3 block 10: shares 6368..6391 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
-    // rank 3 block 11: shares 6396..6419 ({step, share, of})
+    // rank 3 block 11: shares 6392..6415 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
-    // rank 3 block 12: shares 6420..6443 ({step, share, of})
+    // rank 3 block 12: shares 6416..6439 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
-    // rank 3 block 13: shares 6444..6467 ({step, share, of})
+    // rank 3 block 13: shares 6440..6463 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
-    // rank 3 block 14: shares 6468..6491 ({step, share, of})
+    // rank 3 block 14: shares 6464..6487 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
-    // rank 3 block 15: shares 6492..6515 ({step, share, of})
+    // rank 3 block 15: shares 6488..6511 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
-    // rank 3 block 16: shares 6516..6539 ({step, share, of})
+    // rank 3 block 16: shares 6512..6535 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
-    // rank 3 block 17: shares 6540..6563 ({step, share, of})
+    // rank 3 block 17: shares 6536..6559 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
-    // rank 3 block 18: shares 6564..6587 ({step, share, of})
+    // rank 3 block 18: shares 6560..6583 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
-    // rank 3 block 19: shares 6588..6611 ({step, share, of})
+    // rank 3 block 19: shares 6584..6607 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
-    // rank 3 block 20: shares 6612..6635 ({step, share, of})
+    // rank 3 block 20: shares 6608..6631 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
-    // rank 3 block 21: shares 6636..6659 ({step, share, of})
+    // rank 3 block 21: shares 6632..6655 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
-    // rank 3 block 22: shares 6660..6683 ({step, share, of})
+    // rank 3 block 22: shares 6656..6679 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
-    // rank 3 block 23: shares 6684..6707 ({step, share, of})
+    // rank 3 block 23: shares 6680..6703 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
-    // rank 3 block 24: shares 6708..6731 ({step, share, of})
+    // rank 3 block 24: shares 6704..6727 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
-    // rank 3 block 25: shares 6732..6755 ({step, share, of})
+    // rank 3 block 25: shares 6728..6751 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
-    // rank 3 block 26: shares 6756..6779 ({step, share, of})
+    // rank 3 block 26: shares 6752..6775 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
-    // rank 3 block 27: shares 6780..6803 ({step, share, of})
+    // rank 3 block 27: shares 6776..6799 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
-    // rank 3 block 28: shares 6804..6827 ({step, share, of})
+    // rank 3 block 28: shares 6800..6823 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
-    // rank 3 block 29: shares 6828..6851 ({step, share, of})
+    // rank 3 block 29: shares 6824..6847 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
-    // rank 3 block 30: shares 6852..6875 ({step, share, of})
+    // rank 3 block 30: shares 6848..6871 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
-    // rank 3 block 31: shares 6876..6899 ({step, share, of})
+    // rank 3 block 31: shares 6872..6895 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
-    // rank 3 block 32: shares 6900..6923 ({step, share, of})
+    // rank 3 block 32: shares 6896..6919 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
-    // rank 3 block 33: shares 6924..6947 ({step, share, of})
+    // rank 3 block 33: shares 6920..6943 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
-    // rank 3 block 34: shares 6948..6971 ({step, share, of})
+    // rank 3 block 34: shares 6944..6967 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
-    // rank 3 block 35: shares 6972..6995 ({step, share, of})
+    // rank 3 block 35: shares 6968..6991 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
-    // rank 3 block 36: shares 6996..7019 ({step, share, of})
+    // rank 3 block 36: shares 6992..7015 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
-    // rank 3 block 37: shares 7020..7043 ({step, share, of})
+    // rank 3 block 37: shares 7016..7039 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
-    // rank 3 block 38: shares 7044..7067 ({step, share, of})
+    // rank 3 block 38: shares 7040..7063 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
-    // rank 3 block 39: shares 7068..7091 ({step, share, of})
+    // rank 3 block 39: shares 7064..7087 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
-    // rank 3 block 40: shares 7092..7115 ({step, share, of})
+    // rank 3 block 40: shares 7088..7111 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
-    // rank 3 block 41: shares 7116..7139 ({step, share, of})
+    // rank 3 block 41: shares 7112..7135 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
-    // rank 3 block 42: shares 7140..7163 ({step, share, of})
+    // rank 3 block 42: shares 7136..7159 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
-    // rank 3 block 43: shares 7164..7187 ({step, share, of})
+    // rank 3 block 43: shares 7160..7183 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
-    // rank 3 block 44: shares 7188..7211 ({step, share, of})
+    // rank 3 block 44: shares 7184..7207 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
-    // rank 3 block 45: shares 7212..7235 ({step, share, of})
+    // rank 3 block 45: shares 7208..7231 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
-    // rank 3 block 46: shares 7236..7259 ({step, share, of})
+    // rank 3 block 46: shares 7232..7255 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
-    // rank 3 block 47: shares 7260..7283 ({step, share, of})
+    // rank 3 block 47: shares 7256..7279 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
-    // rank 3 block 48: shares 7284..7307 ({step, share, of})
+    // rank 3 block 48: shares 7280..7303 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
-    // rank 3 block 49: shares 7308..7331 ({step, share, of})
+    // rank 3 block 49: shares 7304..7327 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
-    // rank 3 block 50: shares 7332..7355 ({step, share, of})
+    // rank 3 block 50: shares 7328..7351 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
-    // rank 3 block 51: shares 7356..7379 ({step, share, of})
+    // rank 3 block 51: shares 7352..7375 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
-    // rank 3 block 52: shares 7380..7403 ({step, share, of})
+    // rank 3 block 52: shares 7376..7399 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
-    // rank 3 block 53: shares 7404..7427 ({step, share, of})
+    // rank 3 block 53: shares 7400..7423 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
-    // rank 3 block 54: shares 7428..7451 ({step, share, of})
+    // rank 3 block 54: shares 7424..7447 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
-    // rank 3 block 55: shares 7452..7475 ({step, share, of})
+    // rank 3 block 55: shares 7448..7471 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
-    // rank 3 block 56: shares 7476..7499 ({step, share, of})
+    // rank 3 block 56: shares 7472..7495 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
-    // rank 3 block 57: shares 7500..7523 ({step, share, of})
+    // rank 3 block 57: shares 7496..7519 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
-    // rank 3 block 58: shares 7524..7547 ({step, share, of})
+    // rank 3 block 58: shares 7520..7543 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
-    // rank 3 block 59: shares 7548..7571 ({step, share, of})
+    // rank 3 block 59: shares 7544..7567 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
-    // rank 3 block 60: shares 7572..7595 ({step, share, of})
+    // rank 3 block 60: shares 7568..7591 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
-    // rank 3 block 61: shares 7596..7619 ({step, share, of})
+    // rank 3 block 61: shares 7592..7615 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
-    // rank 3 block 62: shares 7620..7643 ({step, share, of})
+    // rank 3 block 62: shares 7616..7639 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
-    // rank 3 block 63: shares 7644..7667 ({step, share, of})
+    // rank 3 block 63: shares 7640..7663 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
-    // rank 3 block 64: shares 7668..7691 ({step, share, of})
+    // rank 3 block 64: shares 7664..7687 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
-    // rank 3 block 65: shares 7692..7699 ({step, share, of})
+    // rank 3 block 65: shares 7688..7695 ({step, share, of})
     {25, 0, 64}, {26, 0, 64}, {27, 0, 64}, {28, 0, 64}, {29, 0, 64}, {30, 0, 64}, {31, 0, 64}, {32, 0, 64},
-    // rank 3 block 66: shares 7700..7707 ({step, share, of})
+    // rank 3 block 66: shares 7696..7703 ({step, share, of})
     {25, 1, 64}, {26, 1, 64}, {27, 1, 64}, {28, 1, 64}, {29, 1, 64}, {30, 1, 64}, {31, 1, 64}, {32, 1, 64},
-    // rank 3 block 67: shares 7708..7715 ({step, share, of})
+    // rank 3 block 67: shares 7704..7711 ({step, share, of})
     {25, 2, 64}, {26, 2, 64}, {27, 2, 64}, {28, 2, 64}, {29, 2, 64}, {30, 2, 64}, {31, 2, 64}, {32, 2, 64},
-    // rank 3 block 68: shares 7716..7723 ({step, share, of})
+    // rank 3 block 68: shares 7712..7719 ({step, share, of})
     {25, 3, 64}, {26, 3, 64}, {27, 3, 64}, {28, 3, 64}, {29, 3, 64}, {30, 3, 64}, {31, 3, 64}, {32, 3, 64},
-    // rank 3 block 69: shares 7724..7731 ({step, share, of})
+    // rank 3 block 69: shares 7720..7727 ({step, share, of})
     {25, 4, 64}, {26, 4, 64}, {27, 4, 64}, {28, 4, 64}, {29, 4, 64}, {30, 4, 64}, {31, 4, 64}, {32, 4, 64},
-    // rank 3 block 70: shares 7732..7739 ({step, share, of})
+    // rank 3 block 70: shares 7728..7735 ({step, share, of})
     {25, 5, 64}, {26, 5, 64}, {27, 5, 64}, {28, 5, 64}, {29, 5, 64}, {30, 5, 64}, {31, 5, 64}, {32, 5, 64},
-    // rank 3 block 71: shares 7740..7747 ({step, share, of})
+    // rank 3 block 71: shares 7736..7743 ({step, share, of})
     {25, 6, 64}, {26, 6, 64}, {27, 6, 64}, {28, 6, 64}, {29, 6, 64}, {30, 6, 64}, {31, 6, 64}, {32, 6, 64},
-    // rank 3 block 72: shares 7748..7755 ({step, share, of})
+    // rank 3 block 72: shares 7744..7751 ({step, share, of})
     {25, 7, 64}, {26, 7, 64}, {27, 7, 64}, {28, 7, 64}, {29, 7, 64}, {30, 7, 64}, {31, 7, 64}, {32, 7, 64},
-    // rank 3 block 73: shares 7756..7763 ({step, share, of})
+    // rank 3 block 73: shares 7752..7759 ({step, share, of})
     {25, 8, 64}, {26, 8, 64}, {27, 8, 64}, {28, 8, 64}, {29, 8, 64}, {30, 8, 64}, {31, 8, 64}, {32, 8, 64},
-    // rank 3 block 74: shares 7764..7771 ({step, share, of})
+    // rank 3 block 74: shares 7760..7767 ({step, share, of})
     {25, 9, 64}, {26, 9, 64}, {27, 9, 64}, {28, 9, 64}, {29, 9, 64}, {30, 9, 64}, {31, 9, 64}, {32, 9, 64},
-    // rank 3 block 75: shares 7772..7779 ({step, share, of})
+    // rank 3 block 75: shares 7768..7775 ({step, share, of})
     {25, 10, 64}, {26, 10, 64}, {27, 10, 64}, {28, 10, 64}, {29, 10, 64}, {30, 10, 64}, {31, 10, 64}, {32, 10, 64},
-    // rank 3 block 76: shares 7780..7787 ({step, share, of})
+    // rank 3 block 76: shares 7776..7783 ({step, share, of})
     {25, 11, 64}, {26, 11, 64}, {27, 11, 64}, {28, 11, 64}, {29, 11, 64}, {30, 11, 64}, {31, 11, 64}, {32, 11, 64},
-    // rank 3 block 77: shares 7788..7795 ({step, share, of})
+    // rank 3 block 77: shares 7784..7791 ({step, share, of})
     {25, 12, 64}, {26, 12, 64}, {27, 12, 64}, {28, 12, 64}, {29, 12, 64}, {30, 12, 64}, {31, 12, 64}, {32, 12, 64},
-    // rank 3 block 78: shares 7796..7803 ({step, share, of})
+    // rank 3 block 78: shares 7792..7799 ({step, share, of})
     {25, 13, 64}, {26, 13, 64}, {27, 13, 64}, {28, 13, 64}, {29, 13, 64}, {30, 13, 64}, {31, 13, 64}, {32, 13, 64},
-    // rank 3 block 79: shares 7804..7811 ({step, share, of})
+    // rank 3 block 79: shares 7800..7807 ({step, share, of})
     {25, 14, 64}, {26, 14, 64}, {27, 14, 64}, {28, 14, 64}, {29, 14, 64}, {30, 14, 64}, {31, 14, 64}, {32, 14, 64},
-    // rank 3 block 80: shares 7812..7819 ({step, share, of})
+    // rank 3 block 80: shares 7808..7815 ({step, share, of})
     {25, 15, 64}, {26, 15, 64}, {27, 15, 64}, {28, 15, 64}, {29, 15, 64}, {30, 15, 64}, {31, 15, 64}, {32, 15, 64},
-    // rank 3 block 81: shares 7820..7827 ({step, share, of})
+    // rank 3 block 81: shares 7816..7823 ({step, share, of})
     {25, 16, 64}, {26, 16, 64}, {27, 16, 64}, {28, 16, 64}, {29, 16, 64}, {30, 16, 64}, {31, 16, 64}, {32, 16, 64},
-    // rank 3 block 82: shares 7828..7835 ({step, share, of})
+    // rank 3 block 82: shares 7824..7831 ({step, share, of})
     {25, 17, 64}, {26, 17, 64}, {27, 17, 64}, {28, 17, 64}, {29, 17, 64}, {30, 17, 64}, {31, 17, 64}, {32, 17, 64},
-    // rank 3 block 83: shares 7836..7843 ({step, share, of})
+    // rank 3 block 83: shares 7832..7839 ({step, share, of})
     {25, 18, 64}, {26, 18, 64}, {27, 18, 64}, {28, 18, 64}, {29, 18, 64}, {30, 18, 64}, {31, 18, 64}, {32, 18, 64},
-    // rank 3 block 84: shares 7844..7851 ({step, share, of})
+    // rank 3 block 84: shares 7840..7847 ({step, share, of})
     {25, 19, 64}, {26, 19, 64}, {27, 19, 64}, {28, 19, 64}, {29, 19, 64}, {30, 19, 64}, {31, 19, 64}, {32, 19, 64},
-    // rank 3 block 85: shares 7852..7859 ({step, share, of})
+    // rank 3 block 85: shares 7848..7855 ({step, share, of})
     {25, 20, 64}, {26, 20, 64}, {27, 20, 64}, {28, 20, 64}, {29, 20, 64}, {30, 20, 64}, {31, 20, 64}, {32, 20, 64},
-    // rank 3 block 86: shares 7860..7867 ({step, share, of})
+    // rank 3 block 86: shares 7856..7863 ({step, share, of})
     {25, 21, 64}, {26, 21, 64}, {27, 21, 64}, {28, 21, 64}, {29, 21, 64}, {30, 21, 64}, {31, 21, 64}, {32, 21, 64},
-    // rank 3 block 87: shares 7868..7875 ({step, share, of})
+    // rank 3 block 87: shares 7864..7871 ({step, share, of})
     {25, 22, 64}, {26, 22, 64}, {27, 22, 64}, {28, 22, 64}, {29, 22, 64}, {30, 22, 64}, {31, 22, 64}, {32, 22, 64},
-    // rank 3 block 88: shares 7876..7883 ({step, share, of})
+    // rank 3 block 88: shares 7872..7879 ({step, share, of})
     {25, 23, 64}, {26, 23, 64}, {27, 23, 64}, {28, 23, 64}, {29, 23, 64}, {30, 23, 64}, {31, 23, 64}, {32, 23, 64},
-    // rank 3 block 89: shares 7884..7891 ({step, share, of})
+    // rank 3 block 89: shares 7880..7887 ({step, share, of})
     {25, 24, 64}, {26, 24, 64}, {27, 24, 64}, {28, 24, 64}, {29, 24, 64}, {30, 24, 64}, {31, 24, 64}, {32, 24, 64},
-    // rank 3 block 90: shares 7892..7899 ({step, share, of})
+    // rank 3 block 90: shares 7888..7895 ({step, share, of})
     {25, 25, 64}, {26, 25, 64}, {27, 25, 64}, {28, 25, 64}, {29, 25, 64}, {30, 25, 64}, {31, 25, 64}, {32, 25, 64},
-    // rank 3 block 91: shares 7900..7907 ({step, share, of})
+    // rank 3 block 91: shares 7896..7903 ({step, share, of})
     {25, 26, 64}, {26, 26, 64}, {27, 26, 64}, {28, 26, 64}, {29, 26, 64}, {30, 26, 64}, {31, 26, 64}, {32, 26, 64},
-    // rank 3 block 92: shares 7908..7915 ({step, share, of})
+    // rank 3 block 92: shares 7904..7911 ({step, share, of})
     {25, 27, 64}, {26, 27, 64}, {27, 27, 64}, {28, 27, 64}, {29, 27, 64}, {30, 27, 64}, {31, 27, 64}, {32, 27, 64},
-    // rank 3 block 93: shares 7916..7923 ({step, share, of})
+    // rank 3 block 93: shares 7912..7919 ({step, share, of})
     {25, 28, 64}, {26, 28, 64}, {27, 28, 64}, {28, 28, 64}, {29, 28, 64}, {30, 28, 64}, {31, 28, 64}, {32, 28, 64},
-    // rank 3 block 94: shares 7924..7931 ({step, share, of})
+    // rank 3 block 94: shares 7920..7927 ({step, share, of})
     {25, 29, 64}, {26, 29, 64}, {27, 29, 64}, {28, 29, 64}, {29, 29, 64}, {30, 29, 64}, {31, 29, 64}, {32, 29, 64},
-    // rank 3 block 95: shares 7932..7939 ({step, share, of})
+    // rank 3 block 95: shares 7928..7935 ({step, share, of})
     {25, 30, 64}, {26, 30, 64}, {27, 30, 64}, {28, 30, 64}, {29, 30, 64}, {30, 30, 64}, {31, 30, 64}, {32, 30, 64},
-    // rank 3 block 96: shares 7940..7947 ({step, share, of})
+    // rank 3 block 96: shares 7936..7943 ({step, share, of})
     {25, 31, 64}, {26, 31, 64}, {27, 31, 64}, {28, 31, 64}, {29, 31, 64}, {30, 31, 64}, {31, 31, 64}, {32, 31, 64},
-    // rank 3 block 97: shares 7948..7955 ({step, share, of})
+    // rank 3 block 97: shares 7944..7951 ({step, share, of})
     {25, 32, 64}, {26, 32, 64}, {27, 32, 64}, {28, 32, 64}, {29, 32, 64}, {30, 32, 64}, {31, 32, 64}, {32, 32, 64},
-    // rank 3 block 98: shares 7956..7963 ({step, share, of})
+    // rank 3 block 98: shares 7952..7959 ({step, share, of})
     {25, 33, 64}, {26, 33, 64}, {27, 33, 64}, {28, 33, 64}, {29, 33, 64}, {30, 33, 64}, {31, 33, 64}, {32, 33, 64},
-    // rank 3 block 99: shares 7964..7971 ({step, share, of})
+    // rank 3 block 99: shares 7960..7967 ({step, share, of})
     {25, 34, 64}, {26, 34, 64}, {27, 34, 64}, {28, 34, 64}, {29, 34, 64}, {30, 34, 64}, {31, 34, 64}, {32, 34, 64},
-    // rank 3 block 100: shares 7972..7979 ({step, share, of})
+    // rank 3 block 100: shares 7968..7975 ({step, share, of})
     {25, 35, 64}, {26, 35, 64}, {27, 35, 64}, {28, 35, 64}, {29, 35, 64}, {30, 35, 64}, {31, 35, 64}, {32, 35, 64},
-    // rank 3 block 101: shares 7980..7987 ({step, share, of})
+    // rank 3 block 101: shares 7976..7983 ({step, share, of})
     {25, 36, 64}, {26, 36, 64}, {27, 36, 64}, {28, 36, 64}, {29, 36, 64}, {30, 36, 64}, {31, 36, 64}, {32, 36, 64},
-    // rank 3 block 102: shares 7988..7995 ({step, share, of})
+    // rank 3 block 102: shares 7984..7991 ({step, share, of})
     {25, 37, 64}, {26, 37, 64}, {27, 37, 64}, {28, 37, 64}, {29, 37, 64}, {30, 37, 64}, {31, 37, 64}, {32, 37, 64},
-    // rank 3 block 103: shares 7996..8003 ({step, share, of})
+    // rank 3 block 103: shares 7992..7999 ({step, share, of})
     {25, 38, 64}, {26, 38, 64}, {27, 38, 64}, {28, 38, 64}, {29, 38, 64}, {30, 38, 64}, {31, 38, 64}, {32, 38, 64},
-    // rank 3 block 104: shares 8004..8011 ({step, share, of})
+    // rank 3 block 104: shares 8000..8007 ({step, share, of})
     {25, 39, 64}, {26, 39, 64}, {27, 39, 64}, {28, 39, 64}, {29, 39, 64}, {30, 39, 64}, {31, 39, 64}, {32, 39, 64},
-    // rank 3 block 105: shares 8012..8019 ({step, share, of})
+    // rank 3 block 105: shares 8008..8015 ({step, share, of})
     {25, 40, 64}, {26, 40, 64}, {27, 40, 64}, {28, 40, 64}, {29, 40, 64}, {30, 40, 64}, {31, 40, 64}, {32, 40, 64},
-    // rank 3 block 106: shares 8020..8027 ({step, share, of})
+    // rank 3 block 106: shares 8016..8023 ({step, share, of})
     {25, 41, 64}, {26, 41, 64}, {27, 41, 64}, {28, 41, 64}, {29, 41, 64}, {30, 41, 64}, {31, 41, 64}, {32, 41, 64},
-    // rank 3 block 107: shares 8028..8035 ({step, share, of})
+    // rank 3 block 107: shares 8024..8031 ({step, share, of})
     {25, 42, 64}, {26, 42, 64}, {27, 42, 64}, {28, 42, 64}, {29, 42, 64}, {30, 42, 64}, {31, 42, 64}, {32, 42, 64},
-    // rank 3 block 108: shares 8036..8043 ({step, share, of})
+    // rank 3 block 108: shares 8032..8039 ({step, share, of})
     {25, 43, 64}, {26, 43, 64}, {27, 43, 64}, {28, 43, 64}, {29, 43, 64}, {30, 43, 64}, {31, 43, 64}, {32, 43, 64},
-    // rank 3 block 109: shares 8044..8051 ({step, share, of})
+    // rank 3 block 109: shares 8040..8047 ({step, share, of})
     {25, 44, 64}, {26, 44, 64}, {27, 44, 64}, {28, 44, 64}, {29, 44, 64}, {30, 44, 64}, {31, 44, 64}, {32, 44, 64},
-    // rank 3 block 110: shares 8052..8059 ({step, share, of})
+    // rank 3 block 110: shares 8048..8055 ({step, share, of})
     {25, 45, 64}, {26, 45, 64}, {27, 45, 64}, {28, 45, 64}, {29, 45, 64}, {30, 45, 64}, {31, 45, 64}, {32, 45, 64},
-    // rank 3 block 111: shares 8060..8067 ({step, share, of})
+    // rank 3 block 111: shares 8056..8063 ({step, share, of})
     {25, 46, 64}, {26, 46, 64}, {27, 46, 64}, {28, 46, 64}, {29, 46, 64}, {30, 46, 64}, {31, 46, 64}, {32, 46, 64},
-    // rank 3 block 112: shares 8068..8075 ({step, share, of})
+    // rank 3 block 112: shares 8064..8071 ({step, share, of})
     {25, 47, 64}, {26, 47, 64}, {27, 47, 64}, {28, 47, 64}, {29, 47, 64}, {30, 47, 64}, {31, 47, 64}, {32, 47, 64},
-    // rank 3 block 113: shares 8076..8083 ({step, share, of})
+    // rank 3 block 113: shares 8072..8079 ({step, share, of})
     {25, 48, 64}, {26, 48, 64}, {27, 48, 64}, {28, 48, 64}, {29, 48, 64}, {30, 48, 64}, {31, 48, 64}, {32, 48, 64},
-    // rank 3 block 114: shares 8084..8091 ({step, share, of})
+    // rank 3 block 114: shares 8080..8087 ({step, share, of})
     {25, 49, 64}, {26, 49, 64}, {27, 49, 64}, {28, 49, 64}, {29, 49, 64}, {30, 49, 64}, {31, 49, 64}, {32, 49, 64},
-    // rank 3 block 115: shares 8092..8099 ({step, share, of})
+    // rank 3 block 115: shares 8088..8095 ({step, share, of})
     {25, 50, 64}, {26, 50, 64}, {27, 50, 64}, {28, 50, 64}, {29, 50, 64}, {30, 50, 64}, {31, 50, 64}, {32, 50, 64},
-    // rank 3 block 116: shares 8100..8107 ({step, share, of})
+    // rank 3 block 116: shares 8096..8103 ({step, share, of})
     {25, 51, 64}, {26, 51, 64}, {27, 51, 64}, {28, 51, 64}, {29, 51, 64}, {30, 51, 64}, {31, 51, 64}, {32, 51, 64},
-    // rank 3 block 117: shares 8108..8115 ({step, share, of})
+    // rank 3 block 117: shares 8104..8111 ({step, share, of})
     {25, 52, 64}, {26, 52, 64}, {27, 52, 64}, {28, 52, 64}, {29, 52, 64}, {30, 52, 64}, {31, 52, 64}, {32, 52, 64},
-    // rank 3 block 118: shares 8116..8123 ({step, share, of})
+    // rank 3 block 118: shares 8112..8119 ({step, share, of})
     {25, 53, 64}, {26, 53, 64}, {27, 53, 64}, {28, 53, 64}, {29, 53, 64}, {30, 53, 64}, {31, 53, 64}, {32, 53, 64},
-    // rank 3 block 119: shares 8124..8131 ({step, share, of})
+    // rank 3 block 119: shares 8120..8127 ({step, share, of})
     {25, 54, 64}, {26, 54, 64}, {27, 54, 64}, {28, 54, 64}, {29, 54, 64}, {30, 54, 64}, {31, 54, 64}, {32, 54, 64},
-    // rank 3 block 120: shares 8132..8139 ({step, share, of})
+    // rank 3 block 120: shares 8128..8135 ({step, share, of})
     {25, 55, 64}, {26, 55, 64}, {27, 55, 64}, {28, 55, 64}, {29, 55, 64}, {30, 55, 64}, {31, 55, 64}, {32, 55, 64},
-    // rank 3 block 121: shares 8140..8147 ({step, share, of})
+    // rank 3 block 121: shares 8136..8143 ({step, share, of})
     {25, 56, 64}, {26, 56, 64}, {27, 56, 64}, {28, 56, 64}, {29, 56, 64}, {30, 56, 64}, {31, 56, 64}, {32, 56, 64},
-    // rank 3 block 122: shares 8148..8155 ({step, share, of})
+    // rank 3 block 122: shares 8144..8151 ({step, share, of})
     {25, 57, 64}, {26, 57, 64}, {27, 57, 64}, {28, 57, 64}, {29, 57, 64}, {30, 57, 64}, {31, 57, 64}, {32, 57, 64},
-    // rank 3 block 123: shares 8156..8163 ({step, share, of})
+    // rank 3 block 123: shares 8152..8159 ({step, share, of})
     {25, 58, 64}, {26, 58, 64}, {27, 58, 64}, {28, 58, 64}, {29, 58, 64}, {30, 58, 64}, {31, 58, 64}, {32, 58, 64},
-    // rank 3 block 124: shares 8164..8171 ({step, share, of})
+    // rank 3 block 124: shares 8160..8167 ({step, share, of})
     {25, 59, 64}, {26, 59, 64}, {27, 59, 64}, {28, 59, 64}, {29, 59, 64}, {30, 59, 64}, {31, 59, 64}, {32, 59, 64},
-    // rank 3 block 125: shares 8172..8179 ({step, share, of})
+    // rank 3 block 125: shares 8168..8175 ({step, share, of})
     {25, 60, 64}, {26, 60, 64}, {27, 60, 64}, {28, 60, 64}, {29, 60, 64}, {30, 60, 64}, {31, 60, 64}, {32, 60, 64},
-    // rank 3 block 126: shares 8180..8187 ({step, share, of})
+    // rank 3 block 126: shares 8176..8183 ({step, share, of})
     {25, 61, 64}, {26, 61, 64}, {27, 61, 64}, {28, 61, 64}, {29, 61, 64}, {30, 61, 64}, {31, 61, 64}, {32, 61, 64},
-    // rank 3 block 127: shares 8188..8195 ({step, share, of})
+    // rank 3 block 127: shares 8184..8191 ({step, share, of})
     {25, 62, 64}, {26, 62, 64}, {27, 62, 64}, {28, 62, 64}, {29, 62, 64}, {30, 62, 64}, {31, 62, 64}, {32, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][129] = {
-    { 0, 9, 33, 57, 81, 105, 129, 153, 177, 201, 225, 249, 273, 297, 321, 345, 369, 393, 417, 441, 465, 489, 513, 537, 561, 585, 609, 633, 657, 681, 705, 729, 753, 777, 801, 825, 849, 873, 897, 921, 945, 969, 993, 1017, 1041, 1065, 1089, 1113, 1137, 1161, 1185, 1209, 1233, 1257, 1281, 1305, 1329, 1353, 1377, 1401, 1425, 1449, 1473, 1497, 1521, 1545, 1553, 1561, 1569, 1577, 1585, 1593, 1601, 1609, 1617, 1625, 1633, 1641, 1649, 1657, 1665, 1673, 1681, 1689, 1697, 1705, 1713, 1721, 1729, 1737, 1745, 1753, 1761, 1769, 1777, 1785, 1793, 1801, 1809, 1817, 1825, 1833, 1841, 1849, 1857, 1865, 1873, 1881, 1889, 1897, 1905, 1913, 1921, 1929, 1937, 1945, 1953, 1961, 1969, 1977, 1985, 1993, 2001, 2009, 2017, 2025, 2033, 2041, 2049 },
-    { 2049, 2058, 2082, 2106, 2130, 2154, 2178, 2202, 2226, 2250, 2274, 2298, 2322, 2346, 2370, 2394, 2418, 2442, 2466, 2490, 2514, 2538, 2562, 2586, 2610, 2634, 2658, 2682, 2706, 2730, 2754, 2778, 2802, 2826, 2850, 2874, 2898, 2922, 2946, 2970, 2994, 3018, 3042, 3066, 3090, 3114, 3138, 3162, 3186, 3210, 3234, 3258, 3282, 3306, 3330, 3354, 3378, 3402, 3426, 3450, 3474, 3498, 3522, 3546, 3570, 3594, 3602, 3610, 3618, 3626, 3634, 3642, 3650, 3658, 3666, 3674, 3682, 3690, 3698, 3706, 3714, 3722, 3730, 3738, 3746, 3754, 3762, 3770, 3778, 3786, 3794, 3802, 3810, 3818, 3826, 3834, 3842, 3850, 3858, 3866, 3874, 3882, 3890, 3898, 3906, 3914, 3922, 3930, 3938, 3946, 3954, 3962, 3970, 3978, 3986, 3994, 4002, 4010, 4018, 4026, 4034, 4042, 4050, 4058, 4066, 4074, 4082, 4090, 4098 },
-    { 4098, 4107, 4131, 4155, 4179, 4203, 4227, 4251, 4275, 4299, 4323, 4347, 4371, 4395, 4419, 4443, 4467, 4491, 4515, 4539, 4563, 4587, 4611, 4635, 4659, 4683, 4707, 4731, 4755, 4779, 4803, 4827, 4851, 4875, 4899, 4923, 4947, 4971, 4995, 5019, 5043, 5067, 5091, 5115, 5139, 5163, 5187, 5211, 5235, 5259, 5283, 5307, 5331, 5355, 5379, 5403, 5427, 5451, 5475, 5499, 5523, 5547, 5571, 5595, 5619, 5643, 5651, 5659, 5667, 5675, 5683, 5691, 5699, 5707, 5715, 5723, 5731, 5739, 5747, 5755, 5763, 5771, 5779, 5787, 5795, 5803, 5811, 5819, 5827, 5835, 5843, 5851, 5859, 5867, 5875, 5883, 5891, 5899, 5907, 5915, 5923, 5931, 5939, 5947, 5955, 5963, 5971, 5979, 5987, 5995, 6003, 6011, 6019, 6027, 6035, 6043, 6051, 6059, 6067, 6075, 6083, 6091, 6099, 6107, 6115, 6123, 6131, 6139, 6147 },
-    { 6147, 6156, 6180, 6204, 6228, 6252, 6276, 6300, 6324, 6348, 6372, 6396, 6420, 6444, 6468, 6492, 6516, 6540, 6564, 6588, 6612, 6636, 6660, 6684, 6708, 6732, 6756, 6780, 6804, 6828, 6852, 6876, 6900, 6924, 6948, 6972, 6996, 7020, 7044, 7068, 7092, 7116, 7140, 7164, 7188, 7212, 7236, 7260, 7284, 7308, 7332, 7356, 7380, 7404, 7428, 7452, 7476, 7500, 7524, 7548, 7572, 7596, 7620, 7644, 7668, 7692, 7700, 7708, 7716, 7724, 7732, 7740, 7748, 7756, 7764, 7772, 7780, 7788, 7796, 7804, 7812, 7820, 7828, 7836, 7844, 7852, 7860, 7868, 7876, 7884, 7892, 7900, 7908, 7916, 7924, 7932, 7940, 7948, 7956, 7964, 7972, 7980, 7988, 7996, 8004, 8012, 8020, 8028, 8036, 8044, 8052, 8060, 8068, 8076, 8084, 8092, 8100, 8108, 8116, 8124, 8132, 8140, 8148, 8156, 8164, 8172, 8180, 8188, 8196 },
+    { 0, 8, 32, 56, 80, 104, 128, 152, 176, 200, 224, 248, 272, 296, 320, 344, 368, 392, 416, 440, 464, 488, 512, 536, 560, 584, 608, 632, 656, 680, 704, 728, 752, 776, 800, 824, 848, 872, 896, 920, 944, 968, 992, 1016, 1040, 1064, 1088, 1112, 1136, 1160, 1184, 1208, 1232, 1256, 1280, 1304, 1328, 1352, 1376, 1400, 1424, 1448, 1472, 1496, 1520, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1848, 1856, 1864, 1872, 1880, 1888, 1896, 1904, 1912, 1920, 1928, 1936, 1944, 1952, 1960, 1968, 1976, 1984, 1992, 2000, 2008, 2016, 2024, 2032, 2040, 2048 },
+    { 2048, 2056, 2080, 2104, 2128, 2152, 2176, 2200, 2224, 2248, 2272, 2296, 2320, 2344, 2368, 2392, 2416, 2440, 2464, 2488, 2512, 2536, 2560, 2584, 2608, 2632, 2656, 2680, 2704, 2728, 2752, 2776, 2800, 2824, 2848, 2872, 2896, 2920, 2944, 2968, 2992, 3016, 3040, 3064, 3088, 3112, 3136, 3160, 3184, 3208, 3232, 3256, 3280, 3304, 3328, 3352, 3376, 3400, 3424, 3448, 3472, 3496, 3520, 3544, 3568, 3592, 3600, 3608, 3616, 3624, 3632, 3640, 3648, 3656, 3664, 3672, 3680, 3688, 3696, 3704, 3712, 3720, 3728, 3736, 3744, 3752, 3760, 3768, 3776, 3784, 3792, 3800, 3808, 3816, 3824, 3832, 3840, 3848, 3856, 3864, 3872, 3880, 3888, 3896, 3904, 3912, 3920, 3928, 3936, 3944, 3952, 3960, 3968, 3976, 3984, 3992, 4000, 4008, 4016, 4024, 4032, 4040, 4048, 4056, 4064, 4072, 4080, 4088, 4096 },
+    { 4096, 4104, 4128, 4152, 4176, 4200, 4224, 4248, 4272, 4296, 4320, 4344, 4368, 4392, 4416, 4440, 4464, 4488, 4512, 4536, 4560, 4584, 4608, 4632, 4656, 4680, 4704, 4728, 4752, 4776, 4800, 4824, 4848, 4872, 4896, 4920, 4944, 4968, 4992, 5016, 5040, 5064, 5088, 5112, 5136, 5160, 5184, 5208, 5232, 5256, 5280, 5304, 5328, 5352, 5376, 5400, 5424, 5448, 5472, 5496, 5520, 5544, 5568, 5592, 5616, 5640, 5648, 5656, 5664, 5672, 5680, 5688, 5696, 5704, 5712, 5720, 5728, 5736, 5744, 5752, 5760, 5768, 5776, 5784, 5792, 5800, 5808, 5816, 5824, 5832, 5840, 5848, 5856, 5864, 5872, 5880, 5888, 5896, 5904, 5912, 5920, 5928, 5936, 5944, 5952, 5960, 5968, 5976, 5984, 5992, 6000, 6008, 6016, 6024, 6032, 6040, 6048, 6056, 6064, 6072, 6080, 6088, 6096, 6104, 6112, 6120, 6128, 6136, 6144 },
+    { 6144, 6152, 6176, 6200, 6224, 6248, 6272, 6296, 6320, 6344, 6368, 6392, 6416, 6440, 6464, 6488, 6512, 6536, 6560, 6584, 6608, 6632, 6656, 6680, 6704, 6728, 6752, 6776, 6800, 6824, 6848, 6872, 6896, 6920, 6944, 6968, 6992, 7016, 7040, 7064, 7088, 7112, 7136, 7160, 7184, 7208, 7232, 7256, 7280, 7304, 7328, 7352, 7376, 7400, 7424, 7448, 7472, 7496, 7520, 7544, 7568, 7592, 7616, 7640, 7664, 7688, 7696, 7704, 7712, 7720, 7728, 7736, 7744, 7752, 7760, 7768, 7776, 7784, 7792, 7800, 7808, 7816, 7824, 7832, 7840, 7848, 7856, 7864, 7872, 7880, 7888, 7896, 7904, 7912, 7920, 7928, 7936, 7944, 7952, 7960, 7968, 7976, 7984, 7992, 8000, 8008, 8016, 8024, 8032, 8040, 8048, 8056, 8064, 8072, 8080, 8088, 8096, 8104, 8112, 8120, 8128, 8136, 8144, 8152, 8160, 8168, 8176, 8184, 8192 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 32776 block shares over 128 blocks.
+// Plan for world size 8: 520 steps, 32768 block shares over 128 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
@@ -5757,10 +5753,9 @@ static __device__ const tsgen_step steps_w8[] = {
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 0: shares 0..8 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 0 block 1: shares 9..64 ({step, share, of})
+    // rank 0 block 0: shares 0..7 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 0 block 1: shares 8..63 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -5768,7 +5763,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 0 block 2: shares 65..120 ({step, share, of})
+    // rank 0 block 2: shares 64..119 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -5776,7 +5771,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 0 block 3: shares 121..176 ({step, share, of})
+    // rank 0 block 3: shares 120..175 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -5784,7 +5779,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 0 block 4: shares 177..232 ({step, share, of})
+    // rank 0 block 4: shares 176..231 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -5792,7 +5787,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 0 block 5: shares 233..288 ({step, share, of})
+    // rank 0 block 5: shares 232..287 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -5800,7 +5795,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 0 block 6: shares 289..344 ({step, share, of})
+    // rank 0 block 6: shares 288..343 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -5808,7 +5803,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 0 block 7: shares 345..400 ({step, share, of})
+    // rank 0 block 7: shares 344..399 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -5816,7 +5811,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 0 block 8: shares 401..456 ({step, share, of})
+    // rank 0 block 8: shares 400..455 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -5824,7 +5819,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 0 block 9: shares 457..512 ({step, share, of})
+    // rank 0 block 9: shares 456..511 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -5832,7 +5827,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 0 block 10: shares 513..568 ({step, share, of})
+    // rank 0 block 10: shares 512..567 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -5840,7 +5835,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 0 block 11: shares 569..624 ({step, share, of})
+    // rank 0 block 11: shares 568..623 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -5848,7 +5843,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 0 block 12: shares 625..680 ({step, share, of})
+    // rank 0 block 12: shares 624..679 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -5856,7 +5851,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 0 block 13: shares 681..736 ({step, share, of})
+    // rank 0 block 13: shares 680..735 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -5864,7 +5859,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 0 block 14: shares 737..792 ({step, share, of})
+    // rank 0 block 14: shares 736..791 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -5872,7 +5867,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 0 block 15: shares 793..848 ({step, share, of})
+    // rank 0 block 15: shares 792..847 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -5880,7 +5875,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 0 block 16: shares 849..904 ({step, share, of})
+    // rank 0 block 16: shares 848..903 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -5888,7 +5883,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 0 block 17: shares 905..960 ({step, share, of})
+    // rank 0 block 17: shares 904..959 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -5896,7 +5891,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 0 block 18: shares 961..1016 ({step, share, of})
+    // rank 0 block 18: shares 960..1015 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -5904,7 +5899,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 0 block 19: shares 1017..1072 ({step, share, of})
+    // rank 0 block 19: shares 1016..1071 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -5912,7 +5907,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 0 block 20: shares 1073..1128 ({step, share, of})
+    // rank 0 block 20: shares 1072..1127 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -5920,7 +5915,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 0 block 21: shares 1129..1184 ({step, share, of})
+    // rank 0 block 21: shares 1128..1183 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -5928,7 +5923,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 0 block 22: shares 1185..1240 ({step, share, of})
+    // rank 0 block 22: shares 1184..1239 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -5936,7 +5931,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 0 block 23: shares 1241..1296 ({step, share, of})
+    // rank 0 block 23: shares 1240..1295 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -5944,7 +5939,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 0 block 24: shares 1297..1352 ({step, share, of})
+    // rank 0 block 24: shares 1296..1351 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -5952,7 +5947,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 0 block 25: shares 1353..1408 ({step, share, of})
+    // rank 0 block 25: shares 1352..1407 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -5960,7 +5955,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 0 block 26: shares 1409..1464 ({step, share, of})
+    // rank 0 block 26: shares 1408..1463 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -5968,7 +5963,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 0 block 27: shares 1465..1520 ({step, share, of})
+    // rank 0 block 27: shares 1464..1519 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -5976,7 +5971,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 0 block 28: shares 1521..1576 ({step, share, of})
+    // rank 0 block 28: shares 1520..1575 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -5984,7 +5979,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 0 block 29: shares 1577..1632 ({step, share, of})
+    // rank 0 block 29: shares 1576..1631 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -5992,7 +5987,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 0 block 30: shares 1633..1688 ({step, share, of})
+    // rank 0 block 30: shares 1632..1687 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -6000,7 +5995,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 0 block 31: shares 1689..1744 ({step, share, of})
+    // rank 0 block 31: shares 1688..1743 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -6008,7 +6003,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 0 block 32: shares 1745..1800 ({step, share, of})
+    // rank 0 block 32: shares 1744..1799 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -6016,7 +6011,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 0 block 33: shares 1801..1856 ({step, share, of})
+    // rank 0 block 33: shares 1800..1855 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -6024,7 +6019,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 0 block 34: shares 1857..1912 ({step, share, of})
+    // rank 0 block 34: shares 1856..1911 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -6032,7 +6027,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 0 block 35: shares 1913..1968 ({step, share, of})
+    // rank 0 block 35: shares 1912..1967 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -6040,7 +6035,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 0 block 36: shares 1969..2024 ({step, share, of})
+    // rank 0 block 36: shares 1968..2023 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -6048,7 +6043,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 0 block 37: shares 2025..2080 ({step, share, of})
+    // rank 0 block 37: shares 2024..2079 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -6056,7 +6051,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 0 block 38: shares 2081..2136 ({step, share, of})
+    // rank 0 block 38: shares 2080..2135 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -6064,7 +6059,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 0 block 39: shares 2137..2192 ({step, share, of})
+    // rank 0 block 39: shares 2136..2191 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -6072,7 +6067,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 0 block 40: shares 2193..2248 ({step, share, of})
+    // rank 0 block 40: shares 2192..2247 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -6080,7 +6075,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 0 block 41: shares 2249..2304 ({step, share, of})
+    // rank 0 block 41: shares 2248..2303 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -6088,7 +6083,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 0 block 42: shares 2305..2360 ({step, share, of})
+    // rank 0 block 42: shares 2304..2359 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -6096,7 +6091,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 0 block 43: shares 2361..2416 ({step, share, of})
+    // rank 0 block 43: shares 2360..2415 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -6104,7 +6099,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 0 block 44: shares 2417..2472 ({step, share, of})
+    // rank 0 block 44: shares 2416..2471 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -6112,7 +6107,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 0 block 45: shares 2473..2528 ({step, share, of})
+    // rank 0 block 45: shares 2472..2527 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -6120,7 +6115,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 0 block 46: shares 2529..2584 ({step, share, of})
+    // rank 0 block 46: shares 2528..2583 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -6128,7 +6123,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 0 block 47: shares 2585..2640 ({step, share, of})
+    // rank 0 block 47: shares 2584..2639 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -6136,7 +6131,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 0 block 48: shares 2641..2696 ({step, share, of})
+    // rank 0 block 48: shares 2640..2695 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -6144,7 +6139,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 0 block 49: shares 2697..2752 ({step, share, of})
+    // rank 0 block 49: shares 2696..2751 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -6152,7 +6147,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 0 block 50: shares 2753..2808 ({step, share, of})
+    // rank 0 block 50: shares 2752..2807 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -6160,7 +6155,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 0 block 51: shares 2809..2864 ({step, share, of})
+    // rank 0 block 51: shares 2808..2863 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -6168,7 +6163,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 0 block 52: shares 2865..2920 ({step, share, of})
+    // rank 0 block 52: shares 2864..2919 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -6176,7 +6171,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 0 block 53: shares 2921..2976 ({step, share, of})
+    // rank 0 block 53: shares 2920..2975 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -6184,7 +6179,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 0 block 54: shares 2977..3032 ({step, share, of})
+    // rank 0 block 54: shares 2976..3031 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -6192,7 +6187,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 0 block 55: shares 3033..3088 ({step, share, of})
+    // rank 0 block 55: shares 3032..3087 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -6200,7 +6195,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 0 block 56: shares 3089..3144 ({step, share, of})
+    // rank 0 block 56: shares 3088..3143 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -6208,7 +6203,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 0 block 57: shares 3145..3200 ({step, share, of})
+    // rank 0 block 57: shares 3144..3199 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -6216,7 +6211,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 0 block 58: shares 3201..3256 ({step, share, of})
+    // rank 0 block 58: shares 3200..3255 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -6224,7 +6219,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 0 block 59: shares 3257..3312 ({step, share, of})
+    // rank 0 block 59: shares 3256..3311 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -6232,7 +6227,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 0 block 60: shares 3313..3368 ({step, share, of})
+    // rank 0 block 60: shares 3312..3367 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -6240,7 +6235,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 0 block 61: shares 3369..3424 ({step, share, of})
+    // rank 0 block 61: shares 3368..3423 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -6248,7 +6243,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 0 block 62: shares 3425..3480 ({step, share, of})
+    // rank 0 block 62: shares 3424..3479 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -6256,7 +6251,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 0 block 63: shares 3481..3536 ({step, share, of})
+    // rank 0 block 63: shares 3480..3535 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -6264,7 +6259,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 0 block 64: shares 3537..3592 ({step, share, of})
+    // rank 0 block 64: shares 3536..3591 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -6272,136 +6267,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 0 block 65: shares 3593..3600 ({step, share, of})
+    // rank 0 block 65: shares 3592..3599 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 0 block 66: shares 3601..3608 ({step, share, of})
+    // rank 0 block 66: shares 3600..3607 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 0 block 67: shares 3609..3616 ({step, share, of})
+    // rank 0 block 67: shares 3608..3615 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 0 block 68: shares 3617..3624 ({step, share, of})
+    // rank 0 block 68: shares 3616..3623 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 0 block 69: shares 3625..3632 ({step, share, of})
+    // rank 0 block 69: shares 3624..3631 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 0 block 70: shares 3633..3640 ({step, share, of})
+    // rank 0 block 70: shares 3632..3639 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 0 block 71: shares 3641..3648 ({step, share, of})
+    // rank 0 block 71: shares 3640..3647 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 0 block 72: shares 3649..3656 ({step, share, of})
+    // rank 0 block 72: shares 3648..3655 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 0 block 73: shares 3657..3664 ({step, share, of})
+    // rank 0 block 73: shares 3656..3663 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 0 block 74: shares 3665..3672 ({step, share, of})
+    // rank 0 block 74: shares 3664..3671 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 0 block 75: shares 3673..3680 ({step, share, of})
+    // rank 0 block 75: shares 3672..3679 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 0 block 76: shares 3681..3688 ({step, share, of})
+    // rank 0 block 76: shares 3680..3687 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 0 block 77: shares 3689..3696 ({step, share, of})
+    // rank 0 block 77: shares 3688..3695 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 0 block 78: shares 3697..3704 ({step, share, of})
+    // rank 0 block 78: shares 3696..3703 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 0 block 79: shares 3705..3712 ({step, share, of})
+    // rank 0 block 79: shares 3704..3711 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 0 block 80: shares 3713..3720 ({step, share, of})
+    // rank 0 block 80: shares 3712..3719 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 0 block 81: shares 3721..3728 ({step, share, of})
+    // rank 0 block 81: shares 3720..3727 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 0 block 82: shares 3729..3736 ({step, share, of})
+    // rank 0 block 82: shares 3728..3735 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 0 block 83: shares 3737..3744 ({step, share, of})
+    // rank 0 block 83: shares 3736..3743 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 0 block 84: shares 3745..3752 ({step, share, of})
+    // rank 0 block 84: shares 3744..3751 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 0 block 85: shares 3753..3760 ({step, share, of})
+    // rank 0 block 85: shares 3752..3759 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 0 block 86: shares 3761..3768 ({step, share, of})
+    // rank 0 block 86: shares 3760..3767 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 0 block 87: shares 3769..3776 ({step, share, of})
+    // rank 0 block 87: shares 3768..3775 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 0 block 88: shares 3777..3784 ({step, share, of})
+    // rank 0 block 88: shares 3776..3783 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 0 block 89: shares 3785..3792 ({step, share, of})
+    // rank 0 block 89: shares 3784..3791 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 0 block 90: shares 3793..3800 ({step, share, of})
+    // rank 0 block 90: shares 3792..3799 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 0 block 91: shares 3801..3808 ({step, share, of})
+    // rank 0 block 91: shares 3800..3807 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 0 block 92: shares 3809..3816 ({step, share, of})
+    // rank 0 block 92: shares 3808..3815 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 0 block 93: shares 3817..3824 ({step, share, of})
+    // rank 0 block 93: shares 3816..3823 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 0 block 94: shares 3825..3832 ({step, share, of})
+    // rank 0 block 94: shares 3824..3831 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 0 block 95: shares 3833..3840 ({step, share, of})
+    // rank 0 block 95: shares 3832..3839 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 0 block 96: shares 3841..3848 ({step, share, of})
+    // rank 0 block 96: shares 3840..3847 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 0 block 97: shares 3849..3856 ({step, share, of})
+    // rank 0 block 97: shares 3848..3855 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 0 block 98: shares 3857..3864 ({step, share, of})
+    // rank 0 block 98: shares 3856..3863 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 0 block 99: shares 3865..3872 ({step, share, of})
+    // rank 0 block 99: shares 3864..3871 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 0 block 100: shares 3873..3880 ({step, share, of})
+    // rank 0 block 100: shares 3872..3879 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 0 block 101: shares 3881..3888 ({step, share, of})
+    // rank 0 block 101: shares 3880..3887 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 0 block 102: shares 3889..3896 ({step, share, of})
+    // rank 0 block 102: shares 3888..3895 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 0 block 103: shares 3897..3904 ({step, share, of})
+    // rank 0 block 103: shares 3896..3903 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 0 block 104: shares 3905..3912 ({step, share, of})
+    // rank 0 block 104: shares 3904..3911 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 0 block 105: shares 3913..3920 ({step, share, of})
+    // rank 0 block 105: shares 3912..3919 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 0 block 106: shares 3921..3928 ({step, share, of})
+    // rank 0 block 106: shares 3920..3927 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 0 block 107: shares 3929..3936 ({step, share, of})
+    // rank 0 block 107: shares 3928..3935 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 0 block 108: shares 3937..3944 ({step, share, of})
+    // rank 0 block 108: shares 3936..3943 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 0 block 109: shares 3945..3952 ({step, share, of})
+    // rank 0 block 109: shares 3944..3951 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 0 block 110: shares 3953..3960 ({step, share, of})
+    // rank 0 block 110: shares 3952..3959 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 0 block 111: shares 3961..3968 ({step, share, of})
+    // rank 0 block 111: shares 3960..3967 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 0 block 112: shares 3969..3976 ({step, share, of})
+    // rank 0 block 112: shares 3968..3975 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 0 block 113: shares 3977..3984 ({step, share, of})
+    // rank 0 block 113: shares 3976..3983 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 0 block 114: shares 3985..3992 ({step, share, of})
+    // rank 0 block 114: shares 3984..3991 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 0 block 115: shares 3993..4000 ({step, share, of})
+    // rank 0 block 115: shares 3992..3999 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 0 block 116: shares 4001..4008 ({step, share, of})
+    // rank 0 block 116: shares 4000..4007 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 0 block 117: shares 4009..4016 ({step, share, of})
+    // rank 0 block 117: shares 4008..4015 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 0 block 118: shares 4017..4024 ({step, share, of})
+    // rank 0 block 118: shares 4016..4023 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 0 block 119: shares 4025..4032 ({step, share, of})
+    // rank 0 block 119: shares 4024..4031 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 0 block 120: shares 4033..4040 ({step, share, of})
+    // rank 0 block 120: shares 4032..4039 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 0 block 121: shares 4041..4048 ({step, share, of})
+    // rank 0 block 121: shares 4040..4047 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 0 block 122: shares 4049..4056 ({step, share, of})
+    // rank 0 block 122: shares 4048..4055 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 0 block 123: shares 4057..4064 ({step, share, of})
+    // rank 0 block 123: shares 4056..4063 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 0 block 124: shares 4065..4072 ({step, share, of})
+    // rank 0 block 124: shares 4064..4071 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 0 block 125: shares 4073..4080 ({step, share, of})
+    // rank 0 block 125: shares 4072..4079 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 0 block 126: shares 4081..4088 ({step, share, of})
+    // rank 0 block 126: shares 4080..4087 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 0 block 127: shares 4089..4096 ({step, share, of})
+    // rank 0 block 127: shares 4088..4095 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 1 block 0: shares 4097..4105 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 1 block 1: shares 4106..4161 ({step, share, of})
+    // rank 1 block 0: shares 4096..4103 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 1 block 1: shares 4104..4159 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -6409,7 +6403,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 1 block 2: shares 4162..4217 ({step, share, of})
+    // rank 1 block 2: shares 4160..4215 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -6417,7 +6411,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 1 block 3: shares 4218..4273 ({step, share, of})
+    // rank 1 block 3: shares 4216..4271 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -6425,7 +6419,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 1 block 4: shares 4274..4329 ({step, share, of})
+    // rank 1 block 4: shares 4272..4327 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -6433,7 +6427,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 1 block 5: shares 4330..4385 ({step, share, of})
+    // rank 1 block 5: shares 4328..4383 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -6441,7 +6435,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 1 block 6: shares 4386..4441 ({step, share, of})
+    // rank 1 block 6: shares 4384..4439 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -6449,7 +6443,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 1 block 7: shares 4442..4497 ({step, share, of})
+    // rank 1 block 7: shares 4440..4495 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -6457,7 +6451,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 1 block 8: shares 4498..4553 ({step, share, of})
+    // rank 1 block 8: shares 4496..4551 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -6465,7 +6459,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 1 block 9: shares 4554..4609 ({step, share, of})
+    // rank 1 block 9: shares 4552..4607 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -6473,7 +6467,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 1 block 10: shares 4610..4665 ({step, share, of})
+    // rank 1 block 10: shares 4608..4663 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -6481,7 +6475,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 1 block 11: shares 4666..4721 ({step, share, of})
+    // rank 1 block 11: shares 4664..4719 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -6489,7 +6483,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 1 block 12: shares 4722..4777 ({step, share, of})
+    // rank 1 block 12: shares 4720..4775 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -6497,7 +6491,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 1 block 13: shares 4778..4833 ({step, share, of})
+    // rank 1 block 13: shares 4776..4831 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -6505,7 +6499,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 1 block 14: shares 4834..4889 ({step, share, of})
+    // rank 1 block 14: shares 4832..4887 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -6513,7 +6507,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 1 block 15: shares 4890..4945 ({step, share, of})
+    // rank 1 block 15: shares 4888..4943 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -6521,7 +6515,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 1 block 16: shares 4946..5001 ({step, share, of})
+    // rank 1 block 16: shares 4944..4999 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -6529,7 +6523,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 1 block 17: shares 5002..5057 ({step, share, of})
+    // rank 1 block 17: shares 5000..5055 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -6537,7 +6531,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 1 block 18: shares 5058..5113 ({step, share, of})
+    // rank 1 block 18: shares 5056..5111 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -6545,7 +6539,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 1 block 19: shares 5114..5169 ({step, share, of})
+    // rank 1 block 19: shares 5112..5167 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -6553,7 +6547,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 1 block 20: shares 5170..5225 ({step, share, of})
+    // rank 1 block 20: shares 5168..5223 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -6561,7 +6555,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 1 block 21: shares 5226..5281 ({step, share, of})
+    // rank 1 block 21: shares 5224..5279 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -6569,7 +6563,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 1 block 22: shares 5282..5337 ({step, share, of})
+    // rank 1 block 22: shares 5280..5335 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -6577,7 +6571,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 1 block 23: shares 5338..5393 ({step, share, of})
+    // rank 1 block 23: shares 5336..5391 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -6585,7 +6579,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 1 block 24: shares 5394..5449 ({step, share, of})
+    // rank 1 block 24: shares 5392..5447 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -6593,7 +6587,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 1 block 25: shares 5450..5505 ({step, share, of})
+    // rank 1 block 25: shares 5448..5503 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -6601,7 +6595,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 1 block 26: shares 5506..5561 ({step, share, of})
+    // rank 1 block 26: shares 5504..5559 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -6609,7 +6603,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 1 block 27: shares 5562..5617 ({step, share, of})
+    // rank 1 block 27: shares 5560..5615 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -6617,7 +6611,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 1 block 28: shares 5618..5673 ({step, share, of})
+    // rank 1 block 28: shares 5616..5671 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -6625,7 +6619,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 1 block 29: shares 5674..5729 ({step, share, of})
+    // rank 1 block 29: shares 5672..5727 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -6633,7 +6627,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 1 block 30: shares 5730..5785 ({step, share, of})
+    // rank 1 block 30: shares 5728..5783 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -6641,7 +6635,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 1 block 31: shares 5786..5841 ({step, share, of})
+    // rank 1 block 31: shares 5784..5839 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -6649,7 +6643,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 1 block 32: shares 5842..5897 ({step, share, of})
+    // rank 1 block 32: shares 5840..5895 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -6657,7 +6651,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 1 block 33: shares 5898..5953 ({step, share, of})
+    // rank 1 block 33: shares 5896..5951 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -6665,7 +6659,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 1 block 34: shares 5954..6009 ({step, share, of})
+    // rank 1 block 34: shares 5952..6007 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -6673,7 +6667,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 1 block 35: shares 6010..6065 ({step, share, of})
+    // rank 1 block 35: shares 6008..6063 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -6681,7 +6675,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 1 block 36: shares 6066..6121 ({step, share, of})
+    // rank 1 block 36: shares 6064..6119 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -6689,7 +6683,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 1 block 37: shares 6122..6177 ({step, share, of})
+    // rank 1 block 37: shares 6120..6175 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -6697,7 +6691,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 1 block 38: shares 6178..6233 ({step, share, of})
+    // rank 1 block 38: shares 6176..6231 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -6705,7 +6699,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 1 block 39: shares 6234..6289 ({step, share, of})
+    // rank 1 block 39: shares 6232..6287 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -6713,7 +6707,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 1 block 40: shares 6290..6345 ({step, share, of})
+    // rank 1 block 40: shares 6288..6343 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -6721,7 +6715,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 1 block 41: shares 6346..6401 ({step, share, of})
+    // rank 1 block 41: shares 6344..6399 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -6729,7 +6723,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 1 block 42: shares 6402..6457 ({step, share, of})
+    // rank 1 block 42: shares 6400..6455 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -6737,7 +6731,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 1 block 43: shares 6458..6513 ({step, share, of})
+    // rank 1 block 43: shares 6456..6511 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -6745,7 +6739,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 1 block 44: shares 6514..6569 ({step, share, of})
+    // rank 1 block 44: shares 6512..6567 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -6753,7 +6747,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 1 block 45: shares 6570..6625 ({step, share, of})
+    // rank 1 block 45: shares 6568..6623 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -6761,7 +6755,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 1 block 46: shares 6626..6681 ({step, share, of})
+    // rank 1 block 46: shares 6624..6679 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -6769,7 +6763,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 1 block 47: shares 6682..6737 ({step, share, of})
+    // rank 1 block 47: shares 6680..6735 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -6777,7 +6771,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 1 block 48: shares 6738..6793 ({step, share, of})
+    // rank 1 block 48: shares 6736..6791 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -6785,7 +6779,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 1 block 49: shares 6794..6849 ({step, share, of})
+    // rank 1 block 49: shares 6792..6847 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -6793,7 +6787,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 1 block 50: shares 6850..6905 ({step, share, of})
+    // rank 1 block 50: shares 6848..6903 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -6801,7 +6795,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 1 block 51: shares 6906..6961 ({step, share, of})
+    // rank 1 block 51: shares 6904..6959 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -6809,7 +6803,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 1 block 52: shares 6962..7017 ({step, share, of})
+    // rank 1 block 52: shares 6960..7015 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -6817,7 +6811,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 1 block 53: shares 7018..7073 ({step, share, of})
+    // rank 1 block 53: shares 7016..7071 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -6825,7 +6819,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 1 block 54: shares 7074..7129 ({step, share, of})
+    // rank 1 block 54: shares 7072..7127 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -6833,7 +6827,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 1 block 55: shares 7130..7185 ({step, share, of})
+    // rank 1 block 55: shares 7128..7183 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -6841,7 +6835,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 1 block 56: shares 7186..7241 ({step, share, of})
+    // rank 1 block 56: shares 7184..7239 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -6849,7 +6843,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 1 block 57: shares 7242..7297 ({step, share, of})
+    // rank 1 block 57: shares 7240..7295 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -6857,7 +6851,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 1 block 58: shares 7298..7353 ({step, share, of})
+    // rank 1 block 58: shares 7296..7351 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -6865,7 +6859,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 1 block 59: shares 7354..7409 ({step, share, of})
+    // rank 1 block 59: shares 7352..7407 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -6873,7 +6867,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 1 block 60: shares 7410..7465 ({step, share, of})
+    // rank 1 block 60: shares 7408..7463 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -6881,7 +6875,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 1 block 61: shares 7466..7521 ({step, share, of})
+    // rank 1 block 61: shares 7464..7519 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -6889,7 +6883,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 1 block 62: shares 7522..7577 ({step, share, of})
+    // rank 1 block 62: shares 7520..7575 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -6897,7 +6891,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 1 block 63: shares 7578..7633 ({step, share, of})
+    // rank 1 block 63: shares 7576..7631 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -6905,7 +6899,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 1 block 64: shares 7634..7689 ({step, share, of})
+    // rank 1 block 64: shares 7632..7687 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -6913,136 +6907,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 1 block 65: shares 7690..7697 ({step, share, of})
+    // rank 1 block 65: shares 7688..7695 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 1 block 66: shares 7698..7705 ({step, share, of})
+    // rank 1 block 66: shares 7696..7703 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 1 block 67: shares 7706..7713 ({step, share, of})
+    // rank 1 block 67: shares 7704..7711 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 1 block 68: shares 7714..7721 ({step, share, of})
+    // rank 1 block 68: shares 7712..7719 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 1 block 69: shares 7722..7729 ({step, share, of})
+    // rank 1 block 69: shares 7720..7727 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 1 block 70: shares 7730..7737 ({step, share, of})
+    // rank 1 block 70: shares 7728..7735 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 1 block 71: shares 7738..7745 ({step, share, of})
+    // rank 1 block 71: shares 7736..7743 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 1 block 72: shares 7746..7753 ({step, share, of})
+    // rank 1 block 72: shares 7744..7751 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 1 block 73: shares 7754..7761 ({step, share, of})
+    // rank 1 block 73: shares 7752..7759 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 1 block 74: shares 7762..7769 ({step, share, of})
+    // rank 1 block 74: shares 7760..7767 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 1 block 75: shares 7770..7777 ({step, share, of})
+    // rank 1 block 75: shares 7768..7775 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 1 block 76: shares 7778..7785 ({step, share, of})
+    // rank 1 block 76: shares 7776..7783 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 1 block 77: shares 7786..7793 ({step, share, of})
+    // rank 1 block 77: shares 7784..7791 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 1 block 78: shares 7794..7801 ({step, share, of})
+    // rank 1 block 78: shares 7792..7799 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 1 block 79: shares 7802..7809 ({step, share, of})
+    // rank 1 block 79: shares 7800..7807 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 1 block 80: shares 7810..7817 ({step, share, of})
+    // rank 1 block 80: shares 7808..7815 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 1 block 81: shares 7818..7825 ({step, share, of})
+    // rank 1 block 81: shares 7816..7823 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 1 block 82: shares 7826..7833 ({step, share, of})
+    // rank 1 block 82: shares 7824..7831 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 1 block 83: shares 7834..7841 ({step, share, of})
+    // rank 1 block 83: shares 7832..7839 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 1 block 84: shares 7842..7849 ({step, share, of})
+    // rank 1 block 84: shares 7840..7847 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 1 block 85: shares 7850..7857 ({step, share, of})
+    // rank 1 block 85: shares 7848..7855 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 1 block 86: shares 7858..7865 ({step, share, of})
+    // rank 1 block 86: shares 7856..7863 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 1 block 87: shares 7866..7873 ({step, share, of})
+    // rank 1 block 87: shares 7864..7871 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 1 block 88: shares 7874..7881 ({step, share, of})
+    // rank 1 block 88: shares 7872..7879 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 1 block 89: shares 7882..7889 ({step, share, of})
+    // rank 1 block 89: shares 7880..7887 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 1 block 90: shares 7890..7897 ({step, share, of})
+    // rank 1 block 90: shares 7888..7895 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 1 block 91: shares 7898..7905 ({step, share, of})
+    // rank 1 block 91: shares 7896..7903 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 1 block 92: shares 7906..7913 ({step, share, of})
+    // rank 1 block 92: shares 7904..7911 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 1 block 93: shares 7914..7921 ({step, share, of})
+    // rank 1 block 93: shares 7912..7919 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 1 block 94: shares 7922..7929 ({step, share, of})
+    // rank 1 block 94: shares 7920..7927 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 1 block 95: shares 7930..7937 ({step, share, of})
+    // rank 1 block 95: shares 7928..7935 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 1 block 96: shares 7938..7945 ({step, share, of})
+    // rank 1 block 96: shares 7936..7943 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 1 block 97: shares 7946..7953 ({step, share, of})
+    // rank 1 block 97: shares 7944..7951 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 1 block 98: shares 7954..7961 ({step, share, of})
+    // rank 1 block 98: shares 7952..7959 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 1 block 99: shares 7962..7969 ({step, share, of})
+    // rank 1 block 99: shares 7960..7967 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 1 block 100: shares 7970..7977 ({step, share, of})
+    // rank 1 block 100: shares 7968..7975 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 1 block 101: shares 7978..7985 ({step, share, of})
+    // rank 1 block 101: shares 7976..7983 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 1 block 102: shares 7986..7993 ({step, share, of})
+    // rank 1 block 102: shares 7984..7991 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 1 block 103: shares 7994..8001 ({step, share, of})
+    // rank 1 block 103: shares 7992..7999 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 1 block 104: shares 8002..8009 ({step, share, of})
+    // rank 1 block 104: shares 8000..8007 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 1 block 105: shares 8010..8017 ({step, share, of})
+    // rank 1 block 105: shares 8008..8015 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 1 block 106: shares 8018..8025 ({step, share, of})
+    // rank 1 block 106: shares 8016..8023 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 1 block 107: shares 8026..8033 ({step, share, of})
+    // rank 1 block 107: shares 8024..8031 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 1 block 108: shares 8034..8041 ({step, share, of})
+    // rank 1 block 108: shares 8032..8039 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 1 block 109: shares 8042..8049 ({step, share, of})
+    // rank 1 block 109: shares 8040..8047 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 1 block 110: shares 8050..8057 ({step, share, of})
+    // rank 1 block 110: shares 8048..8055 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 1 block 111: shares 8058..8065 ({step, share, of})
+    // rank 1 block 111: shares 8056..8063 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 1 block 112: shares 8066..8073 ({step, share, of})
+    // rank 1 block 112: shares 8064..8071 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 1 block 113: shares 8074..8081 ({step, share, of})
+    // rank 1 block 113: shares 8072..8079 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 1 block 114: shares 8082..8089 ({step, share, of})
+    // rank 1 block 114: shares 8080..8087 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 1 block 115: shares 8090..8097 ({step, share, of})
+    // rank 1 block 115: shares 8088..8095 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 1 block 116: shares 8098..8105 ({step, share, of})
+    // rank 1 block 116: shares 8096..8103 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 1 block 117: shares 8106..8113 ({step, share, of})
+    // rank 1 block 117: shares 8104..8111 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 1 block 118: shares 8114..8121 ({step, share, of})
+    // rank 1 block 118: shares 8112..8119 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 1 block 119: shares 8122..8129 ({step, share, of})
+    // rank 1 block 119: shares 8120..8127 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 1 block 120: shares 8130..8137 ({step, share, of})
+    // rank 1 block 120: shares 8128..8135 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 1 block 121: shares 8138..8145 ({step, share, of})
+    // rank 1 block 121: shares 8136..8143 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 1 block 122: shares 8146..8153 ({step, share, of})
+    // rank 1 block 122: shares 8144..8151 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 1 block 123: shares 8154..8161 ({step, share, of})
+    // rank 1 block 123: shares 8152..8159 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 1 block 124: shares 8162..8169 ({step, share, of})
+    // rank 1 block 124: shares 8160..8167 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 1 block 125: shares 8170..8177 ({step, share, of})
+    // rank 1 block 125: shares 8168..8175 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 1 block 126: shares 8178..8185 ({step, share, of})
+    // rank 1 block 126: shares 8176..8183 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 1 block 127: shares 8186..8193 ({step, share, of})
+    // rank 1 block 127: shares 8184..8191 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 2 block 0: shares 8194..8202 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 2 block 1: shares 8203..8258 ({step, share, of})
+    // rank 2 block 0: shares 8192..8199 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 2 block 1: shares 8200..8255 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -7050,7 +7043,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 2 block 2: shares 8259..8314 ({step, share, of})
+    // rank 2 block 2: shares 8256..8311 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -7058,7 +7051,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 2 block 3: shares 8315..8370 ({step, share, of})
+    // rank 2 block 3: shares 8312..8367 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -7066,7 +7059,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 2 block 4: shares 8371..8426 ({step, share, of})
+    // rank 2 block 4: shares 8368..8423 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -7074,7 +7067,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 2 block 5: shares 8427..8482 ({step, share, of})
+    // rank 2 block 5: shares 8424..8479 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -7082,7 +7075,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 2 block 6: shares 8483..8538 ({step, share, of})
+    // rank 2 block 6: shares 8480..8535 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -7090,7 +7083,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 2 block 7: shares 8539..8594 ({step, share, of})
+    // rank 2 block 7: shares 8536..8591 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -7098,7 +7091,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 2 block 8: shares 8595..8650 ({step, share, of})
+    // rank 2 block 8: shares 8592..8647 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -7106,7 +7099,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 2 block 9: shares 8651..8706 ({step, share, of})
+    // rank 2 block 9: shares 8648..8703 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -7114,7 +7107,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 2 block 10: shares 8707..8762 ({step, share, of})
+    // rank 2 block 10: shares 8704..8759 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -7122,7 +7115,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 2 block 11: shares 8763..8818 ({step, share, of})
+    // rank 2 block 11: shares 8760..8815 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -7130,7 +7123,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 2 block 12: shares 8819..8874 ({step, share, of})
+    // rank 2 block 12: shares 8816..8871 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -7138,7 +7131,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 2 block 13: shares 8875..8930 ({step, share, of})
+    // rank 2 block 13: shares 8872..8927 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -7146,7 +7139,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 2 block 14: shares 8931..8986 ({step, share, of})
+    // rank 2 block 14: shares 8928..8983 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -7154,7 +7147,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 2 block 15: shares 8987..9042 ({step, share, of})
+    // rank 2 block 15: shares 8984..9039 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -7162,7 +7155,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 2 block 16: shares 9043..9098 ({step, share, of})
+    // rank 2 block 16: shares 9040..9095 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -7170,7 +7163,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 2 block 17: shares 9099..9154 ({step, share, of})
+    // rank 2 block 17: shares 9096..9151 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -7178,7 +7171,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 2 block 18: shares 9155..9210 ({step, share, of})
+    // rank 2 block 18: shares 9152..9207 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -7186,7 +7179,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 2 block 19: shares 9211..9266 ({step, share, of})
+    // rank 2 block 19: shares 9208..9263 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -7194,7 +7187,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 2 block 20: shares 9267..9322 ({step, share, of})
+    // rank 2 block 20: shares 9264..9319 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -7202,7 +7195,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 2 block 21: shares 9323..9378 ({step, share, of})
+    // rank 2 block 21: shares 9320..9375 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -7210,7 +7203,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 2 block 22: shares 9379..9434 ({step, share, of})
+    // rank 2 block 22: shares 9376..9431 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -7218,7 +7211,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 2 block 23: shares 9435..9490 ({step, share, of})
+    // rank 2 block 23: shares 9432..9487 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -7226,7 +7219,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 2 block 24: shares 9491..9546 ({step, share, of})
+    // rank 2 block 24: shares 9488..9543 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -7234,7 +7227,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 2 block 25: shares 9547..9602 ({step, share, of})
+    // rank 2 block 25: shares 9544..9599 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -7242,7 +7235,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 2 block 26: shares 9603..9658 ({step, share, of})
+    // rank 2 block 26: shares 9600..9655 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -7250,7 +7243,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 2 block 27: shares 9659..9714 ({step, share, of})
+    // rank 2 block 27: shares 9656..9711 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -7258,7 +7251,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 2 block 28: shares 9715..9770 ({step, share, of})
+    // rank 2 block 28: shares 9712..9767 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -7266,7 +7259,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 2 block 29: shares 9771..9826 ({step, share, of})
+    // rank 2 block 29: shares 9768..9823 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -7274,7 +7267,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 2 block 30: shares 9827..9882 ({step, share, of})
+    // rank 2 block 30: shares 9824..9879 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -7282,7 +7275,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 2 block 31: shares 9883..9938 ({step, share, of})
+    // rank 2 block 31: shares 9880..9935 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -7290,7 +7283,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 2 block 32: shares 9939..9994 ({step, share, of})
+    // rank 2 block 32: shares 9936..9991 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -7298,7 +7291,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 2 block 33: shares 9995..10050 ({step, share, of})
+    // rank 2 block 33: shares 9992..10047 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -7306,7 +7299,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 2 block 34: shares 10051..10106 ({step, share, of})
+    // rank 2 block 34: shares 10048..10103 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -7314,7 +7307,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 2 block 35: shares 10107..10162 ({step, share, of})
+    // rank 2 block 35: shares 10104..10159 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -7322,7 +7315,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 2 block 36: shares 10163..10218 ({step, share, of})
+    // rank 2 block 36: shares 10160..10215 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -7330,7 +7323,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 2 block 37: shares 10219..10274 ({step, share, of})
+    // rank 2 block 37: shares 10216..10271 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -7338,7 +7331,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 2 block 38: shares 10275..10330 ({step, share, of})
+    // rank 2 block 38: shares 10272..10327 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -7346,7 +7339,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 2 block 39: shares 10331..10386 ({step, share, of})
+    // rank 2 block 39: shares 10328..10383 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -7354,7 +7347,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 2 block 40: shares 10387..10442 ({step, share, of})
+    // rank 2 block 40: shares 10384..10439 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -7362,7 +7355,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 2 block 41: shares 10443..10498 ({step, share, of})
+    // rank 2 block 41: shares 10440..10495 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -7370,7 +7363,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 2 block 42: shares 10499..10554 ({step, share, of})
+    // rank 2 block 42: shares 10496..10551 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -7378,7 +7371,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 2 block 43: shares 10555..10610 ({step, share, of})
+    // rank 2 block 43: shares 10552..10607 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -7386,7 +7379,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 2 block 44: shares 10611..10666 ({step, share, of})
+    // rank 2 block 44: shares 10608..10663 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -7394,7 +7387,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 2 block 45: shares 10667..10722 ({step, share, of})
+    // rank 2 block 45: shares 10664..10719 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -7402,7 +7395,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 2 block 46: shares 10723..10778 ({step, share, of})
+    // rank 2 block 46: shares 10720..10775 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -7410,7 +7403,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 2 block 47: shares 10779..10834 ({step, share, of})
+    // rank 2 block 47: shares 10776..10831 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -7418,7 +7411,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 2 block 48: shares 10835..10890 ({step, share, of})
+    // rank 2 block 48: shares 10832..10887 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -7426,7 +7419,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 2 block 49: shares 10891..10946 ({step, share, of})
+    // rank 2 block 49: shares 10888..10943 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -7434,7 +7427,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 2 block 50: shares 10947..11002 ({step, share, of})
+    // rank 2 block 50: shares 10944..10999 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -7442,7 +7435,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 2 block 51: shares 11003..11058 ({step, share, of})
+    // rank 2 block 51: shares 11000..11055 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -7450,7 +7443,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 2 block 52: shares 11059..11114 ({step, share, of})
+    // rank 2 block 52: shares 11056..11111 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -7458,7 +7451,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 2 block 53: shares 11115..11170 ({step, share, of})
+    // rank 2 block 53: shares 11112..11167 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -7466,7 +7459,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 2 block 54: shares 11171..11226 ({step, share, of})
+    // rank 2 block 54: shares 11168..11223 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -7474,7 +7467,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 2 block 55: shares 11227..11282 ({step, share, of})
+    // rank 2 block 55: shares 11224..11279 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -7482,7 +7475,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 2 block 56: shares 11283..11338 ({step, share, of})
+    // rank 2 block 56: shares 11280..11335 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -7490,7 +7483,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 2 block 57: shares 11339..11394 ({step, share, of})
+    // rank 2 block 57: shares 11336..11391 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -7498,7 +7491,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 2 block 58: shares 11395..11450 ({step, share, of})
+    // rank 2 block 58: shares 11392..11447 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -7506,7 +7499,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 2 block 59: shares 11451..11506 ({step, share, of})
+    // rank 2 block 59: shares 11448..11503 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -7514,7 +7507,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 2 block 60: shares 11507..11562 ({step, share, of})
+    // rank 2 block 60: shares 11504..11559 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -7522,7 +7515,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 2 block 61: shares 11563..11618 ({step, share, of})
+    // rank 2 block 61: shares 11560..11615 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -7530,7 +7523,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 2 block 62: shares 11619..11674 ({step, share, of})
+    // rank 2 block 62: shares 11616..11671 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -7538,7 +7531,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 2 block 63: shares 11675..11730 ({step, share, of})
+    // rank 2 block 63: shares 11672..11727 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -7546,7 +7539,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 2 block 64: shares 11731..11786 ({step, share, of})
+    // rank 2 block 64: shares 11728..11783 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -7554,136 +7547,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 2 block 65: shares 11787..11794 ({step, share, of})
+    // rank 2 block 65: shares 11784..11791 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 2 block 66: shares 11795..11802 ({step, share, of})
+    // rank 2 block 66: shares 11792..11799 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 2 block 67: shares 11803..11810 ({step, share, of})
+    // rank 2 block 67: shares 11800..11807 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 2 block 68: shares 11811..11818 ({step, share, of})
+    // rank 2 block 68: shares 11808..11815 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 2 block 69: shares 11819..11826 ({step, share, of})
+    // rank 2 block 69: shares 11816..11823 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 2 block 70: shares 11827..11834 ({step, share, of})
+    // rank 2 block 70: shares 11824..11831 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 2 block 71: shares 11835..11842 ({step, share, of})
+    // rank 2 block 71: shares 11832..11839 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 2 block 72: shares 11843..11850 ({step, share, of})
+    // rank 2 block 72: shares 11840..11847 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 2 block 73: shares 11851..11858 ({step, share, of})
+    // rank 2 block 73: shares 11848..11855 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 2 block 74: shares 11859..11866 ({step, share, of})
+    // rank 2 block 74: shares 11856..11863 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 2 block 75: shares 11867..11874 ({step, share, of})
+    // rank 2 block 75: shares 11864..11871 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 2 block 76: shares 11875..11882 ({step, share, of})
+    // rank 2 block 76: shares 11872..11879 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 2 block 77: shares 11883..11890 ({step, share, of})
+    // rank 2 block 77: shares 11880..11887 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 2 block 78: shares 11891..11898 ({step, share, of})
+    // rank 2 block 78: shares 11888..11895 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 2 block 79: shares 11899..11906 ({step, share, of})
+    // rank 2 block 79: shares 11896..11903 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 2 block 80: shares 11907..11914 ({step, share, of})
+    // rank 2 block 80: shares 11904..11911 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 2 block 81: shares 11915..11922 ({step, share, of})
+    // rank 2 block 81: shares 11912..11919 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 2 block 82: shares 11923..11930 ({step, share, of})
+    // rank 2 block 82: shares 11920..11927 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 2 block 83: shares 11931..11938 ({step, share, of})
+    // rank 2 block 83: shares 11928..11935 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 2 block 84: shares 11939..11946 ({step, share, of})
+    // rank 2 block 84: shares 11936..11943 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 2 block 85: shares 11947..11954 ({step, share, of})
+    // rank 2 block 85: shares 11944..11951 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 2 block 86: shares 11955..11962 ({step, share, of})
+    // rank 2 block 86: shares 11952..11959 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 2 block 87: shares 11963..11970 ({step, share, of})
+    // rank 2 block 87: shares 11960..11967 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 2 block 88: shares 11971..11978 ({step, share, of})
+    // rank 2 block 88: shares 11968..11975 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 2 block 89: shares 11979..11986 ({step, share, of})
+    // rank 2 block 89: shares 11976..11983 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 2 block 90: shares 11987..11994 ({step, share, of})
+    // rank 2 block 90: shares 11984..11991 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 2 block 91: shares 11995..12002 ({step, share, of})
+    // rank 2 block 91: shares 11992..11999 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 2 block 92: shares 12003..12010 ({step, share, of})
+    // rank 2 block 92: shares 12000..12007 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 2 block 93: shares 12011..12018 ({step, share, of})
+    // rank 2 block 93: shares 12008..12015 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 2 block 94: shares 12019..12026 ({step, share, of})
+    // rank 2 block 94: shares 12016..12023 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 2 block 95: shares 12027..12034 ({step, share, of})
+    // rank 2 block 95: shares 12024..12031 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 2 block 96: shares 12035..12042 ({step, share, of})
+    // rank 2 block 96: shares 12032..12039 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 2 block 97: shares 12043..12050 ({step, share, of})
+    // rank 2 block 97: shares 12040..12047 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 2 block 98: shares 12051..12058 ({step, share, of})
+    // rank 2 block 98: shares 12048..12055 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 2 block 99: shares 12059..12066 ({step, share, of})
+    // rank 2 block 99: shares 12056..12063 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 2 block 100: shares 12067..12074 ({step, share, of})
+    // rank 2 block 100: shares 12064..12071 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 2 block 101: shares 12075..12082 ({step, share, of})
+    // rank 2 block 101: shares 12072..12079 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 2 block 102: shares 12083..12090 ({step, share, of})
+    // rank 2 block 102: shares 12080..12087 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 2 block 103: shares 12091..12098 ({step, share, of})
+    // rank 2 block 103: shares 12088..12095 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 2 block 104: shares 12099..12106 ({step, share, of})
+    // rank 2 block 104: shares 12096..12103 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 2 block 105: shares 12107..12114 ({step, share, of})
+    // rank 2 block 105: shares 12104..12111 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 2 block 106: shares 12115..12122 ({step, share, of})
+    // rank 2 block 106: shares 12112..12119 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 2 block 107: shares 12123..12130 ({step, share, of})
+    // rank 2 block 107: shares 12120..12127 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 2 block 108: shares 12131..12138 ({step, share, of})
+    // rank 2 block 108: shares 12128..12135 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 2 block 109: shares 12139..12146 ({step, share, of})
+    // rank 2 block 109: shares 12136..12143 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 2 block 110: shares 12147..12154 ({step, share, of})
+    // rank 2 block 110: shares 12144..12151 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 2 block 111: shares 12155..12162 ({step, share, of})
+    // rank 2 block 111: shares 12152..12159 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 2 block 112: shares 12163..12170 ({step, share, of})
+    // rank 2 block 112: shares 12160..12167 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 2 block 113: shares 12171..12178 ({step, share, of})
+    // rank 2 block 113: shares 12168..12175 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 2 block 114: shares 12179..12186 ({step, share, of})
+    // rank 2 block 114: shares 12176..12183 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 2 block 115: shares 12187..12194 ({step, share, of})
+    // rank 2 block 115: shares 12184..12191 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 2 block 116: shares 12195..12202 ({step, share, of})
+    // rank 2 block 116: shares 12192..12199 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 2 block 117: shares 12203..12210 ({step, share, of})
+    // rank 2 block 117: shares 12200..12207 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 2 block 118: shares 12211..12218 ({step, share, of})
+    // rank 2 block 118: shares 12208..12215 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 2 block 119: shares 12219..12226 ({step, share, of})
+    // rank 2 block 119: shares 12216..12223 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 2 block 120: shares 12227..12234 ({step, share, of})
+    // rank 2 block 120: shares 12224..12231 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 2 block 121: shares 12235..12242 ({step, share, of})
+    // rank 2 block 121: shares 12232..12239 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 2 block 122: shares 12243..12250 ({step, share, of})
+    // rank 2 block 122: shares 12240..12247 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 2 block 123: shares 12251..12258 ({step, share, of})
+    // rank 2 block 123: shares 12248..12255 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 2 block 124: shares 12259..12266 ({step, share, of})
+    // rank 2 block 124: shares 12256..12263 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 2 block 125: shares 12267..12274 ({step, share, of})
+    // rank 2 block 125: shares 12264..12271 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 2 block 126: shares 12275..12282 ({step, share, of})
+    // rank 2 block 126: shares 12272..12279 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 2 block 127: shares 12283..12290 ({step, share, of})
+    // rank 2 block 127: shares 12280..12287 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 3 block 0: shares 12291..12299 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 3 block 1: shares 12300..12355 ({step, share, of})
+    // rank 3 block 0: shares 12288..12295 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 3 block 1: shares 12296..12351 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -7691,7 +7683,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 3 block 2: shares 12356..12411 ({step, share, of})
+    // rank 3 block 2: shares 12352..12407 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -7699,7 +7691,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 3 block 3: shares 12412..12467 ({step, share, of})
+    // rank 3 block 3: shares 12408..12463 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -7707,7 +7699,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 3 block 4: shares 12468..12523 ({step, share, of})
+    // rank 3 block 4: shares 12464..12519 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -7715,7 +7707,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 3 block 5: shares 12524..12579 ({step, share, of})
+    // rank 3 block 5: shares 12520..12575 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -7723,7 +7715,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 3 block 6: shares 12580..12635 ({step, share, of})
+    // rank 3 block 6: shares 12576..12631 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -7731,7 +7723,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 3 block 7: shares 12636..12691 ({step, share, of})
+    // rank 3 block 7: shares 12632..12687 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -7739,7 +7731,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 3 block 8: shares 12692..12747 ({step, share, of})
+    // rank 3 block 8: shares 12688..12743 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -7747,7 +7739,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 3 block 9: shares 12748..12803 ({step, share, of})
+    // rank 3 block 9: shares 12744..12799 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -7755,7 +7747,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 3 block 10: shares 12804..12859 ({step, share, of})
+    // rank 3 block 10: shares 12800..12855 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -7763,7 +7755,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 3 block 11: shares 12860..12915 ({step, share, of})
+    // rank 3 block 11: shares 12856..12911 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -7771,7 +7763,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 3 block 12: shares 12916..12971 ({step, share, of})
+    // rank 3 block 12: shares 12912..12967 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -7779,7 +7771,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 3 block 13: shares 12972..13027 ({step, share, of})
+    // rank 3 block 13: shares 12968..13023 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -7787,7 +7779,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 3 block 14: shares 13028..13083 ({step, share, of})
+    // rank 3 block 14: shares 13024..13079 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -7795,7 +7787,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 3 block 15: shares 13084..13139 ({step, share, of})
+    // rank 3 block 15: shares 13080..13135 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -7803,7 +7795,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 3 block 16: shares 13140..13195 ({step, share, of})
+    // rank 3 block 16: shares 13136..13191 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -7811,7 +7803,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 3 block 17: shares 13196..13251 ({step, share, of})
+    // rank 3 block 17: shares 13192..13247 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -7819,7 +7811,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 3 block 18: shares 13252..13307 ({step, share, of})
+    // rank 3 block 18: shares 13248..13303 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -7827,7 +7819,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 3 block 19: shares 13308..13363 ({step, share, of})
+    // rank 3 block 19: shares 13304..13359 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -7835,7 +7827,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 3 block 20: shares 13364..13419 ({step, share, of})
+    // rank 3 block 20: shares 13360..13415 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -7843,7 +7835,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 3 block 21: shares 13420..13475 ({step, share, of})
+    // rank 3 block 21: shares 13416..13471 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -7851,7 +7843,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 3 block 22: shares 13476..13531 ({step, share, of})
+    // rank 3 block 22: shares 13472..13527 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -7859,7 +7851,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 3 block 23: shares 13532..13587 ({step, share, of})
+    // rank 3 block 23: shares 13528..13583 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -7867,7 +7859,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 3 block 24: shares 13588..13643 ({step, share, of})
+    // rank 3 block 24: shares 13584..13639 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -7875,7 +7867,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 3 block 25: shares 13644..13699 ({step, share, of})
+    // rank 3 block 25: shares 13640..13695 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -7883,7 +7875,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 3 block 26: shares 13700..13755 ({step, share, of})
+    // rank 3 block 26: shares 13696..13751 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -7891,7 +7883,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 3 block 27: shares 13756..13811 ({step, share, of})
+    // rank 3 block 27: shares 13752..13807 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -7899,7 +7891,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 3 block 28: shares 13812..13867 ({step, share, of})
+    // rank 3 block 28: shares 13808..13863 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -7907,7 +7899,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 3 block 29: shares 13868..13923 ({step, share, of})
+    // rank 3 block 29: shares 13864..13919 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -7915,7 +7907,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 3 block 30: shares 13924..13979 ({step, share, of})
+    // rank 3 block 30: shares 13920..13975 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -7923,7 +7915,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 3 block 31: shares 13980..14035 ({step, share, of})
+    // rank 3 block 31: shares 13976..14031 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -7931,7 +7923,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 3 block 32: shares 14036..14091 ({step, share, of})
+    // rank 3 block 32: shares 14032..14087 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -7939,7 +7931,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 3 block 33: shares 14092..14147 ({step, share, of})
+    // rank 3 block 33: shares 14088..14143 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -7947,7 +7939,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 3 block 34: shares 14148..14203 ({step, share, of})
+    // rank 3 block 34: shares 14144..14199 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -7955,7 +7947,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 3 block 35: shares 14204..14259 ({step, share, of})
+    // rank 3 block 35: shares 14200..14255 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -7963,7 +7955,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 3 block 36: shares 14260..14315 ({step, share, of})
+    // rank 3 block 36: shares 14256..14311 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -7971,7 +7963,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 3 block 37: shares 14316..14371 ({step, share, of})
+    // rank 3 block 37: shares 14312..14367 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -7979,7 +7971,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 3 block 38: shares 14372..14427 ({step, share, of})
+    // rank 3 block 38: shares 14368..14423 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -7987,7 +7979,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 3 block 39: shares 14428..14483 ({step, share, of})
+    // rank 3 block 39: shares 14424..14479 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -7995,7 +7987,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 3 block 40: shares 14484..14539 ({step, share, of})
+    // rank 3 block 40: shares 14480..14535 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -8003,7 +7995,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 3 block 41: shares 14540..14595 ({step, share, of})
+    // rank 3 block 41: shares 14536..14591 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -8011,7 +8003,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 3 block 42: shares 14596..14651 ({step, share, of})
+    // rank 3 block 42: shares 14592..14647 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -8019,7 +8011,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 3 block 43: shares 14652..14707 ({step, share, of})
+    // rank 3 block 43: shares 14648..14703 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -8027,7 +8019,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 3 block 44: shares 14708..14763 ({step, share, of})
+    // rank 3 block 44: shares 14704..14759 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -8035,7 +8027,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 3 block 45: shares 14764..14819 ({step, share, of})
+    // rank 3 block 45: shares 14760..14815 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -8043,7 +8035,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 3 block 46: shares 14820..14875 ({step, share, of})
+    // rank 3 block 46: shares 14816..14871 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -8051,7 +8043,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 3 block 47: shares 14876..14931 ({step, share, of})
+    // rank 3 block 47: shares 14872..14927 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -8059,7 +8051,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 3 block 48: shares 14932..14987 ({step, share, of})
+    // rank 3 block 48: shares 14928..14983 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -8067,7 +8059,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 3 block 49: shares 14988..15043 ({step, share, of})
+    // rank 3 block 49: shares 14984..15039 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -8075,7 +8067,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 3 block 50: shares 15044..15099 ({step, share, of})
+    // rank 3 block 50: shares 15040..15095 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -8083,7 +8075,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 3 block 51: shares 15100..15155 ({step, share, of})
+    // rank 3 block 51: shares 15096..15151 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -8091,7 +8083,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 3 block 52: shares 15156..15211 ({step, share, of})
+    // rank 3 block 52: shares 15152..15207 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -8099,7 +8091,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 3 block 53: shares 15212..15267 ({step, share, of})
+    // rank 3 block 53: shares 15208..15263 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -8107,7 +8099,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 3 block 54: shares 15268..15323 ({step, share, of})
+    // rank 3 block 54: shares 15264..15319 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -8115,7 +8107,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 3 block 55: shares 15324..15379 ({step, share, of})
+    // rank 3 block 55: shares 15320..15375 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -8123,7 +8115,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 3 block 56: shares 15380..15435 ({step, share, of})
+    // rank 3 block 56: shares 15376..15431 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -8131,7 +8123,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 3 block 57: shares 15436..15491 ({step, share, of})
+    // rank 3 block 57: shares 15432..15487 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -8139,7 +8131,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 3 block 58: shares 15492..15547 ({step, share, of})
+    // rank 3 block 58: shares 15488..15543 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -8147,7 +8139,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 3 block 59: shares 15548..15603 ({step, share, of})
+    // rank 3 block 59: shares 15544..15599 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -8155,7 +8147,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 3 block 60: shares 15604..15659 ({step, share, of})
+    // rank 3 block 60: shares 15600..15655 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -8163,7 +8155,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 3 block 61: shares 15660..15715 ({step, share, of})
+    // rank 3 block 61: shares 15656..15711 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -8171,7 +8163,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 3 block 62: shares 15716..15771 ({step, share, of})
+    // rank 3 block 62: shares 15712..15767 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -8179,7 +8171,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 3 block 63: shares 15772..15827 ({step, share, of})
+    // rank 3 block 63: shares 15768..15823 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -8187,7 +8179,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 3 block 64: shares 15828..15883 ({step, share, of})
+    // rank 3 block 64: shares 15824..15879 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -8195,136 +8187,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 3 block 65: shares 15884..15891 ({step, share, of})
+    // rank 3 block 65: shares 15880..15887 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 3 block 66: shares 15892..15899 ({step, share, of})
+    // rank 3 block 66: shares 15888..15895 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 3 block 67: shares 15900..15907 ({step, share, of})
+    // rank 3 block 67: shares 15896..15903 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 3 block 68: shares 15908..15915 ({step, share, of})
+    // rank 3 block 68: shares 15904..15911 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 3 block 69: shares 15916..15923 ({step, share, of})
+    // rank 3 block 69: shares 15912..15919 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 3 block 70: shares 15924..15931 ({step, share, of})
+    // rank 3 block 70: shares 15920..15927 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 3 block 71: shares 15932..15939 ({step, share, of})
+    // rank 3 block 71: shares 15928..15935 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 3 block 72: shares 15940..15947 ({step, share, of})
+    // rank 3 block 72: shares 15936..15943 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 3 block 73: shares 15948..15955 ({step, share, of})
+    // rank 3 block 73: shares 15944..15951 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 3 block 74: shares 15956..15963 ({step, share, of})
+    // rank 3 block 74: shares 15952..15959 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 3 block 75: shares 15964..15971 ({step, share, of})
+    // rank 3 block 75: shares 15960..15967 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 3 block 76: shares 15972..15979 ({step, share, of})
+    // rank 3 block 76: shares 15968..15975 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 3 block 77: shares 15980..15987 ({step, share, of})
+    // rank 3 block 77: shares 15976..15983 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 3 block 78: shares 15988..15995 ({step, share, of})
+    // rank 3 block 78: shares 15984..15991 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 3 block 79: shares 15996..16003 ({step, share, of})
+    // rank 3 block 79: shares 15992..15999 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 3 block 80: shares 16004..16011 ({step, share, of})
+    // rank 3 block 80: shares 16000..16007 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 3 block 81: shares 16012..16019 ({step, share, of})
+    // rank 3 block 81: shares 16008..16015 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 3 block 82: shares 16020..16027 ({step, share, of})
+    // rank 3 block 82: shares 16016..16023 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 3 block 83: shares 16028..16035 ({step, share, of})
+    // rank 3 block 83: shares 16024..16031 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 3 block 84: shares 16036..16043 ({step, share, of})
+    // rank 3 block 84: shares 16032..16039 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 3 block 85: shares 16044..16051 ({step, share, of})
+    // rank 3 block 85: shares 16040..16047 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 3 block 86: shares 16052..16059 ({step, share, of})
+    // rank 3 block 86: shares 16048..16055 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 3 block 87: shares 16060..16067 ({step, share, of})
+    // rank 3 block 87: shares 16056..16063 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 3 block 88: shares 16068..16075 ({step, share, of})
+    // rank 3 block 88: shares 16064..16071 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 3 block 89: shares 16076..16083 ({step, share, of})
+    // rank 3 block 89: shares 16072..16079 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 3 block 90: shares 16084..16091 ({step, share, of})
+    // rank 3 block 90: shares 16080..16087 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 3 block 91: shares 16092..16099 ({step, share, of})
+    // rank 3 block 91: shares 16088..16095 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 3 block 92: shares 16100..16107 ({step, share, of})
+    // rank 3 block 92: shares 16096..16103 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 3 block 93: shares 16108..16115 ({step, share, of})
+    // rank 3 block 93: shares 16104..16111 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 3 block 94: shares 16116..16123 ({step, share, of})
+    // rank 3 block 94: shares 16112..16119 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 3 block 95: shares 16124..16131 ({step, share, of})
+    // rank 3 block 95: shares 16120..16127 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 3 block 96: shares 16132..16139 ({step, share, of})
+    // rank 3 block 96: shares 16128..16135 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 3 block 97: shares 16140..16147 ({step, share, of})
+    // rank 3 block 97: shares 16136..16143 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 3 block 98: shares 16148..16155 ({step, share, of})
+    // rank 3 block 98: shares 16144..16151 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 3 block 99: shares 16156..16163 ({step, share, of})
+    // rank 3 block 99: shares 16152..16159 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 3 block 100: shares 16164..16171 ({step, share, of})
+    // rank 3 block 100: shares 16160..16167 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 3 block 101: shares 16172..16179 ({step, share, of})
+    // rank 3 block 101: shares 16168..16175 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 3 block 102: shares 16180..16187 ({step, share, of})
+    // rank 3 block 102: shares 16176..16183 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 3 block 103: shares 16188..16195 ({step, share, of})
+    // rank 3 block 103: shares 16184..16191 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 3 block 104: shares 16196..16203 ({step, share, of})
+    // rank 3 block 104: shares 16192..16199 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 3 block 105: shares 16204..16211 ({step, share, of})
+    // rank 3 block 105: shares 16200..16207 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 3 block 106: shares 16212..16219 ({step, share, of})
+    // rank 3 block 106: shares 16208..16215 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 3 block 107: shares 16220..16227 ({step, share, of})
+    // rank 3 block 107: shares 16216..16223 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 3 block 108: shares 16228..16235 ({step, share, of})
+    // rank 3 block 108: shares 16224..16231 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 3 block 109: shares 16236..16243 ({step, share, of})
+    // rank 3 block 109: shares 16232..16239 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 3 block 110: shares 16244..16251 ({step, share, of})
+    // rank 3 block 110: shares 16240..16247 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 3 block 111: shares 16252..16259 ({step, share, of})
+    // rank 3 block 111: shares 16248..16255 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 3 block 112: shares 16260..16267 ({step, share, of})
+    // rank 3 block 112: shares 16256..16263 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 3 block 113: shares 16268..16275 ({step, share, of})
+    // rank 3 block 113: shares 16264..16271 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 3 block 114: shares 16276..16283 ({step, share, of})
+    // rank 3 block 114: shares 16272..16279 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 3 block 115: shares 16284..16291 ({step, share, of})
+    // rank 3 block 115: shares 16280..16287 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 3 block 116: shares 16292..16299 ({step, share, of})
+    // rank 3 block 116: shares 16288..16295 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 3 block 117: shares 16300..16307 ({step, share, of})
+    // rank 3 block 117: shares 16296..16303 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 3 block 118: shares 16308..16315 ({step, share, of})
+    // rank 3 block 118: shares 16304..16311 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 3 block 119: shares 16316..16323 ({step, share, of})
+    // rank 3 block 119: shares 16312..16319 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 3 block 120: shares 16324..16331 ({step, share, of})
+    // rank 3 block 120: shares 16320..16327 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 3 block 121: shares 16332..16339 ({step, share, of})
+    // rank 3 block 121: shares 16328..16335 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 3 block 122: shares 16340..16347 ({step, share, of})
+    // rank 3 block 122: shares 16336..16343 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 3 block 123: shares 16348..16355 ({step, share, of})
+    // rank 3 block 123: shares 16344..16351 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 3 block 124: shares 16356..16363 ({step, share, of})
+    // rank 3 block 124: shares 16352..16359 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 3 block 125: shares 16364..16371 ({step, share, of})
+    // rank 3 block 125: shares 16360..16367 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 3 block 126: shares 16372..16379 ({step, share, of})
+    // rank 3 block 126: shares 16368..16375 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 3 block 127: shares 16380..16387 ({step, share, of})
+    // rank 3 block 127: shares 16376..16383 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 4 block 0: shares 16388..16396 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 4 block 1: shares 16397..16452 ({step, share, of})
+    // rank 4 block 0: shares 16384..16391 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 4 block 1: shares 16392..16447 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -8332,7 +8323,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 4 block 2: shares 16453..16508 ({step, share, of})
+    // rank 4 block 2: shares 16448..16503 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -8340,7 +8331,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 4 block 3: shares 16509..16564 ({step, share, of})
+    // rank 4 block 3: shares 16504..16559 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -8348,7 +8339,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 4 block 4: shares 16565..16620 ({step, share, of})
+    // rank 4 block 4: shares 16560..16615 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -8356,7 +8347,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 4 block 5: shares 16621..16676 ({step, share, of})
+    // rank 4 block 5: shares 16616..16671 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -8364,7 +8355,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 4 block 6: shares 16677..16732 ({step, share, of})
+    // rank 4 block 6: shares 16672..16727 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -8372,7 +8363,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 4 block 7: shares 16733..16788 ({step, share, of})
+    // rank 4 block 7: shares 16728..16783 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -8380,7 +8371,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 4 block 8: shares 16789..16844 ({step, share, of})
+    // rank 4 block 8: shares 16784..16839 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -8388,7 +8379,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 4 block 9: shares 16845..16900 ({step, share, of})
+    // rank 4 block 9: shares 16840..16895 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -8396,7 +8387,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 4 block 10: shares 16901..16956 ({step, share, of})
+    // rank 4 block 10: shares 16896..16951 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -8404,7 +8395,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 4 block 11: shares 16957..17012 ({step, share, of})
+    // rank 4 block 11: shares 16952..17007 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -8412,7 +8403,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 4 block 12: shares 17013..17068 ({step, share, of})
+    // rank 4 block 12: shares 17008..17063 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -8420,7 +8411,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 4 block 13: shares 17069..17124 ({step, share, of})
+    // rank 4 block 13: shares 17064..17119 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -8428,7 +8419,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 4 block 14: shares 17125..17180 ({step, share, of})
+    // rank 4 block 14: shares 17120..17175 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -8436,7 +8427,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 4 block 15: shares 17181..17236 ({step, share, of})
+    // rank 4 block 15: shares 17176..17231 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -8444,7 +8435,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 4 block 16: shares 17237..17292 ({step, share, of})
+    // rank 4 block 16: shares 17232..17287 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -8452,7 +8443,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 4 block 17: shares 17293..17348 ({step, share, of})
+    // rank 4 block 17: shares 17288..17343 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -8460,7 +8451,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 4 block 18: shares 17349..17404 ({step, share, of})
+    // rank 4 block 18: shares 17344..17399 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -8468,7 +8459,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 4 block 19: shares 17405..17460 ({step, share, of})
+    // rank 4 block 19: shares 17400..17455 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -8476,7 +8467,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 4 block 20: shares 17461..17516 ({step, share, of})
+    // rank 4 block 20: shares 17456..17511 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -8484,7 +8475,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 4 block 21: shares 17517..17572 ({step, share, of})
+    // rank 4 block 21: shares 17512..17567 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -8492,7 +8483,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 4 block 22: shares 17573..17628 ({step, share, of})
+    // rank 4 block 22: shares 17568..17623 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -8500,7 +8491,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 4 block 23: shares 17629..17684 ({step, share, of})
+    // rank 4 block 23: shares 17624..17679 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -8508,7 +8499,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 4 block 24: shares 17685..17740 ({step, share, of})
+    // rank 4 block 24: shares 17680..17735 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -8516,7 +8507,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 4 block 25: shares 17741..17796 ({step, share, of})
+    // rank 4 block 25: shares 17736..17791 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -8524,7 +8515,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 4 block 26: shares 17797..17852 ({step, share, of})
+    // rank 4 block 26: shares 17792..17847 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -8532,7 +8523,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 4 block 27: shares 17853..17908 ({step, share, of})
+    // rank 4 block 27: shares 17848..17903 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -8540,7 +8531,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 4 block 28: shares 17909..17964 ({step, share, of})
+    // rank 4 block 28: shares 17904..17959 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -8548,7 +8539,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 4 block 29: shares 17965..18020 ({step, share, of})
+    // rank 4 block 29: shares 17960..18015 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -8556,7 +8547,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 4 block 30: shares 18021..18076 ({step, share, of})
+    // rank 4 block 30: shares 18016..18071 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -8564,7 +8555,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 4 block 31: shares 18077..18132 ({step, share, of})
+    // rank 4 block 31: shares 18072..18127 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -8572,7 +8563,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 4 block 32: shares 18133..18188 ({step, share, of})
+    // rank 4 block 32: shares 18128..18183 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -8580,7 +8571,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 4 block 33: shares 18189..18244 ({step, share, of})
+    // rank 4 block 33: shares 18184..18239 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -8588,7 +8579,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 4 block 34: shares 18245..18300 ({step, share, of})
+    // rank 4 block 34: shares 18240..18295 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -8596,7 +8587,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 4 block 35: shares 18301..18356 ({step, share, of})
+    // rank 4 block 35: shares 18296..18351 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -8604,7 +8595,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 4 block 36: shares 18357..18412 ({step, share, of})
+    // rank 4 block 36: shares 18352..18407 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -8612,7 +8603,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 4 block 37: shares 18413..18468 ({step, share, of})
+    // rank 4 block 37: shares 18408..18463 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -8620,7 +8611,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 4 block 38: shares 18469..18524 ({step, share, of})
+    // rank 4 block 38: shares 18464..18519 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -8628,7 +8619,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 4 block 39: shares 18525..18580 ({step, share, of})
+    // rank 4 block 39: shares 18520..18575 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -8636,7 +8627,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 4 block 40: shares 18581..18636 ({step, share, of})
+    // rank 4 block 40: shares 18576..18631 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -8644,7 +8635,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 4 block 41: shares 18637..18692 ({step, share, of})
+    // rank 4 block 41: shares 18632..18687 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -8652,7 +8643,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 4 block 42: shares 18693..18748 ({step, share, of})
+    // rank 4 block 42: shares 18688..18743 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -8660,7 +8651,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 4 block 43: shares 18749..18804 ({step, share, of})
+    // rank 4 block 43: shares 18744..18799 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -8668,7 +8659,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 4 block 44: shares 18805..18860 ({step, share, of})
+    // rank 4 block 44: shares 18800..18855 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -8676,7 +8667,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 4 block 45: shares 18861..18916 ({step, share, of})
+    // rank 4 block 45: shares 18856..18911 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -8684,7 +8675,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 4 block 46: shares 18917..18972 ({step, share, of})
+    // rank 4 block 46: shares 18912..18967 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -8692,7 +8683,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 4 block 47: shares 18973..19028 ({step, share, of})
+    // rank 4 block 47: shares 18968..19023 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -8700,7 +8691,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 4 block 48: shares 19029..19084 ({step, share, of})
+    // rank 4 block 48: shares 19024..19079 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -8708,7 +8699,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 4 block 49: shares 19085..19140 ({step, share, of})
+    // rank 4 block 49: shares 19080..19135 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -8716,7 +8707,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 4 block 50: shares 19141..19196 ({step, share, of})
+    // rank 4 block 50: shares 19136..19191 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -8724,7 +8715,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 4 block 51: shares 19197..19252 ({step, share, of})
+    // rank 4 block 51: shares 19192..19247 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -8732,7 +8723,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 4 block 52: shares 19253..19308 ({step, share, of})
+    // rank 4 block 52: shares 19248..19303 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -8740,7 +8731,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 4 block 53: shares 19309..19364 ({step, share, of})
+    // rank 4 block 53: shares 19304..19359 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -8748,7 +8739,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 4 block 54: shares 19365..19420 ({step, share, of})
+    // rank 4 block 54: shares 19360..19415 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -8756,7 +8747,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 4 block 55: shares 19421..19476 ({step, share, of})
+    // rank 4 block 55: shares 19416..19471 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -8764,7 +8755,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 4 block 56: shares 19477..19532 ({step, share, of})
+    // rank 4 block 56: shares 19472..19527 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -8772,7 +8763,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 4 block 57: shares 19533..19588 ({step, share, of})
+    // rank 4 block 57: shares 19528..19583 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -8780,7 +8771,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 4 block 58: shares 19589..19644 ({step, share, of})
+    // rank 4 block 58: shares 19584..19639 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -8788,7 +8779,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 4 block 59: shares 19645..19700 ({step, share, of})
+    // rank 4 block 59: shares 19640..19695 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -8796,7 +8787,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 4 block 60: shares 19701..19756 ({step, share, of})
+    // rank 4 block 60: shares 19696..19751 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -8804,7 +8795,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 4 block 61: shares 19757..19812 ({step, share, of})
+    // rank 4 block 61: shares 19752..19807 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -8812,7 +8803,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 4 block 62: shares 19813..19868 ({step, share, of})
+    // rank 4 block 62: shares 19808..19863 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -8820,7 +8811,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 4 block 63: shares 19869..19924 ({step, share, of})
+    // rank 4 block 63: shares 19864..19919 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -8828,7 +8819,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 4 block 64: shares 19925..19980 ({step, share, of})
+    // rank 4 block 64: shares 19920..19975 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -8836,136 +8827,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 4 block 65: shares 19981..19988 ({step, share, of})
+    // rank 4 block 65: shares 19976..19983 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 4 block 66: shares 19989..19996 ({step, share, of})
+    // rank 4 block 66: shares 19984..19991 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 4 block 67: shares 19997..20004 ({step, share, of})
+    // rank 4 block 67: shares 19992..19999 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 4 block 68: shares 20005..20012 ({step, share, of})
+    // rank 4 block 68: shares 20000..20007 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 4 block 69: shares 20013..20020 ({step, share, of})
+    // rank 4 block 69: shares 20008..20015 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 4 block 70: shares 20021..20028 ({step, share, of})
+    // rank 4 block 70: shares 20016..20023 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 4 block 71: shares 20029..20036 ({step, share, of})
+    // rank 4 block 71: shares 20024..20031 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 4 block 72: shares 20037..20044 ({step, share, of})
+    // rank 4 block 72: shares 20032..20039 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 4 block 73: shares 20045..20052 ({step, share, of})
+    // rank 4 block 73: shares 20040..20047 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 4 block 74: shares 20053..20060 ({step, share, of})
+    // rank 4 block 74: shares 20048..20055 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 4 block 75: shares 20061..20068 ({step, share, of})
+    // rank 4 block 75: shares 20056..20063 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 4 block 76: shares 20069..20076 ({step, share, of})
+    // rank 4 block 76: shares 20064..20071 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 4 block 77: shares 20077..20084 ({step, share, of})
+    // rank 4 block 77: shares 20072..20079 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 4 block 78: shares 20085..20092 ({step, share, of})
+    // rank 4 block 78: shares 20080..20087 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 4 block 79: shares 20093..20100 ({step, share, of})
+    // rank 4 block 79: shares 20088..20095 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 4 block 80: shares 20101..20108 ({step, share, of})
+    // rank 4 block 80: shares 20096..20103 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 4 block 81: shares 20109..20116 ({step, share, of})
+    // rank 4 block 81: shares 20104..20111 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 4 block 82: shares 20117..20124 ({step, share, of})
+    // rank 4 block 82: shares 20112..20119 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 4 block 83: shares 20125..20132 ({step, share, of})
+    // rank 4 block 83: shares 20120..20127 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 4 block 84: shares 20133..20140 ({step, share, of})
+    // rank 4 block 84: shares 20128..20135 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 4 block 85: shares 20141..20148 ({step, share, of})
+    // rank 4 block 85: shares 20136..20143 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 4 block 86: shares 20149..20156 ({step, share, of})
+    // rank 4 block 86: shares 20144..20151 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 4 block 87: shares 20157..20164 ({step, share, of})
+    // rank 4 block 87: shares 20152..20159 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 4 block 88: shares 20165..20172 ({step, share, of})
+    // rank 4 block 88: shares 20160..20167 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 4 block 89: shares 20173..20180 ({step, share, of})
+    // rank 4 block 89: shares 20168..20175 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 4 block 90: shares 20181..20188 ({step, share, of})
+    // rank 4 block 90: shares 20176..20183 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 4 block 91: shares 20189..20196 ({step, share, of})
+    // rank 4 block 91: shares 20184..20191 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 4 block 92: shares 20197..20204 ({step, share, of})
+    // rank 4 block 92: shares 20192..20199 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 4 block 93: shares 20205..20212 ({step, share, of})
+    // rank 4 block 93: shares 20200..20207 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 4 block 94: shares 20213..20220 ({step, share, of})
+    // rank 4 block 94: shares 20208..20215 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 4 block 95: shares 20221..20228 ({step, share, of})
+    // rank 4 block 95: shares 20216..20223 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 4 block 96: shares 20229..20236 ({step, share, of})
+    // rank 4 block 96: shares 20224..20231 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 4 block 97: shares 20237..20244 ({step, share, of})
+    // rank 4 block 97: shares 20232..20239 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 4 block 98: shares 20245..20252 ({step, share, of})
+    // rank 4 block 98: shares 20240..20247 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 4 block 99: shares 20253..20260 ({step, share, of})
+    // rank 4 block 99: shares 20248..20255 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 4 block 100: shares 20261..20268 ({step, share, of})
+    // rank 4 block 100: shares 20256..20263 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 4 block 101: shares 20269..20276 ({step, share, of})
+    // rank 4 block 101: shares 20264..20271 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 4 block 102: shares 20277..20284 ({step, share, of})
+    // rank 4 block 102: shares 20272..20279 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 4 block 103: shares 20285..20292 ({step, share, of})
+    // rank 4 block 103: shares 20280..20287 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 4 block 104: shares 20293..20300 ({step, share, of})
+    // rank 4 block 104: shares 20288..20295 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 4 block 105: shares 20301..20308 ({step, share, of})
+    // rank 4 block 105: shares 20296..20303 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 4 block 106: shares 20309..20316 ({step, share, of})
+    // rank 4 block 106: shares 20304..20311 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 4 block 107: shares 20317..20324 ({step, share, of})
+    // rank 4 block 107: shares 20312..20319 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 4 block 108: shares 20325..20332 ({step, share, of})
+    // rank 4 block 108: shares 20320..20327 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 4 block 109: shares 20333..20340 ({step, share, of})
+    // rank 4 block 109: shares 20328..20335 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 4 block 110: shares 20341..20348 ({step, share, of})
+    // rank 4 block 110: shares 20336..20343 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 4 block 111: shares 20349..20356 ({step, share, of})
+    // rank 4 block 111: shares 20344..20351 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 4 block 112: shares 20357..20364 ({step, share, of})
+    // rank 4 block 112: shares 20352..20359 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 4 block 113: shares 20365..20372 ({step, share, of})
+    // rank 4 block 113: shares 20360..20367 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 4 block 114: shares 20373..20380 ({step, share, of})
+    // rank 4 block 114: shares 20368..20375 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 4 block 115: shares 20381..20388 ({step, share, of})
+    // rank 4 block 115: shares 20376..20383 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 4 block 116: shares 20389..20396 ({step, share, of})
+    // rank 4 block 116: shares 20384..20391 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 4 block 117: shares 20397..20404 ({step, share, of})
+    // rank 4 block 117: shares 20392..20399 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 4 block 118: shares 20405..20412 ({step, share, of})
+    // rank 4 block 118: shares 20400..20407 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 4 block 119: shares 20413..20420 ({step, share, of})
+    // rank 4 block 119: shares 20408..20415 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 4 block 120: shares 20421..20428 ({step, share, of})
+    // rank 4 block 120: shares 20416..20423 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 4 block 121: shares 20429..20436 ({step, share, of})
+    // rank 4 block 121: shares 20424..20431 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 4 block 122: shares 20437..20444 ({step, share, of})
+    // rank 4 block 122: shares 20432..20439 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 4 block 123: shares 20445..20452 ({step, share, of})
+    // rank 4 block 123: shares 20440..20447 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 4 block 124: shares 20453..20460 ({step, share, of})
+    // rank 4 block 124: shares 20448..20455 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 4 block 125: shares 20461..20468 ({step, share, of})
+    // rank 4 block 125: shares 20456..20463 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 4 block 126: shares 20469..20476 ({step, share, of})
+    // rank 4 block 126: shares 20464..20471 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 4 block 127: shares 20477..20484 ({step, share, of})
+    // rank 4 block 127: shares 20472..20479 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 5 block 0: shares 20485..20493 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 5 block 1: shares 20494..20549 ({step, share, of})
+    // rank 5 block 0: shares 20480..20487 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 5 block 1: shares 20488..20543 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -8973,7 +8963,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 5 block 2: shares 20550..20605 ({step, share, of})
+    // rank 5 block 2: shares 20544..20599 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -8981,7 +8971,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 5 block 3: shares 20606..20661 ({step, share, of})
+    // rank 5 block 3: shares 20600..20655 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -8989,7 +8979,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 5 block 4: shares 20662..20717 ({step, share, of})
+    // rank 5 block 4: shares 20656..20711 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -8997,7 +8987,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 5 block 5: shares 20718..20773 ({step, share, of})
+    // rank 5 block 5: shares 20712..20767 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -9005,7 +8995,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 5 block 6: shares 20774..20829 ({step, share, of})
+    // rank 5 block 6: shares 20768..20823 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -9013,7 +9003,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 5 block 7: shares 20830..20885 ({step, share, of})
+    // rank 5 block 7: shares 20824..20879 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -9021,7 +9011,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 5 block 8: shares 20886..20941 ({step, share, of})
+    // rank 5 block 8: shares 20880..20935 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -9029,7 +9019,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 5 block 9: shares 20942..20997 ({step, share, of})
+    // rank 5 block 9: shares 20936..20991 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -9037,7 +9027,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 5 block 10: shares 20998..21053 ({step, share, of})
+    // rank 5 block 10: shares 20992..21047 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -9045,7 +9035,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 5 block 11: shares 21054..21109 ({step, share, of})
+    // rank 5 block 11: shares 21048..21103 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -9053,7 +9043,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 5 block 12: shares 21110..21165 ({step, share, of})
+    // rank 5 block 12: shares 21104..21159 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -9061,7 +9051,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 5 block 13: shares 21166..21221 ({step, share, of})
+    // rank 5 block 13: shares 21160..21215 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -9069,7 +9059,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 5 block 14: shares 21222..21277 ({step, share, of})
+    // rank 5 block 14: shares 21216..21271 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -9077,7 +9067,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 5 block 15: shares 21278..21333 ({step, share, of})
+    // rank 5 block 15: shares 21272..21327 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -9085,7 +9075,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 5 block 16: shares 21334..21389 ({step, share, of})
+    // rank 5 block 16: shares 21328..21383 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -9093,7 +9083,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 5 block 17: shares 21390..21445 ({step, share, of})
+    // rank 5 block 17: shares 21384..21439 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -9101,7 +9091,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 5 block 18: shares 21446..21501 ({step, share, of})
+    // rank 5 block 18: shares 21440..21495 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -9109,7 +9099,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 5 block 19: shares 21502..21557 ({step, share, of})
+    // rank 5 block 19: shares 21496..21551 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -9117,7 +9107,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 5 block 20: shares 21558..21613 ({step, share, of})
+    // rank 5 block 20: shares 21552..21607 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -9125,7 +9115,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 5 block 21: shares 21614..21669 ({step, share, of})
+    // rank 5 block 21: shares 21608..21663 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -9133,7 +9123,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 5 block 22: shares 21670..21725 ({step, share, of})
+    // rank 5 block 22: shares 21664..21719 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -9141,7 +9131,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 5 block 23: shares 21726..21781 ({step, share, of})
+    // rank 5 block 23: shares 21720..21775 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -9149,7 +9139,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 5 block 24: shares 21782..21837 ({step, share, of})
+    // rank 5 block 24: shares 21776..21831 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -9157,7 +9147,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 5 block 25: shares 21838..21893 ({step, share, of})
+    // rank 5 block 25: shares 21832..21887 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -9165,7 +9155,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 5 block 26: shares 21894..21949 ({step, share, of})
+    // rank 5 block 26: shares 21888..21943 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -9173,7 +9163,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 5 block 27: shares 21950..22005 ({step, share, of})
+    // rank 5 block 27: shares 21944..21999 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -9181,7 +9171,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 5 block 28: shares 22006..22061 ({step, share, of})
+    // rank 5 block 28: shares 22000..22055 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -9189,7 +9179,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 5 block 29: shares 22062..22117 ({step, share, of})
+    // rank 5 block 29: shares 22056..22111 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -9197,7 +9187,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 5 block 30: shares 22118..22173 ({step, share, of})
+    // rank 5 block 30: shares 22112..22167 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -9205,7 +9195,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 5 block 31: shares 22174..22229 ({step, share, of})
+    // rank 5 block 31: shares 22168..22223 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -9213,7 +9203,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 5 block 32: shares 22230..22285 ({step, share, of})
+    // rank 5 block 32: shares 22224..22279 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -9221,7 +9211,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 5 block 33: shares 22286..22341 ({step, share, of})
+    // rank 5 block 33: shares 22280..22335 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -9229,7 +9219,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 5 block 34: shares 22342..22397 ({step, share, of})
+    // rank 5 block 34: shares 22336..22391 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -9237,7 +9227,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 5 block 35: shares 22398..22453 ({step, share, of})
+    // rank 5 block 35: shares 22392..22447 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -9245,7 +9235,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 5 block 36: shares 22454..22509 ({step, share, of})
+    // rank 5 block 36: shares 22448..22503 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -9253,7 +9243,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 5 block 37: shares 22510..22565 ({step, share, of})
+    // rank 5 block 37: shares 22504..22559 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -9261,7 +9251,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 5 block 38: shares 22566..22621 ({step, share, of})
+    // rank 5 block 38: shares 22560..22615 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -9269,7 +9259,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 5 block 39: shares 22622..22677 ({step, share, of})
+    // rank 5 block 39: shares 22616..22671 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -9277,7 +9267,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 5 block 40: shares 22678..22733 ({step, share, of})
+    // rank 5 block 40: shares 22672..22727 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -9285,7 +9275,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 5 block 41: shares 22734..22789 ({step, share, of})
+    // rank 5 block 41: shares 22728..22783 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -9293,7 +9283,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 5 block 42: shares 22790..22845 ({step, share, of})
+    // rank 5 block 42: shares 22784..22839 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -9301,7 +9291,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 5 block 43: shares 22846..22901 ({step, share, of})
+    // rank 5 block 43: shares 22840..22895 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -9309,7 +9299,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 5 block 44: shares 22902..22957 ({step, share, of})
+    // rank 5 block 44: shares 22896..22951 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -9317,7 +9307,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 5 block 45: shares 22958..23013 ({step, share, of})
+    // rank 5 block 45: shares 22952..23007 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -9325,7 +9315,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 5 block 46: shares 23014..23069 ({step, share, of})
+    // rank 5 block 46: shares 23008..23063 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -9333,7 +9323,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 5 block 47: shares 23070..23125 ({step, share, of})
+    // rank 5 block 47: shares 23064..23119 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -9341,7 +9331,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 5 block 48: shares 23126..23181 ({step, share, of})
+    // rank 5 block 48: shares 23120..23175 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -9349,7 +9339,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 5 block 49: shares 23182..23237 ({step, share, of})
+    // rank 5 block 49: shares 23176..23231 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -9357,7 +9347,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 5 block 50: shares 23238..23293 ({step, share, of})
+    // rank 5 block 50: shares 23232..23287 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -9365,7 +9355,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 5 block 51: shares 23294..23349 ({step, share, of})
+    // rank 5 block 51: shares 23288..23343 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -9373,7 +9363,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 5 block 52: shares 23350..23405 ({step, share, of})
+    // rank 5 block 52: shares 23344..23399 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -9381,7 +9371,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 5 block 53: shares 23406..23461 ({step, share, of})
+    // rank 5 block 53: shares 23400..23455 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -9389,7 +9379,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 5 block 54: shares 23462..23517 ({step, share, of})
+    // rank 5 block 54: shares 23456..23511 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -9397,7 +9387,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 5 block 55: shares 23518..23573 ({step, share, of})
+    // rank 5 block 55: shares 23512..23567 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -9405,7 +9395,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 5 block 56: shares 23574..23629 ({step, share, of})
+    // rank 5 block 56: shares 23568..23623 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -9413,7 +9403,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 5 block 57: shares 23630..23685 ({step, share, of})
+    // rank 5 block 57: shares 23624..23679 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -9421,7 +9411,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 5 block 58: shares 23686..23741 ({step, share, of})
+    // rank 5 block 58: shares 23680..23735 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -9429,7 +9419,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 5 block 59: shares 23742..23797 ({step, share, of})
+    // rank 5 block 59: shares 23736..23791 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -9437,7 +9427,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 5 block 60: shares 23798..23853 ({step, share, of})
+    // rank 5 block 60: shares 23792..23847 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -9445,7 +9435,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 5 block 61: shares 23854..23909 ({step, share, of})
+    // rank 5 block 61: shares 23848..23903 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -9453,7 +9443,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 5 block 62: shares 23910..23965 ({step, share, of})
+    // rank 5 block 62: shares 23904..23959 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -9461,7 +9451,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 5 block 63: shares 23966..24021 ({step, share, of})
+    // rank 5 block 63: shares 23960..24015 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -9469,7 +9459,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 5 block 64: shares 24022..24077 ({step, share, of})
+    // rank 5 block 64: shares 24016..24071 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -9477,136 +9467,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 5 block 65: shares 24078..24085 ({step, share, of})
+    // rank 5 block 65: shares 24072..24079 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 5 block 66: shares 24086..24093 ({step, share, of})
+    // rank 5 block 66: shares 24080..24087 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 5 block 67: shares 24094..24101 ({step, share, of})
+    // rank 5 block 67: shares 24088..24095 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 5 block 68: shares 24102..24109 ({step, share, of})
+    // rank 5 block 68: shares 24096..24103 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 5 block 69: shares 24110..24117 ({step, share, of})
+    // rank 5 block 69: shares 24104..24111 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 5 block 70: shares 24118..24125 ({step, share, of})
+    // rank 5 block 70: shares 24112..24119 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 5 block 71: shares 24126..24133 ({step, share, of})
+    // rank 5 block 71: shares 24120..24127 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 5 block 72: shares 24134..24141 ({step, share, of})
+    // rank 5 block 72: shares 24128..24135 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 5 block 73: shares 24142..24149 ({step, share, of})
+    // rank 5 block 73: shares 24136..24143 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 5 block 74: shares 24150..24157 ({step, share, of})
+    // rank 5 block 74: shares 24144..24151 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 5 block 75: shares 24158..24165 ({step, share, of})
+    // rank 5 block 75: shares 24152..24159 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 5 block 76: shares 24166..24173 ({step, share, of})
+    // rank 5 block 76: shares 24160..24167 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 5 block 77: shares 24174..24181 ({step, share, of})
+    // rank 5 block 77: shares 24168..24175 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 5 block 78: shares 24182..24189 ({step, share, of})
+    // rank 5 block 78: shares 24176..24183 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 5 block 79: shares 24190..24197 ({step, share, of})
+    // rank 5 block 79: shares 24184..24191 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 5 block 80: shares 24198..24205 ({step, share, of})
+    // rank 5 block 80: shares 24192..24199 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 5 block 81: shares 24206..24213 ({step, share, of})
+    // rank 5 block 81: shares 24200..24207 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 5 block 82: shares 24214..24221 ({step, share, of})
+    // rank 5 block 82: shares 24208..24215 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 5 block 83: shares 24222..24229 ({step, share, of})
+    // rank 5 block 83: shares 24216..24223 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 5 block 84: shares 24230..24237 ({step, share, of})
+    // rank 5 block 84: shares 24224..24231 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 5 block 85: shares 24238..24245 ({step, share, of})
+    // rank 5 block 85: shares 24232..24239 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 5 block 86: shares 24246..24253 ({step, share, of})
+    // rank 5 block 86: shares 24240..24247 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 5 block 87: shares 24254..24261 ({step, share, of})
+    // rank 5 block 87: shares 24248..24255 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 5 block 88: shares 24262..24269 ({step, share, of})
+    // rank 5 block 88: shares 24256..24263 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 5 block 89: shares 24270..24277 ({step, share, of})
+    // rank 5 block 89: shares 24264..24271 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 5 block 90: shares 24278..24285 ({step, share, of})
+    // rank 5 block 90: shares 24272..24279 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 5 block 91: shares 24286..24293 ({step, share, of})
+    // rank 5 block 91: shares 24280..24287 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 5 block 92: shares 24294..24301 ({step, share, of})
+    // rank 5 block 92: shares 24288..24295 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 5 block 93: shares 24302..24309 ({step, share, of})
+    // rank 5 block 93: shares 24296..24303 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 5 block 94: shares 24310..24317 ({step, share, of})
+    // rank 5 block 94: shares 24304..24311 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 5 block 95: shares 24318..24325 ({step, share, of})
+    // rank 5 block 95: shares 24312..24319 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 5 block 96: shares 24326..24333 ({step, share, of})
+    // rank 5 block 96: shares 24320..24327 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 5 block 97: shares 24334..24341 ({step, share, of})
+    // rank 5 block 97: shares 24328..24335 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 5 block 98: shares 24342..24349 ({step, share, of})
+    // rank 5 block 98: shares 24336..24343 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 5 block 99: shares 24350..24357 ({step, share, of})
+    // rank 5 block 99: shares 24344..24351 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 5 block 100: shares 24358..24365 ({step, share, of})
+    // rank 5 block 100: shares 24352..24359 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 5 block 101: shares 24366..24373 ({step, share, of})
+    // rank 5 block 101: shares 24360..24367 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 5 block 102: shares 24374..24381 ({step, share, of})
+    // rank 5 block 102: shares 24368..24375 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 5 block 103: shares 24382..24389 ({step, share, of})
+    // rank 5 block 103: shares 24376..24383 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 5 block 104: shares 24390..24397 ({step, share, of})
+    // rank 5 block 104: shares 24384..24391 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 5 block 105: shares 24398..24405 ({step, share, of})
+    // rank 5 block 105: shares 24392..24399 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 5 block 106: shares 24406..24413 ({step, share, of})
+    // rank 5 block 106: shares 24400..24407 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 5 block 107: shares 24414..24421 ({step, share, of})
+    // rank 5 block 107: shares 24408..24415 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 5 block 108: shares 24422..24429 ({step, share, of})
+    // rank 5 block 108: shares 24416..24423 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 5 block 109: shares 24430..24437 ({step, share, of})
+    // rank 5 block 109: shares 24424..24431 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 5 block 110: shares 24438..24445 ({step, share, of})
+    // rank 5 block 110: shares 24432..24439 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 5 block 111: shares 24446..24453 ({step, share, of})
+    // rank 5 block 111: shares 24440..24447 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 5 block 112: shares 24454..24461 ({step, share, of})
+    // rank 5 block 112: shares 24448..24455 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 5 block 113: shares 24462..24469 ({step, share, of})
+    // rank 5 block 113: shares 24456..24463 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 5 block 114: shares 24470..24477 ({step, share, of})
+    // rank 5 block 114: shares 24464..24471 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 5 block 115: shares 24478..24485 ({step, share, of})
+    // rank 5 block 115: shares 24472..24479 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 5 block 116: shares 24486..24493 ({step, share, of})
+    // rank 5 block 116: shares 24480..24487 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 5 block 117: shares 24494..24501 ({step, share, of})
+    // rank 5 block 117: shares 24488..24495 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 5 block 118: shares 24502..24509 ({step, share, of})
+    // rank 5 block 118: shares 24496..24503 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 5 block 119: shares 24510..24517 ({step, share, of})
+    // rank 5 block 119: shares 24504..24511 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 5 block 120: shares 24518..24525 ({step, share, of})
+    // rank 5 block 120: shares 24512..24519 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 5 block 121: shares 24526..24533 ({step, share, of})
+    // rank 5 block 121: shares 24520..24527 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 5 block 122: shares 24534..24541 ({step, share, of})
+    // rank 5 block 122: shares 24528..24535 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 5 block 123: shares 24542..24549 ({step, share, of})
+    // rank 5 block 123: shares 24536..24543 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 5 block 124: shares 24550..24557 ({step, share, of})
+    // rank 5 block 124: shares 24544..24551 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 5 block 125: shares 24558..24565 ({step, share, of})
+    // rank 5 block 125: shares 24552..24559 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 5 block 126: shares 24566..24573 ({step, share, of})
+    // rank 5 block 126: shares 24560..24567 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 5 block 127: shares 24574..24581 ({step, share, of})
+    // rank 5 block 127: shares 24568..24575 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 6 block 0: shares 24582..24590 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 6 block 1: shares 24591..24646 ({step, share, of})
+    // rank 6 block 0: shares 24576..24583 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 6 block 1: shares 24584..24639 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -9614,7 +9603,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 6 block 2: shares 24647..24702 ({step, share, of})
+    // rank 6 block 2: shares 24640..24695 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -9622,7 +9611,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 6 block 3: shares 24703..24758 ({step, share, of})
+    // rank 6 block 3: shares 24696..24751 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -9630,7 +9619,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 6 block 4: shares 24759..24814 ({step, share, of})
+    // rank 6 block 4: shares 24752..24807 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -9638,7 +9627,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 6 block 5: shares 24815..24870 ({step, share, of})
+    // rank 6 block 5: shares 24808..24863 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -9646,7 +9635,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 6 block 6: shares 24871..24926 ({step, share, of})
+    // rank 6 block 6: shares 24864..24919 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -9654,7 +9643,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 6 block 7: shares 24927..24982 ({step, share, of})
+    // rank 6 block 7: shares 24920..24975 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -9662,7 +9651,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 6 block 8: shares 24983..25038 ({step, share, of})
+    // rank 6 block 8: shares 24976..25031 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -9670,7 +9659,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 6 block 9: shares 25039..25094 ({step, share, of})
+    // rank 6 block 9: shares 25032..25087 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -9678,7 +9667,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 6 block 10: shares 25095..25150 ({step, share, of})
+    // rank 6 block 10: shares 25088..25143 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -9686,7 +9675,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 6 block 11: shares 25151..25206 ({step, share, of})
+    // rank 6 block 11: shares 25144..25199 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -9694,7 +9683,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 6 block 12: shares 25207..25262 ({step, share, of})
+    // rank 6 block 12: shares 25200..25255 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -9702,7 +9691,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 6 block 13: shares 25263..25318 ({step, share, of})
+    // rank 6 block 13: shares 25256..25311 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -9710,7 +9699,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 6 block 14: shares 25319..25374 ({step, share, of})
+    // rank 6 block 14: shares 25312..25367 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -9718,7 +9707,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 6 block 15: shares 25375..25430 ({step, share, of})
+    // rank 6 block 15: shares 25368..25423 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -9726,7 +9715,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 6 block 16: shares 25431..25486 ({step, share, of})
+    // rank 6 block 16: shares 25424..25479 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -9734,7 +9723,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 6 block 17: shares 25487..25542 ({step, share, of})
+    // rank 6 block 17: shares 25480..25535 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -9742,7 +9731,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 6 block 18: shares 25543..25598 ({step, share, of})
+    // rank 6 block 18: shares 25536..25591 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -9750,7 +9739,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 6 block 19: shares 25599..25654 ({step, share, of})
+    // rank 6 block 19: shares 25592..25647 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -9758,7 +9747,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 6 block 20: shares 25655..25710 ({step, share, of})
+    // rank 6 block 20: shares 25648..25703 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -9766,7 +9755,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 6 block 21: shares 25711..25766 ({step, share, of})
+    // rank 6 block 21: shares 25704..25759 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -9774,7 +9763,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 6 block 22: shares 25767..25822 ({step, share, of})
+    // rank 6 block 22: shares 25760..25815 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -9782,7 +9771,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 6 block 23: shares 25823..25878 ({step, share, of})
+    // rank 6 block 23: shares 25816..25871 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -9790,7 +9779,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 6 block 24: shares 25879..25934 ({step, share, of})
+    // rank 6 block 24: shares 25872..25927 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -9798,7 +9787,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 6 block 25: shares 25935..25990 ({step, share, of})
+    // rank 6 block 25: shares 25928..25983 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -9806,7 +9795,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 6 block 26: shares 25991..26046 ({step, share, of})
+    // rank 6 block 26: shares 25984..26039 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -9814,7 +9803,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 6 block 27: shares 26047..26102 ({step, share, of})
+    // rank 6 block 27: shares 26040..26095 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -9822,7 +9811,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 6 block 28: shares 26103..26158 ({step, share, of})
+    // rank 6 block 28: shares 26096..26151 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -9830,7 +9819,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 6 block 29: shares 26159..26214 ({step, share, of})
+    // rank 6 block 29: shares 26152..26207 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -9838,7 +9827,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 6 block 30: shares 26215..26270 ({step, share, of})
+    // rank 6 block 30: shares 26208..26263 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -9846,7 +9835,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 6 block 31: shares 26271..26326 ({step, share, of})
+    // rank 6 block 31: shares 26264..26319 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -9854,7 +9843,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 6 block 32: shares 26327..26382 ({step, share, of})
+    // rank 6 block 32: shares 26320..26375 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -9862,7 +9851,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 6 block 33: shares 26383..26438 ({step, share, of})
+    // rank 6 block 33: shares 26376..26431 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -9870,7 +9859,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 6 block 34: shares 26439..26494 ({step, share, of})
+    // rank 6 block 34: shares 26432..26487 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -9878,7 +9867,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 6 block 35: shares 26495..26550 ({step, share, of})
+    // rank 6 block 35: shares 26488..26543 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -9886,7 +9875,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 6 block 36: shares 26551..26606 ({step, share, of})
+    // rank 6 block 36: shares 26544..26599 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -9894,7 +9883,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 6 block 37: shares 26607..26662 ({step, share, of})
+    // rank 6 block 37: shares 26600..26655 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -9902,7 +9891,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 6 block 38: shares 26663..26718 ({step, share, of})
+    // rank 6 block 38: shares 26656..26711 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -9910,7 +9899,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 6 block 39: shares 26719..26774 ({step, share, of})
+    // rank 6 block 39: shares 26712..26767 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -9918,7 +9907,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 6 block 40: shares 26775..26830 ({step, share, of})
+    // rank 6 block 40: shares 26768..26823 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -9926,7 +9915,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 6 block 41: shares 26831..26886 ({step, share, of})
+    // rank 6 block 41: shares 26824..26879 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -9934,7 +9923,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 6 block 42: shares 26887..26942 ({step, share, of})
+    // rank 6 block 42: shares 26880..26935 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -9942,7 +9931,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 6 block 43: shares 26943..26998 ({step, share, of})
+    // rank 6 block 43: shares 26936..26991 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -9950,7 +9939,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 6 block 44: shares 26999..27054 ({step, share, of})
+    // rank 6 block 44: shares 26992..27047 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -9958,7 +9947,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 6 block 45: shares 27055..27110 ({step, share, of})
+    // rank 6 block 45: shares 27048..27103 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -9966,7 +9955,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 6 block 46: shares 27111..27166 ({step, share, of})
+    // rank 6 block 46: shares 27104..27159 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -9974,7 +9963,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 6 block 47: shares 27167..27222 ({step, share, of})
+    // rank 6 block 47: shares 27160..27215 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -9982,7 +9971,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 6 block 48: shares 27223..27278 ({step, share, of})
+    // rank 6 block 48: shares 27216..27271 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -9990,7 +9979,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 6 block 49: shares 27279..27334 ({step, share, of})
+    // rank 6 block 49: shares 27272..27327 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -9998,7 +9987,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 6 block 50: shares 27335..27390 ({step, share, of})
+    // rank 6 block 50: shares 27328..27383 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -10006,7 +9995,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 6 block 51: shares 27391..27446 ({step, share, of})
+    // rank 6 block 51: shares 27384..27439 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -10014,7 +10003,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 6 block 52: shares 27447..27502 ({step, share, of})
+    // rank 6 block 52: shares 27440..27495 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -10022,7 +10011,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 6 block 53: shares 27503..27558 ({step, share, of})
+    // rank 6 block 53: shares 27496..27551 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -10030,7 +10019,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 6 block 54: shares 27559..27614 ({step, share, of})
+    // rank 6 block 54: shares 27552..27607 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -10038,7 +10027,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 6 block 55: shares 27615..27670 ({step, share, of})
+    // rank 6 block 55: shares 27608..27663 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -10046,7 +10035,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 6 block 56: shares 27671..27726 ({step, share, of})
+    // rank 6 block 56: shares 27664..27719 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -10054,7 +10043,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 6 block 57: shares 27727..27782 ({step, share, of})
+    // rank 6 block 57: shares 27720..27775 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -10062,7 +10051,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 6 block 58: shares 27783..27838 ({step, share, of})
+    // rank 6 block 58: shares 27776..27831 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -10070,7 +10059,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 6 block 59: shares 27839..27894 ({step, share, of})
+    // rank 6 block 59: shares 27832..27887 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -10078,7 +10067,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 6 block 60: shares 27895..27950 ({step, share, of})
+    // rank 6 block 60: shares 27888..27943 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -10086,7 +10075,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 6 block 61: shares 27951..28006 ({step, share, of})
+    // rank 6 block 61: shares 27944..27999 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -10094,7 +10083,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 6 block 62: shares 28007..28062 ({step, share, of})
+    // rank 6 block 62: shares 28000..28055 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -10102,7 +10091,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 6 block 63: shares 28063..28118 ({step, share, of})
+    // rank 6 block 63: shares 28056..28111 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -10110,7 +10099,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 6 block 64: shares 28119..28174 ({step, share, of})
+    // rank 6 block 64: shares 28112..28167 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -10118,136 +10107,135 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 6 block 65: shares 28175..28182 ({step, share, of})
+    // rank 6 block 65: shares 28168..28175 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 6 block 66: shares 28183..28190 ({step, share, of})
+    // rank 6 block 66: shares 28176..28183 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 6 block 67: shares 28191..28198 ({step, share, of})
+    // rank 6 block 67: shares 28184..28191 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 6 block 68: shares 28199..28206 ({step, share, of})
+    // rank 6 block 68: shares 28192..28199 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 6 block 69: shares 28207..28214 ({step, share, of})
+    // rank 6 block 69: shares 28200..28207 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 6 block 70: shares 28215..28222 ({step, share, of})
+    // rank 6 block 70: shares 28208..28215 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 6 block 71: shares 28223..28230 ({step, share, of})
+    // rank 6 block 71: shares 28216..28223 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 6 block 72: shares 28231..28238 ({step, share, of})
+    // rank 6 block 72: shares 28224..28231 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 6 block 73: shares 28239..28246 ({step, share, of})
+    // rank 6 block 73: shares 28232..28239 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 6 block 74: shares 28247..28254 ({step, share, of})
+    // rank 6 block 74: shares 28240..28247 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 6 block 75: shares 28255..28262 ({step, share, of})
+    // rank 6 block 75: shares 28248..28255 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 6 block 76: shares 28263..28270 ({step, share, of})
+    // rank 6 block 76: shares 28256..28263 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 6 block 77: shares 28271..28278 ({step, share, of})
+    // rank 6 block 77: shares 28264..28271 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 6 block 78: shares 28279..28286 ({step, share, of})
+    // rank 6 block 78: shares 28272..28279 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 6 block 79: shares 28287..28294 ({step, share, of})
+    // rank 6 block 79: shares 28280..28287 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 6 block 80: shares 28295..28302 ({step, share, of})
+    // rank 6 block 80: shares 28288..28295 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 6 block 81: shares 28303..28310 ({step, share, of})
+    // rank 6 block 81: shares 28296..28303 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 6 block 82: shares 28311..28318 ({step, share, of})
+    // rank 6 block 82: shares 28304..28311 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 6 block 83: shares 28319..28326 ({step, share, of})
+    // rank 6 block 83: shares 28312..28319 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 6 block 84: shares 28327..28334 ({step, share, of})
+    // rank 6 block 84: shares 28320..28327 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 6 block 85: shares 28335..28342 ({step, share, of})
+    // rank 6 block 85: shares 28328..28335 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 6 block 86: shares 28343..28350 ({step, share, of})
+    // rank 6 block 86: shares 28336..28343 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 6 block 87: shares 28351..28358 ({step, share, of})
+    // rank 6 block 87: shares 28344..28351 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 6 block 88: shares 28359..28366 ({step, share, of})
+    // rank 6 block 88: shares 28352..28359 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 6 block 89: shares 28367..28374 ({step, share, of})
+    // rank 6 block 89: shares 28360..28367 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 6 block 90: shares 28375..28382 ({step, share, of})
+    // rank 6 block 90: shares 28368..28375 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 6 block 91: shares 28383..28390 ({step, share, of})
+    // rank 6 block 91: shares 28376..28383 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 6 block 92: shares 28391..28398 ({step, share, of})
+    // rank 6 block 92: shares 28384..28391 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 6 block 93: shares 28399..28406 ({step, share, of})
+    // rank 6 block 93: shares 28392..28399 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 6 block 94: shares 28407..28414 ({step, share, of})
+    // rank 6 block 94: shares 28400..28407 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 6 block 95: shares 28415..28422 ({step, share, of})
+    // rank 6 block 95: shares 28408..28415 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 6 block 96: shares 28423..28430 ({step, share, of})
+    // rank 6 block 96: shares 28416..28423 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 6 block 97: shares 28431..28438 ({step, share, of})
+    // rank 6 block 97: shares 28424..28431 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 6 block 98: shares 28439..28446 ({step, share, of})
+    // rank 6 block 98: shares 28432..28439 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 6 block 99: shares 28447..28454 ({step, share, of})
+    // rank 6 block 99: shares 28440..28447 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 6 block 100: shares 28455..28462 ({step, share, of})
+    // rank 6 block 100: shares 28448..28455 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 6 block 101: shares 28463..28470 ({step, share, of})
+    // rank 6 block 101: shares 28456..28463 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 6 block 102: shares 28471..28478 ({step, share, of})
+    // rank 6 block 102: shares 28464..28471 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 6 block 103: shares 28479..28486 ({step, share, of})
+    // rank 6 block 103: shares 28472..28479 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 6 block 104: shares 28487..28494 ({step, share, of})
+    // rank 6 block 104: shares 28480..28487 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 6 block 105: shares 28495..28502 ({step, share, of})
+    // rank 6 block 105: shares 28488..28495 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 6 block 106: shares 28503..28510 ({step, share, of})
+    // rank 6 block 106: shares 28496..28503 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 6 block 107: shares 28511..28518 ({step, share, of})
+    // rank 6 block 107: shares 28504..28511 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 6 block 108: shares 28519..28526 ({step, share, of})
+    // rank 6 block 108: shares 28512..28519 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 6 block 109: shares 28527..28534 ({step, share, of})
+    // rank 6 block 109: shares 28520..28527 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 6 block 110: shares 28535..28542 ({step, share, of})
+    // rank 6 block 110: shares 28528..28535 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 6 block 111: shares 28543..28550 ({step, share, of})
+    // rank 6 block 111: shares 28536..28543 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 6 block 112: shares 28551..28558 ({step, share, of})
+    // rank 6 block 112: shares 28544..28551 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 6 block 113: shares 28559..28566 ({step, share, of})
+    // rank 6 block 113: shares 28552..28559 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 6 block 114: shares 28567..28574 ({step, share, of})
+    // rank 6 block 114: shares 28560..28567 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 6 block 115: shares 28575..28582 ({step, share, of})
+    // rank 6 block 115: shares 28568..28575 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 6 block 116: shares 28583..28590 ({step, share, of})
+    // rank 6 block 116: shares 28576..28583 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 6 block 117: shares 28591..28598 ({step, share, of})
+    // rank 6 block 117: shares 28584..28591 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 6 block 118: shares 28599..28606 ({step, share, of})
+    // rank 6 block 118: shares 28592..28599 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 6 block 119: shares 28607..28614 ({step, share, of})
+    // rank 6 block 119: shares 28600..28607 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 6 block 120: shares 28615..28622 ({step, share, of})
+    // rank 6 block 120: shares 28608..28615 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 6 block 121: shares 28623..28630 ({step, share, of})
+    // rank 6 block 121: shares 28616..28623 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 6 block 122: shares 28631..28638 ({step, share, of})
+    // rank 6 block 122: shares 28624..28631 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 6 block 123: shares 28639..28646 ({step, share, of})
+    // rank 6 block 123: shares 28632..28639 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 6 block 124: shares 28647..28654 ({step, share, of})
+    // rank 6 block 124: shares 28640..28647 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 6 block 125: shares 28655..28662 ({step, share, of})
+    // rank 6 block 125: shares 28648..28655 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 6 block 126: shares 28663..28670 ({step, share, of})
+    // rank 6 block 126: shares 28656..28663 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 6 block 127: shares 28671..28678 ({step, share, of})
+    // rank 6 block 127: shares 28664..28671 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
-    // rank 7 block 0: shares 28679..28687 ({step, share, of})
-    {0, 0, 1}, {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64},
-    {64, 63, 64},
-    // rank 7 block 1: shares 28688..28743 ({step, share, of})
+    // rank 7 block 0: shares 28672..28679 ({step, share, of})
+    {57, 63, 64}, {58, 63, 64}, {59, 63, 64}, {60, 63, 64}, {61, 63, 64}, {62, 63, 64}, {63, 63, 64}, {64, 63, 64},
+    // rank 7 block 1: shares 28680..28735 ({step, share, of})
     {1, 0, 64}, {2, 0, 64}, {3, 0, 64}, {4, 0, 64}, {5, 0, 64}, {6, 0, 64}, {7, 0, 64}, {8, 0, 64},
     {9, 0, 64}, {10, 0, 64}, {11, 0, 64}, {12, 0, 64}, {13, 0, 64}, {14, 0, 64}, {15, 0, 64}, {16, 0, 64},
     {17, 0, 64}, {18, 0, 64}, {19, 0, 64}, {20, 0, 64}, {21, 0, 64}, {22, 0, 64}, {23, 0, 64}, {24, 0, 64},
@@ -10255,7 +10243,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 0, 64}, {34, 0, 64}, {35, 0, 64}, {36, 0, 64}, {37, 0, 64}, {38, 0, 64}, {39, 0, 64}, {40, 0, 64},
     {41, 0, 64}, {42, 0, 64}, {43, 0, 64}, {44, 0, 64}, {45, 0, 64}, {46, 0, 64}, {47, 0, 64}, {48, 0, 64},
     {49, 0, 64}, {50, 0, 64}, {51, 0, 64}, {52, 0, 64}, {53, 0, 64}, {54, 0, 64}, {55, 0, 64}, {56, 0, 64},
-    // rank 7 block 2: shares 28744..28799 ({step, share, of})
+    // rank 7 block 2: shares 28736..28791 ({step, share, of})
     {1, 1, 64}, {2, 1, 64}, {3, 1, 64}, {4, 1, 64}, {5, 1, 64}, {6, 1, 64}, {7, 1, 64}, {8, 1, 64},
     {9, 1, 64}, {10, 1, 64}, {11, 1, 64}, {12, 1, 64}, {13, 1, 64}, {14, 1, 64}, {15, 1, 64}, {16, 1, 64},
     {17, 1, 64}, {18, 1, 64}, {19, 1, 64}, {20, 1, 64}, {21, 1, 64}, {22, 1, 64}, {23, 1, 64}, {24, 1, 64},
@@ -10263,7 +10251,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 1, 64}, {34, 1, 64}, {35, 1, 64}, {36, 1, 64}, {37, 1, 64}, {38, 1, 64}, {39, 1, 64}, {40, 1, 64},
     {41, 1, 64}, {42, 1, 64}, {43, 1, 64}, {44, 1, 64}, {45, 1, 64}, {46, 1, 64}, {47, 1, 64}, {48, 1, 64},
     {49, 1, 64}, {50, 1, 64}, {51, 1, 64}, {52, 1, 64}, {53, 1, 64}, {54, 1, 64}, {55, 1, 64}, {56, 1, 64},
-    // rank 7 block 3: shares 28800..28855 ({step, share, of})
+    // rank 7 block 3: shares 28792..28847 ({step, share, of})
     {1, 2, 64}, {2, 2, 64}, {3, 2, 64}, {4, 2, 64}, {5, 2, 64}, {6, 2, 64}, {7, 2, 64}, {8, 2, 64},
     {9, 2, 64}, {10, 2, 64}, {11, 2, 64}, {12, 2, 64}, {13, 2, 64}, {14, 2, 64}, {15, 2, 64}, {16, 2, 64},
     {17, 2, 64}, {18, 2, 64}, {19, 2, 64}, {20, 2, 64}, {21, 2, 64}, {22, 2, 64}, {23, 2, 64}, {24, 2, 64},
@@ -10271,7 +10259,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 2, 64}, {34, 2, 64}, {35, 2, 64}, {36, 2, 64}, {37, 2, 64}, {38, 2, 64}, {39, 2, 64}, {40, 2, 64},
     {41, 2, 64}, {42, 2, 64}, {43, 2, 64}, {44, 2, 64}, {45, 2, 64}, {46, 2, 64}, {47, 2, 64}, {48, 2, 64},
     {49, 2, 64}, {50, 2, 64}, {51, 2, 64}, {52, 2, 64}, {53, 2, 64}, {54, 2, 64}, {55, 2, 64}, {56, 2, 64},
-    // rank 7 block 4: shares 28856..28911 ({step, share, of})
+    // rank 7 block 4: shares 28848..28903 ({step, share, of})
     {1, 3, 64}, {2, 3, 64}, {3, 3, 64}, {4, 3, 64}, {5, 3, 64}, {6, 3, 64}, {7, 3, 64}, {8, 3, 64},
     {9, 3, 64}, {10, 3, 64}, {11, 3, 64}, {12, 3, 64}, {13, 3, 64}, {14, 3, 64}, {15, 3, 64}, {16, 3, 64},
     {17, 3, 64}, {18, 3, 64}, {19, 3, 64}, {20, 3, 64}, {21, 3, 64}, {22, 3, 64}, {23, 3, 64}, {24, 3, 64},
@@ -10279,7 +10267,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 3, 64}, {34, 3, 64}, {35, 3, 64}, {36, 3, 64}, {37, 3, 64}, {38, 3, 64}, {39, 3, 64}, {40, 3, 64},
     {41, 3, 64}, {42, 3, 64}, {43, 3, 64}, {44, 3, 64}, {45, 3, 64}, {46, 3, 64}, {47, 3, 64}, {48, 3, 64},
     {49, 3, 64}, {50, 3, 64}, {51, 3, 64}, {52, 3, 64}, {53, 3, 64}, {54, 3, 64}, {55, 3, 64}, {56, 3, 64},
-    // rank 7 block 5: shares 28912..28967 ({step, share, of})
+    // rank 7 block 5: shares 28904..28959 ({step, share, of})
     {1, 4, 64}, {2, 4, 64}, {3, 4, 64}, {4, 4, 64}, {5, 4, 64}, {6, 4, 64}, {7, 4, 64}, {8, 4, 64},
     {9, 4, 64}, {10, 4, 64}, {11, 4, 64}, {12, 4, 64}, {13, 4, 64}, {14, 4, 64}, {15, 4, 64}, {16, 4, 64},
     {17, 4, 64}, {18, 4, 64}, {19, 4, 64}, {20, 4, 64}, {21, 4, 64}, {22, 4, 64}, {23, 4, 64}, {24, 4, 64},
@@ -10287,7 +10275,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 4, 64}, {34, 4, 64}, {35, 4, 64}, {36, 4, 64}, {37, 4, 64}, {38, 4, 64}, {39, 4, 64}, {40, 4, 64},
     {41, 4, 64}, {42, 4, 64}, {43, 4, 64}, {44, 4, 64}, {45, 4, 64}, {46, 4, 64}, {47, 4, 64}, {48, 4, 64},
     {49, 4, 64}, {50, 4, 64}, {51, 4, 64}, {52, 4, 64}, {53, 4, 64}, {54, 4, 64}, {55, 4, 64}, {56, 4, 64},
-    // rank 7 block 6: shares 28968..29023 ({step, share, of})
+    // rank 7 block 6: shares 28960..29015 ({step, share, of})
     {1, 5, 64}, {2, 5, 64}, {3, 5, 64}, {4, 5, 64}, {5, 5, 64}, {6, 5, 64}, {7, 5, 64}, {8, 5, 64},
     {9, 5, 64}, {10, 5, 64}, {11, 5, 64}, {12, 5, 64}, {13, 5, 64}, {14, 5, 64}, {15, 5, 64}, {16, 5, 64},
     {17, 5, 64}, {18, 5, 64}, {19, 5, 64}, {20, 5, 64}, {21, 5, 64}, {22, 5, 64}, {23, 5, 64}, {24, 5, 64},
@@ -10295,7 +10283,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 5, 64}, {34, 5, 64}, {35, 5, 64}, {36, 5, 64}, {37, 5, 64}, {38, 5, 64}, {39, 5, 64}, {40, 5, 64},
     {41, 5, 64}, {42, 5, 64}, {43, 5, 64}, {44, 5, 64}, {45, 5, 64}, {46, 5, 64}, {47, 5, 64}, {48, 5, 64},
     {49, 5, 64}, {50, 5, 64}, {51, 5, 64}, {52, 5, 64}, {53, 5, 64}, {54, 5, 64}, {55, 5, 64}, {56, 5, 64},
-    // rank 7 block 7: shares 29024..29079 ({step, share, of})
+    // rank 7 block 7: shares 29016..29071 ({step, share, of})
     {1, 6, 64}, {2, 6, 64}, {3, 6, 64}, {4, 6, 64}, {5, 6, 64}, {6, 6, 64}, {7, 6, 64}, {8, 6, 64},
     {9, 6, 64}, {10, 6, 64}, {11, 6, 64}, {12, 6, 64}, {13, 6, 64}, {14, 6, 64}, {15, 6, 64}, {16, 6, 64},
     {17, 6, 64}, {18, 6, 64}, {19, 6, 64}, {20, 6, 64}, {21, 6, 64}, {22, 6, 64}, {23, 6, 64}, {24, 6, 64},
@@ -10303,7 +10291,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 6, 64}, {34, 6, 64}, {35, 6, 64}, {36, 6, 64}, {37, 6, 64}, {38, 6, 64}, {39, 6, 64}, {40, 6, 64},
     {41, 6, 64}, {42, 6, 64}, {43, 6, 64}, {44, 6, 64}, {45, 6, 64}, {46, 6, 64}, {47, 6, 64}, {48, 6, 64},
     {49, 6, 64}, {50, 6, 64}, {51, 6, 64}, {52, 6, 64}, {53, 6, 64}, {54, 6, 64}, {55, 6, 64}, {56, 6, 64},
-    // rank 7 block 8: shares 29080..29135 ({step, share, of})
+    // rank 7 block 8: shares 29072..29127 ({step, share, of})
     {1, 7, 64}, {2, 7, 64}, {3, 7, 64}, {4, 7, 64}, {5, 7, 64}, {6, 7, 64}, {7, 7, 64}, {8, 7, 64},
     {9, 7, 64}, {10, 7, 64}, {11, 7, 64}, {12, 7, 64}, {13, 7, 64}, {14, 7, 64}, {15, 7, 64}, {16, 7, 64},
     {17, 7, 64}, {18, 7, 64}, {19, 7, 64}, {20, 7, 64}, {21, 7, 64}, {22, 7, 64}, {23, 7, 64}, {24, 7, 64},
@@ -10311,7 +10299,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 7, 64}, {34, 7, 64}, {35, 7, 64}, {36, 7, 64}, {37, 7, 64}, {38, 7, 64}, {39, 7, 64}, {40, 7, 64},
     {41, 7, 64}, {42, 7, 64}, {43, 7, 64}, {44, 7, 64}, {45, 7, 64}, {46, 7, 64}, {47, 7, 64}, {48, 7, 64},
     {49, 7, 64}, {50, 7, 64}, {51, 7, 64}, {52, 7, 64}, {53, 7, 64}, {54, 7, 64}, {55, 7, 64}, {56, 7, 64},
-    // rank 7 block 9: shares 29136..29191 ({step, share, of})
+    // rank 7 block 9: shares 29128..29183 ({step, share, of})
     {1, 8, 64}, {2, 8, 64}, {3, 8, 64}, {4, 8, 64}, {5, 8, 64}, {6, 8, 64}, {7, 8, 64}, {8, 8, 64},
     {9, 8, 64}, {10, 8, 64}, {11, 8, 64}, {12, 8, 64}, {13, 8, 64}, {14, 8, 64}, {15, 8, 64}, {16, 8, 64},
     {17, 8, 64}, {18, 8, 64}, {19, 8, 64}, {20, 8, 64}, {21, 8, 64}, {22, 8, 64}, {23, 8, 64}, {24, 8, 64},
@@ -10319,7 +10307,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 8, 64}, {34, 8, 64}, {35, 8, 64}, {36, 8, 64}, {37, 8, 64}, {38, 8, 64}, {39, 8, 64}, {40, 8, 64},
     {41, 8, 64}, {42, 8, 64}, {43, 8, 64}, {44, 8, 64}, {45, 8, 64}, {46, 8, 64}, {47, 8, 64}, {48, 8, 64},
     {49, 8, 64}, {50, 8, 64}, {51, 8, 64}, {52, 8, 64}, {53, 8, 64}, {54, 8, 64}, {55, 8, 64}, {56, 8, 64},
-    // rank 7 block 10: shares 29192..29247 ({step, share, of})
+    // rank 7 block 10: shares 29184..29239 ({step, share, of})
     {1, 9, 64}, {2, 9, 64}, {3, 9, 64}, {4, 9, 64}, {5, 9, 64}, {6, 9, 64}, {7, 9, 64}, {8, 9, 64},
     {9, 9, 64}, {10, 9, 64}, {11, 9, 64}, {12, 9, 64}, {13, 9, 64}, {14, 9, 64}, {15, 9, 64}, {16, 9, 64},
     {17, 9, 64}, {18, 9, 64}, {19, 9, 64}, {20, 9, 64}, {21, 9, 64}, {22, 9, 64}, {23, 9, 64}, {24, 9, 64},
@@ -10327,7 +10315,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 9, 64}, {34, 9, 64}, {35, 9, 64}, {36, 9, 64}, {37, 9, 64}, {38, 9, 64}, {39, 9, 64}, {40, 9, 64},
     {41, 9, 64}, {42, 9, 64}, {43, 9, 64}, {44, 9, 64}, {45, 9, 64}, {46, 9, 64}, {47, 9, 64}, {48, 9, 64},
     {49, 9, 64}, {50, 9, 64}, {51, 9, 64}, {52, 9, 64}, {53, 9, 64}, {54, 9, 64}, {55, 9, 64}, {56, 9, 64},
-    // rank 7 block 11: shares 29248..29303 ({step, share, of})
+    // rank 7 block 11: shares 29240..29295 ({step, share, of})
     {1, 10, 64}, {2, 10, 64}, {3, 10, 64}, {4, 10, 64}, {5, 10, 64}, {6, 10, 64}, {7, 10, 64}, {8, 10, 64},
     {9, 10, 64}, {10, 10, 64}, {11, 10, 64}, {12, 10, 64}, {13, 10, 64}, {14, 10, 64}, {15, 10, 64}, {16, 10, 64},
     {17, 10, 64}, {18, 10, 64}, {19, 10, 64}, {20, 10, 64}, {21, 10, 64}, {22, 10, 64}, {23, 10, 64}, {24, 10, 64},
@@ -10335,7 +10323,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 10, 64}, {34, 10, 64}, {35, 10, 64}, {36, 10, 64}, {37, 10, 64}, {38, 10, 64}, {39, 10, 64}, {40, 10, 64},
     {41, 10, 64}, {42, 10, 64}, {43, 10, 64}, {44, 10, 64}, {45, 10, 64}, {46, 10, 64}, {47, 10, 64}, {48, 10, 64},
     {49, 10, 64}, {50, 10, 64}, {51, 10, 64}, {52, 10, 64}, {53, 10, 64}, {54, 10, 64}, {55, 10, 64}, {56, 10, 64},
-    // rank 7 block 12: shares 29304..29359 ({step, share, of})
+    // rank 7 block 12: shares 29296..29351 ({step, share, of})
     {1, 11, 64}, {2, 11, 64}, {3, 11, 64}, {4, 11, 64}, {5, 11, 64}, {6, 11, 64}, {7, 11, 64}, {8, 11, 64},
     {9, 11, 64}, {10, 11, 64}, {11, 11, 64}, {12, 11, 64}, {13, 11, 64}, {14, 11, 64}, {15, 11, 64}, {16, 11, 64},
     {17, 11, 64}, {18, 11, 64}, {19, 11, 64}, {20, 11, 64}, {21, 11, 64}, {22, 11, 64}, {23, 11, 64}, {24, 11, 64},
@@ -10343,7 +10331,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 11, 64}, {34, 11, 64}, {35, 11, 64}, {36, 11, 64}, {37, 11, 64}, {38, 11, 64}, {39, 11, 64}, {40, 11, 64},
     {41, 11, 64}, {42, 11, 64}, {43, 11, 64}, {44, 11, 64}, {45, 11, 64}, {46, 11, 64}, {47, 11, 64}, {48, 11, 64},
     {49, 11, 64}, {50, 11, 64}, {51, 11, 64}, {52, 11, 64}, {53, 11, 64}, {54, 11, 64}, {55, 11, 64}, {56, 11, 64},
-    // rank 7 block 13: shares 29360..29415 ({step, share, of})
+    // rank 7 block 13: shares 29352..29407 ({step, share, of})
     {1, 12, 64}, {2, 12, 64}, {3, 12, 64}, {4, 12, 64}, {5, 12, 64}, {6, 12, 64}, {7, 12, 64}, {8, 12, 64},
     {9, 12, 64}, {10, 12, 64}, {11, 12, 64}, {12, 12, 64}, {13, 12, 64}, {14, 12, 64}, {15, 12, 64}, {16, 12, 64},
     {17, 12, 64}, {18, 12, 64}, {19, 12, 64}, {20, 12, 64}, {21, 12, 64}, {22, 12, 64}, {23, 12, 64}, {24, 12, 64},
@@ -10351,7 +10339,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 12, 64}, {34, 12, 64}, {35, 12, 64}, {36, 12, 64}, {37, 12, 64}, {38, 12, 64}, {39, 12, 64}, {40, 12, 64},
     {41, 12, 64}, {42, 12, 64}, {43, 12, 64}, {44, 12, 64}, {45, 12, 64}, {46, 12, 64}, {47, 12, 64}, {48, 12, 64},
     {49, 12, 64}, {50, 12, 64}, {51, 12, 64}, {52, 12, 64}, {53, 12, 64}, {54, 12, 64}, {55, 12, 64}, {56, 12, 64},
-    // rank 7 block 14: shares 29416..29471 ({step, share, of})
+    // rank 7 block 14: shares 29408..29463 ({step, share, of})
     {1, 13, 64}, {2, 13, 64}, {3, 13, 64}, {4, 13, 64}, {5, 13, 64}, {6, 13, 64}, {7, 13, 64}, {8, 13, 64},
     {9, 13, 64}, {10, 13, 64}, {11, 13, 64}, {12, 13, 64}, {13, 13, 64}, {14, 13, 64}, {15, 13, 64}, {16, 13, 64},
     {17, 13, 64}, {18, 13, 64}, {19, 13, 64}, {20, 13, 64}, {21, 13, 64}, {22, 13, 64}, {23, 13, 64}, {24, 13, 64},
@@ -10359,7 +10347,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 13, 64}, {34, 13, 64}, {35, 13, 64}, {36, 13, 64}, {37, 13, 64}, {38, 13, 64}, {39, 13, 64}, {40, 13, 64},
     {41, 13, 64}, {42, 13, 64}, {43, 13, 64}, {44, 13, 64}, {45, 13, 64}, {46, 13, 64}, {47, 13, 64}, {48, 13, 64},
     {49, 13, 64}, {50, 13, 64}, {51, 13, 64}, {52, 13, 64}, {53, 13, 64}, {54, 13, 64}, {55, 13, 64}, {56, 13, 64},
-    // rank 7 block 15: shares 29472..29527 ({step, share, of})
+    // rank 7 block 15: shares 29464..29519 ({step, share, of})
     {1, 14, 64}, {2, 14, 64}, {3, 14, 64}, {4, 14, 64}, {5, 14, 64}, {6, 14, 64}, {7, 14, 64}, {8, 14, 64},
     {9, 14, 64}, {10, 14, 64}, {11, 14, 64}, {12, 14, 64}, {13, 14, 64}, {14, 14, 64}, {15, 14, 64}, {16, 14, 64},
     {17, 14, 64}, {18, 14, 64}, {19, 14, 64}, {20, 14, 64}, {21, 14, 64}, {22, 14, 64}, {23, 14, 64}, {24, 14, 64},
@@ -10367,7 +10355,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 14, 64}, {34, 14, 64}, {35, 14, 64}, {36, 14, 64}, {37, 14, 64}, {38, 14, 64}, {39, 14, 64}, {40, 14, 64},
     {41, 14, 64}, {42, 14, 64}, {43, 14, 64}, {44, 14, 64}, {45, 14, 64}, {46, 14, 64}, {47, 14, 64}, {48, 14, 64},
     {49, 14, 64}, {50, 14, 64}, {51, 14, 64}, {52, 14, 64}, {53, 14, 64}, {54, 14, 64}, {55, 14, 64}, {56, 14, 64},
-    // rank 7 block 16: shares 29528..29583 ({step, share, of})
+    // rank 7 block 16: shares 29520..29575 ({step, share, of})
     {1, 15, 64}, {2, 15, 64}, {3, 15, 64}, {4, 15, 64}, {5, 15, 64}, {6, 15, 64}, {7, 15, 64}, {8, 15, 64},
     {9, 15, 64}, {10, 15, 64}, {11, 15, 64}, {12, 15, 64}, {13, 15, 64}, {14, 15, 64}, {15, 15, 64}, {16, 15, 64},
     {17, 15, 64}, {18, 15, 64}, {19, 15, 64}, {20, 15, 64}, {21, 15, 64}, {22, 15, 64}, {23, 15, 64}, {24, 15, 64},
@@ -10375,7 +10363,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 15, 64}, {34, 15, 64}, {35, 15, 64}, {36, 15, 64}, {37, 15, 64}, {38, 15, 64}, {39, 15, 64}, {40, 15, 64},
     {41, 15, 64}, {42, 15, 64}, {43, 15, 64}, {44, 15, 64}, {45, 15, 64}, {46, 15, 64}, {47, 15, 64}, {48, 15, 64},
     {49, 15, 64}, {50, 15, 64}, {51, 15, 64}, {52, 15, 64}, {53, 15, 64}, {54, 15, 64}, {55, 15, 64}, {56, 15, 64},
-    // rank 7 block 17: shares 29584..29639 ({step, share, of})
+    // rank 7 block 17: shares 29576..29631 ({step, share, of})
     {1, 16, 64}, {2, 16, 64}, {3, 16, 64}, {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}, {8, 16, 64},
     {9, 16, 64}, {10, 16, 64}, {11, 16, 64}, {12, 16, 64}, {13, 16, 64}, {14, 16, 64}, {15, 16, 64}, {16, 16, 64},
     {17, 16, 64}, {18, 16, 64}, {19, 16, 64}, {20, 16, 64}, {21, 16, 64}, {22, 16, 64}, {23, 16, 64}, {24, 16, 64},
@@ -10383,7 +10371,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 16, 64}, {34, 16, 64}, {35, 16, 64}, {36, 16, 64}, {37, 16, 64}, {38, 16, 64}, {39, 16, 64}, {40, 16, 64},
     {41, 16, 64}, {42, 16, 64}, {43, 16, 64}, {44, 16, 64}, {45, 16, 64}, {46, 16, 64}, {47, 16, 64}, {48, 16, 64},
     {49, 16, 64}, {50, 16, 64}, {51, 16, 64}, {52, 16, 64}, {53, 16, 64}, {54, 16, 64}, {55, 16, 64}, {56, 16, 64},
-    // rank 7 block 18: shares 29640..29695 ({step, share, of})
+    // rank 7 block 18: shares 29632..29687 ({step, share, of})
     {1, 17, 64}, {2, 17, 64}, {3, 17, 64}, {4, 17, 64}, {5, 17, 64}, {6, 17, 64}, {7, 17, 64}, {8, 17, 64},
     {9, 17, 64}, {10, 17, 64}, {11, 17, 64}, {12, 17, 64}, {13, 17, 64}, {14, 17, 64}, {15, 17, 64}, {16, 17, 64},
     {17, 17, 64}, {18, 17, 64}, {19, 17, 64}, {20, 17, 64}, {21, 17, 64}, {22, 17, 64}, {23, 17, 64}, {24, 17, 64},
@@ -10391,7 +10379,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 17, 64}, {34, 17, 64}, {35, 17, 64}, {36, 17, 64}, {37, 17, 64}, {38, 17, 64}, {39, 17, 64}, {40, 17, 64},
     {41, 17, 64}, {42, 17, 64}, {43, 17, 64}, {44, 17, 64}, {45, 17, 64}, {46, 17, 64}, {47, 17, 64}, {48, 17, 64},
     {49, 17, 64}, {50, 17, 64}, {51, 17, 64}, {52, 17, 64}, {53, 17, 64}, {54, 17, 64}, {55, 17, 64}, {56, 17, 64},
-    // rank 7 block 19: shares 29696..29751 ({step, share, of})
+    // rank 7 block 19: shares 29688..29743 ({step, share, of})
     {1, 18, 64}, {2, 18, 64}, {3, 18, 64}, {4, 18, 64}, {5, 18, 64}, {6, 18, 64}, {7, 18, 64}, {8, 18, 64},
     {9, 18, 64}, {10, 18, 64}, {11, 18, 64}, {12, 18, 64}, {13, 18, 64}, {14, 18, 64}, {15, 18, 64}, {16, 18, 64},
     {17, 18, 64}, {18, 18, 64}, {19, 18, 64}, {20, 18, 64}, {21, 18, 64}, {22, 18, 64}, {23, 18, 64}, {24, 18, 64},
@@ -10399,7 +10387,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 18, 64}, {34, 18, 64}, {35, 18, 64}, {36, 18, 64}, {37, 18, 64}, {38, 18, 64}, {39, 18, 64}, {40, 18, 64},
     {41, 18, 64}, {42, 18, 64}, {43, 18, 64}, {44, 18, 64}, {45, 18, 64}, {46, 18, 64}, {47, 18, 64}, {48, 18, 64},
     {49, 18, 64}, {50, 18, 64}, {51, 18, 64}, {52, 18, 64}, {53, 18, 64}, {54, 18, 64}, {55, 18, 64}, {56, 18, 64},
-    // rank 7 block 20: shares 29752..29807 ({step, share, of})
+    // rank 7 block 20: shares 29744..29799 ({step, share, of})
     {1, 19, 64}, {2, 19, 64}, {3, 19, 64}, {4, 19, 64}, {5, 19, 64}, {6, 19, 64}, {7, 19, 64}, {8, 19, 64},
     {9, 19, 64}, {10, 19, 64}, {11, 19, 64}, {12, 19, 64}, {13, 19, 64}, {14, 19, 64}, {15, 19, 64}, {16, 19, 64},
     {17, 19, 64}, {18, 19, 64}, {19, 19, 64}, {20, 19, 64}, {21, 19, 64}, {22, 19, 64}, {23, 19, 64}, {24, 19, 64},
@@ -10407,7 +10395,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 19, 64}, {34, 19, 64}, {35, 19, 64}, {36, 19, 64}, {37, 19, 64}, {38, 19, 64}, {39, 19, 64}, {40, 19, 64},
     {41, 19, 64}, {42, 19, 64}, {43, 19, 64}, {44, 19, 64}, {45, 19, 64}, {46, 19, 64}, {47, 19, 64}, {48, 19, 64},
     {49, 19, 64}, {50, 19, 64}, {51, 19, 64}, {52, 19, 64}, {53, 19, 64}, {54, 19, 64}, {55, 19, 64}, {56, 19, 64},
-    // rank 7 block 21: shares 29808..29863 ({step, share, of})
+    // rank 7 block 21: shares 29800..29855 ({step, share, of})
     {1, 20, 64}, {2, 20, 64}, {3, 20, 64}, {4, 20, 64}, {5, 20, 64}, {6, 20, 64}, {7, 20, 64}, {8, 20, 64},
     {9, 20, 64}, {10, 20, 64}, {11, 20, 64}, {12, 20, 64}, {13, 20, 64}, {14, 20, 64}, {15, 20, 64}, {16, 20, 64},
     {17, 20, 64}, {18, 20, 64}, {19, 20, 64}, {20, 20, 64}, {21, 20, 64}, {22, 20, 64}, {23, 20, 64}, {24, 20, 64},
@@ -10415,7 +10403,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 20, 64}, {34, 20, 64}, {35, 20, 64}, {36, 20, 64}, {37, 20, 64}, {38, 20, 64}, {39, 20, 64}, {40, 20, 64},
     {41, 20, 64}, {42, 20, 64}, {43, 20, 64}, {44, 20, 64}, {45, 20, 64}, {46, 20, 64}, {47, 20, 64}, {48, 20, 64},
     {49, 20, 64}, {50, 20, 64}, {51, 20, 64}, {52, 20, 64}, {53, 20, 64}, {54, 20, 64}, {55, 20, 64}, {56, 20, 64},
-    // rank 7 block 22: shares 29864..29919 ({step, share, of})
+    // rank 7 block 22: shares 29856..29911 ({step, share, of})
     {1, 21, 64}, {2, 21, 64}, {3, 21, 64}, {4, 21, 64}, {5, 21, 64}, {6, 21, 64}, {7, 21, 64}, {8, 21, 64},
     {9, 21, 64}, {10, 21, 64}, {11, 21, 64}, {12, 21, 64}, {13, 21, 64}, {14, 21, 64}, {15, 21, 64}, {16, 21, 64},
     {17, 21, 64}, {18, 21, 64}, {19, 21, 64}, {20, 21, 64}, {21, 21, 64}, {22, 21, 64}, {23, 21, 64}, {24, 21, 64},
@@ -10423,7 +10411,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 21, 64}, {34, 21, 64}, {35, 21, 64}, {36, 21, 64}, {37, 21, 64}, {38, 21, 64}, {39, 21, 64}, {40, 21, 64},
     {41, 21, 64}, {42, 21, 64}, {43, 21, 64}, {44, 21, 64}, {45, 21, 64}, {46, 21, 64}, {47, 21, 64}, {48, 21, 64},
     {49, 21, 64}, {50, 21, 64}, {51, 21, 64}, {52, 21, 64}, {53, 21, 64}, {54, 21, 64}, {55, 21, 64}, {56, 21, 64},
-    // rank 7 block 23: shares 29920..29975 ({step, share, of})
+    // rank 7 block 23: shares 29912..29967 ({step, share, of})
     {1, 22, 64}, {2, 22, 64}, {3, 22, 64}, {4, 22, 64}, {5, 22, 64}, {6, 22, 64}, {7, 22, 64}, {8, 22, 64},
     {9, 22, 64}, {10, 22, 64}, {11, 22, 64}, {12, 22, 64}, {13, 22, 64}, {14, 22, 64}, {15, 22, 64}, {16, 22, 64},
     {17, 22, 64}, {18, 22, 64}, {19, 22, 64}, {20, 22, 64}, {21, 22, 64}, {22, 22, 64}, {23, 22, 64}, {24, 22, 64},
@@ -10431,7 +10419,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 22, 64}, {34, 22, 64}, {35, 22, 64}, {36, 22, 64}, {37, 22, 64}, {38, 22, 64}, {39, 22, 64}, {40, 22, 64},
     {41, 22, 64}, {42, 22, 64}, {43, 22, 64}, {44, 22, 64}, {45, 22, 64}, {46, 22, 64}, {47, 22, 64}, {48, 22, 64},
     {49, 22, 64}, {50, 22, 64}, {51, 22, 64}, {52, 22, 64}, {53, 22, 64}, {54, 22, 64}, {55, 22, 64}, {56, 22, 64},
-    // rank 7 block 24: shares 29976..30031 ({step, share, of})
+    // rank 7 block 24: shares 29968..30023 ({step, share, of})
     {1, 23, 64}, {2, 23, 64}, {3, 23, 64}, {4, 23, 64}, {5, 23, 64}, {6, 23, 64}, {7, 23, 64}, {8, 23, 64},
     {9, 23, 64}, {10, 23, 64}, {11, 23, 64}, {12, 23, 64}, {13, 23, 64}, {14, 23, 64}, {15, 23, 64}, {16, 23, 64},
     {17, 23, 64}, {18, 23, 64}, {19, 23, 64}, {20, 23, 64}, {21, 23, 64}, {22, 23, 64}, {23, 23, 64}, {24, 23, 64},
@@ -10439,7 +10427,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 23, 64}, {34, 23, 64}, {35, 23, 64}, {36, 23, 64}, {37, 23, 64}, {38, 23, 64}, {39, 23, 64}, {40, 23, 64},
     {41, 23, 64}, {42, 23, 64}, {43, 23, 64}, {44, 23, 64}, {45, 23, 64}, {46, 23, 64}, {47, 23, 64}, {48, 23, 64},
     {49, 23, 64}, {50, 23, 64}, {51, 23, 64}, {52, 23, 64}, {53, 23, 64}, {54, 23, 64}, {55, 23, 64}, {56, 23, 64},
-    // rank 7 block 25: shares 30032..30087 ({step, share, of})
+    // rank 7 block 25: shares 30024..30079 ({step, share, of})
     {1, 24, 64}, {2, 24, 64}, {3, 24, 64}, {4, 24, 64}, {5, 24, 64}, {6, 24, 64}, {7, 24, 64}, {8, 24, 64},
     {9, 24, 64}, {10, 24, 64}, {11, 24, 64}, {12, 24, 64}, {13, 24, 64}, {14, 24, 64}, {15, 24, 64}, {16, 24, 64},
     {17, 24, 64}, {18, 24, 64}, {19, 24, 64}, {20, 24, 64}, {21, 24, 64}, {22, 24, 64}, {23, 24, 64}, {24, 24, 64},
@@ -10447,7 +10435,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 24, 64}, {34, 24, 64}, {35, 24, 64}, {36, 24, 64}, {37, 24, 64}, {38, 24, 64}, {39, 24, 64}, {40, 24, 64},
     {41, 24, 64}, {42, 24, 64}, {43, 24, 64}, {44, 24, 64}, {45, 24, 64}, {46, 24, 64}, {47, 24, 64}, {48, 24, 64},
     {49, 24, 64}, {50, 24, 64}, {51, 24, 64}, {52, 24, 64}, {53, 24, 64}, {54, 24, 64}, {55, 24, 64}, {56, 24, 64},
-    // rank 7 block 26: shares 30088..30143 ({step, share, of})
+    // rank 7 block 26: shares 30080..30135 ({step, share, of})
     {1, 25, 64}, {2, 25, 64}, {3, 25, 64}, {4, 25, 64}, {5, 25, 64}, {6, 25, 64}, {7, 25, 64}, {8, 25, 64},
     {9, 25, 64}, {10, 25, 64}, {11, 25, 64}, {12, 25, 64}, {13, 25, 64}, {14, 25, 64}, {15, 25, 64}, {16, 25, 64},
     {17, 25, 64}, {18, 25, 64}, {19, 25, 64}, {20, 25, 64}, {21, 25, 64}, {22, 25, 64}, {23, 25, 64}, {24, 25, 64},
@@ -10455,7 +10443,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 25, 64}, {34, 25, 64}, {35, 25, 64}, {36, 25, 64}, {37, 25, 64}, {38, 25, 64}, {39, 25, 64}, {40, 25, 64},
     {41, 25, 64}, {42, 25, 64}, {43, 25, 64}, {44, 25, 64}, {45, 25, 64}, {46, 25, 64}, {47, 25, 64}, {48, 25, 64},
     {49, 25, 64}, {50, 25, 64}, {51, 25, 64}, {52, 25, 64}, {53, 25, 64}, {54, 25, 64}, {55, 25, 64}, {56, 25, 64},
-    // rank 7 block 27: shares 30144..30199 ({step, share, of})
+    // rank 7 block 27: shares 30136..30191 ({step, share, of})
     {1, 26, 64}, {2, 26, 64}, {3, 26, 64}, {4, 26, 64}, {5, 26, 64}, {6, 26, 64}, {7, 26, 64}, {8, 26, 64},
     {9, 26, 64}, {10, 26, 64}, {11, 26, 64}, {12, 26, 64}, {13, 26, 64}, {14, 26, 64}, {15, 26, 64}, {16, 26, 64},
     {17, 26, 64}, {18, 26, 64}, {19, 26, 64}, {20, 26, 64}, {21, 26, 64}, {22, 26, 64}, {23, 26, 64}, {24, 26, 64},
@@ -10463,7 +10451,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 26, 64}, {34, 26, 64}, {35, 26, 64}, {36, 26, 64}, {37, 26, 64}, {38, 26, 64}, {39, 26, 64}, {40, 26, 64},
     {41, 26, 64}, {42, 26, 64}, {43, 26, 64}, {44, 26, 64}, {45, 26, 64}, {46, 26, 64}, {47, 26, 64}, {48, 26, 64},
     {49, 26, 64}, {50, 26, 64}, {51, 26, 64}, {52, 26, 64}, {53, 26, 64}, {54, 26, 64}, {55, 26, 64}, {56, 26, 64},
-    // rank 7 block 28: shares 30200..30255 ({step, share, of})
+    // rank 7 block 28: shares 30192..30247 ({step, share, of})
     {1, 27, 64}, {2, 27, 64}, {3, 27, 64}, {4, 27, 64}, {5, 27, 64}, {6, 27, 64}, {7, 27, 64}, {8, 27, 64},
     {9, 27, 64}, {10, 27, 64}, {11, 27, 64}, {12, 27, 64}, {13, 27, 64}, {14, 27, 64}, {15, 27, 64}, {16, 27, 64},
     {17, 27, 64}, {18, 27, 64}, {19, 27, 64}, {20, 27, 64}, {21, 27, 64}, {22, 27, 64}, {23, 27, 64}, {24, 27, 64},
@@ -10471,7 +10459,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 27, 64}, {34, 27, 64}, {35, 27, 64}, {36, 27, 64}, {37, 27, 64}, {38, 27, 64}, {39, 27, 64}, {40, 27, 64},
     {41, 27, 64}, {42, 27, 64}, {43, 27, 64}, {44, 27, 64}, {45, 27, 64}, {46, 27, 64}, {47, 27, 64}, {48, 27, 64},
     {49, 27, 64}, {50, 27, 64}, {51, 27, 64}, {52, 27, 64}, {53, 27, 64}, {54, 27, 64}, {55, 27, 64}, {56, 27, 64},
-    // rank 7 block 29: shares 30256..30311 ({step, share, of})
+    // rank 7 block 29: shares 30248..30303 ({step, share, of})
     {1, 28, 64}, {2, 28, 64}, {3, 28, 64}, {4, 28, 64}, {5, 28, 64}, {6, 28, 64}, {7, 28, 64}, {8, 28, 64},
     {9, 28, 64}, {10, 28, 64}, {11, 28, 64}, {12, 28, 64}, {13, 28, 64}, {14, 28, 64}, {15, 28, 64}, {16, 28, 64},
     {17, 28, 64}, {18, 28, 64}, {19, 28, 64}, {20, 28, 64}, {21, 28, 64}, {22, 28, 64}, {23, 28, 64}, {24, 28, 64},
@@ -10479,7 +10467,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 28, 64}, {34, 28, 64}, {35, 28, 64}, {36, 28, 64}, {37, 28, 64}, {38, 28, 64}, {39, 28, 64}, {40, 28, 64},
     {41, 28, 64}, {42, 28, 64}, {43, 28, 64}, {44, 28, 64}, {45, 28, 64}, {46, 28, 64}, {47, 28, 64}, {48, 28, 64},
     {49, 28, 64}, {50, 28, 64}, {51, 28, 64}, {52, 28, 64}, {53, 28, 64}, {54, 28, 64}, {55, 28, 64}, {56, 28, 64},
-    // rank 7 block 30: shares 30312..30367 ({step, share, of})
+    // rank 7 block 30: shares 30304..30359 ({step, share, of})
     {1, 29, 64}, {2, 29, 64}, {3, 29, 64}, {4, 29, 64}, {5, 29, 64}, {6, 29, 64}, {7, 29, 64}, {8, 29, 64},
     {9, 29, 64}, {10, 29, 64}, {11, 29, 64}, {12, 29, 64}, {13, 29, 64}, {14, 29, 64}, {15, 29, 64}, {16, 29, 64},
     {17, 29, 64}, {18, 29, 64}, {19, 29, 64}, {20, 29, 64}, {21, 29, 64}, {22, 29, 64}, {23, 29, 64}, {24, 29, 64},
@@ -10487,7 +10475,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 29, 64}, {34, 29, 64}, {35, 29, 64}, {36, 29, 64}, {37, 29, 64}, {38, 29, 64}, {39, 29, 64}, {40, 29, 64},
     {41, 29, 64}, {42, 29, 64}, {43, 29, 64}, {44, 29, 64}, {45, 29, 64}, {46, 29, 64}, {47, 29, 64}, {48, 29, 64},
     {49, 29, 64}, {50, 29, 64}, {51, 29, 64}, {52, 29, 64}, {53, 29, 64}, {54, 29, 64}, {55, 29, 64}, {56, 29, 64},
-    // rank 7 block 31: shares 30368..30423 ({step, share, of})
+    // rank 7 block 31: shares 30360..30415 ({step, share, of})
     {1, 30, 64}, {2, 30, 64}, {3, 30, 64}, {4, 30, 64}, {5, 30, 64}, {6, 30, 64}, {7, 30, 64}, {8, 30, 64},
     {9, 30, 64}, {10, 30, 64}, {11, 30, 64}, {12, 30, 64}, {13, 30, 64}, {14, 30, 64}, {15, 30, 64}, {16, 30, 64},
     {17, 30, 64}, {18, 30, 64}, {19, 30, 64}, {20, 30, 64}, {21, 30, 64}, {22, 30, 64}, {23, 30, 64}, {24, 30, 64},
@@ -10495,7 +10483,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 30, 64}, {34, 30, 64}, {35, 30, 64}, {36, 30, 64}, {37, 30, 64}, {38, 30, 64}, {39, 30, 64}, {40, 30, 64},
     {41, 30, 64}, {42, 30, 64}, {43, 30, 64}, {44, 30, 64}, {45, 30, 64}, {46, 30, 64}, {47, 30, 64}, {48, 30, 64},
     {49, 30, 64}, {50, 30, 64}, {51, 30, 64}, {52, 30, 64}, {53, 30, 64}, {54, 30, 64}, {55, 30, 64}, {56, 30, 64},
-    // rank 7 block 32: shares 30424..30479 ({step, share, of})
+    // rank 7 block 32: shares 30416..30471 ({step, share, of})
     {1, 31, 64}, {2, 31, 64}, {3, 31, 64}, {4, 31, 64}, {5, 31, 64}, {6, 31, 64}, {7, 31, 64}, {8, 31, 64},
     {9, 31, 64}, {10, 31, 64}, {11, 31, 64}, {12, 31, 64}, {13, 31, 64}, {14, 31, 64}, {15, 31, 64}, {16, 31, 64},
     {17, 31, 64}, {18, 31, 64}, {19, 31, 64}, {20, 31, 64}, {21, 31, 64}, {22, 31, 64}, {23, 31, 64}, {24, 31, 64},
@@ -10503,7 +10491,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 31, 64}, {34, 31, 64}, {35, 31, 64}, {36, 31, 64}, {37, 31, 64}, {38, 31, 64}, {39, 31, 64}, {40, 31, 64},
     {41, 31, 64}, {42, 31, 64}, {43, 31, 64}, {44, 31, 64}, {45, 31, 64}, {46, 31, 64}, {47, 31, 64}, {48, 31, 64},
     {49, 31, 64}, {50, 31, 64}, {51, 31, 64}, {52, 31, 64}, {53, 31, 64}, {54, 31, 64}, {55, 31, 64}, {56, 31, 64},
-    // rank 7 block 33: shares 30480..30535 ({step, share, of})
+    // rank 7 block 33: shares 30472..30527 ({step, share, of})
     {1, 32, 64}, {2, 32, 64}, {3, 32, 64}, {4, 32, 64}, {5, 32, 64}, {6, 32, 64}, {7, 32, 64}, {8, 32, 64},
     {9, 32, 64}, {10, 32, 64}, {11, 32, 64}, {12, 32, 64}, {13, 32, 64}, {14, 32, 64}, {15, 32, 64}, {16, 32, 64},
     {17, 32, 64}, {18, 32, 64}, {19, 32, 64}, {20, 32, 64}, {21, 32, 64}, {22, 32, 64}, {23, 32, 64}, {24, 32, 64},
@@ -10511,7 +10499,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 32, 64}, {34, 32, 64}, {35, 32, 64}, {36, 32, 64}, {37, 32, 64}, {38, 32, 64}, {39, 32, 64}, {40, 32, 64},
     {41, 32, 64}, {42, 32, 64}, {43, 32, 64}, {44, 32, 64}, {45, 32, 64}, {46, 32, 64}, {47, 32, 64}, {48, 32, 64},
     {49, 32, 64}, {50, 32, 64}, {51, 32, 64}, {52, 32, 64}, {53, 32, 64}, {54, 32, 64}, {55, 32, 64}, {56, 32, 64},
-    // rank 7 block 34: shares 30536..30591 ({step, share, of})
+    // rank 7 block 34: shares 30528..30583 ({step, share, of})
     {1, 33, 64}, {2, 33, 64}, {3, 33, 64}, {4, 33, 64}, {5, 33, 64}, {6, 33, 64}, {7, 33, 64}, {8, 33, 64},
     {9, 33, 64}, {10, 33, 64}, {11, 33, 64}, {12, 33, 64}, {13, 33, 64}, {14, 33, 64}, {15, 33, 64}, {16, 33, 64},
     {17, 33, 64}, {18, 33, 64}, {19, 33, 64}, {20, 33, 64}, {21, 33, 64}, {22, 33, 64}, {23, 33, 64}, {24, 33, 64},
@@ -10519,7 +10507,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 33, 64}, {34, 33, 64}, {35, 33, 64}, {36, 33, 64}, {37, 33, 64}, {38, 33, 64}, {39, 33, 64}, {40, 33, 64},
     {41, 33, 64}, {42, 33, 64}, {43, 33, 64}, {44, 33, 64}, {45, 33, 64}, {46, 33, 64}, {47, 33, 64}, {48, 33, 64},
     {49, 33, 64}, {50, 33, 64}, {51, 33, 64}, {52, 33, 64}, {53, 33, 64}, {54, 33, 64}, {55, 33, 64}, {56, 33, 64},
-    // rank 7 block 35: shares 30592..30647 ({step, share, of})
+    // rank 7 block 35: shares 30584..30639 ({step, share, of})
     {1, 34, 64}, {2, 34, 64}, {3, 34, 64}, {4, 34, 64}, {5, 34, 64}, {6, 34, 64}, {7, 34, 64}, {8, 34, 64},
     {9, 34, 64}, {10, 34, 64}, {11, 34, 64}, {12, 34, 64}, {13, 34, 64}, {14, 34, 64}, {15, 34, 64}, {16, 34, 64},
     {17, 34, 64}, {18, 34, 64}, {19, 34, 64}, {20, 34, 64}, {21, 34, 64}, {22, 34, 64}, {23, 34, 64}, {24, 34, 64},
@@ -10527,7 +10515,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 34, 64}, {34, 34, 64}, {35, 34, 64}, {36, 34, 64}, {37, 34, 64}, {38, 34, 64}, {39, 34, 64}, {40, 34, 64},
     {41, 34, 64}, {42, 34, 64}, {43, 34, 64}, {44, 34, 64}, {45, 34, 64}, {46, 34, 64}, {47, 34, 64}, {48, 34, 64},
     {49, 34, 64}, {50, 34, 64}, {51, 34, 64}, {52, 34, 64}, {53, 34, 64}, {54, 34, 64}, {55, 34, 64}, {56, 34, 64},
-    // rank 7 block 36: shares 30648..30703 ({step, share, of})
+    // rank 7 block 36: shares 30640..30695 ({step, share, of})
     {1, 35, 64}, {2, 35, 64}, {3, 35, 64}, {4, 35, 64}, {5, 35, 64}, {6, 35, 64}, {7, 35, 64}, {8, 35, 64},
     {9, 35, 64}, {10, 35, 64}, {11, 35, 64}, {12, 35, 64}, {13, 35, 64}, {14, 35, 64}, {15, 35, 64}, {16, 35, 64},
     {17, 35, 64}, {18, 35, 64}, {19, 35, 64}, {20, 35, 64}, {21, 35, 64}, {22, 35, 64}, {23, 35, 64}, {24, 35, 64},
@@ -10535,7 +10523,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 35, 64}, {34, 35, 64}, {35, 35, 64}, {36, 35, 64}, {37, 35, 64}, {38, 35, 64}, {39, 35, 64}, {40, 35, 64},
     {41, 35, 64}, {42, 35, 64}, {43, 35, 64}, {44, 35, 64}, {45, 35, 64}, {46, 35, 64}, {47, 35, 64}, {48, 35, 64},
     {49, 35, 64}, {50, 35, 64}, {51, 35, 64}, {52, 35, 64}, {53, 35, 64}, {54, 35, 64}, {55, 35, 64}, {56, 35, 64},
-    // rank 7 block 37: shares 30704..30759 ({step, share, of})
+    // rank 7 block 37: shares 30696..30751 ({step, share, of})
     {1, 36, 64}, {2, 36, 64}, {3, 36, 64}, {4, 36, 64}, {5, 36, 64}, {6, 36, 64}, {7, 36, 64}, {8, 36, 64},
     {9, 36, 64}, {10, 36, 64}, {11, 36, 64}, {12, 36, 64}, {13, 36, 64}, {14, 36, 64}, {15, 36, 64}, {16, 36, 64},
     {17, 36, 64}, {18, 36, 64}, {19, 36, 64}, {20, 36, 64}, {21, 36, 64}, {22, 36, 64}, {23, 36, 64}, {24, 36, 64},
@@ -10543,7 +10531,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 36, 64}, {34, 36, 64}, {35, 36, 64}, {36, 36, 64}, {37, 36, 64}, {38, 36, 64}, {39, 36, 64}, {40, 36, 64},
     {41, 36, 64}, {42, 36, 64}, {43, 36, 64}, {44, 36, 64}, {45, 36, 64}, {46, 36, 64}, {47, 36, 64}, {48, 36, 64},
     {49, 36, 64}, {50, 36, 64}, {51, 36, 64}, {52, 36, 64}, {53, 36, 64}, {54, 36, 64}, {55, 36, 64}, {56, 36, 64},
-    // rank 7 block 38: shares 30760..30815 ({step, share, of})
+    // rank 7 block 38: shares 30752..30807 ({step, share, of})
     {1, 37, 64}, {2, 37, 64}, {3, 37, 64}, {4, 37, 64}, {5, 37, 64}, {6, 37, 64}, {7, 37, 64}, {8, 37, 64},
     {9, 37, 64}, {10, 37, 64}, {11, 37, 64}, {12, 37, 64}, {13, 37, 64}, {14, 37, 64}, {15, 37, 64}, {16, 37, 64},
     {17, 37, 64}, {18, 37, 64}, {19, 37, 64}, {20, 37, 64}, {21, 37, 64}, {22, 37, 64}, {23, 37, 64}, {24, 37, 64},
@@ -10551,7 +10539,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 37, 64}, {34, 37, 64}, {35, 37, 64}, {36, 37, 64}, {37, 37, 64}, {38, 37, 64}, {39, 37, 64}, {40, 37, 64},
     {41, 37, 64}, {42, 37, 64}, {43, 37, 64}, {44, 37, 64}, {45, 37, 64}, {46, 37, 64}, {47, 37, 64}, {48, 37, 64},
     {49, 37, 64}, {50, 37, 64}, {51, 37, 64}, {52, 37, 64}, {53, 37, 64}, {54, 37, 64}, {55, 37, 64}, {56, 37, 64},
-    // rank 7 block 39: shares 30816..30871 ({step, share, of})
+    // rank 7 block 39: shares 30808..30863 ({step, share, of})
     {1, 38, 64}, {2, 38, 64}, {3, 38, 64}, {4, 38, 64}, {5, 38, 64}, {6, 38, 64}, {7, 38, 64}, {8, 38, 64},
     {9, 38, 64}, {10, 38, 64}, {11, 38, 64}, {12, 38, 64}, {13, 38, 64}, {14, 38, 64}, {15, 38, 64}, {16, 38, 64},
     {17, 38, 64}, {18, 38, 64}, {19, 38, 64}, {20, 38, 64}, {21, 38, 64}, {22, 38, 64}, {23, 38, 64}, {24, 38, 64},
@@ -10559,7 +10547,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 38, 64}, {34, 38, 64}, {35, 38, 64}, {36, 38, 64}, {37, 38, 64}, {38, 38, 64}, {39, 38, 64}, {40, 38, 64},
     {41, 38, 64}, {42, 38, 64}, {43, 38, 64}, {44, 38, 64}, {45, 38, 64}, {46, 38, 64}, {47, 38, 64}, {48, 38, 64},
     {49, 38, 64}, {50, 38, 64}, {51, 38, 64}, {52, 38, 64}, {53, 38, 64}, {54, 38, 64}, {55, 38, 64}, {56, 38, 64},
-    // rank 7 block 40: shares 30872..30927 ({step, share, of})
+    // rank 7 block 40: shares 30864..30919 ({step, share, of})
     {1, 39, 64}, {2, 39, 64}, {3, 39, 64}, {4, 39, 64}, {5, 39, 64}, {6, 39, 64}, {7, 39, 64}, {8, 39, 64},
     {9, 39, 64}, {10, 39, 64}, {11, 39, 64}, {12, 39, 64}, {13, 39, 64}, {14, 39, 64}, {15, 39, 64}, {16, 39, 64},
     {17, 39, 64}, {18, 39, 64}, {19, 39, 64}, {20, 39, 64}, {21, 39, 64}, {22, 39, 64}, {23, 39, 64}, {24, 39, 64},
@@ -10567,7 +10555,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 39, 64}, {34, 39, 64}, {35, 39, 64}, {36, 39, 64}, {37, 39, 64}, {38, 39, 64}, {39, 39, 64}, {40, 39, 64},
     {41, 39, 64}, {42, 39, 64}, {43, 39, 64}, {44, 39, 64}, {45, 39, 64}, {46, 39, 64}, {47, 39, 64}, {48, 39, 64},
     {49, 39, 64}, {50, 39, 64}, {51, 39, 64}, {52, 39, 64}, {53, 39, 64}, {54, 39, 64}, {55, 39, 64}, {56, 39, 64},
-    // rank 7 block 41: shares 30928..30983 ({step, share, of})
+    // rank 7 block 41: shares 30920..30975 ({step, share, of})
     {1, 40, 64}, {2, 40, 64}, {3, 40, 64}, {4, 40, 64}, {5, 40, 64}, {6, 40, 64}, {7, 40, 64}, {8, 40, 64},
     {9, 40, 64}, {10, 40, 64}, {11, 40, 64}, {12, 40, 64}, {13, 40, 64}, {14, 40, 64}, {15, 40, 64}, {16, 40, 64},
     {17, 40, 64}, {18, 40, 64}, {19, 40, 64}, {20, 40, 64}, {21, 40, 64}, {22, 40, 64}, {23, 40, 64}, {24, 40, 64},
@@ -10575,7 +10563,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 40, 64}, {34, 40, 64}, {35, 40, 64}, {36, 40, 64}, {37, 40, 64}, {38, 40, 64}, {39, 40, 64}, {40, 40, 64},
     {41, 40, 64}, {42, 40, 64}, {43, 40, 64}, {44, 40, 64}, {45, 40, 64}, {46, 40, 64}, {47, 40, 64}, {48, 40, 64},
     {49, 40, 64}, {50, 40, 64}, {51, 40, 64}, {52, 40, 64}, {53, 40, 64}, {54, 40, 64}, {55, 40, 64}, {56, 40, 64},
-    // rank 7 block 42: shares 30984..31039 ({step, share, of})
+    // rank 7 block 42: shares 30976..31031 ({step, share, of})
     {1, 41, 64}, {2, 41, 64}, {3, 41, 64}, {4, 41, 64}, {5, 41, 64}, {6, 41, 64}, {7, 41, 64}, {8, 41, 64},
     {9, 41, 64}, {10, 41, 64}, {11, 41, 64}, {12, 41, 64}, {13, 41, 64}, {14, 41, 64}, {15, 41, 64}, {16, 41, 64},
     {17, 41, 64}, {18, 41, 64}, {19, 41, 64}, {20, 41, 64}, {21, 41, 64}, {22, 41, 64}, {23, 41, 64}, {24, 41, 64},
@@ -10583,7 +10571,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 41, 64}, {34, 41, 64}, {35, 41, 64}, {36, 41, 64}, {37, 41, 64}, {38, 41, 64}, {39, 41, 64}, {40, 41, 64},
     {41, 41, 64}, {42, 41, 64}, {43, 41, 64}, {44, 41, 64}, {45, 41, 64}, {46, 41, 64}, {47, 41, 64}, {48, 41, 64},
     {49, 41, 64}, {50, 41, 64}, {51, 41, 64}, {52, 41, 64}, {53, 41, 64}, {54, 41, 64}, {55, 41, 64}, {56, 41, 64},
-    // rank 7 block 43: shares 31040..31095 ({step, share, of})
+    // rank 7 block 43: shares 31032..31087 ({step, share, of})
     {1, 42, 64}, {2, 42, 64}, {3, 42, 64}, {4, 42, 64}, {5, 42, 64}, {6, 42, 64}, {7, 42, 64}, {8, 42, 64},
     {9, 42, 64}, {10, 42, 64}, {11, 42, 64}, {12, 42, 64}, {13, 42, 64}, {14, 42, 64}, {15, 42, 64}, {16, 42, 64},
     {17, 42, 64}, {18, 42, 64}, {19, 42, 64}, {20, 42, 64}, {21, 42, 64}, {22, 42, 64}, {23, 42, 64}, {24, 42, 64},
@@ -10591,7 +10579,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 42, 64}, {34, 42, 64}, {35, 42, 64}, {36, 42, 64}, {37, 42, 64}, {38, 42, 64}, {39, 42, 64}, {40, 42, 64},
     {41, 42, 64}, {42, 42, 64}, {43, 42, 64}, {44, 42, 64}, {45, 42, 64}, {46, 42, 64}, {47, 42, 64}, {48, 42, 64},
     {49, 42, 64}, {50, 42, 64}, {51, 42, 64}, {52, 42, 64}, {53, 42, 64}, {54, 42, 64}, {55, 42, 64}, {56, 42, 64},
-    // rank 7 block 44: shares 31096..31151 ({step, share, of})
+    // rank 7 block 44: shares 31088..31143 ({step, share, of})
     {1, 43, 64}, {2, 43, 64}, {3, 43, 64}, {4, 43, 64}, {5, 43, 64}, {6, 43, 64}, {7, 43, 64}, {8, 43, 64},
     {9, 43, 64}, {10, 43, 64}, {11, 43, 64}, {12, 43, 64}, {13, 43, 64}, {14, 43, 64}, {15, 43, 64}, {16, 43, 64},
     {17, 43, 64}, {18, 43, 64}, {19, 43, 64}, {20, 43, 64}, {21, 43, 64}, {22, 43, 64}, {23, 43, 64}, {24, 43, 64},
@@ -10599,7 +10587,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 43, 64}, {34, 43, 64}, {35, 43, 64}, {36, 43, 64}, {37, 43, 64}, {38, 43, 64}, {39, 43, 64}, {40, 43, 64},
     {41, 43, 64}, {42, 43, 64}, {43, 43, 64}, {44, 43, 64}, {45, 43, 64}, {46, 43, 64}, {47, 43, 64}, {48, 43, 64},
     {49, 43, 64}, {50, 43, 64}, {51, 43, 64}, {52, 43, 64}, {53, 43, 64}, {54, 43, 64}, {55, 43, 64}, {56, 43, 64},
-    // rank 7 block 45: shares 31152..31207 ({step, share, of})
+    // rank 7 block 45: shares 31144..31199 ({step, share, of})
     {1, 44, 64}, {2, 44, 64}, {3, 44, 64}, {4, 44, 64}, {5, 44, 64}, {6, 44, 64}, {7, 44, 64}, {8, 44, 64},
     {9, 44, 64}, {10, 44, 64}, {11, 44, 64}, {12, 44, 64}, {13, 44, 64}, {14, 44, 64}, {15, 44, 64}, {16, 44, 64},
     {17, 44, 64}, {18, 44, 64}, {19, 44, 64}, {20, 44, 64}, {21, 44, 64}, {22, 44, 64}, {23, 44, 64}, {24, 44, 64},
@@ -10607,7 +10595,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 44, 64}, {34, 44, 64}, {35, 44, 64}, {36, 44, 64}, {37, 44, 64}, {38, 44, 64}, {39, 44, 64}, {40, 44, 64},
     {41, 44, 64}, {42, 44, 64}, {43, 44, 64}, {44, 44, 64}, {45, 44, 64}, {46, 44, 64}, {47, 44, 64}, {48, 44, 64},
     {49, 44, 64}, {50, 44, 64}, {51, 44, 64}, {52, 44, 64}, {53, 44, 64}, {54, 44, 64}, {55, 44, 64}, {56, 44, 64},
-    // rank 7 block 46: shares 31208..31263 ({step, share, of})
+    // rank 7 block 46: shares 31200..31255 ({step, share, of})
     {1, 45, 64}, {2, 45, 64}, {3, 45, 64}, {4, 45, 64}, {5, 45, 64}, {6, 45, 64}, {7, 45, 64}, {8, 45, 64},
     {9, 45, 64}, {10, 45, 64}, {11, 45, 64}, {12, 45, 64}, {13, 45, 64}, {14, 45, 64}, {15, 45, 64}, {16, 45, 64},
     {17, 45, 64}, {18, 45, 64}, {19, 45, 64}, {20, 45, 64}, {21, 45, 64}, {22, 45, 64}, {23, 45, 64}, {24, 45, 64},
@@ -10615,7 +10603,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 45, 64}, {34, 45, 64}, {35, 45, 64}, {36, 45, 64}, {37, 45, 64}, {38, 45, 64}, {39, 45, 64}, {40, 45, 64},
     {41, 45, 64}, {42, 45, 64}, {43, 45, 64}, {44, 45, 64}, {45, 45, 64}, {46, 45, 64}, {47, 45, 64}, {48, 45, 64},
     {49, 45, 64}, {50, 45, 64}, {51, 45, 64}, {52, 45, 64}, {53, 45, 64}, {54, 45, 64}, {55, 45, 64}, {56, 45, 64},
-    // rank 7 block 47: shares 31264..31319 ({step, share, of})
+    // rank 7 block 47: shares 31256..31311 ({step, share, of})
     {1, 46, 64}, {2, 46, 64}, {3, 46, 64}, {4, 46, 64}, {5, 46, 64}, {6, 46, 64}, {7, 46, 64}, {8, 46, 64},
     {9, 46, 64}, {10, 46, 64}, {11, 46, 64}, {12, 46, 64}, {13, 46, 64}, {14, 46, 64}, {15, 46, 64}, {16, 46, 64},
     {17, 46, 64}, {18, 46, 64}, {19, 46, 64}, {20, 46, 64}, {21, 46, 64}, {22, 46, 64}, {23, 46, 64}, {24, 46, 64},
@@ -10623,7 +10611,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 46, 64}, {34, 46, 64}, {35, 46, 64}, {36, 46, 64}, {37, 46, 64}, {38, 46, 64}, {39, 46, 64}, {40, 46, 64},
     {41, 46, 64}, {42, 46, 64}, {43, 46, 64}, {44, 46, 64}, {45, 46, 64}, {46, 46, 64}, {47, 46, 64}, {48, 46, 64},
     {49, 46, 64}, {50, 46, 64}, {51, 46, 64}, {52, 46, 64}, {53, 46, 64}, {54, 46, 64}, {55, 46, 64}, {56, 46, 64},
-    // rank 7 block 48: shares 31320..31375 ({step, share, of})
+    // rank 7 block 48: shares 31312..31367 ({step, share, of})
     {1, 47, 64}, {2, 47, 64}, {3, 47, 64}, {4, 47, 64}, {5, 47, 64}, {6, 47, 64}, {7, 47, 64}, {8, 47, 64},
     {9, 47, 64}, {10, 47, 64}, {11, 47, 64}, {12, 47, 64}, {13, 47, 64}, {14, 47, 64}, {15, 47, 64}, {16, 47, 64},
     {17, 47, 64}, {18, 47, 64}, {19, 47, 64}, {20, 47, 64}, {21, 47, 64}, {22, 47, 64}, {23, 47, 64}, {24, 47, 64},
@@ -10631,7 +10619,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 47, 64}, {34, 47, 64}, {35, 47, 64}, {36, 47, 64}, {37, 47, 64}, {38, 47, 64}, {39, 47, 64}, {40, 47, 64},
     {41, 47, 64}, {42, 47, 64}, {43, 47, 64}, {44, 47, 64}, {45, 47, 64}, {46, 47, 64}, {47, 47, 64}, {48, 47, 64},
     {49, 47, 64}, {50, 47, 64}, {51, 47, 64}, {52, 47, 64}, {53, 47, 64}, {54, 47, 64}, {55, 47, 64}, {56, 47, 64},
-    // rank 7 block 49: shares 31376..31431 ({step, share, of})
+    // rank 7 block 49: shares 31368..31423 ({step, share, of})
     {1, 48, 64}, {2, 48, 64}, {3, 48, 64}, {4, 48, 64}, {5, 48, 64}, {6, 48, 64}, {7, 48, 64}, {8, 48, 64},
     {9, 48, 64}, {10, 48, 64}, {11, 48, 64}, {12, 48, 64}, {13, 48, 64}, {14, 48, 64}, {15, 48, 64}, {16, 48, 64},
     {17, 48, 64}, {18, 48, 64}, {19, 48, 64}, {20, 48, 64}, {21, 48, 64}, {22, 48, 64}, {23, 48, 64}, {24, 48, 64},
@@ -10639,7 +10627,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 48, 64}, {34, 48, 64}, {35, 48, 64}, {36, 48, 64}, {37, 48, 64}, {38, 48, 64}, {39, 48, 64}, {40, 48, 64},
     {41, 48, 64}, {42, 48, 64}, {43, 48, 64}, {44, 48, 64}, {45, 48, 64}, {46, 48, 64}, {47, 48, 64}, {48, 48, 64},
     {49, 48, 64}, {50, 48, 64}, {51, 48, 64}, {52, 48, 64}, {53, 48, 64}, {54, 48, 64}, {55, 48, 64}, {56, 48, 64},
-    // rank 7 block 50: shares 31432..31487 ({step, share, of})
+    // rank 7 block 50: shares 31424..31479 ({step, share, of})
     {1, 49, 64}, {2, 49, 64}, {3, 49, 64}, {4, 49, 64}, {5, 49, 64}, {6, 49, 64}, {7, 49, 64}, {8, 49, 64},
     {9, 49, 64}, {10, 49, 64}, {11, 49, 64}, {12, 49, 64}, {13, 49, 64}, {14, 49, 64}, {15, 49, 64}, {16, 49, 64},
     {17, 49, 64}, {18, 49, 64}, {19, 49, 64}, {20, 49, 64}, {21, 49, 64}, {22, 49, 64}, {23, 49, 64}, {24, 49, 64},
@@ -10647,7 +10635,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 49, 64}, {34, 49, 64}, {35, 49, 64}, {36, 49, 64}, {37, 49, 64}, {38, 49, 64}, {39, 49, 64}, {40, 49, 64},
     {41, 49, 64}, {42, 49, 64}, {43, 49, 64}, {44, 49, 64}, {45, 49, 64}, {46, 49, 64}, {47, 49, 64}, {48, 49, 64},
     {49, 49, 64}, {50, 49, 64}, {51, 49, 64}, {52, 49, 64}, {53, 49, 64}, {54, 49, 64}, {55, 49, 64}, {56, 49, 64},
-    // rank 7 block 51: shares 31488..31543 ({step, share, of})
+    // rank 7 block 51: shares 31480..31535 ({step, share, of})
     {1, 50, 64}, {2, 50, 64}, {3, 50, 64}, {4, 50, 64}, {5, 50, 64}, {6, 50, 64}, {7, 50, 64}, {8, 50, 64},
     {9, 50, 64}, {10, 50, 64}, {11, 50, 64}, {12, 50, 64}, {13, 50, 64}, {14, 50, 64}, {15, 50, 64}, {16, 50, 64},
     {17, 50, 64}, {18, 50, 64}, {19, 50, 64}, {20, 50, 64}, {21, 50, 64}, {22, 50, 64}, {23, 50, 64}, {24, 50, 64},
@@ -10655,7 +10643,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 50, 64}, {34, 50, 64}, {35, 50, 64}, {36, 50, 64}, {37, 50, 64}, {38, 50, 64}, {39, 50, 64}, {40, 50, 64},
     {41, 50, 64}, {42, 50, 64}, {43, 50, 64}, {44, 50, 64}, {45, 50, 64}, {46, 50, 64}, {47, 50, 64}, {48, 50, 64},
     {49, 50, 64}, {50, 50, 64}, {51, 50, 64}, {52, 50, 64}, {53, 50, 64}, {54, 50, 64}, {55, 50, 64}, {56, 50, 64},
-    // rank 7 block 52: shares 31544..31599 ({step, share, of})
+    // rank 7 block 52: shares 31536..31591 ({step, share, of})
     {1, 51, 64}, {2, 51, 64}, {3, 51, 64}, {4, 51, 64}, {5, 51, 64}, {6, 51, 64}, {7, 51, 64}, {8, 51, 64},
     {9, 51, 64}, {10, 51, 64}, {11, 51, 64}, {12, 51, 64}, {13, 51, 64}, {14, 51, 64}, {15, 51, 64}, {16, 51, 64},
     {17, 51, 64}, {18, 51, 64}, {19, 51, 64}, {20, 51, 64}, {21, 51, 64}, {22, 51, 64}, {23, 51, 64}, {24, 51, 64},
@@ -10663,7 +10651,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 51, 64}, {34, 51, 64}, {35, 51, 64}, {36, 51, 64}, {37, 51, 64}, {38, 51, 64}, {39, 51, 64}, {40, 51, 64},
     {41, 51, 64}, {42, 51, 64}, {43, 51, 64}, {44, 51, 64}, {45, 51, 64}, {46, 51, 64}, {47, 51, 64}, {48, 51, 64},
     {49, 51, 64}, {50, 51, 64}, {51, 51, 64}, {52, 51, 64}, {53, 51, 64}, {54, 51, 64}, {55, 51, 64}, {56, 51, 64},
-    // rank 7 block 53: shares 31600..31655 ({step, share, of})
+    // rank 7 block 53: shares 31592..31647 ({step, share, of})
     {1, 52, 64}, {2, 52, 64}, {3, 52, 64}, {4, 52, 64}, {5, 52, 64}, {6, 52, 64}, {7, 52, 64}, {8, 52, 64},
     {9, 52, 64}, {10, 52, 64}, {11, 52, 64}, {12, 52, 64}, {13, 52, 64}, {14, 52, 64}, {15, 52, 64}, {16, 52, 64},
     {17, 52, 64}, {18, 52, 64}, {19, 52, 64}, {20, 52, 64}, {21, 52, 64}, {22, 52, 64}, {23, 52, 64}, {24, 52, 64},
@@ -10671,7 +10659,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 52, 64}, {34, 52, 64}, {35, 52, 64}, {36, 52, 64}, {37, 52, 64}, {38, 52, 64}, {39, 52, 64}, {40, 52, 64},
     {41, 52, 64}, {42, 52, 64}, {43, 52, 64}, {44, 52, 64}, {45, 52, 64}, {46, 52, 64}, {47, 52, 64}, {48, 52, 64},
     {49, 52, 64}, {50, 52, 64}, {51, 52, 64}, {52, 52, 64}, {53, 52, 64}, {54, 52, 64}, {55, 52, 64}, {56, 52, 64},
-    // rank 7 block 54: shares 31656..31711 ({step, share, of})
+    // rank 7 block 54: shares 31648..31703 ({step, share, of})
     {1, 53, 64}, {2, 53, 64}, {3, 53, 64}, {4, 53, 64}, {5, 53, 64}, {6, 53, 64}, {7, 53, 64}, {8, 53, 64},
     {9, 53, 64}, {10, 53, 64}, {11, 53, 64}, {12, 53, 64}, {13, 53, 64}, {14, 53, 64}, {15, 53, 64}, {16, 53, 64},
     {17, 53, 64}, {18, 53, 64}, {19, 53, 64}, {20, 53, 64}, {21, 53, 64}, {22, 53, 64}, {23, 53, 64}, {24, 53, 64},
@@ -10679,7 +10667,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 53, 64}, {34, 53, 64}, {35, 53, 64}, {36, 53, 64}, {37, 53, 64}, {38, 53, 64}, {39, 53, 64}, {40, 53, 64},
     {41, 53, 64}, {42, 53, 64}, {43, 53, 64}, {44, 53, 64}, {45, 53, 64}, {46, 53, 64}, {47, 53, 64}, {48, 53, 64},
     {49, 53, 64}, {50, 53, 64}, {51, 53, 64}, {52, 53, 64}, {53, 53, 64}, {54, 53, 64}, {55, 53, 64}, {56, 53, 64},
-    // rank 7 block 55: shares 31712..31767 ({step, share, of})
+    // rank 7 block 55: shares 31704..31759 ({step, share, of})
     {1, 54, 64}, {2, 54, 64}, {3, 54, 64}, {4, 54, 64}, {5, 54, 64}, {6, 54, 64}, {7, 54, 64}, {8, 54, 64},
     {9, 54, 64}, {10, 54, 64}, {11, 54, 64}, {12, 54, 64}, {13, 54, 64}, {14, 54, 64}, {15, 54, 64}, {16, 54, 64},
     {17, 54, 64}, {18, 54, 64}, {19, 54, 64}, {20, 54, 64}, {21, 54, 64}, {22, 54, 64}, {23, 54, 64}, {24, 54, 64},
@@ -10687,7 +10675,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 54, 64}, {34, 54, 64}, {35, 54, 64}, {36, 54, 64}, {37, 54, 64}, {38, 54, 64}, {39, 54, 64}, {40, 54, 64},
     {41, 54, 64}, {42, 54, 64}, {43, 54, 64}, {44, 54, 64}, {45, 54, 64}, {46, 54, 64}, {47, 54, 64}, {48, 54, 64},
     {49, 54, 64}, {50, 54, 64}, {51, 54, 64}, {52, 54, 64}, {53, 54, 64}, {54, 54, 64}, {55, 54, 64}, {56, 54, 64},
-    // rank 7 block 56: shares 31768..31823 ({step, share, of})
+    // rank 7 block 56: shares 31760..31815 ({step, share, of})
     {1, 55, 64}, {2, 55, 64}, {3, 55, 64}, {4, 55, 64}, {5, 55, 64}, {6, 55, 64}, {7, 55, 64}, {8, 55, 64},
     {9, 55, 64}, {10, 55, 64}, {11, 55, 64}, {12, 55, 64}, {13, 55, 64}, {14, 55, 64}, {15, 55, 64}, {16, 55, 64},
     {17, 55, 64}, {18, 55, 64}, {19, 55, 64}, {20, 55, 64}, {21, 55, 64}, {22, 55, 64}, {23, 55, 64}, {24, 55, 64},
@@ -10695,7 +10683,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 55, 64}, {34, 55, 64}, {35, 55, 64}, {36, 55, 64}, {37, 55, 64}, {38, 55, 64}, {39, 55, 64}, {40, 55, 64},
     {41, 55, 64}, {42, 55, 64}, {43, 55, 64}, {44, 55, 64}, {45, 55, 64}, {46, 55, 64}, {47, 55, 64}, {48, 55, 64},
     {49, 55, 64}, {50, 55, 64}, {51, 55, 64}, {52, 55, 64}, {53, 55, 64}, {54, 55, 64}, {55, 55, 64}, {56, 55, 64},
-    // rank 7 block 57: shares 31824..31879 ({step, share, of})
+    // rank 7 block 57: shares 31816..31871 ({step, share, of})
     {1, 56, 64}, {2, 56, 64}, {3, 56, 64}, {4, 56, 64}, {5, 56, 64}, {6, 56, 64}, {7, 56, 64}, {8, 56, 64},
     {9, 56, 64}, {10, 56, 64}, {11, 56, 64}, {12, 56, 64}, {13, 56, 64}, {14, 56, 64}, {15, 56, 64}, {16, 56, 64},
     {17, 56, 64}, {18, 56, 64}, {19, 56, 64}, {20, 56, 64}, {21, 56, 64}, {22, 56, 64}, {23, 56, 64}, {24, 56, 64},
@@ -10703,7 +10691,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 56, 64}, {34, 56, 64}, {35, 56, 64}, {36, 56, 64}, {37, 56, 64}, {38, 56, 64}, {39, 56, 64}, {40, 56, 64},
     {41, 56, 64}, {42, 56, 64}, {43, 56, 64}, {44, 56, 64}, {45, 56, 64}, {46, 56, 64}, {47, 56, 64}, {48, 56, 64},
     {49, 56, 64}, {50, 56, 64}, {51, 56, 64}, {52, 56, 64}, {53, 56, 64}, {54, 56, 64}, {55, 56, 64}, {56, 56, 64},
-    // rank 7 block 58: shares 31880..31935 ({step, share, of})
+    // rank 7 block 58: shares 31872..31927 ({step, share, of})
     {1, 57, 64}, {2, 57, 64}, {3, 57, 64}, {4, 57, 64}, {5, 57, 64}, {6, 57, 64}, {7, 57, 64}, {8, 57, 64},
     {9, 57, 64}, {10, 57, 64}, {11, 57, 64}, {12, 57, 64}, {13, 57, 64}, {14, 57, 64}, {15, 57, 64}, {16, 57, 64},
     {17, 57, 64}, {18, 57, 64}, {19, 57, 64}, {20, 57, 64}, {21, 57, 64}, {22, 57, 64}, {23, 57, 64}, {24, 57, 64},
@@ -10711,7 +10699,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 57, 64}, {34, 57, 64}, {35, 57, 64}, {36, 57, 64}, {37, 57, 64}, {38, 57, 64}, {39, 57, 64}, {40, 57, 64},
     {41, 57, 64}, {42, 57, 64}, {43, 57, 64}, {44, 57, 64}, {45, 57, 64}, {46, 57, 64}, {47, 57, 64}, {48, 57, 64},
     {49, 57, 64}, {50, 57, 64}, {51, 57, 64}, {52, 57, 64}, {53, 57, 64}, {54, 57, 64}, {55, 57, 64}, {56, 57, 64},
-    // rank 7 block 59: shares 31936..31991 ({step, share, of})
+    // rank 7 block 59: shares 31928..31983 ({step, share, of})
     {1, 58, 64}, {2, 58, 64}, {3, 58, 64}, {4, 58, 64}, {5, 58, 64}, {6, 58, 64}, {7, 58, 64}, {8, 58, 64},
     {9, 58, 64}, {10, 58, 64}, {11, 58, 64}, {12, 58, 64}, {13, 58, 64}, {14, 58, 64}, {15, 58, 64}, {16, 58, 64},
     {17, 58, 64}, {18, 58, 64}, {19, 58, 64}, {20, 58, 64}, {21, 58, 64}, {22, 58, 64}, {23, 58, 64}, {24, 58, 64},
@@ -10719,7 +10707,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 58, 64}, {34, 58, 64}, {35, 58, 64}, {36, 58, 64}, {37, 58, 64}, {38, 58, 64}, {39, 58, 64}, {40, 58, 64},
     {41, 58, 64}, {42, 58, 64}, {43, 58, 64}, {44, 58, 64}, {45, 58, 64}, {46, 58, 64}, {47, 58, 64}, {48, 58, 64},
     {49, 58, 64}, {50, 58, 64}, {51, 58, 64}, {52, 58, 64}, {53, 58, 64}, {54, 58, 64}, {55, 58, 64}, {56, 58, 64},
-    // rank 7 block 60: shares 31992..32047 ({step, share, of})
+    // rank 7 block 60: shares 31984..32039 ({step, share, of})
     {1, 59, 64}, {2, 59, 64}, {3, 59, 64}, {4, 59, 64}, {5, 59, 64}, {6, 59, 64}, {7, 59, 64}, {8, 59, 64},
     {9, 59, 64}, {10, 59, 64}, {11, 59, 64}, {12, 59, 64}, {13, 59, 64}, {14, 59, 64}, {15, 59, 64}, {16, 59, 64},
     {17, 59, 64}, {18, 59, 64}, {19, 59, 64}, {20, 59, 64}, {21, 59, 64}, {22, 59, 64}, {23, 59, 64}, {24, 59, 64},
@@ -10727,7 +10715,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 59, 64}, {34, 59, 64}, {35, 59, 64}, {36, 59, 64}, {37, 59, 64}, {38, 59, 64}, {39, 59, 64}, {40, 59, 64},
     {41, 59, 64}, {42, 59, 64}, {43, 59, 64}, {44, 59, 64}, {45, 59, 64}, {46, 59, 64}, {47, 59, 64}, {48, 59, 64},
     {49, 59, 64}, {50, 59, 64}, {51, 59, 64}, {52, 59, 64}, {53, 59, 64}, {54, 59, 64}, {55, 59, 64}, {56, 59, 64},
-    // rank 7 block 61: shares 32048..32103 ({step, share, of})
+    // rank 7 block 61: shares 32040..32095 ({step, share, of})
     {1, 60, 64}, {2, 60, 64}, {3, 60, 64}, {4, 60, 64}, {5, 60, 64}, {6, 60, 64}, {7, 60, 64}, {8, 60, 64},
     {9, 60, 64}, {10, 60, 64}, {11, 60, 64}, {12, 60, 64}, {13, 60, 64}, {14, 60, 64}, {15, 60, 64}, {16, 60, 64},
     {17, 60, 64}, {18, 60, 64}, {19, 60, 64}, {20, 60, 64}, {21, 60, 64}, {22, 60, 64}, {23, 60, 64}, {24, 60, 64},
@@ -10735,7 +10723,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 60, 64}, {34, 60, 64}, {35, 60, 64}, {36, 60, 64}, {37, 60, 64}, {38, 60, 64}, {39, 60, 64}, {40, 60, 64},
     {41, 60, 64}, {42, 60, 64}, {43, 60, 64}, {44, 60, 64}, {45, 60, 64}, {46, 60, 64}, {47, 60, 64}, {48, 60, 64},
     {49, 60, 64}, {50, 60, 64}, {51, 60, 64}, {52, 60, 64}, {53, 60, 64}, {54, 60, 64}, {55, 60, 64}, {56, 60, 64},
-    // rank 7 block 62: shares 32104..32159 ({step, share, of})
+    // rank 7 block 62: shares 32096..32151 ({step, share, of})
     {1, 61, 64}, {2, 61, 64}, {3, 61, 64}, {4, 61, 64}, {5, 61, 64}, {6, 61, 64}, {7, 61, 64}, {8, 61, 64},
     {9, 61, 64}, {10, 61, 64}, {11, 61, 64}, {12, 61, 64}, {13, 61, 64}, {14, 61, 64}, {15, 61, 64}, {16, 61, 64},
     {17, 61, 64}, {18, 61, 64}, {19, 61, 64}, {20, 61, 64}, {21, 61, 64}, {22, 61, 64}, {23, 61, 64}, {24, 61, 64},
@@ -10743,7 +10731,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 61, 64}, {34, 61, 64}, {35, 61, 64}, {36, 61, 64}, {37, 61, 64}, {38, 61, 64}, {39, 61, 64}, {40, 61, 64},
     {41, 61, 64}, {42, 61, 64}, {43, 61, 64}, {44, 61, 64}, {45, 61, 64}, {46, 61, 64}, {47, 61, 64}, {48, 61, 64},
     {49, 61, 64}, {50, 61, 64}, {51, 61, 64}, {52, 61, 64}, {53, 61, 64}, {54, 61, 64}, {55, 61, 64}, {56, 61, 64},
-    // rank 7 block 63: shares 32160..32215 ({step, share, of})
+    // rank 7 block 63: shares 32152..32207 ({step, share, of})
     {1, 62, 64}, {2, 62, 64}, {3, 62, 64}, {4, 62, 64}, {5, 62, 64}, {6, 62, 64}, {7, 62, 64}, {8, 62, 64},
     {9, 62, 64}, {10, 62, 64}, {11, 62, 64}, {12, 62, 64}, {13, 62, 64}, {14, 62, 64}, {15, 62, 64}, {16, 62, 64},
     {17, 62, 64}, {18, 62, 64}, {19, 62, 64}, {20, 62, 64}, {21, 62, 64}, {22, 62, 64}, {23, 62, 64}, {24, 62, 64},
@@ -10751,7 +10739,7 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 62, 64}, {34, 62, 64}, {35, 62, 64}, {36, 62, 64}, {37, 62, 64}, {38, 62, 64}, {39, 62, 64}, {40, 62, 64},
     {41, 62, 64}, {42, 62, 64}, {43, 62, 64}, {44, 62, 64}, {45, 62, 64}, {46, 62, 64}, {47, 62, 64}, {48, 62, 64},
     {49, 62, 64}, {50, 62, 64}, {51, 62, 64}, {52, 62, 64}, {53, 62, 64}, {54, 62, 64}, {55, 62, 64}, {56, 62, 64},
-    // rank 7 block 64: shares 32216..32271 ({step, share, of})
+    // rank 7 block 64: shares 32208..32263 ({step, share, of})
     {1, 63, 64}, {2, 63, 64}, {3, 63, 64}, {4, 63, 64}, {5, 63, 64}, {6, 63, 64}, {7, 63, 64}, {8, 63, 64},
     {9, 63, 64}, {10, 63, 64}, {11, 63, 64}, {12, 63, 64}, {13, 63, 64}, {14, 63, 64}, {15, 63, 64}, {16, 63, 64},
     {17, 63, 64}, {18, 63, 64}, {19, 63, 64}, {20, 63, 64}, {21, 63, 64}, {22, 63, 64}, {23, 63, 64}, {24, 63, 64},
@@ -10759,143 +10747,143 @@ static __device__ const tsgen_share shares_w8[] = {
     {33, 63, 64}, {34, 63, 64}, {35, 63, 64}, {36, 63, 64}, {37, 63, 64}, {38, 63, 64}, {39, 63, 64}, {40, 63, 64},
     {41, 63, 64}, {42, 63, 64}, {43, 63, 64}, {44, 63, 64}, {45, 63, 64}, {46, 63, 64}, {47, 63, 64}, {48, 63, 64},
     {49, 63, 64}, {50, 63, 64}, {51, 63, 64}, {52, 63, 64}, {53, 63, 64}, {54, 63, 64}, {55, 63, 64}, {56, 63, 64},
-    // rank 7 block 65: shares 32272..32279 ({step, share, of})
+    // rank 7 block 65: shares 32264..32271 ({step, share, of})
     {57, 0, 64}, {58, 0, 64}, {59, 0, 64}, {60, 0, 64}, {61, 0, 64}, {62, 0, 64}, {63, 0, 64}, {64, 0, 64},
-    // rank 7 block 66: shares 32280..32287 ({step, share, of})
+    // rank 7 block 66: shares 32272..32279 ({step, share, of})
     {57, 1, 64}, {58, 1, 64}, {59, 1, 64}, {60, 1, 64}, {61, 1, 64}, {62, 1, 64}, {63, 1, 64}, {64, 1, 64},
-    // rank 7 block 67: shares 32288..32295 ({step, share, of})
+    // rank 7 block 67: shares 32280..32287 ({step, share, of})
     {57, 2, 64}, {58, 2, 64}, {59, 2, 64}, {60, 2, 64}, {61, 2, 64}, {62, 2, 64}, {63, 2, 64}, {64, 2, 64},
-    // rank 7 block 68: shares 32296..32303 ({step, share, of})
+    // rank 7 block 68: shares 32288..32295 ({step, share, of})
     {57, 3, 64}, {58, 3, 64}, {59, 3, 64}, {60, 3, 64}, {61, 3, 64}, {62, 3, 64}, {63, 3, 64}, {64, 3, 64},
-    // rank 7 block 69: shares 32304..32311 ({step, share, of})
+    // rank 7 block 69: shares 32296..32303 ({step, share, of})
     {57, 4, 64}, {58, 4, 64}, {59, 4, 64}, {60, 4, 64}, {61, 4, 64}, {62, 4, 64}, {63, 4, 64}, {64, 4, 64},
-    // rank 7 block 70: shares 32312..32319 ({step, share, of})
+    // rank 7 block 70: shares 32304..32311 ({step, share, of})
     {57, 5, 64}, {58, 5, 64}, {59, 5, 64}, {60, 5, 64}, {61, 5, 64}, {62, 5, 64}, {63, 5, 64}, {64, 5, 64},
-    // rank 7 block 71: shares 32320..32327 ({step, share, of})
+    // rank 7 block 71: shares 32312..32319 ({step, share, of})
     {57, 6, 64}, {58, 6, 64}, {59, 6, 64}, {60, 6, 64}, {61, 6, 64}, {62, 6, 64}, {63, 6, 64}, {64, 6, 64},
-    // rank 7 block 72: shares 32328..32335 ({step, share, of})
+    // rank 7 block 72: shares 32320..32327 ({step, share, of})
     {57, 7, 64}, {58, 7, 64}, {59, 7, 64}, {60, 7, 64}, {61, 7, 64}, {62, 7, 64}, {63, 7, 64}, {64, 7, 64},
-    // rank 7 block 73: shares 32336..32343 ({step, share, of})
+    // rank 7 block 73: shares 32328..32335 ({step, share, of})
     {57, 8, 64}, {58, 8, 64}, {59, 8, 64}, {60, 8, 64}, {61, 8, 64}, {62, 8, 64}, {63, 8, 64}, {64, 8, 64},
-    // rank 7 block 74: shares 32344..32351 ({step, share, of})
+    // rank 7 block 74: shares 32336..32343 ({step, share, of})
     {57, 9, 64}, {58, 9, 64}, {59, 9, 64}, {60, 9, 64}, {61, 9, 64}, {62, 9, 64}, {63, 9, 64}, {64, 9, 64},
-    // rank 7 block 75: shares 32352..32359 ({step, share, of})
+    // rank 7 block 75: shares 32344..32351 ({step, share, of})
     {57, 10, 64}, {58, 10, 64}, {59, 10, 64}, {60, 10, 64}, {61, 10, 64}, {62, 10, 64}, {63, 10, 64}, {64, 10, 64},
-    // rank 7 block 76: shares 32360..32367 ({step, share, of})
+    // rank 7 block 76: shares 32352..32359 ({step, share, of})
     {57, 11, 64}, {58, 11, 64}, {59, 11, 64}, {60, 11, 64}, {61, 11, 64}, {62, 11, 64}, {63, 11, 64}, {64, 11, 64},
-    // rank 7 block 77: shares 32368..32375 ({step, share, of})
+    // rank 7 block 77: shares 32360..32367 ({step, share, of})
     {57, 12, 64}, {58, 12, 64}, {59, 12, 64}, {60, 12, 64}, {61, 12, 64}, {62, 12, 64}, {63, 12, 64}, {64, 12, 64},
-    // rank 7 block 78: shares 32376..32383 ({step, share, of})
+    // rank 7 block 78: shares 32368..32375 ({step, share, of})
     {57, 13, 64}, {58, 13, 64}, {59, 13, 64}, {60, 13, 64}, {61, 13, 64}, {62, 13, 64}, {63, 13, 64}, {64, 13, 64},
-    // rank 7 block 79: shares 32384..32391 ({step, share, of})
+    // rank 7 block 79: shares 32376..32383 ({step, share, of})
     {57, 14, 64}, {58, 14, 64}, {59, 14, 64}, {60, 14, 64}, {61, 14, 64}, {62, 14, 64}, {63, 14, 64}, {64, 14, 64},
-    // rank 7 block 80: shares 32392..32399 ({step, share, of})
+    // rank 7 block 80: shares 32384..32391 ({step, share, of})
     {57, 15, 64}, {58, 15, 64}, {59, 15, 64}, {60, 15, 64}, {61, 15, 64}, {62, 15, 64}, {63, 15, 64}, {64, 15, 64},
-    // rank 7 block 81: shares 32400..32407 ({step, share, of})
+    // rank 7 block 81: shares 32392..32399 ({step, share, of})
     {57, 16, 64}, {58, 16, 64}, {59, 16, 64}, {60, 16, 64}, {61, 16, 64}, {62, 16, 64}, {63, 16, 64}, {64, 16, 64},
-    // rank 7 block 82: shares 32408..32415 ({step, share, of})
+    // rank 7 block 82: shares 32400..32407 ({step, share, of})
     {57, 17, 64}, {58, 17, 64}, {59, 17, 64}, {60, 17, 64}, {61, 17, 64}, {62, 17, 64}, {63, 17, 64}, {64, 17, 64},
-    // rank 7 block 83: shares 32416..32423 ({step, share, of})
+    // rank 7 block 83: shares 32408..32415 ({step, share, of})
     {57, 18, 64}, {58, 18, 64}, {59, 18, 64}, {60, 18, 64}, {61, 18, 64}, {62, 18, 64}, {63, 18, 64}, {64, 18, 64},
-    // rank 7 block 84: shares 32424..32431 ({step, share, of})
+    // rank 7 block 84: shares 32416..32423 ({step, share, of})
     {57, 19, 64}, {58, 19, 64}, {59, 19, 64}, {60, 19, 64}, {61, 19, 64}, {62, 19, 64}, {63, 19, 64}, {64, 19, 64},
-    // rank 7 block 85: shares 32432..32439 ({step, share, of})
+    // rank 7 block 85: shares 32424..32431 ({step, share, of})
     {57, 20, 64}, {58, 20, 64}, {59, 20, 64}, {60, 20, 64}, {61, 20, 64}, {62, 20, 64}, {63, 20, 64}, {64, 20, 64},
-    // rank 7 block 86: shares 32440..32447 ({step, share, of})
+    // rank 7 block 86: shares 32432..32439 ({step, share, of})
     {57, 21, 64}, {58, 21, 64}, {59, 21, 64}, {60, 21, 64}, {61, 21, 64}, {62, 21, 64}, {63, 21, 64}, {64, 21, 64},
-    // rank 7 block 87: shares 32448..32455 ({step, share, of})
+    // rank 7 block 87: shares 32440..32447 ({step, share, of})
     {57, 22, 64}, {58, 22, 64}, {59, 22, 64}, {60, 22, 64}, {61, 22, 64}, {62, 22, 64}, {63, 22, 64}, {64, 22, 64},
-    // rank 7 block 88: shares 32456..32463 ({step, share, of})
+    // rank 7 block 88: shares 32448..32455 ({step, share, of})
     {57, 23, 64}, {58, 23, 64}, {59, 23, 64}, {60, 23, 64}, {61, 23, 64}, {62, 23, 64}, {63, 23, 64}, {64, 23, 64},
-    // rank 7 block 89: shares 32464..32471 ({step, share, of})
+    // rank 7 block 89: shares 32456..32463 ({step, share, of})
     {57, 24, 64}, {58, 24, 64}, {59, 24, 64}, {60, 24, 64}, {61, 24, 64}, {62, 24, 64}, {63, 24, 64}, {64, 24, 64},
-    // rank 7 block 90: shares 32472..32479 ({step, share, of})
+    // rank 7 block 90: shares 32464..32471 ({step, share, of})
     {57, 25, 64}, {58, 25, 64}, {59, 25, 64}, {60, 25, 64}, {61, 25, 64}, {62, 25, 64}, {63, 25, 64}, {64, 25, 64},
-    // rank 7 block 91: shares 32480..32487 ({step, share, of})
+    // rank 7 block 91: shares 32472..32479 ({step, share, of})
     {57, 26, 64}, {58, 26, 64}, {59, 26, 64}, {60, 26, 64}, {61, 26, 64}, {62, 26, 64}, {63, 26, 64}, {64, 26, 64},
-    // rank 7 block 92: shares 32488..32495 ({step, share, of})
+    // rank 7 block 92: shares 32480..32487 ({step, share, of})
     {57, 27, 64}, {58, 27, 64}, {59, 27, 64}, {60, 27, 64}, {61, 27, 64}, {62, 27, 64}, {63, 27, 64}, {64, 27, 64},
-    // rank 7 block 93: shares 32496..32503 ({step, share, of})
+    // rank 7 block 93: shares 32488..32495 ({step, share, of})
     {57, 28, 64}, {58, 28, 64}, {59, 28, 64}, {60, 28, 64}, {61, 28, 64}, {62, 28, 64}, {63, 28, 64}, {64, 28, 64},
-    // rank 7 block 94: shares 32504..32511 ({step, share, of})
+    // rank 7 block 94: shares 32496..32503 ({step, share, of})
     {57, 29, 64}, {58, 29, 64}, {59, 29, 64}, {60, 29, 64}, {61, 29, 64}, {62, 29, 64}, {63, 29, 64}, {64, 29, 64},
-    // rank 7 block 95: shares 32512..32519 ({step, share, of})
+    // rank 7 block 95: shares 32504..32511 ({step, share, of})
     {57, 30, 64}, {58, 30, 64}, {59, 30, 64}, {60, 30, 64}, {61, 30, 64}, {62, 30, 64}, {63, 30, 64}, {64, 30, 64},
-    // rank 7 block 96: shares 32520..32527 ({step, share, of})
+    // rank 7 block 96: shares 32512..32519 ({step, share, of})
     {57, 31, 64}, {58, 31, 64}, {59, 31, 64}, {60, 31, 64}, {61, 31, 64}, {62, 31, 64}, {63, 31, 64}, {64, 31, 64},
-    // rank 7 block 97: shares 32528..32535 ({step, share, of})
+    // rank 7 block 97: shares 32520..32527 ({step, share, of})
     {57, 32, 64}, {58, 32, 64}, {59, 32, 64}, {60, 32, 64}, {61, 32, 64}, {62, 32, 64}, {63, 32, 64}, {64, 32, 64},
-    // rank 7 block 98: shares 32536..32543 ({step, share, of})
+    // rank 7 block 98: shares 32528..32535 ({step, share, of})
     {57, 33, 64}, {58, 33, 64}, {59, 33, 64}, {60, 33, 64}, {61, 33, 64}, {62, 33, 64}, {63, 33, 64}, {64, 33, 64},
-    // rank 7 block 99: shares 32544..32551 ({step, share, of})
+    // rank 7 block 99: shares 32536..32543 ({step, share, of})
     {57, 34, 64}, {58, 34, 64}, {59, 34, 64}, {60, 34, 64}, {61, 34, 64}, {62, 34, 64}, {63, 34, 64}, {64, 34, 64},
-    // rank 7 block 100: shares 32552..32559 ({step, share, of})
+    // rank 7 block 100: shares 32544..32551 ({step, share, of})
     {57, 35, 64}, {58, 35, 64}, {59, 35, 64}, {60, 35, 64}, {61, 35, 64}, {62, 35, 64}, {63, 35, 64}, {64, 35, 64},
-    // rank 7 block 101: shares 32560..32567 ({step, share, of})
+    // rank 7 block 101: shares 32552..32559 ({step, share, of})
     {57, 36, 64}, {58, 36, 64}, {59, 36, 64}, {60, 36, 64}, {61, 36, 64}, {62, 36, 64}, {63, 36, 64}, {64, 36, 64},
-    // rank 7 block 102: shares 32568..32575 ({step, share, of})
+    // rank 7 block 102: shares 32560..32567 ({step, share, of})
     {57, 37, 64}, {58, 37, 64}, {59, 37, 64}, {60, 37, 64}, {61, 37, 64}, {62, 37, 64}, {63, 37, 64}, {64, 37, 64},
-    // rank 7 block 103: shares 32576..32583 ({step, share, of})
+    // rank 7 block 103: shares 32568..32575 ({step, share, of})
     {57, 38, 64}, {58, 38, 64}, {59, 38, 64}, {60, 38, 64}, {61, 38, 64}, {62, 38, 64}, {63, 38, 64}, {64, 38, 64},
-    // rank 7 block 104: shares 32584..32591 ({step, share, of})
+    // rank 7 block 104: shares 32576..32583 ({step, share, of})
     {57, 39, 64}, {58, 39, 64}, {59, 39, 64}, {60, 39, 64}, {61, 39, 64}, {62, 39, 64}, {63, 39, 64}, {64, 39, 64},
-    // rank 7 block 105: shares 32592..32599 ({step, share, of})
+    // rank 7 block 105: shares 32584..32591 ({step, share, of})
     {57, 40, 64}, {58, 40, 64}, {59, 40, 64}, {60, 40, 64}, {61, 40, 64}, {62, 40, 64}, {63, 40, 64}, {64, 40, 64},
-    // rank 7 block 106: shares 32600..32607 ({step, share, of})
+    // rank 7 block 106: shares 32592..32599 ({step, share, of})
     {57, 41, 64}, {58, 41, 64}, {59, 41, 64}, {60, 41, 64}, {61, 41, 64}, {62, 41, 64}, {63, 41, 64}, {64, 41, 64},
-    // rank 7 block 107: shares 32608..32615 ({step, share, of})
+    // rank 7 block 107: shares 32600..32607 ({step, share, of})
     {57, 42, 64}, {58, 42, 64}, {59, 42, 64}, {60, 42, 64}, {61, 42, 64}, {62, 42, 64}, {63, 42, 64}, {64, 42, 64},
-    // rank 7 block 108: shares 32616..32623 ({step, share, of})
+    // rank 7 block 108: shares 32608..32615 ({step, share, of})
     {57, 43, 64}, {58, 43, 64}, {59, 43, 64}, {60, 43, 64}, {61, 43, 64}, {62, 43, 64}, {63, 43, 64}, {64, 43, 64},
-    // rank 7 block 109: shares 32624..32631 ({step, share, of})
+    // rank 7 block 109: shares 32616..32623 ({step, share, of})
     {57, 44, 64}, {58, 44, 64}, {59, 44, 64}, {60, 44, 64}, {61, 44, 64}, {62, 44, 64}, {63, 44, 64}, {64, 44, 64},
-    // rank 7 block 110: shares 32632..32639 ({step, share, of})
+    // rank 7 block 110: shares 32624..32631 ({step, share, of})
     {57, 45, 64}, {58, 45, 64}, {59, 45, 64}, {60, 45, 64}, {61, 45, 64}, {62, 45, 64}, {63, 45, 64}, {64, 45, 64},
-    // rank 7 block 111: shares 32640..32647 ({step, share, of})
+    // rank 7 block 111: shares 32632..32639 ({step, share, of})
     {57, 46, 64}, {58, 46, 64}, {59, 46, 64}, {60, 46, 64}, {61, 46, 64}, {62, 46, 64}, {63, 46, 64}, {64, 46, 64},
-    // rank 7 block 112: shares 32648..32655 ({step, share, of})
+    // rank 7 block 112: shares 32640..32647 ({step, share, of})
     {57, 47, 64}, {58, 47, 64}, {59, 47, 64}, {60, 47, 64}, {61, 47, 64}, {62, 47, 64}, {63, 47, 64}, {64, 47, 64},
-    // rank 7 block 113: shares 32656..32663 ({step, share, of})
+    // rank 7 block 113: shares 32648..32655 ({step, share, of})
     {57, 48, 64}, {58, 48, 64}, {59, 48, 64}, {60, 48, 64}, {61, 48, 64}, {62, 48, 64}, {63, 48, 64}, {64, 48, 64},
-    // rank 7 block 114: shares 32664..32671 ({step, share, of})
+    // rank 7 block 114: shares 32656..32663 ({step, share, of})
     {57, 49, 64}, {58, 49, 64}, {59, 49, 64}, {60, 49, 64}, {61, 49, 64}, {62, 49, 64}, {63, 49, 64}, {64, 49, 64},
-    // rank 7 block 115: shares 32672..32679 ({step, share, of})
+    // rank 7 block 115: shares 32664..32671 ({step, share, of})
     {57, 50, 64}, {58, 50, 64}, {59, 50, 64}, {60, 50, 64}, {61, 50, 64}, {62, 50, 64}, {63, 50, 64}, {64, 50, 64},
-    // rank 7 block 116: shares 32680..32687 ({step, share, of})
+    // rank 7 block 116: shares 32672..32679 ({step, share, of})
     {57, 51, 64}, {58, 51, 64}, {59, 51, 64}, {60, 51, 64}, {61, 51, 64}, {62, 51, 64}, {63, 51, 64}, {64, 51, 64},
-    // rank 7 block 117: shares 32688..32695 ({step, share, of})
+    // rank 7 block 117: shares 32680..32687 ({step, share, of})
     {57, 52, 64}, {58, 52, 64}, {59, 52, 64}, {60, 52, 64}, {61, 52, 64}, {62, 52, 64}, {63, 52, 64}, {64, 52, 64},
-    // rank 7 block 118: shares 32696..32703 ({step, share, of})
+    // rank 7 block 118: shares 32688..32695 ({step, share, of})
     {57, 53, 64}, {58, 53, 64}, {59, 53, 64}, {60, 53, 64}, {61, 53, 64}, {62, 53, 64}, {63, 53, 64}, {64, 53, 64},
-    // rank 7 block 119: shares 32704..32711 ({step, share, of})
+    // rank 7 block 119: shares 32696..32703 ({step, share, of})
     {57, 54, 64}, {58, 54, 64}, {59, 54, 64}, {60, 54, 64}, {61, 54, 64}, {62, 54, 64}, {63, 54, 64}, {64, 54, 64},
-    // rank 7 block 120: shares 32712..32719 ({step, share, of})
+    // rank 7 block 120: shares 32704..32711 ({step, share, of})
     {57, 55, 64}, {58, 55, 64}, {59, 55, 64}, {60, 55, 64}, {61, 55, 64}, {62, 55, 64}, {63, 55, 64}, {64, 55, 64},
-    // rank 7 block 121: shares 32720..32727 ({step, share, of})
+    // rank 7 block 121: shares 32712..32719 ({step, share, of})
     {57, 56, 64}, {58, 56, 64}, {59, 56, 64}, {60, 56, 64}, {61, 56, 64}, {62, 56, 64}, {63, 56, 64}, {64, 56, 64},
-    // rank 7 block 122: shares 32728..32735 ({step, share, of})
+    // rank 7 block 122: shares 32720..32727 ({step, share, of})
     {57, 57, 64}, {58, 57, 64}, {59, 57, 64}, {60, 57, 64}, {61, 57, 64}, {62, 57, 64}, {63, 57, 64}, {64, 57, 64},
-    // rank 7 block 123: shares 32736..32743 ({step, share, of})
+    // rank 7 block 123: shares 32728..32735 ({step, share, of})
     {57, 58, 64}, {58, 58, 64}, {59, 58, 64}, {60, 58, 64}, {61, 58, 64}, {62, 58, 64}, {63, 58, 64}, {64, 58, 64},
-    // rank 7 block 124: shares 32744..32751 ({step, share, of})
+    // rank 7 block 124: shares 32736..32743 ({step, share, of})
     {57, 59, 64}, {58, 59, 64}, {59, 59, 64}, {60, 59, 64}, {61, 59, 64}, {62, 59, 64}, {63, 59, 64}, {64, 59, 64},
-    // rank 7 block 125: shares 32752..32759 ({step, share, of})
+    // rank 7 block 125: shares 32744..32751 ({step, share, of})
     {57, 60, 64}, {58, 60, 64}, {59, 60, 64}, {60, 60, 64}, {61, 60, 64}, {62, 60, 64}, {63, 60, 64}, {64, 60, 64},
-    // rank 7 block 126: shares 32760..32767 ({step, share, of})
+    // rank 7 block 126: shares 32752..32759 ({step, share, of})
     {57, 61, 64}, {58, 61, 64}, {59, 61, 64}, {60, 61, 64}, {61, 61, 64}, {62, 61, 64}, {63, 61, 64}, {64, 61, 64},
-    // rank 7 block 127: shares 32768..32775 ({step, share, of})
+    // rank 7 block 127: shares 32760..32767 ({step, share, of})
     {57, 62, 64}, {58, 62, 64}, {59, 62, 64}, {60, 62, 64}, {61, 62, 64}, {62, 62, 64}, {63, 62, 64}, {64, 62, 64},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][129] = {
-    { 0, 9, 65, 121, 177, 233, 289, 345, 401, 457, 513, 569, 625, 681, 737, 793, 849, 905, 961, 1017, 1073, 1129, 1185, 1241, 1297, 1353, 1409, 1465, 1521, 1577, 1633, 1689, 1745, 1801, 1857, 1913, 1969, 2025, 2081, 2137, 2193, 2249, 2305, 2361, 2417, 2473, 2529, 2585, 2641, 2697, 2753, 2809, 2865, 2921, 2977, 3033, 3089, 3145, 3201, 3257, 3313, 3369, 3425, 3481, 3537, 3593, 3601, 3609, 3617, 3625, 3633, 3641, 3649, 3657, 3665, 3673, 3681, 3689, 3697, 3705, 3713, 3721, 3729, 3737, 3745, 3753, 3761, 3769, 3777, 3785, 3793, 3801, 3809, 3817, 3825, 3833, 3841, 3849, 3857, 3865, 3873, 3881, 3889, 3897, 3905, 3913, 3921, 3929, 3937, 3945, 3953, 3961, 3969, 3977, 3985, 3993, 4001, 4009, 4017, 4025, 4033, 4041, 4049, 4057, 4065, 4073, 4081, 4089, 4097 },
-    { 4097, 4106, 4162, 4218, 4274, 4330, 4386, 4442, 4498, 4554, 4610, 4666, 4722, 4778, 4834, 4890, 4946, 5002, 5058, 5114, 5170, 5226, 5282, 5338, 5394, 5450, 5506, 5562, 5618, 5674, 5730, 5786, 5842, 5898, 5954, 6010, 6066, 6122, 6178, 6234, 6290, 6346, 6402, 6458, 6514, 6570, 6626, 6682, 6738, 6794, 6850, 6906, 6962, 7018, 7074, 7130, 7186, 7242, 7298, 7354, 7410, 7466, 7522, 7578, 7634, 7690, 7698, 7706, 7714, 7722, 7730, 7738, 7746, 7754, 7762, 7770, 7778, 7786, 7794, 7802, 7810, 7818, 7826, 7834, 7842, 7850, 7858, 7866, 7874, 7882, 7890, 7898, 7906, 7914, 7922, 7930, 7938, 7946, 7954, 7962, 7970, 7978, 7986, 7994, 8002, 8010, 8018, 8026, 8034, 8042, 8050, 8058, 8066, 8074, 8082, 8090, 8098, 8106, 8114, 8122, 8130, 8138, 8146, 8154, 8162, 8170, 8178, 8186, 8194 },
-    { 8194, 8203, 8259, 8315, 8371, 8427, 8483, 8539, 8595, 8651, 8707, 8763, 8819, 8875, 8931, 8987, 9043, 9099, 9155, 9211, 9267, 9323, 9379, 9435, 9491, 9547, 9603, 9659, 9715, 9771, 9827, 9883, 9939, 9995, 10051, 10107, 10163, 10219, 10275, 10331, 10387, 10443, 10499, 10555, 10611, 10667, 10723, 10779, 10835, 10891, 10947, 11003, 11059, 11115, 11171, 11227, 11283, 11339, 11395, 11451, 11507, 11563, 11619, 11675, 11731, 11787, 11795, 11803, 11811, 11819, 11827, 11835, 11843, 11851, 11859, 11867, 11875, 11883, 11891, 11899, 11907, 11915, 11923, 11931, 11939, 11947, 11955, 11963, 11971, 11979, 11987, 11995, 12003, 12011, 12019, 12027, 12035, 12043, 12051, 12059, 12067, 12075, 12083, 12091, 12099, 12107, 12115, 12123, 12131, 12139, 12147, 12155, 12163, 12171, 12179, 12187, 12195, 12203, 12211, 12219, 12227, 12235, 12243, 12251, 12259, 12267, 12275, 12283, 12291 },
-    { 12291, 12300, 12356, 12412, 12468, 12524, 12580, 12636, 12692, 12748, 12804, 12860, 12916, 12972, 13028, 13084, 13140, 13196, 13252, 13308, 13364, 13420, 13476, 13532, 13588, 13644, 13700, 13756, 13812, 13868, 13924, 13980, 14036, 14092, 14148, 14204, 14260, 14316, 14372, 14428, 14484, 14540, 14596, 14652, 14708, 14764, 14820, 14876, 14932, 14988, 15044, 15100, 15156, 15212, 15268, 15324, 15380, 15436, 15492, 15548, 15604, 15660, 15716, 15772, 15828, 15884, 15892, 15900, 15908, 15916, 15924, 15932, 15940, 15948, 15956, 15964, 15972, 15980, 15988, 15996, 16004, 16012, 16020, 16028, 16036, 16044, 16052, 16060, 16068, 16076, 16084, 16092, 16100, 16108, 16116, 16124, 16132, 16140, 16148, 16156, 16164, 16172, 16180, 16188, 16196, 16204, 16212, 16220, 16228, 16236, 16244, 16252, 16260, 16268, 16276, 16284, 16292, 16300, 16308, 16316, 16324, 16332, 16340, 16348, 16356, 16364, 16372, 16380, 16388 },
-    { 16388, 16397, 16453, 16509, 16565, 16621, 16677, 16733, 16789, 16845, 16901, 16957, 17013, 17069, 17125, 17181, 17237, 17293, 17349, 17405, 17461, 17517, 17573, 17629, 17685, 17741, 17797, 17853, 17909, 17965, 18021, 18077, 18133, 18189, 18245, 18301, 18357, 18413, 18469, 18525, 18581, 18637, 18693, 18749, 18805, 18861, 18917, 18973, 19029, 19085, 19141, 19197, 19253, 19309, 19365, 19421, 19477, 19533, 19589, 19645, 19701, 19757, 19813, 19869, 19925, 19981, 19989, 19997, 20005, 20013, 20021, 20029, 20037, 20045, 20053, 20061, 20069, 20077, 20085, 20093, 20101, 20109, 20117, 20125, 20133, 20141, 20149, 20157, 20165, 20173, 20181, 20189, 20197, 20205, 20213, 20221, 20229, 20237, 20245, 20253, 20261, 20269, 20277, 20285, 20293, 20301, 20309, 20317, 20325, 20333, 20341, 20349, 20357, 20365, 20373, 20381, 20389, 20397, 20405, 20413, 20421, 20429, 20437, 20445, 20453, 20461, 20469, 20477, 20485 },
-    { 20485, 20494, 20550, 20606, 20662, 20718, 20774, 20830, 20886, 20942, 20998, 21054, 21110, 21166, 21222, 21278, 21334, 21390, 21446, 21502, 21558, 21614, 21670, 21726, 21782, 21838, 21894, 21950, 22006, 22062, 22118, 22174, 22230, 22286, 22342, 22398, 22454, 22510, 22566, 22622, 22678, 22734, 22790, 22846, 22902, 22958, 23014, 23070, 23126, 23182, 23238, 23294, 23350, 23406, 23462, 23518, 23574, 23630, 23686, 23742, 23798, 23854, 23910, 23966, 24022, 24078, 24086, 24094, 24102, 24110, 24118, 24126, 24134, 24142, 24150, 24158, 24166, 24174, 24182, 24190, 24198, 24206, 24214, 24222, 24230, 24238, 24246, 24254, 24262, 24270, 24278, 24286, 24294, 24302, 24310, 24318, 24326, 24334, 24342, 24350, 24358, 24366, 24374, 24382, 24390, 24398, 24406, 24414, 24422, 24430, 24438, 24446, 24454, 24462, 24470, 24478, 24486, 24494, 24502, 24510, 24518, 24526, 24534, 24542, 24550, 24558, 24566, 24574, 24582 },
-    { 24582, 24591, 24647, 24703, 24759, 24815, 24871, 24927, 24983, 25039, 25095, 25151, 25207, 25263, 25319, 25375, 25431, 25487, 25543, 25599, 25655, 25711, 25767, 25823, 25879, 25935, 25991, 26047, 26103, 26159, 26215, 26271, 26327, 26383, 26439, 26495, 26551, 26607, 26663, 26719, 26775, 26831, 26887, 26943, 26999, 27055, 27111, 27167, 27223, 27279, 27335, 27391, 27447, 27503, 27559, 27615, 27671, 27727, 27783, 27839, 27895, 27951, 28007, 28063, 28119, 28175, 28183, 28191, 28199, 28207, 28215, 28223, 28231, 28239, 28247, 28255, 28263, 28271, 28279, 28287, 28295, 28303, 28311, 28319, 28327, 28335, 28343, 28351, 28359, 28367, 28375, 28383, 28391, 28399, 28407, 28415, 28423, 28431, 28439, 28447, 28455, 28463, 28471, 28479, 28487, 28495, 28503, 28511, 28519, 28527, 28535, 28543, 28551, 28559, 28567, 28575, 28583, 28591, 28599, 28607, 28615, 28623, 28631, 28639, 28647, 28655, 28663, 28671, 28679 },
-    { 28679, 28688, 28744, 28800, 28856, 28912, 28968, 29024, 29080, 29136, 29192, 29248, 29304, 29360, 29416, 29472, 29528, 29584, 29640, 29696, 29752, 29808, 29864, 29920, 29976, 30032, 30088, 30144, 30200, 30256, 30312, 30368, 30424, 30480, 30536, 30592, 30648, 30704, 30760, 30816, 30872, 30928, 30984, 31040, 31096, 31152, 31208, 31264, 31320, 31376, 31432, 31488, 31544, 31600, 31656, 31712, 31768, 31824, 31880, 31936, 31992, 32048, 32104, 32160, 32216, 32272, 32280, 32288, 32296, 32304, 32312, 32320, 32328, 32336, 32344, 32352, 32360, 32368, 32376, 32384, 32392, 32400, 32408, 32416, 32424, 32432, 32440, 32448, 32456, 32464, 32472, 32480, 32488, 32496, 32504, 32512, 32520, 32528, 32536, 32544, 32552, 32560, 32568, 32576, 32584, 32592, 32600, 32608, 32616, 32624, 32632, 32640, 32648, 32656, 32664, 32672, 32680, 32688, 32696, 32704, 32712, 32720, 32728, 32736, 32744, 32752, 32760, 32768, 32776 },
+    { 0, 8, 64, 120, 176, 232, 288, 344, 400, 456, 512, 568, 624, 680, 736, 792, 848, 904, 960, 1016, 1072, 1128, 1184, 1240, 1296, 1352, 1408, 1464, 1520, 1576, 1632, 1688, 1744, 1800, 1856, 1912, 1968, 2024, 2080, 2136, 2192, 2248, 2304, 2360, 2416, 2472, 2528, 2584, 2640, 2696, 2752, 2808, 2864, 2920, 2976, 3032, 3088, 3144, 3200, 3256, 3312, 3368, 3424, 3480, 3536, 3592, 3600, 3608, 3616, 3624, 3632, 3640, 3648, 3656, 3664, 3672, 3680, 3688, 3696, 3704, 3712, 3720, 3728, 3736, 3744, 3752, 3760, 3768, 3776, 3784, 3792, 3800, 3808, 3816, 3824, 3832, 3840, 3848, 3856, 3864, 3872, 3880, 3888, 3896, 3904, 3912, 3920, 3928, 3936, 3944, 3952, 3960, 3968, 3976, 3984, 3992, 4000, 4008, 4016, 4024, 4032, 4040, 4048, 4056, 4064, 4072, 4080, 4088, 4096 },
+    { 4096, 4104, 4160, 4216, 4272, 4328, 4384, 4440, 4496, 4552, 4608, 4664, 4720, 4776, 4832, 4888, 4944, 5000, 5056, 5112, 5168, 5224, 5280, 5336, 5392, 5448, 5504, 5560, 5616, 5672, 5728, 5784, 5840, 5896, 5952, 6008, 6064, 6120, 6176, 6232, 6288, 6344, 6400, 6456, 6512, 6568, 6624, 6680, 6736, 6792, 6848, 6904, 6960, 7016, 7072, 7128, 7184, 7240, 7296, 7352, 7408, 7464, 7520, 7576, 7632, 7688, 7696, 7704, 7712, 7720, 7728, 7736, 7744, 7752, 7760, 7768, 7776, 7784, 7792, 7800, 7808, 7816, 7824, 7832, 7840, 7848, 7856, 7864, 7872, 7880, 7888, 7896, 7904, 7912, 7920, 7928, 7936, 7944, 7952, 7960, 7968, 7976, 7984, 7992, 8000, 8008, 8016, 8024, 8032, 8040, 8048, 8056, 8064, 8072, 8080, 8088, 8096, 8104, 8112, 8120, 8128, 8136, 8144, 8152, 8160, 8168, 8176, 8184, 8192 },
+    { 8192, 8200, 8256, 8312, 8368, 8424, 8480, 8536, 8592, 8648, 8704, 8760, 8816, 8872, 8928, 8984, 9040, 9096, 9152, 9208, 9264, 9320, 9376, 9432, 9488, 9544, 9600, 9656, 9712, 9768, 9824, 9880, 9936, 9992, 10048, 10104, 10160, 10216, 10272, 10328, 10384, 10440, 10496, 10552, 10608, 10664, 10720, 10776, 10832, 10888, 10944, 11000, 11056, 11112, 11168, 11224, 11280, 11336, 11392, 11448, 11504, 11560, 11616, 11672, 11728, 11784, 11792, 11800, 11808, 11816, 11824, 11832, 11840, 11848, 11856, 11864, 11872, 11880, 11888, 11896, 11904, 11912, 11920, 11928, 11936, 11944, 11952, 11960, 11968, 11976, 11984, 11992, 12000, 12008, 12016, 12024, 12032, 12040, 12048, 12056, 12064, 12072, 12080, 12088, 12096, 12104, 12112, 12120, 12128, 12136, 12144, 12152, 12160, 12168, 12176, 12184, 12192, 12200, 12208, 12216, 12224, 12232, 12240, 12248, 12256, 12264, 12272, 12280, 12288 },
+    { 12288, 12296, 12352, 12408, 12464, 12520, 12576, 12632, 12688, 12744, 12800, 12856, 12912, 12968, 13024, 13080, 13136, 13192, 13248, 13304, 13360, 13416, 13472, 13528, 13584, 13640, 13696, 13752, 13808, 13864, 13920, 13976, 14032, 14088, 14144, 14200, 14256, 14312, 14368, 14424, 14480, 14536, 14592, 14648, 14704, 14760, 14816, 14872, 14928, 14984, 15040, 15096, 15152, 15208, 15264, 15320, 15376, 15432, 15488, 15544, 15600, 15656, 15712, 15768, 15824, 15880, 15888, 15896, 15904, 15912, 15920, 15928, 15936, 15944, 15952, 15960, 15968, 15976, 15984, 15992, 16000, 16008, 16016, 16024, 16032, 16040, 16048, 16056, 16064, 16072, 16080, 16088, 16096, 16104, 16112, 16120, 16128, 16136, 16144, 16152, 16160, 16168, 16176, 16184, 16192, 16200, 16208, 16216, 16224, 16232, 16240, 16248, 16256, 16264, 16272, 16280, 16288, 16296, 16304, 16312, 16320, 16328, 16336, 16344, 16352, 16360, 16368, 16376, 16384 },
+    { 16384, 16392, 16448, 16504, 16560, 16616, 16672, 16728, 16784, 16840, 16896, 16952, 17008, 17064, 17120, 17176, 17232, 17288, 17344, 17400, 17456, 17512, 17568, 17624, 17680, 17736, 17792, 17848, 17904, 17960, 18016, 18072, 18128, 18184, 18240, 18296, 18352, 18408, 18464, 18520, 18576, 18632, 18688, 18744, 18800, 18856, 18912, 18968, 19024, 19080, 19136, 19192, 19248, 19304, 19360, 19416, 19472, 19528, 19584, 19640, 19696, 19752, 19808, 19864, 19920, 19976, 19984, 19992, 20000, 20008, 20016, 20024, 20032, 20040, 20048, 20056, 20064, 20072, 20080, 20088, 20096, 20104, 20112, 20120, 20128, 20136, 20144, 20152, 20160, 20168, 20176, 20184, 20192, 20200, 20208, 20216, 20224, 20232, 20240, 20248, 20256, 20264, 20272, 20280, 20288, 20296, 20304, 20312, 20320, 20328, 20336, 20344, 20352, 20360, 20368, 20376, 20384, 20392, 20400, 20408, 20416, 20424, 20432, 20440, 20448, 20456, 20464, 20472, 20480 },
+    { 20480, 20488, 20544, 20600, 20656, 20712, 20768, 20824, 20880, 20936, 20992, 21048, 21104, 21160, 21216, 21272, 21328, 21384, 21440, 21496, 21552, 21608, 21664, 21720, 21776, 21832, 21888, 21944, 22000, 22056, 22112, 22168, 22224, 22280, 22336, 22392, 22448, 22504, 22560, 22616, 22672, 22728, 22784, 22840, 22896, 22952, 23008, 23064, 23120, 23176, 23232, 23288, 23344, 23400, 23456, 23512, 23568, 23624, 23680, 23736, 23792, 23848, 23904, 23960, 24016, 24072, 24080, 24088, 24096, 24104, 24112, 24120, 24128, 24136, 24144, 24152, 24160, 24168, 24176, 24184, 24192, 24200, 24208, 24216, 24224, 24232, 24240, 24248, 24256, 24264, 24272, 24280, 24288, 24296, 24304, 24312, 24320, 24328, 24336, 24344, 24352, 24360, 24368, 24376, 24384, 24392, 24400, 24408, 24416, 24424, 24432, 24440, 24448, 24456, 24464, 24472, 24480, 24488, 24496, 24504, 24512, 24520, 24528, 24536, 24544, 24552, 24560, 24568, 24576 },
+    { 24576, 24584, 24640, 24696, 24752, 24808, 24864, 24920, 24976, 25032, 25088, 25144, 25200, 25256, 25312, 25368, 25424, 25480, 25536, 25592, 25648, 25704, 25760, 25816, 25872, 25928, 25984, 26040, 26096, 26152, 26208, 26264, 26320, 26376, 26432, 26488, 26544, 26600, 26656, 26712, 26768, 26824, 26880, 26936, 26992, 27048, 27104, 27160, 27216, 27272, 27328, 27384, 27440, 27496, 27552, 27608, 27664, 27720, 27776, 27832, 27888, 27944, 28000, 28056, 28112, 28168, 28176, 28184, 28192, 28200, 28208, 28216, 28224, 28232, 28240, 28248, 28256, 28264, 28272, 28280, 28288, 28296, 28304, 28312, 28320, 28328, 28336, 28344, 28352, 28360, 28368, 28376, 28384, 28392, 28400, 28408, 28416, 28424, 28432, 28440, 28448, 28456, 28464, 28472, 28480, 28488, 28496, 28504, 28512, 28520, 28528, 28536, 28544, 28552, 28560, 28568, 28576, 28584, 28592, 28600, 28608, 28616, 28624, 28632, 28640, 28648, 28656, 28664, 28672 },
+    { 28672, 28680, 28736, 28792, 28848, 28904, 28960, 29016, 29072, 29128, 29184, 29240, 29296, 29352, 29408, 29464, 29520, 29576, 29632, 29688, 29744, 29800, 29856, 29912, 29968, 30024, 30080, 30136, 30192, 30248, 30304, 30360, 30416, 30472, 30528, 30584, 30640, 30696, 30752, 30808, 30864, 30920, 30976, 31032, 31088, 31144, 31200, 31256, 31312, 31368, 31424, 31480, 31536, 31592, 31648, 31704, 31760, 31816, 31872, 31928, 31984, 32040, 32096, 32152, 32208, 32264, 32272, 32280, 32288, 32296, 32304, 32312, 32320, 32328, 32336, 32344, 32352, 32360, 32368, 32376, 32384, 32392, 32400, 32408, 32416, 32424, 32432, 32440, 32448, 32456, 32464, 32472, 32480, 32488, 32496, 32504, 32512, 32520, 32528, 32536, 32544, 32552, 32560, 32568, 32576, 32584, 32592, 32600, 32608, 32616, 32624, 32632, 32640, 32648, 32656, 32664, 32672, 32680, 32688, 32696, 32704, 32712, 32720, 32728, 32736, 32744, 32752, 32760, 32768 },
 };
 
 template <int WORLD> struct plan;
@@ -10903,27 +10891,85 @@ template <> struct plan<2> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w2 + step_base_w2[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w2; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w2[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x2u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w3; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x4u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w4; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x8u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      case 3: mask = 0x4u, index = 3; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen_step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen_share* shares() { return shares_w8; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
+  // Each rank's opening signal (its first step: raise one counter at each of some peers),
+  // raised by block 0 at kernel start instead of through the tables.
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
+    uint32_t mask = 0;  // bit q: signal rank q
+    int index = 0;
+    switch (rank) {
+      case 0: mask = 0x80u, index = 0; break;
+      case 1: mask = 0x1u, index = 1; break;
+      case 2: mask = 0x2u, index = 2; break;
+      case 3: mask = 0x4u, index = 3; break;
+      case 4: mask = 0x8u, index = 4; break;
+      case 5: mask = 0x10u, index = 5; break;
+      case 6: mask = 0x20u, index = 6; break;
+      case 7: mask = 0x40u, index = 7; break;
+      default: break;
+    }
+    tsgen_open_signal(mask, bufs[4], index, rank, peers);
+  }
 };
 
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
+  plan<WORLD>::open(rank, bufs, peers);
   tsgen_run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
                             rank, epoch, count, bufs, peers, buffer_names);

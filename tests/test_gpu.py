@@ -32,9 +32,17 @@ def _is_multimem(spec_path):
     return "multimem" in spec_path.read_text()
 
 
+def _is_nvshmem(spec_path):
+    """Built for the NVSHMEM transport: runs only under `--backend nvshmem` (one process per
+    GPU, tools/gpu_nvshmem.sh); here, the single-process runtime must refuse it."""
+    import yaml
+
+    return (yaml.safe_load(spec_path.read_text()).get("params") or {}).get("transport") == "nvshmem"
+
+
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
 COMPUTE_OPS = {"gemm"}  # one GPU; tests/test_gemm_gpu.py
-PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS]
+PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in COMPUTE_OPS and not _is_nvshmem(s)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -100,8 +108,19 @@ def test_negative_control_fails(spec):
 # Collectives
 # ---------------------------------------------------------------------------
 
-COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s) and not _is_multimem(s)]
+COLLECTIVE_SPECS = [s for s in SPECS if _is_collective(s) and not _is_multimem(s) and not _is_nvshmem(s)]
 MULTIMEM_SPECS = [s for s in SPECS if _is_multimem(s)]
+NVSHMEM_SPECS = [s for s in SPECS if _is_nvshmem(s)]
+
+
+@pytest.mark.parametrize("spec", NVSHMEM_SPECS, ids=lambda p: p.stem)
+def test_nvshmem_transport_is_refused_in_one_process(spec):
+    """The single-process runtime names the backend these need instead of running them."""
+    need_gpus(2)
+    from tsgen.errors import RuntimeSetupError
+
+    with pytest.raises(RuntimeSetupError, match="--backend nvshmem"):
+        run_test(spec, 2, iters=1)
 
 
 @pytest.mark.parametrize("spec", MULTIMEM_SPECS, ids=lambda p: p.stem)

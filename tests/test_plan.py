@@ -107,3 +107,33 @@ def test_verify_cli_exit_codes(tmp_path):
     assert "allgather world 3: ok" in ok.stdout
     bad = run_cli("verify", "specs/allgather.yaml", "--world", "9")
     assert bad.code == 2
+
+
+@pytest.mark.parametrize("spec,w,mask_of", [
+    ("specs/allgather.yaml", 4, lambda r: 0xF & ~(1 << r)),           # entry to every peer
+    ("specs/all_reduce_ring.yaml", 3, lambda r: 1 << ((r - 1) % 3)),  # only the left neighbour writes into us
+])
+def test_opening_signal_hoisted(spec, w, mask_of):
+    """Each rank's entry step leaves block 0's share list when hoisted and comes back as
+    (buffer index, counter index, peer mask): what plan<W>::open raises at kernel start."""
+    from tsgen.plan import c_tables, opening_signal
+
+    plan = _plan(spec, w)
+    index = {n: i for i, n in enumerate(["calls", *plan.buffers, *plan.signals])}
+    plain, hoisted = c_tables(plan, index), c_tables(plan, index, hoist_opening=True)
+    assert plain["opening"] == [None] * w
+    for r in range(w):
+        name, counter, mask = opening_signal(plan, r)
+        assert (name, counter, mask) == ("entry", r, mask_of(r))
+        assert hoisted["opening"][r] == (index["entry"], r, mask_of(r))
+    assert hoisted["nshares"] == plain["nshares"] - w
+    assert hoisted["steps"] == plain["steps"]  # the steps (and the verified plan) are unchanged
+
+
+def test_opening_signal_needs_a_signal_only_first_share():
+    from tsgen.plan import opening_signal
+
+    plan = _plan("specs/allgather.yaml", 2)
+    st = plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step]
+    plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step] = dataclasses.replace(st, waits=(("entry", 1),))
+    assert opening_signal(plan, 0) is None and opening_signal(plan, 1) is not None

@@ -435,17 +435,45 @@ def c_slice(plan: CommPlan, buffer_index: dict[str, int], rank_slice: tuple[int,
 SHARES_PER_LINE = 8
 
 
-def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
+def opening_signal(plan: CommPlan, r: int) -> tuple[str, int, int] | None:
+    """(signal name, index, peer mask) when rank r's block 0 opens with a step that only
+    signals (no op, no waits, one block): the same counter raised once at each of some
+    peers -- every collective's entry step. Such a step can be rendered as straight code
+    at kernel start instead of a table walk (the plan and its verification are unchanged:
+    it is the first thing block 0 does either way). None otherwise."""
+    blocks = plan.ranks[r].blocks
+    if not blocks or not blocks[0]:
+        return None
+    st = plan.ranks[r].steps[blocks[0][0].step]
+    if st.op != "none" or st.waits or st.blocks != 1 or not st.signals:
+        return None
+    names = {(g.name, g.index) for g in st.signals}
+    targets = [g.rank for g in st.signals]
+    if len(names) != 1 or r in targets or len(set(targets)) != len(targets):
+        return None
+    (name, index), = names
+    return name, index, sum(1 << q for q in targets)
+
+
+def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool = False) -> dict:
     """Initializer text of the step / share / block tables: one commented line per step;
     the shares of each block under one comment, SHARES_PER_LINE {step, share, shares}
-    entries a line (a ring plan has tens of thousands). `nshares` counts the entries."""
+    entries a line (a ring plan has tens of thousands). `nshares` counts the entries.
+    hoist_opening: each rank's opening signal (see opening_signal) leaves block 0's share
+    list; `opening` then has, per rank, (buffer index, counter index, peer mask) or None."""
 
     def sl(rank_slice: tuple[int, Slice] | None) -> str:
         return c_slice(plan, buffer_index, rank_slice)
 
-    steps, step_base, shares, first = [], [], [], []
+    steps, step_base, shares, first, opening = [], [], [], [], []
     nshares = 0
+    # hoisted only when every opening raises a counter of the same signal buffer
+    opens_all = [opening_signal(plan, r) if hoist_opening else None for r in range(plan.world)]
+    if len({o[0] for o in opens_all if o}) > 1:
+        opens_all = [None] * plan.world
     for r, rp in enumerate(plan.ranks):
+        opens = opens_all[r]
+        opening.append(None if opens is None else (buffer_index[opens[0]], opens[1], opens[2]))
         step_base.append(len(steps))
         for i, st in enumerate(rp.steps):
             srcs = ", ".join(sl(x) for x in st.srcs)
@@ -456,6 +484,8 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
                           f"{{{srcs}}}, {{{waits}}}, {{{sigs}}}}}", f"rank {r} step {i}: {what}"))
         row = []
         for b, lst in enumerate(rp.blocks):
+            if b == 0 and opens is not None:
+                lst = lst[1:]  # raised by the kernel's opening code
             row.append(nshares)
             entries = [f"{{{sh.step}, {sh.share}, {sh.shares}}}" for sh in lst]
             lines = [", ".join(entries[i:i + SHARES_PER_LINE]) for i in range(0, len(entries), SHARES_PER_LINE)]
@@ -465,7 +495,8 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int]) -> dict:
             nshares += len(lst)
         row.append(nshares)
         first.append(row)
-    return {"steps": steps, "step_base": step_base, "shares": shares, "nshares": nshares, "first": first}
+    return {"steps": steps, "step_base": step_base, "shares": shares, "nshares": nshares, "first": first,
+            "opening": opening}
 
 
 def _describe(r: int, st: Step) -> str:
