@@ -873,6 +873,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -901,9 +902,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1081,6 +1083,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1115,6 +1135,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1122,6 +1152,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1130,7 +1161,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1173,61 +1208,61 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "i
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
     // rank 0 step 1: part 1 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[4/8] = r0:src@0[4/8]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 2: part 1 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[5/8] = r0:src@0[5/8]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 3: part 1 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[6/8] = r0:src@0[6/8]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 4: part 1 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[7/8] = r0:src@0[7/8]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 5: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 6: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 7: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 8: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 9: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 10: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 11: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/8] = r0:dst@0[2/8]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
     // rank 0 step 12: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/8] = r0:dst@0[3/8]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
     // rank 0 step 13: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: part 0 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 1 step 2: part 0 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 1 step 3: part 0 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 1 step 4: part 0 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 1 step 5: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/8] = r1:inbox@0[4/8] + r1:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 0, 4}, {1, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 0, 4}, {1, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 1 step 6: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/8] = r1:inbox@0[5/8] + r1:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 0, 5}, {1, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 0, 5}, {1, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 1 step 7: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/8] = r1:inbox@0[6/8] + r1:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 0, 6}, {1, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 0, 6}, {1, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 1 step 8: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/8] = r1:inbox@0[7/8] + r1:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 0, 7}, {1, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 0, 7}, {1, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 9: reduced part 1 piece 0 to rank 0; wait entry[0]; r0:dst@0[4/8] = r1:dst@0[4/8]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 6, 4}}},
     // rank 1 step 10: reduced part 1 piece 1 to rank 0; wait entry[0]; r0:dst@0[5/8] = r1:dst@0[5/8]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 6, 5}}},
     // rank 1 step 11: reduced part 1 piece 2 to rank 0; wait entry[0]; r0:dst@0[6/8] = r1:dst@0[6/8]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 6, 6}}},
     // rank 1 step 12: reduced part 1 piece 3 to rank 0; wait entry[0]; r0:dst@0[7/8] = r1:dst@0[7/8]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 6, 7}}},
     // rank 1 step 13: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1756,137 +1791,137 @@ static __device__ const uint16_t first_w2[2][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},
     // rank 0 step 1: part 2 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[8/12] = r0:src@0[8/12]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 2: part 2 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[9/12] = r0:src@0[9/12]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 3: part 2 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[10/12] = r0:src@0[10/12]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 4: part 2 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[11/12] = r0:src@0[11/12]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 5: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/12] = r0:inbox@0[4/12] + r0:src@0[4/12]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 12, 0, 4}, {{0, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 4}, {{0, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/12] = r0:inbox@0[5/12] + r0:src@0[5/12]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 12, 0, 5}, {{0, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 5}, {{0, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/12] = r0:inbox@0[6/12] + r0:src@0[6/12]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 12, 0, 6}, {{0, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 6}, {{0, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/12] = r0:inbox@0[7/12] + r0:src@0[7/12]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 12, 0, 7}, {{0, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 7}, {{0, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/12] = r0:inbox@0[0/12] + r0:src@0[0/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 12, 0, 0}, {{0, 3, 0, 12, 0, 0}, {0, 1, 1, 12, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 0}, {{0, 3, 0, 12, 0, 0}, {0, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 10: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/12] = r0:inbox@0[1/12] + r0:src@0[1/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 12, 0, 1}, {{0, 3, 0, 12, 0, 1}, {0, 1, 1, 12, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 1}, {{0, 3, 0, 12, 0, 1}, {0, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 11: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/12] = r0:inbox@0[2/12] + r0:src@0[2/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 12, 0, 2}, {{0, 3, 0, 12, 0, 2}, {0, 1, 1, 12, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 2}, {{0, 3, 0, 12, 0, 2}, {0, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 12: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/12] = r0:inbox@0[3/12] + r0:src@0[3/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 12, 0, 3}, {{0, 3, 0, 12, 0, 3}, {0, 1, 1, 12, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 3}, {{0, 3, 0, 12, 0, 3}, {0, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 13: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/12] = r0:dst@0[0/12]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 14: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/12] = r0:dst@0[1/12]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 15: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/12] = r0:dst@0[2/12]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
     // rank 0 step 16: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/12] = r0:dst@0[3/12]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
     // rank 0 step 17: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/12] = r0:dst@0[8/12]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 12, 0, 8}, {{0, 2, 0, 12, 0, 8}}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 8}, {{0, 2, 0, 12, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
     // rank 0 step 18: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/12] = r0:dst@0[9/12]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 12, 0, 9}, {{0, 2, 0, 12, 0, 9}}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 9}, {{0, 2, 0, 12, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
     // rank 0 step 19: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/12] = r0:dst@0[10/12]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 12, 0, 10}, {{0, 2, 0, 12, 0, 10}}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 10}, {{0, 2, 0, 12, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
     // rank 0 step 20: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/12] = r0:dst@0[11/12]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 12, 0, 11}, {{0, 2, 0, 12, 0, 11}}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 11}, {{0, 2, 0, 12, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
     // rank 0 step 21: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/12] = r1:src@0[0/12]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 12, 0, 0}, {{1, 1, 1, 12, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 0}, {{1, 1, 1, 12, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/12] = r1:src@0[1/12]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 12, 0, 1}, {{1, 1, 1, 12, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 1}, {{1, 1, 1, 12, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/12] = r1:src@0[2/12]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 12, 0, 2}, {{1, 1, 1, 12, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 2}, {{1, 1, 1, 12, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/12] = r1:src@0[3/12]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 12, 0, 3}, {{1, 1, 1, 12, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 3}, {{1, 1, 1, 12, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/12] = r1:inbox@0[8/12] + r1:src@0[8/12]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 12, 0, 8}, {{1, 3, 0, 12, 0, 8}, {1, 1, 1, 12, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 8}, {{1, 3, 0, 12, 0, 8}, {1, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 6: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/12] = r1:inbox@0[9/12] + r1:src@0[9/12]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 12, 0, 9}, {{1, 3, 0, 12, 0, 9}, {1, 1, 1, 12, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 9}, {{1, 3, 0, 12, 0, 9}, {1, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 7: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/12] = r1:inbox@0[10/12] + r1:src@0[10/12]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 12, 0, 10}, {{1, 3, 0, 12, 0, 10}, {1, 1, 1, 12, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 10}, {{1, 3, 0, 12, 0, 10}, {1, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 8: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/12] = r1:inbox@0[11/12] + r1:src@0[11/12]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 12, 0, 11}, {{1, 3, 0, 12, 0, 11}, {1, 1, 1, 12, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 11}, {{1, 3, 0, 12, 0, 11}, {1, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 9: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/12] = r1:inbox@0[4/12] + r1:src@0[4/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 12, 0, 4}, {{1, 3, 0, 12, 0, 4}, {1, 1, 1, 12, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 4}, {{1, 3, 0, 12, 0, 4}, {1, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 1 step 10: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/12] = r1:inbox@0[5/12] + r1:src@0[5/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 12, 0, 5}, {{1, 3, 0, 12, 0, 5}, {1, 1, 1, 12, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 5}, {{1, 3, 0, 12, 0, 5}, {1, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 1 step 11: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/12] = r1:inbox@0[6/12] + r1:src@0[6/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 12, 0, 6}, {{1, 3, 0, 12, 0, 6}, {1, 1, 1, 12, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 6}, {{1, 3, 0, 12, 0, 6}, {1, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 1 step 12: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/12] = r1:inbox@0[7/12] + r1:src@0[7/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 12, 0, 7}, {{1, 3, 0, 12, 0, 7}, {1, 1, 1, 12, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 7}, {{1, 3, 0, 12, 0, 7}, {1, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 13: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/12] = r1:dst@0[4/12]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
     // rank 1 step 14: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/12] = r1:dst@0[5/12]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
     // rank 1 step 15: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/12] = r1:dst@0[6/12]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
     // rank 1 step 16: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/12] = r1:dst@0[7/12]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
     // rank 1 step 17: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/12] = r1:dst@0[0/12]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 12, 0, 0}, {{1, 2, 0, 12, 0, 0}}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 0}, {{1, 2, 0, 12, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
     // rank 1 step 18: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/12] = r1:dst@0[1/12]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 12, 0, 1}, {{1, 2, 0, 12, 0, 1}}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 1}, {{1, 2, 0, 12, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
     // rank 1 step 19: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/12] = r1:dst@0[2/12]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 12, 0, 2}, {{1, 2, 0, 12, 0, 2}}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 2}, {{1, 2, 0, 12, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
     // rank 1 step 20: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/12] = r1:dst@0[3/12]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 12, 0, 3}, {{1, 2, 0, 12, 0, 3}}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 3}, {{1, 2, 0, 12, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
     // rank 1 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: part 1 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[4/12] = r2:src@0[4/12]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 12, 0, 4}, {{2, 1, 1, 12, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 4}, {{2, 1, 1, 12, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 2 step 2: part 1 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[5/12] = r2:src@0[5/12]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 12, 0, 5}, {{2, 1, 1, 12, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 5}, {{2, 1, 1, 12, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 2 step 3: part 1 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[6/12] = r2:src@0[6/12]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 12, 0, 6}, {{2, 1, 1, 12, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 6}, {{2, 1, 1, 12, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 2 step 4: part 1 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[7/12] = r2:src@0[7/12]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 12, 0, 7}, {{2, 1, 1, 12, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 7}, {{2, 1, 1, 12, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/12] = r2:inbox@0[0/12] + r2:src@0[0/12]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 12, 0, 0}, {{2, 3, 0, 12, 0, 0}, {2, 1, 1, 12, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 0}, {{2, 3, 0, 12, 0, 0}, {2, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/12] = r2:inbox@0[1/12] + r2:src@0[1/12]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 12, 0, 1}, {{2, 3, 0, 12, 0, 1}, {2, 1, 1, 12, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 1}, {{2, 3, 0, 12, 0, 1}, {2, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/12] = r2:inbox@0[2/12] + r2:src@0[2/12]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 12, 0, 2}, {{2, 3, 0, 12, 0, 2}, {2, 1, 1, 12, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 2}, {{2, 3, 0, 12, 0, 2}, {2, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/12] = r2:inbox@0[3/12] + r2:src@0[3/12]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 12, 0, 3}, {{2, 3, 0, 12, 0, 3}, {2, 1, 1, 12, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 3}, {{2, 3, 0, 12, 0, 3}, {2, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 2 step 9: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/12] = r2:inbox@0[8/12] + r2:src@0[8/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 12, 0, 8}, {{2, 3, 0, 12, 0, 8}, {2, 1, 1, 12, 0, 8}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 8}, {{2, 3, 0, 12, 0, 8}, {2, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 2 step 10: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/12] = r2:inbox@0[9/12] + r2:src@0[9/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 12, 0, 9}, {{2, 3, 0, 12, 0, 9}, {2, 1, 1, 12, 0, 9}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 9}, {{2, 3, 0, 12, 0, 9}, {2, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 2 step 11: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/12] = r2:inbox@0[10/12] + r2:src@0[10/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 12, 0, 10}, {{2, 3, 0, 12, 0, 10}, {2, 1, 1, 12, 0, 10}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 10}, {{2, 3, 0, 12, 0, 10}, {2, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 2 step 12: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/12] = r2:inbox@0[11/12] + r2:src@0[11/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 12, 0, 11}, {{2, 3, 0, 12, 0, 11}, {2, 1, 1, 12, 0, 11}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 11}, {{2, 3, 0, 12, 0, 11}, {2, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 2 step 13: reduced part 2 piece 0 to rank 0; wait entry[0]; r0:dst@0[8/12] = r2:dst@0[8/12]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {{4, 0, 0, 1}}, {{0, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 6, 8}}},
     // rank 2 step 14: reduced part 2 piece 1 to rank 0; wait entry[0]; r0:dst@0[9/12] = r2:dst@0[9/12]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {{4, 0, 0, 1}}, {{0, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 6, 9}}},
     // rank 2 step 15: reduced part 2 piece 2 to rank 0; wait entry[0]; r0:dst@0[10/12] = r2:dst@0[10/12]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {{4, 0, 0, 1}}, {{0, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 6, 10}}},
     // rank 2 step 16: reduced part 2 piece 3 to rank 0; wait entry[0]; r0:dst@0[11/12] = r2:dst@0[11/12]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {{4, 0, 0, 1}}, {{0, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 6, 11}}},
     // rank 2 step 17: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/12] = r2:dst@0[4/12]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 12, 0, 4}, {{2, 2, 0, 12, 0, 4}}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 4}, {{2, 2, 0, 12, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
     // rank 2 step 18: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/12] = r2:dst@0[5/12]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 12, 0, 5}, {{2, 2, 0, 12, 0, 5}}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 5}, {{2, 2, 0, 12, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
     // rank 2 step 19: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/12] = r2:dst@0[6/12]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 12, 0, 6}, {{2, 2, 0, 12, 0, 6}}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 6}, {{2, 2, 0, 12, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
     // rank 2 step 20: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/12] = r2:dst@0[7/12]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 12, 0, 7}, {{2, 2, 0, 12, 0, 7}}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 7}, {{2, 2, 0, 12, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
     // rank 2 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2867,253 +2902,253 @@ static __device__ const uint16_t first_w3[3][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},
     // rank 0 step 1: part 3 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 2: part 3 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 3: part 3 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 4: part 3 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 5: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/16] = r0:inbox@0[8/16] + r0:src@0[8/16]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 8}, {{0, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 6: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/16] = r0:inbox@0[9/16] + r0:src@0[9/16]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 9}, {{0, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 7: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/16] = r0:inbox@0[10/16] + r0:src@0[10/16]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 10}, {{0, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 8: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/16] = r0:inbox@0[11/16] + r0:src@0[11/16]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 11}, {{0, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 9: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/16] = r0:inbox@0[4/16] + r0:src@0[4/16]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 4}, {{0, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 4}, {{0, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 10: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/16] = r0:inbox@0[5/16] + r0:src@0[5/16]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 5}, {{0, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 5}, {{0, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 11: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/16] = r0:inbox@0[6/16] + r0:src@0[6/16]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 6}, {{0, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 6}, {{0, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 12: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/16] = r0:inbox@0[7/16] + r0:src@0[7/16]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 16, 0, 7}, {{0, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 7}, {{0, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 13: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/16] = r0:inbox@0[0/16] + r0:src@0[0/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 3, 0, 16, 0, 0}, {0, 1, 1, 16, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 0}, {{0, 3, 0, 16, 0, 0}, {0, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 14: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/16] = r0:inbox@0[1/16] + r0:src@0[1/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 3, 0, 16, 0, 1}, {0, 1, 1, 16, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 1}, {{0, 3, 0, 16, 0, 1}, {0, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 15: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/16] = r0:inbox@0[2/16] + r0:src@0[2/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 3, 0, 16, 0, 2}, {0, 1, 1, 16, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 2}, {{0, 3, 0, 16, 0, 2}, {0, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 16: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/16] = r0:inbox@0[3/16] + r0:src@0[3/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 3, 0, 16, 0, 3}, {0, 1, 1, 16, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 3}, {{0, 3, 0, 16, 0, 3}, {0, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 17: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 18: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 19: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
     // rank 0 step 20: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
     // rank 0 step 21: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/16] = r0:dst@0[12/16]; signal r1:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 12}, {{0, 2, 0, 16, 0, 12}}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 12}, {{0, 2, 0, 16, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
     // rank 0 step 22: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/16] = r0:dst@0[13/16]; signal r1:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 13}, {{0, 2, 0, 16, 0, 13}}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 13}, {{0, 2, 0, 16, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
     // rank 0 step 23: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/16] = r0:dst@0[14/16]; signal r1:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 14}, {{0, 2, 0, 16, 0, 14}}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 14}, {{0, 2, 0, 16, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
     // rank 0 step 24: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/16] = r0:dst@0[15/16]; signal r1:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 15}, {{0, 2, 0, 16, 0, 15}}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 15}, {{0, 2, 0, 16, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
     // rank 0 step 25: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/16] = r0:dst@0[8/16]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 8}, {{0, 2, 0, 16, 0, 8}}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 8}, {{0, 2, 0, 16, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
     // rank 0 step 26: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/16] = r0:dst@0[9/16]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 9}, {{0, 2, 0, 16, 0, 9}}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 9}, {{0, 2, 0, 16, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
     // rank 0 step 27: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/16] = r0:dst@0[10/16]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 10}, {{0, 2, 0, 16, 0, 10}}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 10}, {{0, 2, 0, 16, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
     // rank 0 step 28: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/16] = r0:dst@0[11/16]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 11}, {{0, 2, 0, 16, 0, 11}}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 11}, {{0, 2, 0, 16, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
     // rank 0 step 29: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 0 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/16] = r1:inbox@0[12/16] + r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 12}, {{1, 3, 0, 16, 0, 12}, {1, 1, 1, 16, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 12}, {{1, 3, 0, 16, 0, 12}, {1, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/16] = r1:inbox@0[13/16] + r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 13}, {{1, 3, 0, 16, 0, 13}, {1, 1, 1, 16, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 13}, {{1, 3, 0, 16, 0, 13}, {1, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/16] = r1:inbox@0[14/16] + r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 14}, {{1, 3, 0, 16, 0, 14}, {1, 1, 1, 16, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 14}, {{1, 3, 0, 16, 0, 14}, {1, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/16] = r1:inbox@0[15/16] + r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 15}, {{1, 3, 0, 16, 0, 15}, {1, 1, 1, 16, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 15}, {{1, 3, 0, 16, 0, 15}, {1, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/16] = r1:inbox@0[8/16] + r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 8}, {{1, 3, 0, 16, 0, 8}, {1, 1, 1, 16, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 8}, {{1, 3, 0, 16, 0, 8}, {1, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 10: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/16] = r1:inbox@0[9/16] + r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 9}, {{1, 3, 0, 16, 0, 9}, {1, 1, 1, 16, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 9}, {{1, 3, 0, 16, 0, 9}, {1, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 11: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/16] = r1:inbox@0[10/16] + r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 10}, {{1, 3, 0, 16, 0, 10}, {1, 1, 1, 16, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 10}, {{1, 3, 0, 16, 0, 10}, {1, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 12: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/16] = r1:inbox@0[11/16] + r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 16, 0, 11}, {{1, 3, 0, 16, 0, 11}, {1, 1, 1, 16, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 11}, {{1, 3, 0, 16, 0, 11}, {1, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 13: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/16] = r1:inbox@0[4/16] + r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 16, 0, 4}, {{1, 3, 0, 16, 0, 4}, {1, 1, 1, 16, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 3, 0, 16, 0, 4}, {1, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 1 step 14: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/16] = r1:inbox@0[5/16] + r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 16, 0, 5}, {{1, 3, 0, 16, 0, 5}, {1, 1, 1, 16, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 3, 0, 16, 0, 5}, {1, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 1 step 15: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/16] = r1:inbox@0[6/16] + r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 16, 0, 6}, {{1, 3, 0, 16, 0, 6}, {1, 1, 1, 16, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 3, 0, 16, 0, 6}, {1, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 1 step 16: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/16] = r1:inbox@0[7/16] + r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 16, 0, 7}, {{1, 3, 0, 16, 0, 7}, {1, 1, 1, 16, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 3, 0, 16, 0, 7}, {1, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 17: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:dst@0[4/16]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
     // rank 1 step 18: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:dst@0[5/16]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
     // rank 1 step 19: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:dst@0[6/16]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
     // rank 1 step 20: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:dst@0[7/16]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
     // rank 1 step 21: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/16] = r1:dst@0[0/16]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 0}, {{1, 2, 0, 16, 0, 0}}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 2, 0, 16, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
     // rank 1 step 22: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/16] = r1:dst@0[1/16]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 1}, {{1, 2, 0, 16, 0, 1}}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 2, 0, 16, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
     // rank 1 step 23: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
     // rank 1 step 24: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
     // rank 1 step 25: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/16] = r1:dst@0[12/16]; signal r2:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
     // rank 1 step 26: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/16] = r1:dst@0[13/16]; signal r2:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
     // rank 1 step 27: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/16] = r1:dst@0[14/16]; signal r2:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
     // rank 1 step 28: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/16] = r1:dst@0[15/16]; signal r2:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
     // rank 1 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 1 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/16] = r2:src@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/16] = r2:src@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/16] = r2:src@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 6}, {{2, 1, 1, 16, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 6}, {{2, 1, 1, 16, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/16] = r2:src@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 16, 0, 7}, {{2, 1, 1, 16, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 7}, {{2, 1, 1, 16, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/16] = r2:inbox@0[0/16] + r2:src@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 0}, {{2, 3, 0, 16, 0, 0}, {2, 1, 1, 16, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 0}, {{2, 3, 0, 16, 0, 0}, {2, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/16] = r2:inbox@0[1/16] + r2:src@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 1}, {{2, 3, 0, 16, 0, 1}, {2, 1, 1, 16, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 1}, {{2, 3, 0, 16, 0, 1}, {2, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/16] = r2:inbox@0[2/16] + r2:src@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 2}, {{2, 3, 0, 16, 0, 2}, {2, 1, 1, 16, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 2}, {{2, 3, 0, 16, 0, 2}, {2, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/16] = r2:inbox@0[3/16] + r2:src@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 3}, {{2, 3, 0, 16, 0, 3}, {2, 1, 1, 16, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 3}, {{2, 3, 0, 16, 0, 3}, {2, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 2 step 9: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/16] = r2:inbox@0[12/16] + r2:src@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 12}, {{2, 3, 0, 16, 0, 12}, {2, 1, 1, 16, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 12}, {{2, 3, 0, 16, 0, 12}, {2, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 2 step 10: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/16] = r2:inbox@0[13/16] + r2:src@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 13}, {{2, 3, 0, 16, 0, 13}, {2, 1, 1, 16, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 13}, {{2, 3, 0, 16, 0, 13}, {2, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 2 step 11: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/16] = r2:inbox@0[14/16] + r2:src@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 14}, {{2, 3, 0, 16, 0, 14}, {2, 1, 1, 16, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 14}, {{2, 3, 0, 16, 0, 14}, {2, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 2 step 12: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/16] = r2:inbox@0[15/16] + r2:src@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 16, 0, 15}, {{2, 3, 0, 16, 0, 15}, {2, 1, 1, 16, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 15}, {{2, 3, 0, 16, 0, 15}, {2, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 2 step 13: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/16] = r2:inbox@0[8/16] + r2:src@0[8/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 16, 0, 8}, {{2, 3, 0, 16, 0, 8}, {2, 1, 1, 16, 0, 8}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 8}, {{2, 3, 0, 16, 0, 8}, {2, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 2 step 14: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/16] = r2:inbox@0[9/16] + r2:src@0[9/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 16, 0, 9}, {{2, 3, 0, 16, 0, 9}, {2, 1, 1, 16, 0, 9}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 9}, {{2, 3, 0, 16, 0, 9}, {2, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 2 step 15: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/16] = r2:inbox@0[10/16] + r2:src@0[10/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 16, 0, 10}, {{2, 3, 0, 16, 0, 10}, {2, 1, 1, 16, 0, 10}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 10}, {{2, 3, 0, 16, 0, 10}, {2, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 2 step 16: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/16] = r2:inbox@0[11/16] + r2:src@0[11/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 16, 0, 11}, {{2, 3, 0, 16, 0, 11}, {2, 1, 1, 16, 0, 11}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 11}, {{2, 3, 0, 16, 0, 11}, {2, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 2 step 17: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
     // rank 2 step 18: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
     // rank 2 step 19: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
     // rank 2 step 20: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
     // rank 2 step 21: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
     // rank 2 step 22: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
     // rank 2 step 23: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
     // rank 2 step 24: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
     // rank 2 step 25: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
     // rank 2 step 26: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
     // rank 2 step 27: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
     // rank 2 step 28: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
     // rank 2 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 2 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
     // rank 3 step 1: part 2 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[8/16] = r3:src@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 0, 8}, {{3, 1, 1, 16, 0, 8}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 8}, {{3, 1, 1, 16, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 3 step 2: part 2 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[9/16] = r3:src@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 0, 9}, {{3, 1, 1, 16, 0, 9}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 9}, {{3, 1, 1, 16, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 3 step 3: part 2 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[10/16] = r3:src@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 0, 10}, {{3, 1, 1, 16, 0, 10}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 10}, {{3, 1, 1, 16, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 3 step 4: part 2 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[11/16] = r3:src@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 0, 11}, {{3, 1, 1, 16, 0, 11}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 11}, {{3, 1, 1, 16, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/16] = r3:inbox@0[4/16] + r3:src@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 4}, {{3, 3, 0, 16, 0, 4}, {3, 1, 1, 16, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 4}, {{3, 3, 0, 16, 0, 4}, {3, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/16] = r3:inbox@0[5/16] + r3:src@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 5}, {{3, 3, 0, 16, 0, 5}, {3, 1, 1, 16, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 5}, {{3, 3, 0, 16, 0, 5}, {3, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/16] = r3:inbox@0[6/16] + r3:src@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 6}, {{3, 3, 0, 16, 0, 6}, {3, 1, 1, 16, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 6}, {{3, 3, 0, 16, 0, 6}, {3, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/16] = r3:inbox@0[7/16] + r3:src@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 7}, {{3, 3, 0, 16, 0, 7}, {3, 1, 1, 16, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 7}, {{3, 3, 0, 16, 0, 7}, {3, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/16] = r3:inbox@0[0/16] + r3:src@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 0}, {{3, 3, 0, 16, 0, 0}, {3, 1, 1, 16, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 0}, {{3, 3, 0, 16, 0, 0}, {3, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/16] = r3:inbox@0[1/16] + r3:src@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 1}, {{3, 3, 0, 16, 0, 1}, {3, 1, 1, 16, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 1}, {{3, 3, 0, 16, 0, 1}, {3, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/16] = r3:inbox@0[2/16] + r3:src@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 2}, {{3, 3, 0, 16, 0, 2}, {3, 1, 1, 16, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 2}, {{3, 3, 0, 16, 0, 2}, {3, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/16] = r3:inbox@0[3/16] + r3:src@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 16, 0, 3}, {{3, 3, 0, 16, 0, 3}, {3, 1, 1, 16, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 3}, {{3, 3, 0, 16, 0, 3}, {3, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 3 step 13: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/16] = r3:inbox@0[12/16] + r3:src@0[12/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{3, 3, 0, 16, 0, 12}, {3, 1, 1, 16, 0, 12}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 12}, {{3, 3, 0, 16, 0, 12}, {3, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 3 step 14: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/16] = r3:inbox@0[13/16] + r3:src@0[13/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{3, 3, 0, 16, 0, 13}, {3, 1, 1, 16, 0, 13}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 13}, {{3, 3, 0, 16, 0, 13}, {3, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 3 step 15: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/16] = r3:inbox@0[14/16] + r3:src@0[14/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{3, 3, 0, 16, 0, 14}, {3, 1, 1, 16, 0, 14}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 14}, {{3, 3, 0, 16, 0, 14}, {3, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 3 step 16: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/16] = r3:inbox@0[15/16] + r3:src@0[15/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{3, 3, 0, 16, 0, 15}, {3, 1, 1, 16, 0, 15}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 15}, {{3, 3, 0, 16, 0, 15}, {3, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},
     // rank 3 step 17: reduced part 3 piece 0 to rank 0; wait entry[0]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {{4, 0, 0, 1}}, {{0, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{4, 0, 0, 1}}, {{0, 6, 12}}},
     // rank 3 step 18: reduced part 3 piece 1 to rank 0; wait entry[0]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {{4, 0, 0, 1}}, {{0, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{4, 0, 0, 1}}, {{0, 6, 13}}},
     // rank 3 step 19: reduced part 3 piece 2 to rank 0; wait entry[0]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {{4, 0, 0, 1}}, {{0, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{4, 0, 0, 1}}, {{0, 6, 14}}},
     // rank 3 step 20: reduced part 3 piece 3 to rank 0; wait entry[0]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {{4, 0, 0, 1}}, {{0, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{4, 0, 0, 1}}, {{0, 6, 15}}},
     // rank 3 step 21: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
     // rank 3 step 22: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
     // rank 3 step 23: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
     // rank 3 step 24: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
     // rank 3 step 25: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
     // rank 3 step 26: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
     // rank 3 step 27: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
     // rank 3 step 28: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
     // rank 3 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 3 step 30: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -4668,1045 +4703,1045 @@ static __device__ const uint16_t first_w4[4][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},
     // rank 0 step 1: part 7 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[28/32] = r0:src@0[28/32]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 0 step 2: part 7 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[29/32] = r0:src@0[29/32]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 0 step 3: part 7 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[30/32] = r0:src@0[30/32]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 0 step 4: part 7 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[31/32] = r0:src@0[31/32]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 0 step 5: part 6 piece 0: partial sum + our input to rank 1; wait arrive[24], entry[1]; r1:inbox@0[24/32] = r0:inbox@0[24/32] + r0:src@0[24/32]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 24}, {{0, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 24}, {{0, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 0 step 6: part 6 piece 1: partial sum + our input to rank 1; wait arrive[25], entry[1]; r1:inbox@0[25/32] = r0:inbox@0[25/32] + r0:src@0[25/32]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 25}, {{0, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 25}, {{0, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 0 step 7: part 6 piece 2: partial sum + our input to rank 1; wait arrive[26], entry[1]; r1:inbox@0[26/32] = r0:inbox@0[26/32] + r0:src@0[26/32]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 26}, {{0, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 26}, {{0, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 0 step 8: part 6 piece 3: partial sum + our input to rank 1; wait arrive[27], entry[1]; r1:inbox@0[27/32] = r0:inbox@0[27/32] + r0:src@0[27/32]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 27}, {{0, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 27}, {{0, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 0 step 9: part 5 piece 0: partial sum + our input to rank 1; wait arrive[20], entry[1]; r1:inbox@0[20/32] = r0:inbox@0[20/32] + r0:src@0[20/32]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 20}, {{0, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 20}, {{0, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 0 step 10: part 5 piece 1: partial sum + our input to rank 1; wait arrive[21], entry[1]; r1:inbox@0[21/32] = r0:inbox@0[21/32] + r0:src@0[21/32]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 21}, {{0, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 21}, {{0, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 0 step 11: part 5 piece 2: partial sum + our input to rank 1; wait arrive[22], entry[1]; r1:inbox@0[22/32] = r0:inbox@0[22/32] + r0:src@0[22/32]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 22}, {{0, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 22}, {{0, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 0 step 12: part 5 piece 3: partial sum + our input to rank 1; wait arrive[23], entry[1]; r1:inbox@0[23/32] = r0:inbox@0[23/32] + r0:src@0[23/32]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 23}, {{0, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 23}, {{0, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 0 step 13: part 4 piece 0: partial sum + our input to rank 1; wait arrive[16], entry[1]; r1:inbox@0[16/32] = r0:inbox@0[16/32] + r0:src@0[16/32]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 16}, {{0, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 16}, {{0, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 0 step 14: part 4 piece 1: partial sum + our input to rank 1; wait arrive[17], entry[1]; r1:inbox@0[17/32] = r0:inbox@0[17/32] + r0:src@0[17/32]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 17}, {{0, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 17}, {{0, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 0 step 15: part 4 piece 2: partial sum + our input to rank 1; wait arrive[18], entry[1]; r1:inbox@0[18/32] = r0:inbox@0[18/32] + r0:src@0[18/32]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 18}, {{0, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 18}, {{0, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 0 step 16: part 4 piece 3: partial sum + our input to rank 1; wait arrive[19], entry[1]; r1:inbox@0[19/32] = r0:inbox@0[19/32] + r0:src@0[19/32]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 19}, {{0, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 19}, {{0, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 0 step 17: part 3 piece 0: partial sum + our input to rank 1; wait arrive[12], entry[1]; r1:inbox@0[12/32] = r0:inbox@0[12/32] + r0:src@0[12/32]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 12}, {{0, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 18: part 3 piece 1: partial sum + our input to rank 1; wait arrive[13], entry[1]; r1:inbox@0[13/32] = r0:inbox@0[13/32] + r0:src@0[13/32]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 13}, {{0, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 19: part 3 piece 2: partial sum + our input to rank 1; wait arrive[14], entry[1]; r1:inbox@0[14/32] = r0:inbox@0[14/32] + r0:src@0[14/32]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 14}, {{0, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 20: part 3 piece 3: partial sum + our input to rank 1; wait arrive[15], entry[1]; r1:inbox@0[15/32] = r0:inbox@0[15/32] + r0:src@0[15/32]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 15}, {{0, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 21: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/32] = r0:inbox@0[8/32] + r0:src@0[8/32]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 8}, {{0, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 22: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/32] = r0:inbox@0[9/32] + r0:src@0[9/32]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 9}, {{0, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 23: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/32] = r0:inbox@0[10/32] + r0:src@0[10/32]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 10}, {{0, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 24: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/32] = r0:inbox@0[11/32] + r0:src@0[11/32]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 11}, {{0, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 25: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/32] = r0:inbox@0[4/32] + r0:src@0[4/32]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 4}, {{0, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 4}, {{0, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 26: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/32] = r0:inbox@0[5/32] + r0:src@0[5/32]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 5}, {{0, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 5}, {{0, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 27: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/32] = r0:inbox@0[6/32] + r0:src@0[6/32]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 6}, {{0, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 6}, {{0, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 28: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/32] = r0:inbox@0[7/32] + r0:src@0[7/32]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 32, 0, 7}, {{0, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 7}, {{0, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 29: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/32] = r0:inbox@0[0/32] + r0:src@0[0/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 3, 0, 32, 0, 0}, {0, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 0}, {{0, 3, 0, 32, 0, 0}, {0, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 30: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/32] = r0:inbox@0[1/32] + r0:src@0[1/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 3, 0, 32, 0, 1}, {0, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 1}, {{0, 3, 0, 32, 0, 1}, {0, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 31: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/32] = r0:inbox@0[2/32] + r0:src@0[2/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 3, 0, 32, 0, 2}, {0, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 2}, {{0, 3, 0, 32, 0, 2}, {0, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 32: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/32] = r0:inbox@0[3/32] + r0:src@0[3/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 3, 0, 32, 0, 3}, {0, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 3}, {{0, 3, 0, 32, 0, 3}, {0, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 33: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 34: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 35: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
     // rank 0 step 36: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
     // rank 0 step 37: reduced part 7 piece 0 to rank 1; wait entry[1], gathered[28]; r1:dst@0[28/32] = r0:dst@0[28/32]; signal r1:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 28}, {{0, 2, 0, 32, 0, 28}}, {{4, 0, 1, 1}, {6, 0, 28, 64}}, {{1, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{0, 2, 0, 32, 0, 28}}, {}, {{4, 0, 1, 1}, {6, 0, 28, 64}}, {{1, 6, 28}}},
     // rank 0 step 38: reduced part 7 piece 1 to rank 1; wait entry[1], gathered[29]; r1:dst@0[29/32] = r0:dst@0[29/32]; signal r1:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 29}, {{0, 2, 0, 32, 0, 29}}, {{4, 0, 1, 1}, {6, 0, 29, 64}}, {{1, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{0, 2, 0, 32, 0, 29}}, {}, {{4, 0, 1, 1}, {6, 0, 29, 64}}, {{1, 6, 29}}},
     // rank 0 step 39: reduced part 7 piece 2 to rank 1; wait entry[1], gathered[30]; r1:dst@0[30/32] = r0:dst@0[30/32]; signal r1:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 30}, {{0, 2, 0, 32, 0, 30}}, {{4, 0, 1, 1}, {6, 0, 30, 64}}, {{1, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{0, 2, 0, 32, 0, 30}}, {}, {{4, 0, 1, 1}, {6, 0, 30, 64}}, {{1, 6, 30}}},
     // rank 0 step 40: reduced part 7 piece 3 to rank 1; wait entry[1], gathered[31]; r1:dst@0[31/32] = r0:dst@0[31/32]; signal r1:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 31}, {{0, 2, 0, 32, 0, 31}}, {{4, 0, 1, 1}, {6, 0, 31, 64}}, {{1, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{0, 2, 0, 32, 0, 31}}, {}, {{4, 0, 1, 1}, {6, 0, 31, 64}}, {{1, 6, 31}}},
     // rank 0 step 41: reduced part 6 piece 0 to rank 1; wait entry[1], gathered[24]; r1:dst@0[24/32] = r0:dst@0[24/32]; signal r1:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 24}, {{0, 2, 0, 32, 0, 24}}, {{4, 0, 1, 1}, {6, 0, 24, 64}}, {{1, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{0, 2, 0, 32, 0, 24}}, {}, {{4, 0, 1, 1}, {6, 0, 24, 64}}, {{1, 6, 24}}},
     // rank 0 step 42: reduced part 6 piece 1 to rank 1; wait entry[1], gathered[25]; r1:dst@0[25/32] = r0:dst@0[25/32]; signal r1:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 25}, {{0, 2, 0, 32, 0, 25}}, {{4, 0, 1, 1}, {6, 0, 25, 64}}, {{1, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{0, 2, 0, 32, 0, 25}}, {}, {{4, 0, 1, 1}, {6, 0, 25, 64}}, {{1, 6, 25}}},
     // rank 0 step 43: reduced part 6 piece 2 to rank 1; wait entry[1], gathered[26]; r1:dst@0[26/32] = r0:dst@0[26/32]; signal r1:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 26}, {{0, 2, 0, 32, 0, 26}}, {{4, 0, 1, 1}, {6, 0, 26, 64}}, {{1, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{0, 2, 0, 32, 0, 26}}, {}, {{4, 0, 1, 1}, {6, 0, 26, 64}}, {{1, 6, 26}}},
     // rank 0 step 44: reduced part 6 piece 3 to rank 1; wait entry[1], gathered[27]; r1:dst@0[27/32] = r0:dst@0[27/32]; signal r1:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 27}, {{0, 2, 0, 32, 0, 27}}, {{4, 0, 1, 1}, {6, 0, 27, 64}}, {{1, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{0, 2, 0, 32, 0, 27}}, {}, {{4, 0, 1, 1}, {6, 0, 27, 64}}, {{1, 6, 27}}},
     // rank 0 step 45: reduced part 5 piece 0 to rank 1; wait entry[1], gathered[20]; r1:dst@0[20/32] = r0:dst@0[20/32]; signal r1:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 20}, {{0, 2, 0, 32, 0, 20}}, {{4, 0, 1, 1}, {6, 0, 20, 64}}, {{1, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{0, 2, 0, 32, 0, 20}}, {}, {{4, 0, 1, 1}, {6, 0, 20, 64}}, {{1, 6, 20}}},
     // rank 0 step 46: reduced part 5 piece 1 to rank 1; wait entry[1], gathered[21]; r1:dst@0[21/32] = r0:dst@0[21/32]; signal r1:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 21}, {{0, 2, 0, 32, 0, 21}}, {{4, 0, 1, 1}, {6, 0, 21, 64}}, {{1, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{0, 2, 0, 32, 0, 21}}, {}, {{4, 0, 1, 1}, {6, 0, 21, 64}}, {{1, 6, 21}}},
     // rank 0 step 47: reduced part 5 piece 2 to rank 1; wait entry[1], gathered[22]; r1:dst@0[22/32] = r0:dst@0[22/32]; signal r1:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 22}, {{0, 2, 0, 32, 0, 22}}, {{4, 0, 1, 1}, {6, 0, 22, 64}}, {{1, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{0, 2, 0, 32, 0, 22}}, {}, {{4, 0, 1, 1}, {6, 0, 22, 64}}, {{1, 6, 22}}},
     // rank 0 step 48: reduced part 5 piece 3 to rank 1; wait entry[1], gathered[23]; r1:dst@0[23/32] = r0:dst@0[23/32]; signal r1:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 23}, {{0, 2, 0, 32, 0, 23}}, {{4, 0, 1, 1}, {6, 0, 23, 64}}, {{1, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{0, 2, 0, 32, 0, 23}}, {}, {{4, 0, 1, 1}, {6, 0, 23, 64}}, {{1, 6, 23}}},
     // rank 0 step 49: reduced part 4 piece 0 to rank 1; wait entry[1], gathered[16]; r1:dst@0[16/32] = r0:dst@0[16/32]; signal r1:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 16}, {{0, 2, 0, 32, 0, 16}}, {{4, 0, 1, 1}, {6, 0, 16, 64}}, {{1, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{0, 2, 0, 32, 0, 16}}, {}, {{4, 0, 1, 1}, {6, 0, 16, 64}}, {{1, 6, 16}}},
     // rank 0 step 50: reduced part 4 piece 1 to rank 1; wait entry[1], gathered[17]; r1:dst@0[17/32] = r0:dst@0[17/32]; signal r1:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 17}, {{0, 2, 0, 32, 0, 17}}, {{4, 0, 1, 1}, {6, 0, 17, 64}}, {{1, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{0, 2, 0, 32, 0, 17}}, {}, {{4, 0, 1, 1}, {6, 0, 17, 64}}, {{1, 6, 17}}},
     // rank 0 step 51: reduced part 4 piece 2 to rank 1; wait entry[1], gathered[18]; r1:dst@0[18/32] = r0:dst@0[18/32]; signal r1:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 18}, {{0, 2, 0, 32, 0, 18}}, {{4, 0, 1, 1}, {6, 0, 18, 64}}, {{1, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{0, 2, 0, 32, 0, 18}}, {}, {{4, 0, 1, 1}, {6, 0, 18, 64}}, {{1, 6, 18}}},
     // rank 0 step 52: reduced part 4 piece 3 to rank 1; wait entry[1], gathered[19]; r1:dst@0[19/32] = r0:dst@0[19/32]; signal r1:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 19}, {{0, 2, 0, 32, 0, 19}}, {{4, 0, 1, 1}, {6, 0, 19, 64}}, {{1, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{0, 2, 0, 32, 0, 19}}, {}, {{4, 0, 1, 1}, {6, 0, 19, 64}}, {{1, 6, 19}}},
     // rank 0 step 53: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/32] = r0:dst@0[12/32]; signal r1:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 12}, {{0, 2, 0, 32, 0, 12}}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 12}, {{0, 2, 0, 32, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
     // rank 0 step 54: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/32] = r0:dst@0[13/32]; signal r1:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 13}, {{0, 2, 0, 32, 0, 13}}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 13}, {{0, 2, 0, 32, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
     // rank 0 step 55: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/32] = r0:dst@0[14/32]; signal r1:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 14}, {{0, 2, 0, 32, 0, 14}}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 14}, {{0, 2, 0, 32, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
     // rank 0 step 56: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/32] = r0:dst@0[15/32]; signal r1:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 15}, {{0, 2, 0, 32, 0, 15}}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 15}, {{0, 2, 0, 32, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
     // rank 0 step 57: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/32] = r0:dst@0[8/32]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 8}, {{0, 2, 0, 32, 0, 8}}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 8}, {{0, 2, 0, 32, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
     // rank 0 step 58: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/32] = r0:dst@0[9/32]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 9}, {{0, 2, 0, 32, 0, 9}}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 9}, {{0, 2, 0, 32, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
     // rank 0 step 59: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/32] = r0:dst@0[10/32]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 10}, {{0, 2, 0, 32, 0, 10}}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 10}, {{0, 2, 0, 32, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
     // rank 0 step 60: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/32] = r0:dst@0[11/32]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 11}, {{0, 2, 0, 32, 0, 11}}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 11}, {{0, 2, 0, 32, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
     // rank 0 step 61: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 0 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
     // rank 0 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 0 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/32] = r1:src@0[0/32]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 0}, {{1, 1, 1, 32, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/32] = r1:src@0[1/32]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 1}, {{1, 1, 1, 32, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/32] = r1:src@0[2/32]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 2}, {{1, 1, 1, 32, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/32] = r1:src@0[3/32]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 3}, {{1, 1, 1, 32, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: part 7 piece 0: partial sum + our input to rank 2; wait arrive[28], entry[2]; r2:inbox@0[28/32] = r1:inbox@0[28/32] + r1:src@0[28/32]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 28}, {{1, 3, 0, 32, 0, 28}, {1, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 28}, {{1, 3, 0, 32, 0, 28}, {1, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 1 step 6: part 7 piece 1: partial sum + our input to rank 2; wait arrive[29], entry[2]; r2:inbox@0[29/32] = r1:inbox@0[29/32] + r1:src@0[29/32]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 29}, {{1, 3, 0, 32, 0, 29}, {1, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 29}, {{1, 3, 0, 32, 0, 29}, {1, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 1 step 7: part 7 piece 2: partial sum + our input to rank 2; wait arrive[30], entry[2]; r2:inbox@0[30/32] = r1:inbox@0[30/32] + r1:src@0[30/32]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 30}, {{1, 3, 0, 32, 0, 30}, {1, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 30}, {{1, 3, 0, 32, 0, 30}, {1, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 1 step 8: part 7 piece 3: partial sum + our input to rank 2; wait arrive[31], entry[2]; r2:inbox@0[31/32] = r1:inbox@0[31/32] + r1:src@0[31/32]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 31}, {{1, 3, 0, 32, 0, 31}, {1, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 31}, {{1, 3, 0, 32, 0, 31}, {1, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 1 step 9: part 6 piece 0: partial sum + our input to rank 2; wait arrive[24], entry[2]; r2:inbox@0[24/32] = r1:inbox@0[24/32] + r1:src@0[24/32]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 24}, {{1, 3, 0, 32, 0, 24}, {1, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 24}, {{1, 3, 0, 32, 0, 24}, {1, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 1 step 10: part 6 piece 1: partial sum + our input to rank 2; wait arrive[25], entry[2]; r2:inbox@0[25/32] = r1:inbox@0[25/32] + r1:src@0[25/32]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 25}, {{1, 3, 0, 32, 0, 25}, {1, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 25}, {{1, 3, 0, 32, 0, 25}, {1, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 1 step 11: part 6 piece 2: partial sum + our input to rank 2; wait arrive[26], entry[2]; r2:inbox@0[26/32] = r1:inbox@0[26/32] + r1:src@0[26/32]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 26}, {{1, 3, 0, 32, 0, 26}, {1, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 26}, {{1, 3, 0, 32, 0, 26}, {1, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 1 step 12: part 6 piece 3: partial sum + our input to rank 2; wait arrive[27], entry[2]; r2:inbox@0[27/32] = r1:inbox@0[27/32] + r1:src@0[27/32]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 27}, {{1, 3, 0, 32, 0, 27}, {1, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 27}, {{1, 3, 0, 32, 0, 27}, {1, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 1 step 13: part 5 piece 0: partial sum + our input to rank 2; wait arrive[20], entry[2]; r2:inbox@0[20/32] = r1:inbox@0[20/32] + r1:src@0[20/32]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 20}, {{1, 3, 0, 32, 0, 20}, {1, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 20}, {{1, 3, 0, 32, 0, 20}, {1, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
     // rank 1 step 14: part 5 piece 1: partial sum + our input to rank 2; wait arrive[21], entry[2]; r2:inbox@0[21/32] = r1:inbox@0[21/32] + r1:src@0[21/32]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 21}, {{1, 3, 0, 32, 0, 21}, {1, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 21}, {{1, 3, 0, 32, 0, 21}, {1, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
     // rank 1 step 15: part 5 piece 2: partial sum + our input to rank 2; wait arrive[22], entry[2]; r2:inbox@0[22/32] = r1:inbox@0[22/32] + r1:src@0[22/32]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 22}, {{1, 3, 0, 32, 0, 22}, {1, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 22}, {{1, 3, 0, 32, 0, 22}, {1, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
     // rank 1 step 16: part 5 piece 3: partial sum + our input to rank 2; wait arrive[23], entry[2]; r2:inbox@0[23/32] = r1:inbox@0[23/32] + r1:src@0[23/32]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 23}, {{1, 3, 0, 32, 0, 23}, {1, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 23}, {{1, 3, 0, 32, 0, 23}, {1, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
     // rank 1 step 17: part 4 piece 0: partial sum + our input to rank 2; wait arrive[16], entry[2]; r2:inbox@0[16/32] = r1:inbox@0[16/32] + r1:src@0[16/32]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 16}, {{1, 3, 0, 32, 0, 16}, {1, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 16}, {{1, 3, 0, 32, 0, 16}, {1, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
     // rank 1 step 18: part 4 piece 1: partial sum + our input to rank 2; wait arrive[17], entry[2]; r2:inbox@0[17/32] = r1:inbox@0[17/32] + r1:src@0[17/32]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 17}, {{1, 3, 0, 32, 0, 17}, {1, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 17}, {{1, 3, 0, 32, 0, 17}, {1, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
     // rank 1 step 19: part 4 piece 2: partial sum + our input to rank 2; wait arrive[18], entry[2]; r2:inbox@0[18/32] = r1:inbox@0[18/32] + r1:src@0[18/32]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 18}, {{1, 3, 0, 32, 0, 18}, {1, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 18}, {{1, 3, 0, 32, 0, 18}, {1, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
     // rank 1 step 20: part 4 piece 3: partial sum + our input to rank 2; wait arrive[19], entry[2]; r2:inbox@0[19/32] = r1:inbox@0[19/32] + r1:src@0[19/32]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 19}, {{1, 3, 0, 32, 0, 19}, {1, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 19}, {{1, 3, 0, 32, 0, 19}, {1, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
     // rank 1 step 21: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/32] = r1:inbox@0[12/32] + r1:src@0[12/32]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 12}, {{1, 3, 0, 32, 0, 12}, {1, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 12}, {{1, 3, 0, 32, 0, 12}, {1, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 22: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/32] = r1:inbox@0[13/32] + r1:src@0[13/32]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 13}, {{1, 3, 0, 32, 0, 13}, {1, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 13}, {{1, 3, 0, 32, 0, 13}, {1, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 23: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/32] = r1:inbox@0[14/32] + r1:src@0[14/32]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 14}, {{1, 3, 0, 32, 0, 14}, {1, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 14}, {{1, 3, 0, 32, 0, 14}, {1, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 24: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/32] = r1:inbox@0[15/32] + r1:src@0[15/32]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 15}, {{1, 3, 0, 32, 0, 15}, {1, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 15}, {{1, 3, 0, 32, 0, 15}, {1, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 25: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/32] = r1:inbox@0[8/32] + r1:src@0[8/32]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 8}, {{1, 3, 0, 32, 0, 8}, {1, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 8}, {{1, 3, 0, 32, 0, 8}, {1, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 26: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/32] = r1:inbox@0[9/32] + r1:src@0[9/32]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 9}, {{1, 3, 0, 32, 0, 9}, {1, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 9}, {{1, 3, 0, 32, 0, 9}, {1, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 27: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/32] = r1:inbox@0[10/32] + r1:src@0[10/32]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 10}, {{1, 3, 0, 32, 0, 10}, {1, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 10}, {{1, 3, 0, 32, 0, 10}, {1, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 28: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/32] = r1:inbox@0[11/32] + r1:src@0[11/32]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 32, 0, 11}, {{1, 3, 0, 32, 0, 11}, {1, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 11}, {{1, 3, 0, 32, 0, 11}, {1, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 29: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/32] = r1:inbox@0[4/32] + r1:src@0[4/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 32, 0, 4}, {{1, 3, 0, 32, 0, 4}, {1, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 4}, {{1, 3, 0, 32, 0, 4}, {1, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 1 step 30: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/32] = r1:inbox@0[5/32] + r1:src@0[5/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 32, 0, 5}, {{1, 3, 0, 32, 0, 5}, {1, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 5}, {{1, 3, 0, 32, 0, 5}, {1, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 1 step 31: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/32] = r1:inbox@0[6/32] + r1:src@0[6/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 32, 0, 6}, {{1, 3, 0, 32, 0, 6}, {1, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 6}, {{1, 3, 0, 32, 0, 6}, {1, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 1 step 32: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/32] = r1:inbox@0[7/32] + r1:src@0[7/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 32, 0, 7}, {{1, 3, 0, 32, 0, 7}, {1, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 7}, {{1, 3, 0, 32, 0, 7}, {1, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 33: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/32] = r1:dst@0[4/32]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
     // rank 1 step 34: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/32] = r1:dst@0[5/32]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
     // rank 1 step 35: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/32] = r1:dst@0[6/32]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
     // rank 1 step 36: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/32] = r1:dst@0[7/32]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
     // rank 1 step 37: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/32] = r1:dst@0[0/32]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 0}, {{1, 2, 0, 32, 0, 0}}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{1, 2, 0, 32, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
     // rank 1 step 38: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/32] = r1:dst@0[1/32]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 1}, {{1, 2, 0, 32, 0, 1}}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{1, 2, 0, 32, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
     // rank 1 step 39: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/32] = r1:dst@0[2/32]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 2}, {{1, 2, 0, 32, 0, 2}}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{1, 2, 0, 32, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
     // rank 1 step 40: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/32] = r1:dst@0[3/32]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 3}, {{1, 2, 0, 32, 0, 3}}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{1, 2, 0, 32, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
     // rank 1 step 41: reduced part 7 piece 0 to rank 2; wait entry[2], gathered[28]; r2:dst@0[28/32] = r1:dst@0[28/32]; signal r2:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 28}, {{1, 2, 0, 32, 0, 28}}, {{4, 0, 2, 1}, {6, 0, 28, 64}}, {{2, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{1, 2, 0, 32, 0, 28}}, {}, {{4, 0, 2, 1}, {6, 0, 28, 64}}, {{2, 6, 28}}},
     // rank 1 step 42: reduced part 7 piece 1 to rank 2; wait entry[2], gathered[29]; r2:dst@0[29/32] = r1:dst@0[29/32]; signal r2:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 29}, {{1, 2, 0, 32, 0, 29}}, {{4, 0, 2, 1}, {6, 0, 29, 64}}, {{2, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{1, 2, 0, 32, 0, 29}}, {}, {{4, 0, 2, 1}, {6, 0, 29, 64}}, {{2, 6, 29}}},
     // rank 1 step 43: reduced part 7 piece 2 to rank 2; wait entry[2], gathered[30]; r2:dst@0[30/32] = r1:dst@0[30/32]; signal r2:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 30}, {{1, 2, 0, 32, 0, 30}}, {{4, 0, 2, 1}, {6, 0, 30, 64}}, {{2, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{1, 2, 0, 32, 0, 30}}, {}, {{4, 0, 2, 1}, {6, 0, 30, 64}}, {{2, 6, 30}}},
     // rank 1 step 44: reduced part 7 piece 3 to rank 2; wait entry[2], gathered[31]; r2:dst@0[31/32] = r1:dst@0[31/32]; signal r2:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 31}, {{1, 2, 0, 32, 0, 31}}, {{4, 0, 2, 1}, {6, 0, 31, 64}}, {{2, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{1, 2, 0, 32, 0, 31}}, {}, {{4, 0, 2, 1}, {6, 0, 31, 64}}, {{2, 6, 31}}},
     // rank 1 step 45: reduced part 6 piece 0 to rank 2; wait entry[2], gathered[24]; r2:dst@0[24/32] = r1:dst@0[24/32]; signal r2:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 24}, {{1, 2, 0, 32, 0, 24}}, {{4, 0, 2, 1}, {6, 0, 24, 64}}, {{2, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{1, 2, 0, 32, 0, 24}}, {}, {{4, 0, 2, 1}, {6, 0, 24, 64}}, {{2, 6, 24}}},
     // rank 1 step 46: reduced part 6 piece 1 to rank 2; wait entry[2], gathered[25]; r2:dst@0[25/32] = r1:dst@0[25/32]; signal r2:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 25}, {{1, 2, 0, 32, 0, 25}}, {{4, 0, 2, 1}, {6, 0, 25, 64}}, {{2, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{1, 2, 0, 32, 0, 25}}, {}, {{4, 0, 2, 1}, {6, 0, 25, 64}}, {{2, 6, 25}}},
     // rank 1 step 47: reduced part 6 piece 2 to rank 2; wait entry[2], gathered[26]; r2:dst@0[26/32] = r1:dst@0[26/32]; signal r2:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 26}, {{1, 2, 0, 32, 0, 26}}, {{4, 0, 2, 1}, {6, 0, 26, 64}}, {{2, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{1, 2, 0, 32, 0, 26}}, {}, {{4, 0, 2, 1}, {6, 0, 26, 64}}, {{2, 6, 26}}},
     // rank 1 step 48: reduced part 6 piece 3 to rank 2; wait entry[2], gathered[27]; r2:dst@0[27/32] = r1:dst@0[27/32]; signal r2:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 27}, {{1, 2, 0, 32, 0, 27}}, {{4, 0, 2, 1}, {6, 0, 27, 64}}, {{2, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{1, 2, 0, 32, 0, 27}}, {}, {{4, 0, 2, 1}, {6, 0, 27, 64}}, {{2, 6, 27}}},
     // rank 1 step 49: reduced part 5 piece 0 to rank 2; wait entry[2], gathered[20]; r2:dst@0[20/32] = r1:dst@0[20/32]; signal r2:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 20}, {{1, 2, 0, 32, 0, 20}}, {{4, 0, 2, 1}, {6, 0, 20, 64}}, {{2, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 20}, {{1, 2, 0, 32, 0, 20}}, {}, {{4, 0, 2, 1}, {6, 0, 20, 64}}, {{2, 6, 20}}},
     // rank 1 step 50: reduced part 5 piece 1 to rank 2; wait entry[2], gathered[21]; r2:dst@0[21/32] = r1:dst@0[21/32]; signal r2:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 21}, {{1, 2, 0, 32, 0, 21}}, {{4, 0, 2, 1}, {6, 0, 21, 64}}, {{2, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 21}, {{1, 2, 0, 32, 0, 21}}, {}, {{4, 0, 2, 1}, {6, 0, 21, 64}}, {{2, 6, 21}}},
     // rank 1 step 51: reduced part 5 piece 2 to rank 2; wait entry[2], gathered[22]; r2:dst@0[22/32] = r1:dst@0[22/32]; signal r2:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 22}, {{1, 2, 0, 32, 0, 22}}, {{4, 0, 2, 1}, {6, 0, 22, 64}}, {{2, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 22}, {{1, 2, 0, 32, 0, 22}}, {}, {{4, 0, 2, 1}, {6, 0, 22, 64}}, {{2, 6, 22}}},
     // rank 1 step 52: reduced part 5 piece 3 to rank 2; wait entry[2], gathered[23]; r2:dst@0[23/32] = r1:dst@0[23/32]; signal r2:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 23}, {{1, 2, 0, 32, 0, 23}}, {{4, 0, 2, 1}, {6, 0, 23, 64}}, {{2, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 23}, {{1, 2, 0, 32, 0, 23}}, {}, {{4, 0, 2, 1}, {6, 0, 23, 64}}, {{2, 6, 23}}},
     // rank 1 step 53: reduced part 4 piece 0 to rank 2; wait entry[2], gathered[16]; r2:dst@0[16/32] = r1:dst@0[16/32]; signal r2:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 16}, {{1, 2, 0, 32, 0, 16}}, {{4, 0, 2, 1}, {6, 0, 16, 64}}, {{2, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 16}, {{1, 2, 0, 32, 0, 16}}, {}, {{4, 0, 2, 1}, {6, 0, 16, 64}}, {{2, 6, 16}}},
     // rank 1 step 54: reduced part 4 piece 1 to rank 2; wait entry[2], gathered[17]; r2:dst@0[17/32] = r1:dst@0[17/32]; signal r2:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 17}, {{1, 2, 0, 32, 0, 17}}, {{4, 0, 2, 1}, {6, 0, 17, 64}}, {{2, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 17}, {{1, 2, 0, 32, 0, 17}}, {}, {{4, 0, 2, 1}, {6, 0, 17, 64}}, {{2, 6, 17}}},
     // rank 1 step 55: reduced part 4 piece 2 to rank 2; wait entry[2], gathered[18]; r2:dst@0[18/32] = r1:dst@0[18/32]; signal r2:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 18}, {{1, 2, 0, 32, 0, 18}}, {{4, 0, 2, 1}, {6, 0, 18, 64}}, {{2, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 18}, {{1, 2, 0, 32, 0, 18}}, {}, {{4, 0, 2, 1}, {6, 0, 18, 64}}, {{2, 6, 18}}},
     // rank 1 step 56: reduced part 4 piece 3 to rank 2; wait entry[2], gathered[19]; r2:dst@0[19/32] = r1:dst@0[19/32]; signal r2:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 19}, {{1, 2, 0, 32, 0, 19}}, {{4, 0, 2, 1}, {6, 0, 19, 64}}, {{2, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 19}, {{1, 2, 0, 32, 0, 19}}, {}, {{4, 0, 2, 1}, {6, 0, 19, 64}}, {{2, 6, 19}}},
     // rank 1 step 57: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
     // rank 1 step 58: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
     // rank 1 step 59: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
     // rank 1 step 60: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
     // rank 1 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
     // rank 1 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
     // rank 1 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 1 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/32] = r2:src@0[4/32]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 4}, {{2, 1, 1, 32, 0, 4}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/32] = r2:src@0[5/32]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 5}, {{2, 1, 1, 32, 0, 5}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/32] = r2:src@0[6/32]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 6}, {{2, 1, 1, 32, 0, 6}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/32] = r2:src@0[7/32]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 7}, {{2, 1, 1, 32, 0, 7}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/32] = r2:inbox@0[0/32] + r2:src@0[0/32]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 0}, {{2, 3, 0, 32, 0, 0}, {2, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 0}, {{2, 3, 0, 32, 0, 0}, {2, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/32] = r2:inbox@0[1/32] + r2:src@0[1/32]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 1}, {{2, 3, 0, 32, 0, 1}, {2, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 1}, {{2, 3, 0, 32, 0, 1}, {2, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/32] = r2:inbox@0[2/32] + r2:src@0[2/32]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 2}, {{2, 3, 0, 32, 0, 2}, {2, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 2}, {{2, 3, 0, 32, 0, 2}, {2, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/32] = r2:inbox@0[3/32] + r2:src@0[3/32]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 3}, {{2, 3, 0, 32, 0, 3}, {2, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 3}, {{2, 3, 0, 32, 0, 3}, {2, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 2 step 9: part 7 piece 0: partial sum + our input to rank 3; wait arrive[28], entry[3]; r3:inbox@0[28/32] = r2:inbox@0[28/32] + r2:src@0[28/32]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 28}, {{2, 3, 0, 32, 0, 28}, {2, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 28}, {{2, 3, 0, 32, 0, 28}, {2, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
     // rank 2 step 10: part 7 piece 1: partial sum + our input to rank 3; wait arrive[29], entry[3]; r3:inbox@0[29/32] = r2:inbox@0[29/32] + r2:src@0[29/32]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 29}, {{2, 3, 0, 32, 0, 29}, {2, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 29}, {{2, 3, 0, 32, 0, 29}, {2, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
     // rank 2 step 11: part 7 piece 2: partial sum + our input to rank 3; wait arrive[30], entry[3]; r3:inbox@0[30/32] = r2:inbox@0[30/32] + r2:src@0[30/32]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 30}, {{2, 3, 0, 32, 0, 30}, {2, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 30}, {{2, 3, 0, 32, 0, 30}, {2, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
     // rank 2 step 12: part 7 piece 3: partial sum + our input to rank 3; wait arrive[31], entry[3]; r3:inbox@0[31/32] = r2:inbox@0[31/32] + r2:src@0[31/32]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 31}, {{2, 3, 0, 32, 0, 31}, {2, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 31}, {{2, 3, 0, 32, 0, 31}, {2, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
     // rank 2 step 13: part 6 piece 0: partial sum + our input to rank 3; wait arrive[24], entry[3]; r3:inbox@0[24/32] = r2:inbox@0[24/32] + r2:src@0[24/32]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 24}, {{2, 3, 0, 32, 0, 24}, {2, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 24}, {{2, 3, 0, 32, 0, 24}, {2, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
     // rank 2 step 14: part 6 piece 1: partial sum + our input to rank 3; wait arrive[25], entry[3]; r3:inbox@0[25/32] = r2:inbox@0[25/32] + r2:src@0[25/32]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 25}, {{2, 3, 0, 32, 0, 25}, {2, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 25}, {{2, 3, 0, 32, 0, 25}, {2, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
     // rank 2 step 15: part 6 piece 2: partial sum + our input to rank 3; wait arrive[26], entry[3]; r3:inbox@0[26/32] = r2:inbox@0[26/32] + r2:src@0[26/32]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 26}, {{2, 3, 0, 32, 0, 26}, {2, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 26}, {{2, 3, 0, 32, 0, 26}, {2, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
     // rank 2 step 16: part 6 piece 3: partial sum + our input to rank 3; wait arrive[27], entry[3]; r3:inbox@0[27/32] = r2:inbox@0[27/32] + r2:src@0[27/32]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 27}, {{2, 3, 0, 32, 0, 27}, {2, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 27}, {{2, 3, 0, 32, 0, 27}, {2, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
     // rank 2 step 17: part 5 piece 0: partial sum + our input to rank 3; wait arrive[20], entry[3]; r3:inbox@0[20/32] = r2:inbox@0[20/32] + r2:src@0[20/32]; signal r3:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 20}, {{2, 3, 0, 32, 0, 20}, {2, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 3, 1}}, {{3, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 20}, {{2, 3, 0, 32, 0, 20}, {2, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 3, 1}}, {{3, 5, 20}}},
     // rank 2 step 18: part 5 piece 1: partial sum + our input to rank 3; wait arrive[21], entry[3]; r3:inbox@0[21/32] = r2:inbox@0[21/32] + r2:src@0[21/32]; signal r3:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 21}, {{2, 3, 0, 32, 0, 21}, {2, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 3, 1}}, {{3, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 21}, {{2, 3, 0, 32, 0, 21}, {2, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 3, 1}}, {{3, 5, 21}}},
     // rank 2 step 19: part 5 piece 2: partial sum + our input to rank 3; wait arrive[22], entry[3]; r3:inbox@0[22/32] = r2:inbox@0[22/32] + r2:src@0[22/32]; signal r3:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 22}, {{2, 3, 0, 32, 0, 22}, {2, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 3, 1}}, {{3, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 22}, {{2, 3, 0, 32, 0, 22}, {2, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 3, 1}}, {{3, 5, 22}}},
     // rank 2 step 20: part 5 piece 3: partial sum + our input to rank 3; wait arrive[23], entry[3]; r3:inbox@0[23/32] = r2:inbox@0[23/32] + r2:src@0[23/32]; signal r3:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 23}, {{2, 3, 0, 32, 0, 23}, {2, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 3, 1}}, {{3, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 23}, {{2, 3, 0, 32, 0, 23}, {2, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 3, 1}}, {{3, 5, 23}}},
     // rank 2 step 21: part 4 piece 0: partial sum + our input to rank 3; wait arrive[16], entry[3]; r3:inbox@0[16/32] = r2:inbox@0[16/32] + r2:src@0[16/32]; signal r3:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 16}, {{2, 3, 0, 32, 0, 16}, {2, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 3, 1}}, {{3, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 16}, {{2, 3, 0, 32, 0, 16}, {2, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 3, 1}}, {{3, 5, 16}}},
     // rank 2 step 22: part 4 piece 1: partial sum + our input to rank 3; wait arrive[17], entry[3]; r3:inbox@0[17/32] = r2:inbox@0[17/32] + r2:src@0[17/32]; signal r3:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 17}, {{2, 3, 0, 32, 0, 17}, {2, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 3, 1}}, {{3, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 17}, {{2, 3, 0, 32, 0, 17}, {2, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 3, 1}}, {{3, 5, 17}}},
     // rank 2 step 23: part 4 piece 2: partial sum + our input to rank 3; wait arrive[18], entry[3]; r3:inbox@0[18/32] = r2:inbox@0[18/32] + r2:src@0[18/32]; signal r3:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 18}, {{2, 3, 0, 32, 0, 18}, {2, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 3, 1}}, {{3, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 18}, {{2, 3, 0, 32, 0, 18}, {2, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 3, 1}}, {{3, 5, 18}}},
     // rank 2 step 24: part 4 piece 3: partial sum + our input to rank 3; wait arrive[19], entry[3]; r3:inbox@0[19/32] = r2:inbox@0[19/32] + r2:src@0[19/32]; signal r3:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 19}, {{2, 3, 0, 32, 0, 19}, {2, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 3, 1}}, {{3, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 19}, {{2, 3, 0, 32, 0, 19}, {2, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 3, 1}}, {{3, 5, 19}}},
     // rank 2 step 25: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/32] = r2:inbox@0[12/32] + r2:src@0[12/32]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 12}, {{2, 3, 0, 32, 0, 12}, {2, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 12}, {{2, 3, 0, 32, 0, 12}, {2, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 2 step 26: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/32] = r2:inbox@0[13/32] + r2:src@0[13/32]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 13}, {{2, 3, 0, 32, 0, 13}, {2, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 13}, {{2, 3, 0, 32, 0, 13}, {2, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 2 step 27: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/32] = r2:inbox@0[14/32] + r2:src@0[14/32]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 14}, {{2, 3, 0, 32, 0, 14}, {2, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 14}, {{2, 3, 0, 32, 0, 14}, {2, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 2 step 28: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/32] = r2:inbox@0[15/32] + r2:src@0[15/32]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 32, 0, 15}, {{2, 3, 0, 32, 0, 15}, {2, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 15}, {{2, 3, 0, 32, 0, 15}, {2, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 2 step 29: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/32] = r2:inbox@0[8/32] + r2:src@0[8/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 32, 0, 8}, {{2, 3, 0, 32, 0, 8}, {2, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 8}, {{2, 3, 0, 32, 0, 8}, {2, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 2 step 30: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/32] = r2:inbox@0[9/32] + r2:src@0[9/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 32, 0, 9}, {{2, 3, 0, 32, 0, 9}, {2, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 9}, {{2, 3, 0, 32, 0, 9}, {2, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 2 step 31: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/32] = r2:inbox@0[10/32] + r2:src@0[10/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 32, 0, 10}, {{2, 3, 0, 32, 0, 10}, {2, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 10}, {{2, 3, 0, 32, 0, 10}, {2, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 2 step 32: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/32] = r2:inbox@0[11/32] + r2:src@0[11/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 32, 0, 11}, {{2, 3, 0, 32, 0, 11}, {2, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 11}, {{2, 3, 0, 32, 0, 11}, {2, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 2 step 33: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/32] = r2:dst@0[8/32]; signal r3:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
     // rank 2 step 34: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/32] = r2:dst@0[9/32]; signal r3:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
     // rank 2 step 35: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/32] = r2:dst@0[10/32]; signal r3:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
     // rank 2 step 36: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/32] = r2:dst@0[11/32]; signal r3:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
     // rank 2 step 37: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/32] = r2:dst@0[4/32]; signal r3:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 4}, {{2, 2, 0, 32, 0, 4}}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{2, 2, 0, 32, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
     // rank 2 step 38: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/32] = r2:dst@0[5/32]; signal r3:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 5}, {{2, 2, 0, 32, 0, 5}}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{2, 2, 0, 32, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
     // rank 2 step 39: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/32] = r2:dst@0[6/32]; signal r3:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 6}, {{2, 2, 0, 32, 0, 6}}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{2, 2, 0, 32, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
     // rank 2 step 40: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/32] = r2:dst@0[7/32]; signal r3:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 7}, {{2, 2, 0, 32, 0, 7}}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{2, 2, 0, 32, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
     // rank 2 step 41: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/32] = r2:dst@0[0/32]; signal r3:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 0}, {{2, 2, 0, 32, 0, 0}}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{2, 2, 0, 32, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
     // rank 2 step 42: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/32] = r2:dst@0[1/32]; signal r3:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 1}, {{2, 2, 0, 32, 0, 1}}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{2, 2, 0, 32, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
     // rank 2 step 43: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/32] = r2:dst@0[2/32]; signal r3:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 2}, {{2, 2, 0, 32, 0, 2}}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{2, 2, 0, 32, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
     // rank 2 step 44: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/32] = r2:dst@0[3/32]; signal r3:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 3}, {{2, 2, 0, 32, 0, 3}}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{2, 2, 0, 32, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
     // rank 2 step 45: reduced part 7 piece 0 to rank 3; wait entry[3], gathered[28]; r3:dst@0[28/32] = r2:dst@0[28/32]; signal r3:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 28}, {{2, 2, 0, 32, 0, 28}}, {{4, 0, 3, 1}, {6, 0, 28, 64}}, {{3, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 28}, {{2, 2, 0, 32, 0, 28}}, {}, {{4, 0, 3, 1}, {6, 0, 28, 64}}, {{3, 6, 28}}},
     // rank 2 step 46: reduced part 7 piece 1 to rank 3; wait entry[3], gathered[29]; r3:dst@0[29/32] = r2:dst@0[29/32]; signal r3:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 29}, {{2, 2, 0, 32, 0, 29}}, {{4, 0, 3, 1}, {6, 0, 29, 64}}, {{3, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 29}, {{2, 2, 0, 32, 0, 29}}, {}, {{4, 0, 3, 1}, {6, 0, 29, 64}}, {{3, 6, 29}}},
     // rank 2 step 47: reduced part 7 piece 2 to rank 3; wait entry[3], gathered[30]; r3:dst@0[30/32] = r2:dst@0[30/32]; signal r3:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 30}, {{2, 2, 0, 32, 0, 30}}, {{4, 0, 3, 1}, {6, 0, 30, 64}}, {{3, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 30}, {{2, 2, 0, 32, 0, 30}}, {}, {{4, 0, 3, 1}, {6, 0, 30, 64}}, {{3, 6, 30}}},
     // rank 2 step 48: reduced part 7 piece 3 to rank 3; wait entry[3], gathered[31]; r3:dst@0[31/32] = r2:dst@0[31/32]; signal r3:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 31}, {{2, 2, 0, 32, 0, 31}}, {{4, 0, 3, 1}, {6, 0, 31, 64}}, {{3, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 31}, {{2, 2, 0, 32, 0, 31}}, {}, {{4, 0, 3, 1}, {6, 0, 31, 64}}, {{3, 6, 31}}},
     // rank 2 step 49: reduced part 6 piece 0 to rank 3; wait entry[3], gathered[24]; r3:dst@0[24/32] = r2:dst@0[24/32]; signal r3:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 24}, {{2, 2, 0, 32, 0, 24}}, {{4, 0, 3, 1}, {6, 0, 24, 64}}, {{3, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 24}, {{2, 2, 0, 32, 0, 24}}, {}, {{4, 0, 3, 1}, {6, 0, 24, 64}}, {{3, 6, 24}}},
     // rank 2 step 50: reduced part 6 piece 1 to rank 3; wait entry[3], gathered[25]; r3:dst@0[25/32] = r2:dst@0[25/32]; signal r3:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 25}, {{2, 2, 0, 32, 0, 25}}, {{4, 0, 3, 1}, {6, 0, 25, 64}}, {{3, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 25}, {{2, 2, 0, 32, 0, 25}}, {}, {{4, 0, 3, 1}, {6, 0, 25, 64}}, {{3, 6, 25}}},
     // rank 2 step 51: reduced part 6 piece 2 to rank 3; wait entry[3], gathered[26]; r3:dst@0[26/32] = r2:dst@0[26/32]; signal r3:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 26}, {{2, 2, 0, 32, 0, 26}}, {{4, 0, 3, 1}, {6, 0, 26, 64}}, {{3, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 26}, {{2, 2, 0, 32, 0, 26}}, {}, {{4, 0, 3, 1}, {6, 0, 26, 64}}, {{3, 6, 26}}},
     // rank 2 step 52: reduced part 6 piece 3 to rank 3; wait entry[3], gathered[27]; r3:dst@0[27/32] = r2:dst@0[27/32]; signal r3:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 27}, {{2, 2, 0, 32, 0, 27}}, {{4, 0, 3, 1}, {6, 0, 27, 64}}, {{3, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 27}, {{2, 2, 0, 32, 0, 27}}, {}, {{4, 0, 3, 1}, {6, 0, 27, 64}}, {{3, 6, 27}}},
     // rank 2 step 53: reduced part 5 piece 0 to rank 3; wait entry[3], gathered[20]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {{4, 0, 3, 1}, {6, 0, 20, 64}}, {{3, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{4, 0, 3, 1}, {6, 0, 20, 64}}, {{3, 6, 20}}},
     // rank 2 step 54: reduced part 5 piece 1 to rank 3; wait entry[3], gathered[21]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {{4, 0, 3, 1}, {6, 0, 21, 64}}, {{3, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{4, 0, 3, 1}, {6, 0, 21, 64}}, {{3, 6, 21}}},
     // rank 2 step 55: reduced part 5 piece 2 to rank 3; wait entry[3], gathered[22]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {{4, 0, 3, 1}, {6, 0, 22, 64}}, {{3, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{4, 0, 3, 1}, {6, 0, 22, 64}}, {{3, 6, 22}}},
     // rank 2 step 56: reduced part 5 piece 3 to rank 3; wait entry[3], gathered[23]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {{4, 0, 3, 1}, {6, 0, 23, 64}}, {{3, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{4, 0, 3, 1}, {6, 0, 23, 64}}, {{3, 6, 23}}},
     // rank 2 step 57: reduced part 4 piece 0 to rank 3; wait entry[3], gathered[16]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {{4, 0, 3, 1}, {6, 0, 16, 64}}, {{3, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{4, 0, 3, 1}, {6, 0, 16, 64}}, {{3, 6, 16}}},
     // rank 2 step 58: reduced part 4 piece 1 to rank 3; wait entry[3], gathered[17]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {{4, 0, 3, 1}, {6, 0, 17, 64}}, {{3, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{4, 0, 3, 1}, {6, 0, 17, 64}}, {{3, 6, 17}}},
     // rank 2 step 59: reduced part 4 piece 2 to rank 3; wait entry[3], gathered[18]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {{4, 0, 3, 1}, {6, 0, 18, 64}}, {{3, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{4, 0, 3, 1}, {6, 0, 18, 64}}, {{3, 6, 18}}},
     // rank 2 step 60: reduced part 4 piece 3 to rank 3; wait entry[3], gathered[19]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {{4, 0, 3, 1}, {6, 0, 19, 64}}, {{3, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{4, 0, 3, 1}, {6, 0, 19, 64}}, {{3, 6, 19}}},
     // rank 2 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 2 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
     // rank 2 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 2 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
     // rank 3 step 1: part 2 piece 0: our input to rank 4; wait entry[4]; r4:inbox@0[8/32] = r3:src@0[8/32]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 32, 0, 8}, {{3, 1, 1, 32, 0, 8}}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
     // rank 3 step 2: part 2 piece 1: our input to rank 4; wait entry[4]; r4:inbox@0[9/32] = r3:src@0[9/32]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 32, 0, 9}, {{3, 1, 1, 32, 0, 9}}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
     // rank 3 step 3: part 2 piece 2: our input to rank 4; wait entry[4]; r4:inbox@0[10/32] = r3:src@0[10/32]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 32, 0, 10}, {{3, 1, 1, 32, 0, 10}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
     // rank 3 step 4: part 2 piece 3: our input to rank 4; wait entry[4]; r4:inbox@0[11/32] = r3:src@0[11/32]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 32, 0, 11}, {{3, 1, 1, 32, 0, 11}}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
     // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/32] = r3:inbox@0[4/32] + r3:src@0[4/32]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 4}, {{3, 3, 0, 32, 0, 4}, {3, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 4}, {{3, 3, 0, 32, 0, 4}, {3, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
     // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/32] = r3:inbox@0[5/32] + r3:src@0[5/32]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 5}, {{3, 3, 0, 32, 0, 5}, {3, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 5}, {{3, 3, 0, 32, 0, 5}, {3, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
     // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/32] = r3:inbox@0[6/32] + r3:src@0[6/32]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 6}, {{3, 3, 0, 32, 0, 6}, {3, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 6}, {{3, 3, 0, 32, 0, 6}, {3, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
     // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/32] = r3:inbox@0[7/32] + r3:src@0[7/32]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 7}, {{3, 3, 0, 32, 0, 7}, {3, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 7}, {{3, 3, 0, 32, 0, 7}, {3, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
     // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/32] = r3:inbox@0[0/32] + r3:src@0[0/32]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 0}, {{3, 3, 0, 32, 0, 0}, {3, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 0}, {{3, 3, 0, 32, 0, 0}, {3, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
     // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/32] = r3:inbox@0[1/32] + r3:src@0[1/32]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 1}, {{3, 3, 0, 32, 0, 1}, {3, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 1}, {{3, 3, 0, 32, 0, 1}, {3, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
     // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/32] = r3:inbox@0[2/32] + r3:src@0[2/32]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 2}, {{3, 3, 0, 32, 0, 2}, {3, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 2}, {{3, 3, 0, 32, 0, 2}, {3, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
     // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/32] = r3:inbox@0[3/32] + r3:src@0[3/32]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 3}, {{3, 3, 0, 32, 0, 3}, {3, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 3}, {{3, 3, 0, 32, 0, 3}, {3, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
     // rank 3 step 13: part 7 piece 0: partial sum + our input to rank 4; wait arrive[28], entry[4]; r4:inbox@0[28/32] = r3:inbox@0[28/32] + r3:src@0[28/32]; signal r4:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 28}, {{3, 3, 0, 32, 0, 28}, {3, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 4, 1}}, {{4, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 28}, {{3, 3, 0, 32, 0, 28}, {3, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 4, 1}}, {{4, 5, 28}}},
     // rank 3 step 14: part 7 piece 1: partial sum + our input to rank 4; wait arrive[29], entry[4]; r4:inbox@0[29/32] = r3:inbox@0[29/32] + r3:src@0[29/32]; signal r4:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 29}, {{3, 3, 0, 32, 0, 29}, {3, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 4, 1}}, {{4, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 29}, {{3, 3, 0, 32, 0, 29}, {3, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 4, 1}}, {{4, 5, 29}}},
     // rank 3 step 15: part 7 piece 2: partial sum + our input to rank 4; wait arrive[30], entry[4]; r4:inbox@0[30/32] = r3:inbox@0[30/32] + r3:src@0[30/32]; signal r4:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 30}, {{3, 3, 0, 32, 0, 30}, {3, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 4, 1}}, {{4, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 30}, {{3, 3, 0, 32, 0, 30}, {3, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 4, 1}}, {{4, 5, 30}}},
     // rank 3 step 16: part 7 piece 3: partial sum + our input to rank 4; wait arrive[31], entry[4]; r4:inbox@0[31/32] = r3:inbox@0[31/32] + r3:src@0[31/32]; signal r4:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 31}, {{3, 3, 0, 32, 0, 31}, {3, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 4, 1}}, {{4, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 31}, {{3, 3, 0, 32, 0, 31}, {3, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 4, 1}}, {{4, 5, 31}}},
     // rank 3 step 17: part 6 piece 0: partial sum + our input to rank 4; wait arrive[24], entry[4]; r4:inbox@0[24/32] = r3:inbox@0[24/32] + r3:src@0[24/32]; signal r4:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 24}, {{3, 3, 0, 32, 0, 24}, {3, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 4, 1}}, {{4, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 24}, {{3, 3, 0, 32, 0, 24}, {3, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 4, 1}}, {{4, 5, 24}}},
     // rank 3 step 18: part 6 piece 1: partial sum + our input to rank 4; wait arrive[25], entry[4]; r4:inbox@0[25/32] = r3:inbox@0[25/32] + r3:src@0[25/32]; signal r4:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 25}, {{3, 3, 0, 32, 0, 25}, {3, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 4, 1}}, {{4, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 25}, {{3, 3, 0, 32, 0, 25}, {3, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 4, 1}}, {{4, 5, 25}}},
     // rank 3 step 19: part 6 piece 2: partial sum + our input to rank 4; wait arrive[26], entry[4]; r4:inbox@0[26/32] = r3:inbox@0[26/32] + r3:src@0[26/32]; signal r4:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 26}, {{3, 3, 0, 32, 0, 26}, {3, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 4, 1}}, {{4, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 26}, {{3, 3, 0, 32, 0, 26}, {3, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 4, 1}}, {{4, 5, 26}}},
     // rank 3 step 20: part 6 piece 3: partial sum + our input to rank 4; wait arrive[27], entry[4]; r4:inbox@0[27/32] = r3:inbox@0[27/32] + r3:src@0[27/32]; signal r4:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 27}, {{3, 3, 0, 32, 0, 27}, {3, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 4, 1}}, {{4, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 27}, {{3, 3, 0, 32, 0, 27}, {3, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 4, 1}}, {{4, 5, 27}}},
     // rank 3 step 21: part 5 piece 0: partial sum + our input to rank 4; wait arrive[20], entry[4]; r4:inbox@0[20/32] = r3:inbox@0[20/32] + r3:src@0[20/32]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 20}, {{3, 3, 0, 32, 0, 20}, {3, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 4, 1}}, {{4, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 20}, {{3, 3, 0, 32, 0, 20}, {3, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 4, 1}}, {{4, 5, 20}}},
     // rank 3 step 22: part 5 piece 1: partial sum + our input to rank 4; wait arrive[21], entry[4]; r4:inbox@0[21/32] = r3:inbox@0[21/32] + r3:src@0[21/32]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 21}, {{3, 3, 0, 32, 0, 21}, {3, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 4, 1}}, {{4, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 21}, {{3, 3, 0, 32, 0, 21}, {3, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 4, 1}}, {{4, 5, 21}}},
     // rank 3 step 23: part 5 piece 2: partial sum + our input to rank 4; wait arrive[22], entry[4]; r4:inbox@0[22/32] = r3:inbox@0[22/32] + r3:src@0[22/32]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 22}, {{3, 3, 0, 32, 0, 22}, {3, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 4, 1}}, {{4, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 22}, {{3, 3, 0, 32, 0, 22}, {3, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 4, 1}}, {{4, 5, 22}}},
     // rank 3 step 24: part 5 piece 3: partial sum + our input to rank 4; wait arrive[23], entry[4]; r4:inbox@0[23/32] = r3:inbox@0[23/32] + r3:src@0[23/32]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 23}, {{3, 3, 0, 32, 0, 23}, {3, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 4, 1}}, {{4, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 23}, {{3, 3, 0, 32, 0, 23}, {3, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 4, 1}}, {{4, 5, 23}}},
     // rank 3 step 25: part 4 piece 0: partial sum + our input to rank 4; wait arrive[16], entry[4]; r4:inbox@0[16/32] = r3:inbox@0[16/32] + r3:src@0[16/32]; signal r4:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 16}, {{3, 3, 0, 32, 0, 16}, {3, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 4, 1}}, {{4, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 16}, {{3, 3, 0, 32, 0, 16}, {3, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 4, 1}}, {{4, 5, 16}}},
     // rank 3 step 26: part 4 piece 1: partial sum + our input to rank 4; wait arrive[17], entry[4]; r4:inbox@0[17/32] = r3:inbox@0[17/32] + r3:src@0[17/32]; signal r4:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 17}, {{3, 3, 0, 32, 0, 17}, {3, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 4, 1}}, {{4, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 17}, {{3, 3, 0, 32, 0, 17}, {3, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 4, 1}}, {{4, 5, 17}}},
     // rank 3 step 27: part 4 piece 2: partial sum + our input to rank 4; wait arrive[18], entry[4]; r4:inbox@0[18/32] = r3:inbox@0[18/32] + r3:src@0[18/32]; signal r4:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 18}, {{3, 3, 0, 32, 0, 18}, {3, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 4, 1}}, {{4, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 18}, {{3, 3, 0, 32, 0, 18}, {3, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 4, 1}}, {{4, 5, 18}}},
     // rank 3 step 28: part 4 piece 3: partial sum + our input to rank 4; wait arrive[19], entry[4]; r4:inbox@0[19/32] = r3:inbox@0[19/32] + r3:src@0[19/32]; signal r4:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 32, 0, 19}, {{3, 3, 0, 32, 0, 19}, {3, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 4, 1}}, {{4, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 19}, {{3, 3, 0, 32, 0, 19}, {3, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 4, 1}}, {{4, 5, 19}}},
     // rank 3 step 29: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/32] = r3:inbox@0[12/32] + r3:src@0[12/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 32, 0, 12}, {{3, 3, 0, 32, 0, 12}, {3, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 12}, {{3, 3, 0, 32, 0, 12}, {3, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 3 step 30: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/32] = r3:inbox@0[13/32] + r3:src@0[13/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 32, 0, 13}, {{3, 3, 0, 32, 0, 13}, {3, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 13}, {{3, 3, 0, 32, 0, 13}, {3, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 3 step 31: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/32] = r3:inbox@0[14/32] + r3:src@0[14/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 32, 0, 14}, {{3, 3, 0, 32, 0, 14}, {3, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 14}, {{3, 3, 0, 32, 0, 14}, {3, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 3 step 32: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/32] = r3:inbox@0[15/32] + r3:src@0[15/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 32, 0, 15}, {{3, 3, 0, 32, 0, 15}, {3, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 15}, {{3, 3, 0, 32, 0, 15}, {3, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},
     // rank 3 step 33: reduced part 3 piece 0 to rank 4; wait entry[4]; r4:dst@0[12/32] = r3:dst@0[12/32]; signal r4:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {{4, 0, 4, 1}}, {{4, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{4, 0, 4, 1}}, {{4, 6, 12}}},
     // rank 3 step 34: reduced part 3 piece 1 to rank 4; wait entry[4]; r4:dst@0[13/32] = r3:dst@0[13/32]; signal r4:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {{4, 0, 4, 1}}, {{4, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{4, 0, 4, 1}}, {{4, 6, 13}}},
     // rank 3 step 35: reduced part 3 piece 2 to rank 4; wait entry[4]; r4:dst@0[14/32] = r3:dst@0[14/32]; signal r4:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {{4, 0, 4, 1}}, {{4, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{4, 0, 4, 1}}, {{4, 6, 14}}},
     // rank 3 step 36: reduced part 3 piece 3 to rank 4; wait entry[4]; r4:dst@0[15/32] = r3:dst@0[15/32]; signal r4:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {{4, 0, 4, 1}}, {{4, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{4, 0, 4, 1}}, {{4, 6, 15}}},
     // rank 3 step 37: reduced part 2 piece 0 to rank 4; wait entry[4], gathered[8]; r4:dst@0[8/32] = r3:dst@0[8/32]; signal r4:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 8}, {{3, 2, 0, 32, 0, 8}}, {{4, 0, 4, 1}, {6, 0, 8, 64}}, {{4, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 8}, {{3, 2, 0, 32, 0, 8}}, {}, {{4, 0, 4, 1}, {6, 0, 8, 64}}, {{4, 6, 8}}},
     // rank 3 step 38: reduced part 2 piece 1 to rank 4; wait entry[4], gathered[9]; r4:dst@0[9/32] = r3:dst@0[9/32]; signal r4:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 9}, {{3, 2, 0, 32, 0, 9}}, {{4, 0, 4, 1}, {6, 0, 9, 64}}, {{4, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 9}, {{3, 2, 0, 32, 0, 9}}, {}, {{4, 0, 4, 1}, {6, 0, 9, 64}}, {{4, 6, 9}}},
     // rank 3 step 39: reduced part 2 piece 2 to rank 4; wait entry[4], gathered[10]; r4:dst@0[10/32] = r3:dst@0[10/32]; signal r4:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 10}, {{3, 2, 0, 32, 0, 10}}, {{4, 0, 4, 1}, {6, 0, 10, 64}}, {{4, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 10}, {{3, 2, 0, 32, 0, 10}}, {}, {{4, 0, 4, 1}, {6, 0, 10, 64}}, {{4, 6, 10}}},
     // rank 3 step 40: reduced part 2 piece 3 to rank 4; wait entry[4], gathered[11]; r4:dst@0[11/32] = r3:dst@0[11/32]; signal r4:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 11}, {{3, 2, 0, 32, 0, 11}}, {{4, 0, 4, 1}, {6, 0, 11, 64}}, {{4, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 11}, {{3, 2, 0, 32, 0, 11}}, {}, {{4, 0, 4, 1}, {6, 0, 11, 64}}, {{4, 6, 11}}},
     // rank 3 step 41: reduced part 1 piece 0 to rank 4; wait entry[4], gathered[4]; r4:dst@0[4/32] = r3:dst@0[4/32]; signal r4:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 4}, {{3, 2, 0, 32, 0, 4}}, {{4, 0, 4, 1}, {6, 0, 4, 64}}, {{4, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 4}, {{3, 2, 0, 32, 0, 4}}, {}, {{4, 0, 4, 1}, {6, 0, 4, 64}}, {{4, 6, 4}}},
     // rank 3 step 42: reduced part 1 piece 1 to rank 4; wait entry[4], gathered[5]; r4:dst@0[5/32] = r3:dst@0[5/32]; signal r4:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 5}, {{3, 2, 0, 32, 0, 5}}, {{4, 0, 4, 1}, {6, 0, 5, 64}}, {{4, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 5}, {{3, 2, 0, 32, 0, 5}}, {}, {{4, 0, 4, 1}, {6, 0, 5, 64}}, {{4, 6, 5}}},
     // rank 3 step 43: reduced part 1 piece 2 to rank 4; wait entry[4], gathered[6]; r4:dst@0[6/32] = r3:dst@0[6/32]; signal r4:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 6}, {{3, 2, 0, 32, 0, 6}}, {{4, 0, 4, 1}, {6, 0, 6, 64}}, {{4, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 6}, {{3, 2, 0, 32, 0, 6}}, {}, {{4, 0, 4, 1}, {6, 0, 6, 64}}, {{4, 6, 6}}},
     // rank 3 step 44: reduced part 1 piece 3 to rank 4; wait entry[4], gathered[7]; r4:dst@0[7/32] = r3:dst@0[7/32]; signal r4:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 7}, {{3, 2, 0, 32, 0, 7}}, {{4, 0, 4, 1}, {6, 0, 7, 64}}, {{4, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 7}, {{3, 2, 0, 32, 0, 7}}, {}, {{4, 0, 4, 1}, {6, 0, 7, 64}}, {{4, 6, 7}}},
     // rank 3 step 45: reduced part 0 piece 0 to rank 4; wait entry[4], gathered[0]; r4:dst@0[0/32] = r3:dst@0[0/32]; signal r4:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 0}, {{3, 2, 0, 32, 0, 0}}, {{4, 0, 4, 1}, {6, 0, 0, 64}}, {{4, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 0}, {{3, 2, 0, 32, 0, 0}}, {}, {{4, 0, 4, 1}, {6, 0, 0, 64}}, {{4, 6, 0}}},
     // rank 3 step 46: reduced part 0 piece 1 to rank 4; wait entry[4], gathered[1]; r4:dst@0[1/32] = r3:dst@0[1/32]; signal r4:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 1}, {{3, 2, 0, 32, 0, 1}}, {{4, 0, 4, 1}, {6, 0, 1, 64}}, {{4, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 1}, {{3, 2, 0, 32, 0, 1}}, {}, {{4, 0, 4, 1}, {6, 0, 1, 64}}, {{4, 6, 1}}},
     // rank 3 step 47: reduced part 0 piece 2 to rank 4; wait entry[4], gathered[2]; r4:dst@0[2/32] = r3:dst@0[2/32]; signal r4:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 2}, {{3, 2, 0, 32, 0, 2}}, {{4, 0, 4, 1}, {6, 0, 2, 64}}, {{4, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 2}, {{3, 2, 0, 32, 0, 2}}, {}, {{4, 0, 4, 1}, {6, 0, 2, 64}}, {{4, 6, 2}}},
     // rank 3 step 48: reduced part 0 piece 3 to rank 4; wait entry[4], gathered[3]; r4:dst@0[3/32] = r3:dst@0[3/32]; signal r4:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 3}, {{3, 2, 0, 32, 0, 3}}, {{4, 0, 4, 1}, {6, 0, 3, 64}}, {{4, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 3}, {{3, 2, 0, 32, 0, 3}}, {}, {{4, 0, 4, 1}, {6, 0, 3, 64}}, {{4, 6, 3}}},
     // rank 3 step 49: reduced part 7 piece 0 to rank 4; wait entry[4], gathered[28]; r4:dst@0[28/32] = r3:dst@0[28/32]; signal r4:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {{4, 0, 4, 1}, {6, 0, 28, 64}}, {{4, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{4, 0, 4, 1}, {6, 0, 28, 64}}, {{4, 6, 28}}},
     // rank 3 step 50: reduced part 7 piece 1 to rank 4; wait entry[4], gathered[29]; r4:dst@0[29/32] = r3:dst@0[29/32]; signal r4:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {{4, 0, 4, 1}, {6, 0, 29, 64}}, {{4, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{4, 0, 4, 1}, {6, 0, 29, 64}}, {{4, 6, 29}}},
     // rank 3 step 51: reduced part 7 piece 2 to rank 4; wait entry[4], gathered[30]; r4:dst@0[30/32] = r3:dst@0[30/32]; signal r4:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {{4, 0, 4, 1}, {6, 0, 30, 64}}, {{4, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{4, 0, 4, 1}, {6, 0, 30, 64}}, {{4, 6, 30}}},
     // rank 3 step 52: reduced part 7 piece 3 to rank 4; wait entry[4], gathered[31]; r4:dst@0[31/32] = r3:dst@0[31/32]; signal r4:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {{4, 0, 4, 1}, {6, 0, 31, 64}}, {{4, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{4, 0, 4, 1}, {6, 0, 31, 64}}, {{4, 6, 31}}},
     // rank 3 step 53: reduced part 6 piece 0 to rank 4; wait entry[4], gathered[24]; r4:dst@0[24/32] = r3:dst@0[24/32]; signal r4:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {{4, 0, 4, 1}, {6, 0, 24, 64}}, {{4, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{4, 0, 4, 1}, {6, 0, 24, 64}}, {{4, 6, 24}}},
     // rank 3 step 54: reduced part 6 piece 1 to rank 4; wait entry[4], gathered[25]; r4:dst@0[25/32] = r3:dst@0[25/32]; signal r4:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {{4, 0, 4, 1}, {6, 0, 25, 64}}, {{4, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{4, 0, 4, 1}, {6, 0, 25, 64}}, {{4, 6, 25}}},
     // rank 3 step 55: reduced part 6 piece 2 to rank 4; wait entry[4], gathered[26]; r4:dst@0[26/32] = r3:dst@0[26/32]; signal r4:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {{4, 0, 4, 1}, {6, 0, 26, 64}}, {{4, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{4, 0, 4, 1}, {6, 0, 26, 64}}, {{4, 6, 26}}},
     // rank 3 step 56: reduced part 6 piece 3 to rank 4; wait entry[4], gathered[27]; r4:dst@0[27/32] = r3:dst@0[27/32]; signal r4:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {{4, 0, 4, 1}, {6, 0, 27, 64}}, {{4, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{4, 0, 4, 1}, {6, 0, 27, 64}}, {{4, 6, 27}}},
     // rank 3 step 57: reduced part 5 piece 0 to rank 4; wait entry[4], gathered[20]; r4:dst@0[20/32] = r3:dst@0[20/32]; signal r4:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 20}, {{3, 2, 0, 32, 0, 20}}, {{4, 0, 4, 1}, {6, 0, 20, 64}}, {{4, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 20}, {{3, 2, 0, 32, 0, 20}}, {}, {{4, 0, 4, 1}, {6, 0, 20, 64}}, {{4, 6, 20}}},
     // rank 3 step 58: reduced part 5 piece 1 to rank 4; wait entry[4], gathered[21]; r4:dst@0[21/32] = r3:dst@0[21/32]; signal r4:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 21}, {{3, 2, 0, 32, 0, 21}}, {{4, 0, 4, 1}, {6, 0, 21, 64}}, {{4, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 21}, {{3, 2, 0, 32, 0, 21}}, {}, {{4, 0, 4, 1}, {6, 0, 21, 64}}, {{4, 6, 21}}},
     // rank 3 step 59: reduced part 5 piece 2 to rank 4; wait entry[4], gathered[22]; r4:dst@0[22/32] = r3:dst@0[22/32]; signal r4:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 22}, {{3, 2, 0, 32, 0, 22}}, {{4, 0, 4, 1}, {6, 0, 22, 64}}, {{4, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 22}, {{3, 2, 0, 32, 0, 22}}, {}, {{4, 0, 4, 1}, {6, 0, 22, 64}}, {{4, 6, 22}}},
     // rank 3 step 60: reduced part 5 piece 3 to rank 4; wait entry[4], gathered[23]; r4:dst@0[23/32] = r3:dst@0[23/32]; signal r4:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 32, 0, 23}, {{3, 2, 0, 32, 0, 23}}, {{4, 0, 4, 1}, {6, 0, 23, 64}}, {{4, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 23}, {{3, 2, 0, 32, 0, 23}}, {}, {{4, 0, 4, 1}, {6, 0, 23, 64}}, {{4, 6, 23}}},
     // rank 3 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 3 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
     // rank 3 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 3 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 4, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},
     // rank 4 step 1: part 3 piece 0: our input to rank 5; wait entry[5]; r5:inbox@0[12/32] = r4:src@0[12/32]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 32, 0, 12}, {{4, 1, 1, 32, 0, 12}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 12}, {{4, 1, 1, 32, 0, 12}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
     // rank 4 step 2: part 3 piece 1: our input to rank 5; wait entry[5]; r5:inbox@0[13/32] = r4:src@0[13/32]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 32, 0, 13}, {{4, 1, 1, 32, 0, 13}}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 13}, {{4, 1, 1, 32, 0, 13}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
     // rank 4 step 3: part 3 piece 2: our input to rank 5; wait entry[5]; r5:inbox@0[14/32] = r4:src@0[14/32]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 32, 0, 14}, {{4, 1, 1, 32, 0, 14}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 14}, {{4, 1, 1, 32, 0, 14}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
     // rank 4 step 4: part 3 piece 3: our input to rank 5; wait entry[5]; r5:inbox@0[15/32] = r4:src@0[15/32]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 32, 0, 15}, {{4, 1, 1, 32, 0, 15}}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 15}, {{4, 1, 1, 32, 0, 15}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
     // rank 4 step 5: part 2 piece 0: partial sum + our input to rank 5; wait arrive[8], entry[5]; r5:inbox@0[8/32] = r4:inbox@0[8/32] + r4:src@0[8/32]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 8}, {{4, 3, 0, 32, 0, 8}, {4, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 8}, {{4, 3, 0, 32, 0, 8}, {4, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
     // rank 4 step 6: part 2 piece 1: partial sum + our input to rank 5; wait arrive[9], entry[5]; r5:inbox@0[9/32] = r4:inbox@0[9/32] + r4:src@0[9/32]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 9}, {{4, 3, 0, 32, 0, 9}, {4, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 9}, {{4, 3, 0, 32, 0, 9}, {4, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
     // rank 4 step 7: part 2 piece 2: partial sum + our input to rank 5; wait arrive[10], entry[5]; r5:inbox@0[10/32] = r4:inbox@0[10/32] + r4:src@0[10/32]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 10}, {{4, 3, 0, 32, 0, 10}, {4, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 10}, {{4, 3, 0, 32, 0, 10}, {4, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
     // rank 4 step 8: part 2 piece 3: partial sum + our input to rank 5; wait arrive[11], entry[5]; r5:inbox@0[11/32] = r4:inbox@0[11/32] + r4:src@0[11/32]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 11}, {{4, 3, 0, 32, 0, 11}, {4, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 11}, {{4, 3, 0, 32, 0, 11}, {4, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
     // rank 4 step 9: part 1 piece 0: partial sum + our input to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/32] = r4:inbox@0[4/32] + r4:src@0[4/32]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 4}, {{4, 3, 0, 32, 0, 4}, {4, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 4}, {{4, 3, 0, 32, 0, 4}, {4, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
     // rank 4 step 10: part 1 piece 1: partial sum + our input to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/32] = r4:inbox@0[5/32] + r4:src@0[5/32]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 5}, {{4, 3, 0, 32, 0, 5}, {4, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 5}, {{4, 3, 0, 32, 0, 5}, {4, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
     // rank 4 step 11: part 1 piece 2: partial sum + our input to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/32] = r4:inbox@0[6/32] + r4:src@0[6/32]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 6}, {{4, 3, 0, 32, 0, 6}, {4, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 6}, {{4, 3, 0, 32, 0, 6}, {4, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
     // rank 4 step 12: part 1 piece 3: partial sum + our input to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/32] = r4:inbox@0[7/32] + r4:src@0[7/32]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 7}, {{4, 3, 0, 32, 0, 7}, {4, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 7}, {{4, 3, 0, 32, 0, 7}, {4, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
     // rank 4 step 13: part 0 piece 0: partial sum + our input to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/32] = r4:inbox@0[0/32] + r4:src@0[0/32]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 0}, {{4, 3, 0, 32, 0, 0}, {4, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 0}, {{4, 3, 0, 32, 0, 0}, {4, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
     // rank 4 step 14: part 0 piece 1: partial sum + our input to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/32] = r4:inbox@0[1/32] + r4:src@0[1/32]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 1}, {{4, 3, 0, 32, 0, 1}, {4, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 1}, {{4, 3, 0, 32, 0, 1}, {4, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
     // rank 4 step 15: part 0 piece 2: partial sum + our input to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/32] = r4:inbox@0[2/32] + r4:src@0[2/32]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 2}, {{4, 3, 0, 32, 0, 2}, {4, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 2}, {{4, 3, 0, 32, 0, 2}, {4, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
     // rank 4 step 16: part 0 piece 3: partial sum + our input to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/32] = r4:inbox@0[3/32] + r4:src@0[3/32]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 3}, {{4, 3, 0, 32, 0, 3}, {4, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 3}, {{4, 3, 0, 32, 0, 3}, {4, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
     // rank 4 step 17: part 7 piece 0: partial sum + our input to rank 5; wait arrive[28], entry[5]; r5:inbox@0[28/32] = r4:inbox@0[28/32] + r4:src@0[28/32]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 28}, {{4, 3, 0, 32, 0, 28}, {4, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 5, 1}}, {{5, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 28}, {{4, 3, 0, 32, 0, 28}, {4, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 5, 1}}, {{5, 5, 28}}},
     // rank 4 step 18: part 7 piece 1: partial sum + our input to rank 5; wait arrive[29], entry[5]; r5:inbox@0[29/32] = r4:inbox@0[29/32] + r4:src@0[29/32]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 29}, {{4, 3, 0, 32, 0, 29}, {4, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 5, 1}}, {{5, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 29}, {{4, 3, 0, 32, 0, 29}, {4, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 5, 1}}, {{5, 5, 29}}},
     // rank 4 step 19: part 7 piece 2: partial sum + our input to rank 5; wait arrive[30], entry[5]; r5:inbox@0[30/32] = r4:inbox@0[30/32] + r4:src@0[30/32]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 30}, {{4, 3, 0, 32, 0, 30}, {4, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 5, 1}}, {{5, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 30}, {{4, 3, 0, 32, 0, 30}, {4, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 5, 1}}, {{5, 5, 30}}},
     // rank 4 step 20: part 7 piece 3: partial sum + our input to rank 5; wait arrive[31], entry[5]; r5:inbox@0[31/32] = r4:inbox@0[31/32] + r4:src@0[31/32]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 31}, {{4, 3, 0, 32, 0, 31}, {4, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 5, 1}}, {{5, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 31}, {{4, 3, 0, 32, 0, 31}, {4, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 5, 1}}, {{5, 5, 31}}},
     // rank 4 step 21: part 6 piece 0: partial sum + our input to rank 5; wait arrive[24], entry[5]; r5:inbox@0[24/32] = r4:inbox@0[24/32] + r4:src@0[24/32]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 24}, {{4, 3, 0, 32, 0, 24}, {4, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 5, 1}}, {{5, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 24}, {{4, 3, 0, 32, 0, 24}, {4, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 5, 1}}, {{5, 5, 24}}},
     // rank 4 step 22: part 6 piece 1: partial sum + our input to rank 5; wait arrive[25], entry[5]; r5:inbox@0[25/32] = r4:inbox@0[25/32] + r4:src@0[25/32]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 25}, {{4, 3, 0, 32, 0, 25}, {4, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 5, 1}}, {{5, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 25}, {{4, 3, 0, 32, 0, 25}, {4, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 5, 1}}, {{5, 5, 25}}},
     // rank 4 step 23: part 6 piece 2: partial sum + our input to rank 5; wait arrive[26], entry[5]; r5:inbox@0[26/32] = r4:inbox@0[26/32] + r4:src@0[26/32]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 26}, {{4, 3, 0, 32, 0, 26}, {4, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 5, 1}}, {{5, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 26}, {{4, 3, 0, 32, 0, 26}, {4, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 5, 1}}, {{5, 5, 26}}},
     // rank 4 step 24: part 6 piece 3: partial sum + our input to rank 5; wait arrive[27], entry[5]; r5:inbox@0[27/32] = r4:inbox@0[27/32] + r4:src@0[27/32]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 27}, {{4, 3, 0, 32, 0, 27}, {4, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 5, 1}}, {{5, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 27}, {{4, 3, 0, 32, 0, 27}, {4, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 5, 1}}, {{5, 5, 27}}},
     // rank 4 step 25: part 5 piece 0: partial sum + our input to rank 5; wait arrive[20], entry[5]; r5:inbox@0[20/32] = r4:inbox@0[20/32] + r4:src@0[20/32]; signal r5:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 20}, {{4, 3, 0, 32, 0, 20}, {4, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 20}, {{4, 3, 0, 32, 0, 20}, {4, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
     // rank 4 step 26: part 5 piece 1: partial sum + our input to rank 5; wait arrive[21], entry[5]; r5:inbox@0[21/32] = r4:inbox@0[21/32] + r4:src@0[21/32]; signal r5:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 21}, {{4, 3, 0, 32, 0, 21}, {4, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 21}, {{4, 3, 0, 32, 0, 21}, {4, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
     // rank 4 step 27: part 5 piece 2: partial sum + our input to rank 5; wait arrive[22], entry[5]; r5:inbox@0[22/32] = r4:inbox@0[22/32] + r4:src@0[22/32]; signal r5:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 22}, {{4, 3, 0, 32, 0, 22}, {4, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 22}, {{4, 3, 0, 32, 0, 22}, {4, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
     // rank 4 step 28: part 5 piece 3: partial sum + our input to rank 5; wait arrive[23], entry[5]; r5:inbox@0[23/32] = r4:inbox@0[23/32] + r4:src@0[23/32]; signal r5:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 32, 0, 23}, {{4, 3, 0, 32, 0, 23}, {4, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 23}, {{4, 3, 0, 32, 0, 23}, {4, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
     // rank 4 step 29: our part, piece 0: last partial sum + our input; wait arrive[16]; r4:dst@0[16/32] = r4:inbox@0[16/32] + r4:src@0[16/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 32, 0, 16}, {{4, 3, 0, 32, 0, 16}, {4, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 16}, {{4, 3, 0, 32, 0, 16}, {4, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}}, {}},
     // rank 4 step 30: our part, piece 1: last partial sum + our input; wait arrive[17]; r4:dst@0[17/32] = r4:inbox@0[17/32] + r4:src@0[17/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 32, 0, 17}, {{4, 3, 0, 32, 0, 17}, {4, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 17}, {{4, 3, 0, 32, 0, 17}, {4, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}}, {}},
     // rank 4 step 31: our part, piece 2: last partial sum + our input; wait arrive[18]; r4:dst@0[18/32] = r4:inbox@0[18/32] + r4:src@0[18/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 32, 0, 18}, {{4, 3, 0, 32, 0, 18}, {4, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 18}, {{4, 3, 0, 32, 0, 18}, {4, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}}, {}},
     // rank 4 step 32: our part, piece 3: last partial sum + our input; wait arrive[19]; r4:dst@0[19/32] = r4:inbox@0[19/32] + r4:src@0[19/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 32, 0, 19}, {{4, 3, 0, 32, 0, 19}, {4, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 19}, {{4, 3, 0, 32, 0, 19}, {4, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}}, {}},
     // rank 4 step 33: reduced part 4 piece 0 to rank 5; wait entry[5]; r5:dst@0[16/32] = r4:dst@0[16/32]; signal r5:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {{4, 0, 5, 1}}, {{5, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{4, 0, 5, 1}}, {{5, 6, 16}}},
     // rank 4 step 34: reduced part 4 piece 1 to rank 5; wait entry[5]; r5:dst@0[17/32] = r4:dst@0[17/32]; signal r5:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {{4, 0, 5, 1}}, {{5, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{4, 0, 5, 1}}, {{5, 6, 17}}},
     // rank 4 step 35: reduced part 4 piece 2 to rank 5; wait entry[5]; r5:dst@0[18/32] = r4:dst@0[18/32]; signal r5:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {{4, 0, 5, 1}}, {{5, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{4, 0, 5, 1}}, {{5, 6, 18}}},
     // rank 4 step 36: reduced part 4 piece 3 to rank 5; wait entry[5]; r5:dst@0[19/32] = r4:dst@0[19/32]; signal r5:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {{4, 0, 5, 1}}, {{5, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{4, 0, 5, 1}}, {{5, 6, 19}}},
     // rank 4 step 37: reduced part 3 piece 0 to rank 5; wait entry[5], gathered[12]; r5:dst@0[12/32] = r4:dst@0[12/32]; signal r5:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 12}, {{4, 2, 0, 32, 0, 12}}, {{4, 0, 5, 1}, {6, 0, 12, 64}}, {{5, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 12}, {{4, 2, 0, 32, 0, 12}}, {}, {{4, 0, 5, 1}, {6, 0, 12, 64}}, {{5, 6, 12}}},
     // rank 4 step 38: reduced part 3 piece 1 to rank 5; wait entry[5], gathered[13]; r5:dst@0[13/32] = r4:dst@0[13/32]; signal r5:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 13}, {{4, 2, 0, 32, 0, 13}}, {{4, 0, 5, 1}, {6, 0, 13, 64}}, {{5, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 13}, {{4, 2, 0, 32, 0, 13}}, {}, {{4, 0, 5, 1}, {6, 0, 13, 64}}, {{5, 6, 13}}},
     // rank 4 step 39: reduced part 3 piece 2 to rank 5; wait entry[5], gathered[14]; r5:dst@0[14/32] = r4:dst@0[14/32]; signal r5:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 14}, {{4, 2, 0, 32, 0, 14}}, {{4, 0, 5, 1}, {6, 0, 14, 64}}, {{5, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 14}, {{4, 2, 0, 32, 0, 14}}, {}, {{4, 0, 5, 1}, {6, 0, 14, 64}}, {{5, 6, 14}}},
     // rank 4 step 40: reduced part 3 piece 3 to rank 5; wait entry[5], gathered[15]; r5:dst@0[15/32] = r4:dst@0[15/32]; signal r5:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 15}, {{4, 2, 0, 32, 0, 15}}, {{4, 0, 5, 1}, {6, 0, 15, 64}}, {{5, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 15}, {{4, 2, 0, 32, 0, 15}}, {}, {{4, 0, 5, 1}, {6, 0, 15, 64}}, {{5, 6, 15}}},
     // rank 4 step 41: reduced part 2 piece 0 to rank 5; wait entry[5], gathered[8]; r5:dst@0[8/32] = r4:dst@0[8/32]; signal r5:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 8}, {{4, 2, 0, 32, 0, 8}}, {{4, 0, 5, 1}, {6, 0, 8, 64}}, {{5, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 8}, {{4, 2, 0, 32, 0, 8}}, {}, {{4, 0, 5, 1}, {6, 0, 8, 64}}, {{5, 6, 8}}},
     // rank 4 step 42: reduced part 2 piece 1 to rank 5; wait entry[5], gathered[9]; r5:dst@0[9/32] = r4:dst@0[9/32]; signal r5:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 9}, {{4, 2, 0, 32, 0, 9}}, {{4, 0, 5, 1}, {6, 0, 9, 64}}, {{5, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 9}, {{4, 2, 0, 32, 0, 9}}, {}, {{4, 0, 5, 1}, {6, 0, 9, 64}}, {{5, 6, 9}}},
     // rank 4 step 43: reduced part 2 piece 2 to rank 5; wait entry[5], gathered[10]; r5:dst@0[10/32] = r4:dst@0[10/32]; signal r5:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 10}, {{4, 2, 0, 32, 0, 10}}, {{4, 0, 5, 1}, {6, 0, 10, 64}}, {{5, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 10}, {{4, 2, 0, 32, 0, 10}}, {}, {{4, 0, 5, 1}, {6, 0, 10, 64}}, {{5, 6, 10}}},
     // rank 4 step 44: reduced part 2 piece 3 to rank 5; wait entry[5], gathered[11]; r5:dst@0[11/32] = r4:dst@0[11/32]; signal r5:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 11}, {{4, 2, 0, 32, 0, 11}}, {{4, 0, 5, 1}, {6, 0, 11, 64}}, {{5, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 11}, {{4, 2, 0, 32, 0, 11}}, {}, {{4, 0, 5, 1}, {6, 0, 11, 64}}, {{5, 6, 11}}},
     // rank 4 step 45: reduced part 1 piece 0 to rank 5; wait entry[5], gathered[4]; r5:dst@0[4/32] = r4:dst@0[4/32]; signal r5:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 4}, {{4, 2, 0, 32, 0, 4}}, {{4, 0, 5, 1}, {6, 0, 4, 64}}, {{5, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 4}, {{4, 2, 0, 32, 0, 4}}, {}, {{4, 0, 5, 1}, {6, 0, 4, 64}}, {{5, 6, 4}}},
     // rank 4 step 46: reduced part 1 piece 1 to rank 5; wait entry[5], gathered[5]; r5:dst@0[5/32] = r4:dst@0[5/32]; signal r5:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 5}, {{4, 2, 0, 32, 0, 5}}, {{4, 0, 5, 1}, {6, 0, 5, 64}}, {{5, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 5}, {{4, 2, 0, 32, 0, 5}}, {}, {{4, 0, 5, 1}, {6, 0, 5, 64}}, {{5, 6, 5}}},
     // rank 4 step 47: reduced part 1 piece 2 to rank 5; wait entry[5], gathered[6]; r5:dst@0[6/32] = r4:dst@0[6/32]; signal r5:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 6}, {{4, 2, 0, 32, 0, 6}}, {{4, 0, 5, 1}, {6, 0, 6, 64}}, {{5, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 6}, {{4, 2, 0, 32, 0, 6}}, {}, {{4, 0, 5, 1}, {6, 0, 6, 64}}, {{5, 6, 6}}},
     // rank 4 step 48: reduced part 1 piece 3 to rank 5; wait entry[5], gathered[7]; r5:dst@0[7/32] = r4:dst@0[7/32]; signal r5:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 7}, {{4, 2, 0, 32, 0, 7}}, {{4, 0, 5, 1}, {6, 0, 7, 64}}, {{5, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 7}, {{4, 2, 0, 32, 0, 7}}, {}, {{4, 0, 5, 1}, {6, 0, 7, 64}}, {{5, 6, 7}}},
     // rank 4 step 49: reduced part 0 piece 0 to rank 5; wait entry[5], gathered[0]; r5:dst@0[0/32] = r4:dst@0[0/32]; signal r5:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 0}, {{4, 2, 0, 32, 0, 0}}, {{4, 0, 5, 1}, {6, 0, 0, 64}}, {{5, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 0}, {{4, 2, 0, 32, 0, 0}}, {}, {{4, 0, 5, 1}, {6, 0, 0, 64}}, {{5, 6, 0}}},
     // rank 4 step 50: reduced part 0 piece 1 to rank 5; wait entry[5], gathered[1]; r5:dst@0[1/32] = r4:dst@0[1/32]; signal r5:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 1}, {{4, 2, 0, 32, 0, 1}}, {{4, 0, 5, 1}, {6, 0, 1, 64}}, {{5, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 1}, {{4, 2, 0, 32, 0, 1}}, {}, {{4, 0, 5, 1}, {6, 0, 1, 64}}, {{5, 6, 1}}},
     // rank 4 step 51: reduced part 0 piece 2 to rank 5; wait entry[5], gathered[2]; r5:dst@0[2/32] = r4:dst@0[2/32]; signal r5:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 2}, {{4, 2, 0, 32, 0, 2}}, {{4, 0, 5, 1}, {6, 0, 2, 64}}, {{5, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 2}, {{4, 2, 0, 32, 0, 2}}, {}, {{4, 0, 5, 1}, {6, 0, 2, 64}}, {{5, 6, 2}}},
     // rank 4 step 52: reduced part 0 piece 3 to rank 5; wait entry[5], gathered[3]; r5:dst@0[3/32] = r4:dst@0[3/32]; signal r5:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 3}, {{4, 2, 0, 32, 0, 3}}, {{4, 0, 5, 1}, {6, 0, 3, 64}}, {{5, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 3}, {{4, 2, 0, 32, 0, 3}}, {}, {{4, 0, 5, 1}, {6, 0, 3, 64}}, {{5, 6, 3}}},
     // rank 4 step 53: reduced part 7 piece 0 to rank 5; wait entry[5], gathered[28]; r5:dst@0[28/32] = r4:dst@0[28/32]; signal r5:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 28}, {{4, 2, 0, 32, 0, 28}}, {{4, 0, 5, 1}, {6, 0, 28, 64}}, {{5, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 28}, {{4, 2, 0, 32, 0, 28}}, {}, {{4, 0, 5, 1}, {6, 0, 28, 64}}, {{5, 6, 28}}},
     // rank 4 step 54: reduced part 7 piece 1 to rank 5; wait entry[5], gathered[29]; r5:dst@0[29/32] = r4:dst@0[29/32]; signal r5:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 29}, {{4, 2, 0, 32, 0, 29}}, {{4, 0, 5, 1}, {6, 0, 29, 64}}, {{5, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 29}, {{4, 2, 0, 32, 0, 29}}, {}, {{4, 0, 5, 1}, {6, 0, 29, 64}}, {{5, 6, 29}}},
     // rank 4 step 55: reduced part 7 piece 2 to rank 5; wait entry[5], gathered[30]; r5:dst@0[30/32] = r4:dst@0[30/32]; signal r5:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 30}, {{4, 2, 0, 32, 0, 30}}, {{4, 0, 5, 1}, {6, 0, 30, 64}}, {{5, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 30}, {{4, 2, 0, 32, 0, 30}}, {}, {{4, 0, 5, 1}, {6, 0, 30, 64}}, {{5, 6, 30}}},
     // rank 4 step 56: reduced part 7 piece 3 to rank 5; wait entry[5], gathered[31]; r5:dst@0[31/32] = r4:dst@0[31/32]; signal r5:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 31}, {{4, 2, 0, 32, 0, 31}}, {{4, 0, 5, 1}, {6, 0, 31, 64}}, {{5, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 31}, {{4, 2, 0, 32, 0, 31}}, {}, {{4, 0, 5, 1}, {6, 0, 31, 64}}, {{5, 6, 31}}},
     // rank 4 step 57: reduced part 6 piece 0 to rank 5; wait entry[5], gathered[24]; r5:dst@0[24/32] = r4:dst@0[24/32]; signal r5:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 24}, {{4, 2, 0, 32, 0, 24}}, {{4, 0, 5, 1}, {6, 0, 24, 64}}, {{5, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 24}, {{4, 2, 0, 32, 0, 24}}, {}, {{4, 0, 5, 1}, {6, 0, 24, 64}}, {{5, 6, 24}}},
     // rank 4 step 58: reduced part 6 piece 1 to rank 5; wait entry[5], gathered[25]; r5:dst@0[25/32] = r4:dst@0[25/32]; signal r5:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 25}, {{4, 2, 0, 32, 0, 25}}, {{4, 0, 5, 1}, {6, 0, 25, 64}}, {{5, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 25}, {{4, 2, 0, 32, 0, 25}}, {}, {{4, 0, 5, 1}, {6, 0, 25, 64}}, {{5, 6, 25}}},
     // rank 4 step 59: reduced part 6 piece 2 to rank 5; wait entry[5], gathered[26]; r5:dst@0[26/32] = r4:dst@0[26/32]; signal r5:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 26}, {{4, 2, 0, 32, 0, 26}}, {{4, 0, 5, 1}, {6, 0, 26, 64}}, {{5, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 26}, {{4, 2, 0, 32, 0, 26}}, {}, {{4, 0, 5, 1}, {6, 0, 26, 64}}, {{5, 6, 26}}},
     // rank 4 step 60: reduced part 6 piece 3 to rank 5; wait entry[5], gathered[27]; r5:dst@0[27/32] = r4:dst@0[27/32]; signal r5:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 32, 0, 27}, {{4, 2, 0, 32, 0, 27}}, {{4, 0, 5, 1}, {6, 0, 27, 64}}, {{5, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 27}, {{4, 2, 0, 32, 0, 27}}, {}, {{4, 0, 5, 1}, {6, 0, 27, 64}}, {{5, 6, 27}}},
     // rank 4 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 4 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 4 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 4 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 4, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},
     // rank 5 step 1: part 4 piece 0: our input to rank 6; wait entry[6]; r6:inbox@0[16/32] = r5:src@0[16/32]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 32, 0, 16}, {{5, 1, 1, 32, 0, 16}}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 16}, {{5, 1, 1, 32, 0, 16}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
     // rank 5 step 2: part 4 piece 1: our input to rank 6; wait entry[6]; r6:inbox@0[17/32] = r5:src@0[17/32]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 32, 0, 17}, {{5, 1, 1, 32, 0, 17}}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 17}, {{5, 1, 1, 32, 0, 17}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
     // rank 5 step 3: part 4 piece 2: our input to rank 6; wait entry[6]; r6:inbox@0[18/32] = r5:src@0[18/32]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 32, 0, 18}, {{5, 1, 1, 32, 0, 18}}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 18}, {{5, 1, 1, 32, 0, 18}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
     // rank 5 step 4: part 4 piece 3: our input to rank 6; wait entry[6]; r6:inbox@0[19/32] = r5:src@0[19/32]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 32, 0, 19}, {{5, 1, 1, 32, 0, 19}}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 19}, {{5, 1, 1, 32, 0, 19}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
     // rank 5 step 5: part 3 piece 0: partial sum + our input to rank 6; wait arrive[12], entry[6]; r6:inbox@0[12/32] = r5:inbox@0[12/32] + r5:src@0[12/32]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 12}, {{5, 3, 0, 32, 0, 12}, {5, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 12}, {{5, 3, 0, 32, 0, 12}, {5, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
     // rank 5 step 6: part 3 piece 1: partial sum + our input to rank 6; wait arrive[13], entry[6]; r6:inbox@0[13/32] = r5:inbox@0[13/32] + r5:src@0[13/32]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 13}, {{5, 3, 0, 32, 0, 13}, {5, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 13}, {{5, 3, 0, 32, 0, 13}, {5, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
     // rank 5 step 7: part 3 piece 2: partial sum + our input to rank 6; wait arrive[14], entry[6]; r6:inbox@0[14/32] = r5:inbox@0[14/32] + r5:src@0[14/32]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 14}, {{5, 3, 0, 32, 0, 14}, {5, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 14}, {{5, 3, 0, 32, 0, 14}, {5, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
     // rank 5 step 8: part 3 piece 3: partial sum + our input to rank 6; wait arrive[15], entry[6]; r6:inbox@0[15/32] = r5:inbox@0[15/32] + r5:src@0[15/32]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 15}, {{5, 3, 0, 32, 0, 15}, {5, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 15}, {{5, 3, 0, 32, 0, 15}, {5, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
     // rank 5 step 9: part 2 piece 0: partial sum + our input to rank 6; wait arrive[8], entry[6]; r6:inbox@0[8/32] = r5:inbox@0[8/32] + r5:src@0[8/32]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 8}, {{5, 3, 0, 32, 0, 8}, {5, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 8}, {{5, 3, 0, 32, 0, 8}, {5, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
     // rank 5 step 10: part 2 piece 1: partial sum + our input to rank 6; wait arrive[9], entry[6]; r6:inbox@0[9/32] = r5:inbox@0[9/32] + r5:src@0[9/32]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 9}, {{5, 3, 0, 32, 0, 9}, {5, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 9}, {{5, 3, 0, 32, 0, 9}, {5, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
     // rank 5 step 11: part 2 piece 2: partial sum + our input to rank 6; wait arrive[10], entry[6]; r6:inbox@0[10/32] = r5:inbox@0[10/32] + r5:src@0[10/32]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 10}, {{5, 3, 0, 32, 0, 10}, {5, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 10}, {{5, 3, 0, 32, 0, 10}, {5, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
     // rank 5 step 12: part 2 piece 3: partial sum + our input to rank 6; wait arrive[11], entry[6]; r6:inbox@0[11/32] = r5:inbox@0[11/32] + r5:src@0[11/32]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 11}, {{5, 3, 0, 32, 0, 11}, {5, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 11}, {{5, 3, 0, 32, 0, 11}, {5, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
     // rank 5 step 13: part 1 piece 0: partial sum + our input to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/32] = r5:inbox@0[4/32] + r5:src@0[4/32]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 4}, {{5, 3, 0, 32, 0, 4}, {5, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 4}, {{5, 3, 0, 32, 0, 4}, {5, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
     // rank 5 step 14: part 1 piece 1: partial sum + our input to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/32] = r5:inbox@0[5/32] + r5:src@0[5/32]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 5}, {{5, 3, 0, 32, 0, 5}, {5, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 5}, {{5, 3, 0, 32, 0, 5}, {5, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
     // rank 5 step 15: part 1 piece 2: partial sum + our input to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/32] = r5:inbox@0[6/32] + r5:src@0[6/32]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 6}, {{5, 3, 0, 32, 0, 6}, {5, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 6}, {{5, 3, 0, 32, 0, 6}, {5, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
     // rank 5 step 16: part 1 piece 3: partial sum + our input to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/32] = r5:inbox@0[7/32] + r5:src@0[7/32]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 7}, {{5, 3, 0, 32, 0, 7}, {5, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 7}, {{5, 3, 0, 32, 0, 7}, {5, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
     // rank 5 step 17: part 0 piece 0: partial sum + our input to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/32] = r5:inbox@0[0/32] + r5:src@0[0/32]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 0}, {{5, 3, 0, 32, 0, 0}, {5, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 0}, {{5, 3, 0, 32, 0, 0}, {5, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
     // rank 5 step 18: part 0 piece 1: partial sum + our input to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/32] = r5:inbox@0[1/32] + r5:src@0[1/32]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 1}, {{5, 3, 0, 32, 0, 1}, {5, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 1}, {{5, 3, 0, 32, 0, 1}, {5, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
     // rank 5 step 19: part 0 piece 2: partial sum + our input to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/32] = r5:inbox@0[2/32] + r5:src@0[2/32]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 2}, {{5, 3, 0, 32, 0, 2}, {5, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 2}, {{5, 3, 0, 32, 0, 2}, {5, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
     // rank 5 step 20: part 0 piece 3: partial sum + our input to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/32] = r5:inbox@0[3/32] + r5:src@0[3/32]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 3}, {{5, 3, 0, 32, 0, 3}, {5, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 3}, {{5, 3, 0, 32, 0, 3}, {5, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
     // rank 5 step 21: part 7 piece 0: partial sum + our input to rank 6; wait arrive[28], entry[6]; r6:inbox@0[28/32] = r5:inbox@0[28/32] + r5:src@0[28/32]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 28}, {{5, 3, 0, 32, 0, 28}, {5, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 28}, {{5, 3, 0, 32, 0, 28}, {5, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
     // rank 5 step 22: part 7 piece 1: partial sum + our input to rank 6; wait arrive[29], entry[6]; r6:inbox@0[29/32] = r5:inbox@0[29/32] + r5:src@0[29/32]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 29}, {{5, 3, 0, 32, 0, 29}, {5, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 29}, {{5, 3, 0, 32, 0, 29}, {5, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
     // rank 5 step 23: part 7 piece 2: partial sum + our input to rank 6; wait arrive[30], entry[6]; r6:inbox@0[30/32] = r5:inbox@0[30/32] + r5:src@0[30/32]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 30}, {{5, 3, 0, 32, 0, 30}, {5, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 30}, {{5, 3, 0, 32, 0, 30}, {5, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
     // rank 5 step 24: part 7 piece 3: partial sum + our input to rank 6; wait arrive[31], entry[6]; r6:inbox@0[31/32] = r5:inbox@0[31/32] + r5:src@0[31/32]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 31}, {{5, 3, 0, 32, 0, 31}, {5, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 31}, {{5, 3, 0, 32, 0, 31}, {5, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
     // rank 5 step 25: part 6 piece 0: partial sum + our input to rank 6; wait arrive[24], entry[6]; r6:inbox@0[24/32] = r5:inbox@0[24/32] + r5:src@0[24/32]; signal r6:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 24}, {{5, 3, 0, 32, 0, 24}, {5, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 24}, {{5, 3, 0, 32, 0, 24}, {5, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
     // rank 5 step 26: part 6 piece 1: partial sum + our input to rank 6; wait arrive[25], entry[6]; r6:inbox@0[25/32] = r5:inbox@0[25/32] + r5:src@0[25/32]; signal r6:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 25}, {{5, 3, 0, 32, 0, 25}, {5, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 25}, {{5, 3, 0, 32, 0, 25}, {5, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
     // rank 5 step 27: part 6 piece 2: partial sum + our input to rank 6; wait arrive[26], entry[6]; r6:inbox@0[26/32] = r5:inbox@0[26/32] + r5:src@0[26/32]; signal r6:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 26}, {{5, 3, 0, 32, 0, 26}, {5, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 26}, {{5, 3, 0, 32, 0, 26}, {5, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
     // rank 5 step 28: part 6 piece 3: partial sum + our input to rank 6; wait arrive[27], entry[6]; r6:inbox@0[27/32] = r5:inbox@0[27/32] + r5:src@0[27/32]; signal r6:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 32, 0, 27}, {{5, 3, 0, 32, 0, 27}, {5, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 27}, {{5, 3, 0, 32, 0, 27}, {5, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
     // rank 5 step 29: our part, piece 0: last partial sum + our input; wait arrive[20]; r5:dst@0[20/32] = r5:inbox@0[20/32] + r5:src@0[20/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 32, 0, 20}, {{5, 3, 0, 32, 0, 20}, {5, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 20}, {{5, 3, 0, 32, 0, 20}, {5, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}}, {}},
     // rank 5 step 30: our part, piece 1: last partial sum + our input; wait arrive[21]; r5:dst@0[21/32] = r5:inbox@0[21/32] + r5:src@0[21/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 32, 0, 21}, {{5, 3, 0, 32, 0, 21}, {5, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 21}, {{5, 3, 0, 32, 0, 21}, {5, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}}, {}},
     // rank 5 step 31: our part, piece 2: last partial sum + our input; wait arrive[22]; r5:dst@0[22/32] = r5:inbox@0[22/32] + r5:src@0[22/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 32, 0, 22}, {{5, 3, 0, 32, 0, 22}, {5, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 22}, {{5, 3, 0, 32, 0, 22}, {5, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}}, {}},
     // rank 5 step 32: our part, piece 3: last partial sum + our input; wait arrive[23]; r5:dst@0[23/32] = r5:inbox@0[23/32] + r5:src@0[23/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 32, 0, 23}, {{5, 3, 0, 32, 0, 23}, {5, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 23}, {{5, 3, 0, 32, 0, 23}, {5, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}}, {}},
     // rank 5 step 33: reduced part 5 piece 0 to rank 6; wait entry[6]; r6:dst@0[20/32] = r5:dst@0[20/32]; signal r6:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {{4, 0, 6, 1}}, {{6, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{4, 0, 6, 1}}, {{6, 6, 20}}},
     // rank 5 step 34: reduced part 5 piece 1 to rank 6; wait entry[6]; r6:dst@0[21/32] = r5:dst@0[21/32]; signal r6:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {{4, 0, 6, 1}}, {{6, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{4, 0, 6, 1}}, {{6, 6, 21}}},
     // rank 5 step 35: reduced part 5 piece 2 to rank 6; wait entry[6]; r6:dst@0[22/32] = r5:dst@0[22/32]; signal r6:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {{4, 0, 6, 1}}, {{6, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{4, 0, 6, 1}}, {{6, 6, 22}}},
     // rank 5 step 36: reduced part 5 piece 3 to rank 6; wait entry[6]; r6:dst@0[23/32] = r5:dst@0[23/32]; signal r6:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {{4, 0, 6, 1}}, {{6, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{4, 0, 6, 1}}, {{6, 6, 23}}},
     // rank 5 step 37: reduced part 4 piece 0 to rank 6; wait entry[6], gathered[16]; r6:dst@0[16/32] = r5:dst@0[16/32]; signal r6:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 16}, {{5, 2, 0, 32, 0, 16}}, {{4, 0, 6, 1}, {6, 0, 16, 64}}, {{6, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 16}, {{5, 2, 0, 32, 0, 16}}, {}, {{4, 0, 6, 1}, {6, 0, 16, 64}}, {{6, 6, 16}}},
     // rank 5 step 38: reduced part 4 piece 1 to rank 6; wait entry[6], gathered[17]; r6:dst@0[17/32] = r5:dst@0[17/32]; signal r6:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 17}, {{5, 2, 0, 32, 0, 17}}, {{4, 0, 6, 1}, {6, 0, 17, 64}}, {{6, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 17}, {{5, 2, 0, 32, 0, 17}}, {}, {{4, 0, 6, 1}, {6, 0, 17, 64}}, {{6, 6, 17}}},
     // rank 5 step 39: reduced part 4 piece 2 to rank 6; wait entry[6], gathered[18]; r6:dst@0[18/32] = r5:dst@0[18/32]; signal r6:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 18}, {{5, 2, 0, 32, 0, 18}}, {{4, 0, 6, 1}, {6, 0, 18, 64}}, {{6, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 18}, {{5, 2, 0, 32, 0, 18}}, {}, {{4, 0, 6, 1}, {6, 0, 18, 64}}, {{6, 6, 18}}},
     // rank 5 step 40: reduced part 4 piece 3 to rank 6; wait entry[6], gathered[19]; r6:dst@0[19/32] = r5:dst@0[19/32]; signal r6:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 19}, {{5, 2, 0, 32, 0, 19}}, {{4, 0, 6, 1}, {6, 0, 19, 64}}, {{6, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 19}, {{5, 2, 0, 32, 0, 19}}, {}, {{4, 0, 6, 1}, {6, 0, 19, 64}}, {{6, 6, 19}}},
     // rank 5 step 41: reduced part 3 piece 0 to rank 6; wait entry[6], gathered[12]; r6:dst@0[12/32] = r5:dst@0[12/32]; signal r6:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 12}, {{5, 2, 0, 32, 0, 12}}, {{4, 0, 6, 1}, {6, 0, 12, 64}}, {{6, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 12}, {{5, 2, 0, 32, 0, 12}}, {}, {{4, 0, 6, 1}, {6, 0, 12, 64}}, {{6, 6, 12}}},
     // rank 5 step 42: reduced part 3 piece 1 to rank 6; wait entry[6], gathered[13]; r6:dst@0[13/32] = r5:dst@0[13/32]; signal r6:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 13}, {{5, 2, 0, 32, 0, 13}}, {{4, 0, 6, 1}, {6, 0, 13, 64}}, {{6, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 13}, {{5, 2, 0, 32, 0, 13}}, {}, {{4, 0, 6, 1}, {6, 0, 13, 64}}, {{6, 6, 13}}},
     // rank 5 step 43: reduced part 3 piece 2 to rank 6; wait entry[6], gathered[14]; r6:dst@0[14/32] = r5:dst@0[14/32]; signal r6:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 14}, {{5, 2, 0, 32, 0, 14}}, {{4, 0, 6, 1}, {6, 0, 14, 64}}, {{6, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 14}, {{5, 2, 0, 32, 0, 14}}, {}, {{4, 0, 6, 1}, {6, 0, 14, 64}}, {{6, 6, 14}}},
     // rank 5 step 44: reduced part 3 piece 3 to rank 6; wait entry[6], gathered[15]; r6:dst@0[15/32] = r5:dst@0[15/32]; signal r6:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 15}, {{5, 2, 0, 32, 0, 15}}, {{4, 0, 6, 1}, {6, 0, 15, 64}}, {{6, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 15}, {{5, 2, 0, 32, 0, 15}}, {}, {{4, 0, 6, 1}, {6, 0, 15, 64}}, {{6, 6, 15}}},
     // rank 5 step 45: reduced part 2 piece 0 to rank 6; wait entry[6], gathered[8]; r6:dst@0[8/32] = r5:dst@0[8/32]; signal r6:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 8}, {{5, 2, 0, 32, 0, 8}}, {{4, 0, 6, 1}, {6, 0, 8, 64}}, {{6, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 8}, {{5, 2, 0, 32, 0, 8}}, {}, {{4, 0, 6, 1}, {6, 0, 8, 64}}, {{6, 6, 8}}},
     // rank 5 step 46: reduced part 2 piece 1 to rank 6; wait entry[6], gathered[9]; r6:dst@0[9/32] = r5:dst@0[9/32]; signal r6:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 9}, {{5, 2, 0, 32, 0, 9}}, {{4, 0, 6, 1}, {6, 0, 9, 64}}, {{6, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 9}, {{5, 2, 0, 32, 0, 9}}, {}, {{4, 0, 6, 1}, {6, 0, 9, 64}}, {{6, 6, 9}}},
     // rank 5 step 47: reduced part 2 piece 2 to rank 6; wait entry[6], gathered[10]; r6:dst@0[10/32] = r5:dst@0[10/32]; signal r6:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 10}, {{5, 2, 0, 32, 0, 10}}, {{4, 0, 6, 1}, {6, 0, 10, 64}}, {{6, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 10}, {{5, 2, 0, 32, 0, 10}}, {}, {{4, 0, 6, 1}, {6, 0, 10, 64}}, {{6, 6, 10}}},
     // rank 5 step 48: reduced part 2 piece 3 to rank 6; wait entry[6], gathered[11]; r6:dst@0[11/32] = r5:dst@0[11/32]; signal r6:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 11}, {{5, 2, 0, 32, 0, 11}}, {{4, 0, 6, 1}, {6, 0, 11, 64}}, {{6, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 11}, {{5, 2, 0, 32, 0, 11}}, {}, {{4, 0, 6, 1}, {6, 0, 11, 64}}, {{6, 6, 11}}},
     // rank 5 step 49: reduced part 1 piece 0 to rank 6; wait entry[6], gathered[4]; r6:dst@0[4/32] = r5:dst@0[4/32]; signal r6:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 4}, {{5, 2, 0, 32, 0, 4}}, {{4, 0, 6, 1}, {6, 0, 4, 64}}, {{6, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 4}, {{5, 2, 0, 32, 0, 4}}, {}, {{4, 0, 6, 1}, {6, 0, 4, 64}}, {{6, 6, 4}}},
     // rank 5 step 50: reduced part 1 piece 1 to rank 6; wait entry[6], gathered[5]; r6:dst@0[5/32] = r5:dst@0[5/32]; signal r6:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 5}, {{5, 2, 0, 32, 0, 5}}, {{4, 0, 6, 1}, {6, 0, 5, 64}}, {{6, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 5}, {{5, 2, 0, 32, 0, 5}}, {}, {{4, 0, 6, 1}, {6, 0, 5, 64}}, {{6, 6, 5}}},
     // rank 5 step 51: reduced part 1 piece 2 to rank 6; wait entry[6], gathered[6]; r6:dst@0[6/32] = r5:dst@0[6/32]; signal r6:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 6}, {{5, 2, 0, 32, 0, 6}}, {{4, 0, 6, 1}, {6, 0, 6, 64}}, {{6, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 6}, {{5, 2, 0, 32, 0, 6}}, {}, {{4, 0, 6, 1}, {6, 0, 6, 64}}, {{6, 6, 6}}},
     // rank 5 step 52: reduced part 1 piece 3 to rank 6; wait entry[6], gathered[7]; r6:dst@0[7/32] = r5:dst@0[7/32]; signal r6:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 7}, {{5, 2, 0, 32, 0, 7}}, {{4, 0, 6, 1}, {6, 0, 7, 64}}, {{6, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 7}, {{5, 2, 0, 32, 0, 7}}, {}, {{4, 0, 6, 1}, {6, 0, 7, 64}}, {{6, 6, 7}}},
     // rank 5 step 53: reduced part 0 piece 0 to rank 6; wait entry[6], gathered[0]; r6:dst@0[0/32] = r5:dst@0[0/32]; signal r6:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 0}, {{5, 2, 0, 32, 0, 0}}, {{4, 0, 6, 1}, {6, 0, 0, 64}}, {{6, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 0}, {{5, 2, 0, 32, 0, 0}}, {}, {{4, 0, 6, 1}, {6, 0, 0, 64}}, {{6, 6, 0}}},
     // rank 5 step 54: reduced part 0 piece 1 to rank 6; wait entry[6], gathered[1]; r6:dst@0[1/32] = r5:dst@0[1/32]; signal r6:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 1}, {{5, 2, 0, 32, 0, 1}}, {{4, 0, 6, 1}, {6, 0, 1, 64}}, {{6, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 1}, {{5, 2, 0, 32, 0, 1}}, {}, {{4, 0, 6, 1}, {6, 0, 1, 64}}, {{6, 6, 1}}},
     // rank 5 step 55: reduced part 0 piece 2 to rank 6; wait entry[6], gathered[2]; r6:dst@0[2/32] = r5:dst@0[2/32]; signal r6:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 2}, {{5, 2, 0, 32, 0, 2}}, {{4, 0, 6, 1}, {6, 0, 2, 64}}, {{6, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 2}, {{5, 2, 0, 32, 0, 2}}, {}, {{4, 0, 6, 1}, {6, 0, 2, 64}}, {{6, 6, 2}}},
     // rank 5 step 56: reduced part 0 piece 3 to rank 6; wait entry[6], gathered[3]; r6:dst@0[3/32] = r5:dst@0[3/32]; signal r6:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 3}, {{5, 2, 0, 32, 0, 3}}, {{4, 0, 6, 1}, {6, 0, 3, 64}}, {{6, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 3}, {{5, 2, 0, 32, 0, 3}}, {}, {{4, 0, 6, 1}, {6, 0, 3, 64}}, {{6, 6, 3}}},
     // rank 5 step 57: reduced part 7 piece 0 to rank 6; wait entry[6], gathered[28]; r6:dst@0[28/32] = r5:dst@0[28/32]; signal r6:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 28}, {{5, 2, 0, 32, 0, 28}}, {{4, 0, 6, 1}, {6, 0, 28, 64}}, {{6, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 28}, {{5, 2, 0, 32, 0, 28}}, {}, {{4, 0, 6, 1}, {6, 0, 28, 64}}, {{6, 6, 28}}},
     // rank 5 step 58: reduced part 7 piece 1 to rank 6; wait entry[6], gathered[29]; r6:dst@0[29/32] = r5:dst@0[29/32]; signal r6:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 29}, {{5, 2, 0, 32, 0, 29}}, {{4, 0, 6, 1}, {6, 0, 29, 64}}, {{6, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 29}, {{5, 2, 0, 32, 0, 29}}, {}, {{4, 0, 6, 1}, {6, 0, 29, 64}}, {{6, 6, 29}}},
     // rank 5 step 59: reduced part 7 piece 2 to rank 6; wait entry[6], gathered[30]; r6:dst@0[30/32] = r5:dst@0[30/32]; signal r6:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 30}, {{5, 2, 0, 32, 0, 30}}, {{4, 0, 6, 1}, {6, 0, 30, 64}}, {{6, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 30}, {{5, 2, 0, 32, 0, 30}}, {}, {{4, 0, 6, 1}, {6, 0, 30, 64}}, {{6, 6, 30}}},
     // rank 5 step 60: reduced part 7 piece 3 to rank 6; wait entry[6], gathered[31]; r6:dst@0[31/32] = r5:dst@0[31/32]; signal r6:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 32, 0, 31}, {{5, 2, 0, 32, 0, 31}}, {{4, 0, 6, 1}, {6, 0, 31, 64}}, {{6, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 31}, {{5, 2, 0, 32, 0, 31}}, {}, {{4, 0, 6, 1}, {6, 0, 31, 64}}, {{6, 6, 31}}},
     // rank 5 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 5 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 5 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
     // rank 5 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{5, 4, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},
     // rank 6 step 1: part 5 piece 0: our input to rank 7; wait entry[7]; r7:inbox@0[20/32] = r6:src@0[20/32]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 32, 0, 20}, {{6, 1, 1, 32, 0, 20}}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 20}, {{6, 1, 1, 32, 0, 20}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
     // rank 6 step 2: part 5 piece 1: our input to rank 7; wait entry[7]; r7:inbox@0[21/32] = r6:src@0[21/32]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 32, 0, 21}, {{6, 1, 1, 32, 0, 21}}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 21}, {{6, 1, 1, 32, 0, 21}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
     // rank 6 step 3: part 5 piece 2: our input to rank 7; wait entry[7]; r7:inbox@0[22/32] = r6:src@0[22/32]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 32, 0, 22}, {{6, 1, 1, 32, 0, 22}}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 22}, {{6, 1, 1, 32, 0, 22}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
     // rank 6 step 4: part 5 piece 3: our input to rank 7; wait entry[7]; r7:inbox@0[23/32] = r6:src@0[23/32]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 32, 0, 23}, {{6, 1, 1, 32, 0, 23}}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 23}, {{6, 1, 1, 32, 0, 23}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
     // rank 6 step 5: part 4 piece 0: partial sum + our input to rank 7; wait arrive[16], entry[7]; r7:inbox@0[16/32] = r6:inbox@0[16/32] + r6:src@0[16/32]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 16}, {{6, 3, 0, 32, 0, 16}, {6, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 16}, {{6, 3, 0, 32, 0, 16}, {6, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
     // rank 6 step 6: part 4 piece 1: partial sum + our input to rank 7; wait arrive[17], entry[7]; r7:inbox@0[17/32] = r6:inbox@0[17/32] + r6:src@0[17/32]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 17}, {{6, 3, 0, 32, 0, 17}, {6, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 17}, {{6, 3, 0, 32, 0, 17}, {6, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
     // rank 6 step 7: part 4 piece 2: partial sum + our input to rank 7; wait arrive[18], entry[7]; r7:inbox@0[18/32] = r6:inbox@0[18/32] + r6:src@0[18/32]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 18}, {{6, 3, 0, 32, 0, 18}, {6, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 18}, {{6, 3, 0, 32, 0, 18}, {6, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
     // rank 6 step 8: part 4 piece 3: partial sum + our input to rank 7; wait arrive[19], entry[7]; r7:inbox@0[19/32] = r6:inbox@0[19/32] + r6:src@0[19/32]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 19}, {{6, 3, 0, 32, 0, 19}, {6, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 19}, {{6, 3, 0, 32, 0, 19}, {6, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
     // rank 6 step 9: part 3 piece 0: partial sum + our input to rank 7; wait arrive[12], entry[7]; r7:inbox@0[12/32] = r6:inbox@0[12/32] + r6:src@0[12/32]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 12}, {{6, 3, 0, 32, 0, 12}, {6, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 12}, {{6, 3, 0, 32, 0, 12}, {6, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
     // rank 6 step 10: part 3 piece 1: partial sum + our input to rank 7; wait arrive[13], entry[7]; r7:inbox@0[13/32] = r6:inbox@0[13/32] + r6:src@0[13/32]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 13}, {{6, 3, 0, 32, 0, 13}, {6, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 13}, {{6, 3, 0, 32, 0, 13}, {6, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
     // rank 6 step 11: part 3 piece 2: partial sum + our input to rank 7; wait arrive[14], entry[7]; r7:inbox@0[14/32] = r6:inbox@0[14/32] + r6:src@0[14/32]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 14}, {{6, 3, 0, 32, 0, 14}, {6, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 14}, {{6, 3, 0, 32, 0, 14}, {6, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
     // rank 6 step 12: part 3 piece 3: partial sum + our input to rank 7; wait arrive[15], entry[7]; r7:inbox@0[15/32] = r6:inbox@0[15/32] + r6:src@0[15/32]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 15}, {{6, 3, 0, 32, 0, 15}, {6, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 15}, {{6, 3, 0, 32, 0, 15}, {6, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
     // rank 6 step 13: part 2 piece 0: partial sum + our input to rank 7; wait arrive[8], entry[7]; r7:inbox@0[8/32] = r6:inbox@0[8/32] + r6:src@0[8/32]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 8}, {{6, 3, 0, 32, 0, 8}, {6, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 8}, {{6, 3, 0, 32, 0, 8}, {6, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
     // rank 6 step 14: part 2 piece 1: partial sum + our input to rank 7; wait arrive[9], entry[7]; r7:inbox@0[9/32] = r6:inbox@0[9/32] + r6:src@0[9/32]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 9}, {{6, 3, 0, 32, 0, 9}, {6, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 9}, {{6, 3, 0, 32, 0, 9}, {6, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
     // rank 6 step 15: part 2 piece 2: partial sum + our input to rank 7; wait arrive[10], entry[7]; r7:inbox@0[10/32] = r6:inbox@0[10/32] + r6:src@0[10/32]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 10}, {{6, 3, 0, 32, 0, 10}, {6, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 10}, {{6, 3, 0, 32, 0, 10}, {6, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
     // rank 6 step 16: part 2 piece 3: partial sum + our input to rank 7; wait arrive[11], entry[7]; r7:inbox@0[11/32] = r6:inbox@0[11/32] + r6:src@0[11/32]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 11}, {{6, 3, 0, 32, 0, 11}, {6, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 11}, {{6, 3, 0, 32, 0, 11}, {6, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
     // rank 6 step 17: part 1 piece 0: partial sum + our input to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/32] = r6:inbox@0[4/32] + r6:src@0[4/32]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 4}, {{6, 3, 0, 32, 0, 4}, {6, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 4}, {{6, 3, 0, 32, 0, 4}, {6, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
     // rank 6 step 18: part 1 piece 1: partial sum + our input to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/32] = r6:inbox@0[5/32] + r6:src@0[5/32]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 5}, {{6, 3, 0, 32, 0, 5}, {6, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 5}, {{6, 3, 0, 32, 0, 5}, {6, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
     // rank 6 step 19: part 1 piece 2: partial sum + our input to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/32] = r6:inbox@0[6/32] + r6:src@0[6/32]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 6}, {{6, 3, 0, 32, 0, 6}, {6, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 6}, {{6, 3, 0, 32, 0, 6}, {6, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
     // rank 6 step 20: part 1 piece 3: partial sum + our input to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/32] = r6:inbox@0[7/32] + r6:src@0[7/32]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 7}, {{6, 3, 0, 32, 0, 7}, {6, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 7}, {{6, 3, 0, 32, 0, 7}, {6, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
     // rank 6 step 21: part 0 piece 0: partial sum + our input to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/32] = r6:inbox@0[0/32] + r6:src@0[0/32]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 0}, {{6, 3, 0, 32, 0, 0}, {6, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 0}, {{6, 3, 0, 32, 0, 0}, {6, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
     // rank 6 step 22: part 0 piece 1: partial sum + our input to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/32] = r6:inbox@0[1/32] + r6:src@0[1/32]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 1}, {{6, 3, 0, 32, 0, 1}, {6, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 1}, {{6, 3, 0, 32, 0, 1}, {6, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
     // rank 6 step 23: part 0 piece 2: partial sum + our input to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/32] = r6:inbox@0[2/32] + r6:src@0[2/32]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 2}, {{6, 3, 0, 32, 0, 2}, {6, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 2}, {{6, 3, 0, 32, 0, 2}, {6, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
     // rank 6 step 24: part 0 piece 3: partial sum + our input to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/32] = r6:inbox@0[3/32] + r6:src@0[3/32]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 3}, {{6, 3, 0, 32, 0, 3}, {6, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 3}, {{6, 3, 0, 32, 0, 3}, {6, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
     // rank 6 step 25: part 7 piece 0: partial sum + our input to rank 7; wait arrive[28], entry[7]; r7:inbox@0[28/32] = r6:inbox@0[28/32] + r6:src@0[28/32]; signal r7:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 28}, {{6, 3, 0, 32, 0, 28}, {6, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 28}, {{6, 3, 0, 32, 0, 28}, {6, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
     // rank 6 step 26: part 7 piece 1: partial sum + our input to rank 7; wait arrive[29], entry[7]; r7:inbox@0[29/32] = r6:inbox@0[29/32] + r6:src@0[29/32]; signal r7:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 29}, {{6, 3, 0, 32, 0, 29}, {6, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 29}, {{6, 3, 0, 32, 0, 29}, {6, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
     // rank 6 step 27: part 7 piece 2: partial sum + our input to rank 7; wait arrive[30], entry[7]; r7:inbox@0[30/32] = r6:inbox@0[30/32] + r6:src@0[30/32]; signal r7:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 30}, {{6, 3, 0, 32, 0, 30}, {6, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 30}, {{6, 3, 0, 32, 0, 30}, {6, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
     // rank 6 step 28: part 7 piece 3: partial sum + our input to rank 7; wait arrive[31], entry[7]; r7:inbox@0[31/32] = r6:inbox@0[31/32] + r6:src@0[31/32]; signal r7:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 32, 0, 31}, {{6, 3, 0, 32, 0, 31}, {6, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 31}, {{6, 3, 0, 32, 0, 31}, {6, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
     // rank 6 step 29: our part, piece 0: last partial sum + our input; wait arrive[24]; r6:dst@0[24/32] = r6:inbox@0[24/32] + r6:src@0[24/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 32, 0, 24}, {{6, 3, 0, 32, 0, 24}, {6, 1, 1, 32, 0, 24}}, {{5, 0, 24, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 24}, {{6, 3, 0, 32, 0, 24}, {6, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}}, {}},
     // rank 6 step 30: our part, piece 1: last partial sum + our input; wait arrive[25]; r6:dst@0[25/32] = r6:inbox@0[25/32] + r6:src@0[25/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 32, 0, 25}, {{6, 3, 0, 32, 0, 25}, {6, 1, 1, 32, 0, 25}}, {{5, 0, 25, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 25}, {{6, 3, 0, 32, 0, 25}, {6, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}}, {}},
     // rank 6 step 31: our part, piece 2: last partial sum + our input; wait arrive[26]; r6:dst@0[26/32] = r6:inbox@0[26/32] + r6:src@0[26/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 32, 0, 26}, {{6, 3, 0, 32, 0, 26}, {6, 1, 1, 32, 0, 26}}, {{5, 0, 26, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 26}, {{6, 3, 0, 32, 0, 26}, {6, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}}, {}},
     // rank 6 step 32: our part, piece 3: last partial sum + our input; wait arrive[27]; r6:dst@0[27/32] = r6:inbox@0[27/32] + r6:src@0[27/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 32, 0, 27}, {{6, 3, 0, 32, 0, 27}, {6, 1, 1, 32, 0, 27}}, {{5, 0, 27, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 27}, {{6, 3, 0, 32, 0, 27}, {6, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}}, {}},
     // rank 6 step 33: reduced part 6 piece 0 to rank 7; wait entry[7]; r7:dst@0[24/32] = r6:dst@0[24/32]; signal r7:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {{4, 0, 7, 1}}, {{7, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{4, 0, 7, 1}}, {{7, 6, 24}}},
     // rank 6 step 34: reduced part 6 piece 1 to rank 7; wait entry[7]; r7:dst@0[25/32] = r6:dst@0[25/32]; signal r7:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {{4, 0, 7, 1}}, {{7, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{4, 0, 7, 1}}, {{7, 6, 25}}},
     // rank 6 step 35: reduced part 6 piece 2 to rank 7; wait entry[7]; r7:dst@0[26/32] = r6:dst@0[26/32]; signal r7:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {{4, 0, 7, 1}}, {{7, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{4, 0, 7, 1}}, {{7, 6, 26}}},
     // rank 6 step 36: reduced part 6 piece 3 to rank 7; wait entry[7]; r7:dst@0[27/32] = r6:dst@0[27/32]; signal r7:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {{4, 0, 7, 1}}, {{7, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{4, 0, 7, 1}}, {{7, 6, 27}}},
     // rank 6 step 37: reduced part 5 piece 0 to rank 7; wait entry[7], gathered[20]; r7:dst@0[20/32] = r6:dst@0[20/32]; signal r7:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 20}, {{6, 2, 0, 32, 0, 20}}, {{4, 0, 7, 1}, {6, 0, 20, 64}}, {{7, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 20}, {{6, 2, 0, 32, 0, 20}}, {}, {{4, 0, 7, 1}, {6, 0, 20, 64}}, {{7, 6, 20}}},
     // rank 6 step 38: reduced part 5 piece 1 to rank 7; wait entry[7], gathered[21]; r7:dst@0[21/32] = r6:dst@0[21/32]; signal r7:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 21}, {{6, 2, 0, 32, 0, 21}}, {{4, 0, 7, 1}, {6, 0, 21, 64}}, {{7, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 21}, {{6, 2, 0, 32, 0, 21}}, {}, {{4, 0, 7, 1}, {6, 0, 21, 64}}, {{7, 6, 21}}},
     // rank 6 step 39: reduced part 5 piece 2 to rank 7; wait entry[7], gathered[22]; r7:dst@0[22/32] = r6:dst@0[22/32]; signal r7:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 22}, {{6, 2, 0, 32, 0, 22}}, {{4, 0, 7, 1}, {6, 0, 22, 64}}, {{7, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 22}, {{6, 2, 0, 32, 0, 22}}, {}, {{4, 0, 7, 1}, {6, 0, 22, 64}}, {{7, 6, 22}}},
     // rank 6 step 40: reduced part 5 piece 3 to rank 7; wait entry[7], gathered[23]; r7:dst@0[23/32] = r6:dst@0[23/32]; signal r7:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 23}, {{6, 2, 0, 32, 0, 23}}, {{4, 0, 7, 1}, {6, 0, 23, 64}}, {{7, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 23}, {{6, 2, 0, 32, 0, 23}}, {}, {{4, 0, 7, 1}, {6, 0, 23, 64}}, {{7, 6, 23}}},
     // rank 6 step 41: reduced part 4 piece 0 to rank 7; wait entry[7], gathered[16]; r7:dst@0[16/32] = r6:dst@0[16/32]; signal r7:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 16}, {{6, 2, 0, 32, 0, 16}}, {{4, 0, 7, 1}, {6, 0, 16, 64}}, {{7, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 16}, {{6, 2, 0, 32, 0, 16}}, {}, {{4, 0, 7, 1}, {6, 0, 16, 64}}, {{7, 6, 16}}},
     // rank 6 step 42: reduced part 4 piece 1 to rank 7; wait entry[7], gathered[17]; r7:dst@0[17/32] = r6:dst@0[17/32]; signal r7:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 17}, {{6, 2, 0, 32, 0, 17}}, {{4, 0, 7, 1}, {6, 0, 17, 64}}, {{7, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 17}, {{6, 2, 0, 32, 0, 17}}, {}, {{4, 0, 7, 1}, {6, 0, 17, 64}}, {{7, 6, 17}}},
     // rank 6 step 43: reduced part 4 piece 2 to rank 7; wait entry[7], gathered[18]; r7:dst@0[18/32] = r6:dst@0[18/32]; signal r7:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 18}, {{6, 2, 0, 32, 0, 18}}, {{4, 0, 7, 1}, {6, 0, 18, 64}}, {{7, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 18}, {{6, 2, 0, 32, 0, 18}}, {}, {{4, 0, 7, 1}, {6, 0, 18, 64}}, {{7, 6, 18}}},
     // rank 6 step 44: reduced part 4 piece 3 to rank 7; wait entry[7], gathered[19]; r7:dst@0[19/32] = r6:dst@0[19/32]; signal r7:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 19}, {{6, 2, 0, 32, 0, 19}}, {{4, 0, 7, 1}, {6, 0, 19, 64}}, {{7, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 19}, {{6, 2, 0, 32, 0, 19}}, {}, {{4, 0, 7, 1}, {6, 0, 19, 64}}, {{7, 6, 19}}},
     // rank 6 step 45: reduced part 3 piece 0 to rank 7; wait entry[7], gathered[12]; r7:dst@0[12/32] = r6:dst@0[12/32]; signal r7:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 12}, {{6, 2, 0, 32, 0, 12}}, {{4, 0, 7, 1}, {6, 0, 12, 64}}, {{7, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 12}, {{6, 2, 0, 32, 0, 12}}, {}, {{4, 0, 7, 1}, {6, 0, 12, 64}}, {{7, 6, 12}}},
     // rank 6 step 46: reduced part 3 piece 1 to rank 7; wait entry[7], gathered[13]; r7:dst@0[13/32] = r6:dst@0[13/32]; signal r7:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 13}, {{6, 2, 0, 32, 0, 13}}, {{4, 0, 7, 1}, {6, 0, 13, 64}}, {{7, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 13}, {{6, 2, 0, 32, 0, 13}}, {}, {{4, 0, 7, 1}, {6, 0, 13, 64}}, {{7, 6, 13}}},
     // rank 6 step 47: reduced part 3 piece 2 to rank 7; wait entry[7], gathered[14]; r7:dst@0[14/32] = r6:dst@0[14/32]; signal r7:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 14}, {{6, 2, 0, 32, 0, 14}}, {{4, 0, 7, 1}, {6, 0, 14, 64}}, {{7, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 14}, {{6, 2, 0, 32, 0, 14}}, {}, {{4, 0, 7, 1}, {6, 0, 14, 64}}, {{7, 6, 14}}},
     // rank 6 step 48: reduced part 3 piece 3 to rank 7; wait entry[7], gathered[15]; r7:dst@0[15/32] = r6:dst@0[15/32]; signal r7:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 15}, {{6, 2, 0, 32, 0, 15}}, {{4, 0, 7, 1}, {6, 0, 15, 64}}, {{7, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 15}, {{6, 2, 0, 32, 0, 15}}, {}, {{4, 0, 7, 1}, {6, 0, 15, 64}}, {{7, 6, 15}}},
     // rank 6 step 49: reduced part 2 piece 0 to rank 7; wait entry[7], gathered[8]; r7:dst@0[8/32] = r6:dst@0[8/32]; signal r7:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 8}, {{6, 2, 0, 32, 0, 8}}, {{4, 0, 7, 1}, {6, 0, 8, 64}}, {{7, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 8}, {{6, 2, 0, 32, 0, 8}}, {}, {{4, 0, 7, 1}, {6, 0, 8, 64}}, {{7, 6, 8}}},
     // rank 6 step 50: reduced part 2 piece 1 to rank 7; wait entry[7], gathered[9]; r7:dst@0[9/32] = r6:dst@0[9/32]; signal r7:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 9}, {{6, 2, 0, 32, 0, 9}}, {{4, 0, 7, 1}, {6, 0, 9, 64}}, {{7, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 9}, {{6, 2, 0, 32, 0, 9}}, {}, {{4, 0, 7, 1}, {6, 0, 9, 64}}, {{7, 6, 9}}},
     // rank 6 step 51: reduced part 2 piece 2 to rank 7; wait entry[7], gathered[10]; r7:dst@0[10/32] = r6:dst@0[10/32]; signal r7:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 10}, {{6, 2, 0, 32, 0, 10}}, {{4, 0, 7, 1}, {6, 0, 10, 64}}, {{7, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 10}, {{6, 2, 0, 32, 0, 10}}, {}, {{4, 0, 7, 1}, {6, 0, 10, 64}}, {{7, 6, 10}}},
     // rank 6 step 52: reduced part 2 piece 3 to rank 7; wait entry[7], gathered[11]; r7:dst@0[11/32] = r6:dst@0[11/32]; signal r7:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 11}, {{6, 2, 0, 32, 0, 11}}, {{4, 0, 7, 1}, {6, 0, 11, 64}}, {{7, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 11}, {{6, 2, 0, 32, 0, 11}}, {}, {{4, 0, 7, 1}, {6, 0, 11, 64}}, {{7, 6, 11}}},
     // rank 6 step 53: reduced part 1 piece 0 to rank 7; wait entry[7], gathered[4]; r7:dst@0[4/32] = r6:dst@0[4/32]; signal r7:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 4}, {{6, 2, 0, 32, 0, 4}}, {{4, 0, 7, 1}, {6, 0, 4, 64}}, {{7, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 4}, {{6, 2, 0, 32, 0, 4}}, {}, {{4, 0, 7, 1}, {6, 0, 4, 64}}, {{7, 6, 4}}},
     // rank 6 step 54: reduced part 1 piece 1 to rank 7; wait entry[7], gathered[5]; r7:dst@0[5/32] = r6:dst@0[5/32]; signal r7:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 5}, {{6, 2, 0, 32, 0, 5}}, {{4, 0, 7, 1}, {6, 0, 5, 64}}, {{7, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 5}, {{6, 2, 0, 32, 0, 5}}, {}, {{4, 0, 7, 1}, {6, 0, 5, 64}}, {{7, 6, 5}}},
     // rank 6 step 55: reduced part 1 piece 2 to rank 7; wait entry[7], gathered[6]; r7:dst@0[6/32] = r6:dst@0[6/32]; signal r7:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 6}, {{6, 2, 0, 32, 0, 6}}, {{4, 0, 7, 1}, {6, 0, 6, 64}}, {{7, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 6}, {{6, 2, 0, 32, 0, 6}}, {}, {{4, 0, 7, 1}, {6, 0, 6, 64}}, {{7, 6, 6}}},
     // rank 6 step 56: reduced part 1 piece 3 to rank 7; wait entry[7], gathered[7]; r7:dst@0[7/32] = r6:dst@0[7/32]; signal r7:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 7}, {{6, 2, 0, 32, 0, 7}}, {{4, 0, 7, 1}, {6, 0, 7, 64}}, {{7, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 7}, {{6, 2, 0, 32, 0, 7}}, {}, {{4, 0, 7, 1}, {6, 0, 7, 64}}, {{7, 6, 7}}},
     // rank 6 step 57: reduced part 0 piece 0 to rank 7; wait entry[7], gathered[0]; r7:dst@0[0/32] = r6:dst@0[0/32]; signal r7:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 0}, {{6, 2, 0, 32, 0, 0}}, {{4, 0, 7, 1}, {6, 0, 0, 64}}, {{7, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 0}, {{6, 2, 0, 32, 0, 0}}, {}, {{4, 0, 7, 1}, {6, 0, 0, 64}}, {{7, 6, 0}}},
     // rank 6 step 58: reduced part 0 piece 1 to rank 7; wait entry[7], gathered[1]; r7:dst@0[1/32] = r6:dst@0[1/32]; signal r7:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 1}, {{6, 2, 0, 32, 0, 1}}, {{4, 0, 7, 1}, {6, 0, 1, 64}}, {{7, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 1}, {{6, 2, 0, 32, 0, 1}}, {}, {{4, 0, 7, 1}, {6, 0, 1, 64}}, {{7, 6, 1}}},
     // rank 6 step 59: reduced part 0 piece 2 to rank 7; wait entry[7], gathered[2]; r7:dst@0[2/32] = r6:dst@0[2/32]; signal r7:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 2}, {{6, 2, 0, 32, 0, 2}}, {{4, 0, 7, 1}, {6, 0, 2, 64}}, {{7, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 2}, {{6, 2, 0, 32, 0, 2}}, {}, {{4, 0, 7, 1}, {6, 0, 2, 64}}, {{7, 6, 2}}},
     // rank 6 step 60: reduced part 0 piece 3 to rank 7; wait entry[7], gathered[3]; r7:dst@0[3/32] = r6:dst@0[3/32]; signal r7:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 32, 0, 3}, {{6, 2, 0, 32, 0, 3}}, {{4, 0, 7, 1}, {6, 0, 3, 64}}, {{7, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 3}, {{6, 2, 0, 32, 0, 3}}, {}, {{4, 0, 7, 1}, {6, 0, 3, 64}}, {{7, 6, 3}}},
     // rank 6 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 6 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 6 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
     // rank 6 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 4, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},
     // rank 7 step 1: part 6 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[24/32] = r7:src@0[24/32]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 0, 24}, {{7, 1, 1, 32, 0, 24}}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 24}, {{7, 1, 1, 32, 0, 24}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 7 step 2: part 6 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[25/32] = r7:src@0[25/32]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 0, 25}, {{7, 1, 1, 32, 0, 25}}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 25}, {{7, 1, 1, 32, 0, 25}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 7 step 3: part 6 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[26/32] = r7:src@0[26/32]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 0, 26}, {{7, 1, 1, 32, 0, 26}}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 26}, {{7, 1, 1, 32, 0, 26}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 7 step 4: part 6 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[27/32] = r7:src@0[27/32]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 0, 27}, {{7, 1, 1, 32, 0, 27}}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 27}, {{7, 1, 1, 32, 0, 27}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 7 step 5: part 5 piece 0: partial sum + our input to rank 0; wait arrive[20], entry[0]; r0:inbox@0[20/32] = r7:inbox@0[20/32] + r7:src@0[20/32]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 20}, {{7, 3, 0, 32, 0, 20}, {7, 1, 1, 32, 0, 20}}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 20}, {{7, 3, 0, 32, 0, 20}, {7, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 7 step 6: part 5 piece 1: partial sum + our input to rank 0; wait arrive[21], entry[0]; r0:inbox@0[21/32] = r7:inbox@0[21/32] + r7:src@0[21/32]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 21}, {{7, 3, 0, 32, 0, 21}, {7, 1, 1, 32, 0, 21}}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 21}, {{7, 3, 0, 32, 0, 21}, {7, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 7 step 7: part 5 piece 2: partial sum + our input to rank 0; wait arrive[22], entry[0]; r0:inbox@0[22/32] = r7:inbox@0[22/32] + r7:src@0[22/32]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 22}, {{7, 3, 0, 32, 0, 22}, {7, 1, 1, 32, 0, 22}}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 22}, {{7, 3, 0, 32, 0, 22}, {7, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 7 step 8: part 5 piece 3: partial sum + our input to rank 0; wait arrive[23], entry[0]; r0:inbox@0[23/32] = r7:inbox@0[23/32] + r7:src@0[23/32]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 23}, {{7, 3, 0, 32, 0, 23}, {7, 1, 1, 32, 0, 23}}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 23}, {{7, 3, 0, 32, 0, 23}, {7, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 7 step 9: part 4 piece 0: partial sum + our input to rank 0; wait arrive[16], entry[0]; r0:inbox@0[16/32] = r7:inbox@0[16/32] + r7:src@0[16/32]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 16}, {{7, 3, 0, 32, 0, 16}, {7, 1, 1, 32, 0, 16}}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 16}, {{7, 3, 0, 32, 0, 16}, {7, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 7 step 10: part 4 piece 1: partial sum + our input to rank 0; wait arrive[17], entry[0]; r0:inbox@0[17/32] = r7:inbox@0[17/32] + r7:src@0[17/32]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 17}, {{7, 3, 0, 32, 0, 17}, {7, 1, 1, 32, 0, 17}}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 17}, {{7, 3, 0, 32, 0, 17}, {7, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 7 step 11: part 4 piece 2: partial sum + our input to rank 0; wait arrive[18], entry[0]; r0:inbox@0[18/32] = r7:inbox@0[18/32] + r7:src@0[18/32]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 18}, {{7, 3, 0, 32, 0, 18}, {7, 1, 1, 32, 0, 18}}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 18}, {{7, 3, 0, 32, 0, 18}, {7, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 7 step 12: part 4 piece 3: partial sum + our input to rank 0; wait arrive[19], entry[0]; r0:inbox@0[19/32] = r7:inbox@0[19/32] + r7:src@0[19/32]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 19}, {{7, 3, 0, 32, 0, 19}, {7, 1, 1, 32, 0, 19}}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 19}, {{7, 3, 0, 32, 0, 19}, {7, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 7 step 13: part 3 piece 0: partial sum + our input to rank 0; wait arrive[12], entry[0]; r0:inbox@0[12/32] = r7:inbox@0[12/32] + r7:src@0[12/32]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 12}, {{7, 3, 0, 32, 0, 12}, {7, 1, 1, 32, 0, 12}}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 12}, {{7, 3, 0, 32, 0, 12}, {7, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 7 step 14: part 3 piece 1: partial sum + our input to rank 0; wait arrive[13], entry[0]; r0:inbox@0[13/32] = r7:inbox@0[13/32] + r7:src@0[13/32]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 13}, {{7, 3, 0, 32, 0, 13}, {7, 1, 1, 32, 0, 13}}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 13}, {{7, 3, 0, 32, 0, 13}, {7, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 7 step 15: part 3 piece 2: partial sum + our input to rank 0; wait arrive[14], entry[0]; r0:inbox@0[14/32] = r7:inbox@0[14/32] + r7:src@0[14/32]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 14}, {{7, 3, 0, 32, 0, 14}, {7, 1, 1, 32, 0, 14}}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 14}, {{7, 3, 0, 32, 0, 14}, {7, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 7 step 16: part 3 piece 3: partial sum + our input to rank 0; wait arrive[15], entry[0]; r0:inbox@0[15/32] = r7:inbox@0[15/32] + r7:src@0[15/32]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 15}, {{7, 3, 0, 32, 0, 15}, {7, 1, 1, 32, 0, 15}}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 15}, {{7, 3, 0, 32, 0, 15}, {7, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 7 step 17: part 2 piece 0: partial sum + our input to rank 0; wait arrive[8], entry[0]; r0:inbox@0[8/32] = r7:inbox@0[8/32] + r7:src@0[8/32]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 8}, {{7, 3, 0, 32, 0, 8}, {7, 1, 1, 32, 0, 8}}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 8}, {{7, 3, 0, 32, 0, 8}, {7, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 7 step 18: part 2 piece 1: partial sum + our input to rank 0; wait arrive[9], entry[0]; r0:inbox@0[9/32] = r7:inbox@0[9/32] + r7:src@0[9/32]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 9}, {{7, 3, 0, 32, 0, 9}, {7, 1, 1, 32, 0, 9}}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 9}, {{7, 3, 0, 32, 0, 9}, {7, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 7 step 19: part 2 piece 2: partial sum + our input to rank 0; wait arrive[10], entry[0]; r0:inbox@0[10/32] = r7:inbox@0[10/32] + r7:src@0[10/32]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 10}, {{7, 3, 0, 32, 0, 10}, {7, 1, 1, 32, 0, 10}}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 10}, {{7, 3, 0, 32, 0, 10}, {7, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 7 step 20: part 2 piece 3: partial sum + our input to rank 0; wait arrive[11], entry[0]; r0:inbox@0[11/32] = r7:inbox@0[11/32] + r7:src@0[11/32]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 11}, {{7, 3, 0, 32, 0, 11}, {7, 1, 1, 32, 0, 11}}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 11}, {{7, 3, 0, 32, 0, 11}, {7, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 7 step 21: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/32] = r7:inbox@0[4/32] + r7:src@0[4/32]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 4}, {{7, 3, 0, 32, 0, 4}, {7, 1, 1, 32, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 4}, {{7, 3, 0, 32, 0, 4}, {7, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 7 step 22: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/32] = r7:inbox@0[5/32] + r7:src@0[5/32]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 5}, {{7, 3, 0, 32, 0, 5}, {7, 1, 1, 32, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 5}, {{7, 3, 0, 32, 0, 5}, {7, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 7 step 23: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/32] = r7:inbox@0[6/32] + r7:src@0[6/32]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 6}, {{7, 3, 0, 32, 0, 6}, {7, 1, 1, 32, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 6}, {{7, 3, 0, 32, 0, 6}, {7, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 7 step 24: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/32] = r7:inbox@0[7/32] + r7:src@0[7/32]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 7}, {{7, 3, 0, 32, 0, 7}, {7, 1, 1, 32, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 7}, {{7, 3, 0, 32, 0, 7}, {7, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 7 step 25: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/32] = r7:inbox@0[0/32] + r7:src@0[0/32]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 0}, {{7, 3, 0, 32, 0, 0}, {7, 1, 1, 32, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 0}, {{7, 3, 0, 32, 0, 0}, {7, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 7 step 26: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/32] = r7:inbox@0[1/32] + r7:src@0[1/32]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 1}, {{7, 3, 0, 32, 0, 1}, {7, 1, 1, 32, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 1}, {{7, 3, 0, 32, 0, 1}, {7, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 7 step 27: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/32] = r7:inbox@0[2/32] + r7:src@0[2/32]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 2}, {{7, 3, 0, 32, 0, 2}, {7, 1, 1, 32, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 2}, {{7, 3, 0, 32, 0, 2}, {7, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 7 step 28: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/32] = r7:inbox@0[3/32] + r7:src@0[3/32]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 32, 0, 3}, {{7, 3, 0, 32, 0, 3}, {7, 1, 1, 32, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 3}, {{7, 3, 0, 32, 0, 3}, {7, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 7 step 29: our part, piece 0: last partial sum + our input; wait arrive[28]; r7:dst@0[28/32] = r7:inbox@0[28/32] + r7:src@0[28/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 32, 0, 28}, {{7, 3, 0, 32, 0, 28}, {7, 1, 1, 32, 0, 28}}, {{5, 0, 28, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 28}, {{7, 3, 0, 32, 0, 28}, {7, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}}, {}},
     // rank 7 step 30: our part, piece 1: last partial sum + our input; wait arrive[29]; r7:dst@0[29/32] = r7:inbox@0[29/32] + r7:src@0[29/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 32, 0, 29}, {{7, 3, 0, 32, 0, 29}, {7, 1, 1, 32, 0, 29}}, {{5, 0, 29, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 29}, {{7, 3, 0, 32, 0, 29}, {7, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}}, {}},
     // rank 7 step 31: our part, piece 2: last partial sum + our input; wait arrive[30]; r7:dst@0[30/32] = r7:inbox@0[30/32] + r7:src@0[30/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 32, 0, 30}, {{7, 3, 0, 32, 0, 30}, {7, 1, 1, 32, 0, 30}}, {{5, 0, 30, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 30}, {{7, 3, 0, 32, 0, 30}, {7, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}}, {}},
     // rank 7 step 32: our part, piece 3: last partial sum + our input; wait arrive[31]; r7:dst@0[31/32] = r7:inbox@0[31/32] + r7:src@0[31/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 32, 0, 31}, {{7, 3, 0, 32, 0, 31}, {7, 1, 1, 32, 0, 31}}, {{5, 0, 31, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 31}, {{7, 3, 0, 32, 0, 31}, {7, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}}, {}},
     // rank 7 step 33: reduced part 7 piece 0 to rank 0; wait entry[0]; r0:dst@0[28/32] = r7:dst@0[28/32]; signal r0:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {{4, 0, 0, 1}}, {{0, 6, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{4, 0, 0, 1}}, {{0, 6, 28}}},
     // rank 7 step 34: reduced part 7 piece 1 to rank 0; wait entry[0]; r0:dst@0[29/32] = r7:dst@0[29/32]; signal r0:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {{4, 0, 0, 1}}, {{0, 6, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{4, 0, 0, 1}}, {{0, 6, 29}}},
     // rank 7 step 35: reduced part 7 piece 2 to rank 0; wait entry[0]; r0:dst@0[30/32] = r7:dst@0[30/32]; signal r0:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {{4, 0, 0, 1}}, {{0, 6, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{4, 0, 0, 1}}, {{0, 6, 30}}},
     // rank 7 step 36: reduced part 7 piece 3 to rank 0; wait entry[0]; r0:dst@0[31/32] = r7:dst@0[31/32]; signal r0:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {{4, 0, 0, 1}}, {{0, 6, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{4, 0, 0, 1}}, {{0, 6, 31}}},
     // rank 7 step 37: reduced part 6 piece 0 to rank 0; wait entry[0], gathered[24]; r0:dst@0[24/32] = r7:dst@0[24/32]; signal r0:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 24}, {{7, 2, 0, 32, 0, 24}}, {{4, 0, 0, 1}, {6, 0, 24, 64}}, {{0, 6, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{7, 2, 0, 32, 0, 24}}, {}, {{4, 0, 0, 1}, {6, 0, 24, 64}}, {{0, 6, 24}}},
     // rank 7 step 38: reduced part 6 piece 1 to rank 0; wait entry[0], gathered[25]; r0:dst@0[25/32] = r7:dst@0[25/32]; signal r0:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 25}, {{7, 2, 0, 32, 0, 25}}, {{4, 0, 0, 1}, {6, 0, 25, 64}}, {{0, 6, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{7, 2, 0, 32, 0, 25}}, {}, {{4, 0, 0, 1}, {6, 0, 25, 64}}, {{0, 6, 25}}},
     // rank 7 step 39: reduced part 6 piece 2 to rank 0; wait entry[0], gathered[26]; r0:dst@0[26/32] = r7:dst@0[26/32]; signal r0:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 26}, {{7, 2, 0, 32, 0, 26}}, {{4, 0, 0, 1}, {6, 0, 26, 64}}, {{0, 6, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{7, 2, 0, 32, 0, 26}}, {}, {{4, 0, 0, 1}, {6, 0, 26, 64}}, {{0, 6, 26}}},
     // rank 7 step 40: reduced part 6 piece 3 to rank 0; wait entry[0], gathered[27]; r0:dst@0[27/32] = r7:dst@0[27/32]; signal r0:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 27}, {{7, 2, 0, 32, 0, 27}}, {{4, 0, 0, 1}, {6, 0, 27, 64}}, {{0, 6, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{7, 2, 0, 32, 0, 27}}, {}, {{4, 0, 0, 1}, {6, 0, 27, 64}}, {{0, 6, 27}}},
     // rank 7 step 41: reduced part 5 piece 0 to rank 0; wait entry[0], gathered[20]; r0:dst@0[20/32] = r7:dst@0[20/32]; signal r0:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 20}, {{7, 2, 0, 32, 0, 20}}, {{4, 0, 0, 1}, {6, 0, 20, 64}}, {{0, 6, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{7, 2, 0, 32, 0, 20}}, {}, {{4, 0, 0, 1}, {6, 0, 20, 64}}, {{0, 6, 20}}},
     // rank 7 step 42: reduced part 5 piece 1 to rank 0; wait entry[0], gathered[21]; r0:dst@0[21/32] = r7:dst@0[21/32]; signal r0:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 21}, {{7, 2, 0, 32, 0, 21}}, {{4, 0, 0, 1}, {6, 0, 21, 64}}, {{0, 6, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{7, 2, 0, 32, 0, 21}}, {}, {{4, 0, 0, 1}, {6, 0, 21, 64}}, {{0, 6, 21}}},
     // rank 7 step 43: reduced part 5 piece 2 to rank 0; wait entry[0], gathered[22]; r0:dst@0[22/32] = r7:dst@0[22/32]; signal r0:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 22}, {{7, 2, 0, 32, 0, 22}}, {{4, 0, 0, 1}, {6, 0, 22, 64}}, {{0, 6, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{7, 2, 0, 32, 0, 22}}, {}, {{4, 0, 0, 1}, {6, 0, 22, 64}}, {{0, 6, 22}}},
     // rank 7 step 44: reduced part 5 piece 3 to rank 0; wait entry[0], gathered[23]; r0:dst@0[23/32] = r7:dst@0[23/32]; signal r0:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 23}, {{7, 2, 0, 32, 0, 23}}, {{4, 0, 0, 1}, {6, 0, 23, 64}}, {{0, 6, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{7, 2, 0, 32, 0, 23}}, {}, {{4, 0, 0, 1}, {6, 0, 23, 64}}, {{0, 6, 23}}},
     // rank 7 step 45: reduced part 4 piece 0 to rank 0; wait entry[0], gathered[16]; r0:dst@0[16/32] = r7:dst@0[16/32]; signal r0:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 16}, {{7, 2, 0, 32, 0, 16}}, {{4, 0, 0, 1}, {6, 0, 16, 64}}, {{0, 6, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{7, 2, 0, 32, 0, 16}}, {}, {{4, 0, 0, 1}, {6, 0, 16, 64}}, {{0, 6, 16}}},
     // rank 7 step 46: reduced part 4 piece 1 to rank 0; wait entry[0], gathered[17]; r0:dst@0[17/32] = r7:dst@0[17/32]; signal r0:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 17}, {{7, 2, 0, 32, 0, 17}}, {{4, 0, 0, 1}, {6, 0, 17, 64}}, {{0, 6, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{7, 2, 0, 32, 0, 17}}, {}, {{4, 0, 0, 1}, {6, 0, 17, 64}}, {{0, 6, 17}}},
     // rank 7 step 47: reduced part 4 piece 2 to rank 0; wait entry[0], gathered[18]; r0:dst@0[18/32] = r7:dst@0[18/32]; signal r0:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 18}, {{7, 2, 0, 32, 0, 18}}, {{4, 0, 0, 1}, {6, 0, 18, 64}}, {{0, 6, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{7, 2, 0, 32, 0, 18}}, {}, {{4, 0, 0, 1}, {6, 0, 18, 64}}, {{0, 6, 18}}},
     // rank 7 step 48: reduced part 4 piece 3 to rank 0; wait entry[0], gathered[19]; r0:dst@0[19/32] = r7:dst@0[19/32]; signal r0:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 19}, {{7, 2, 0, 32, 0, 19}}, {{4, 0, 0, 1}, {6, 0, 19, 64}}, {{0, 6, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{7, 2, 0, 32, 0, 19}}, {}, {{4, 0, 0, 1}, {6, 0, 19, 64}}, {{0, 6, 19}}},
     // rank 7 step 49: reduced part 3 piece 0 to rank 0; wait entry[0], gathered[12]; r0:dst@0[12/32] = r7:dst@0[12/32]; signal r0:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 12}, {{7, 2, 0, 32, 0, 12}}, {{4, 0, 0, 1}, {6, 0, 12, 64}}, {{0, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{7, 2, 0, 32, 0, 12}}, {}, {{4, 0, 0, 1}, {6, 0, 12, 64}}, {{0, 6, 12}}},
     // rank 7 step 50: reduced part 3 piece 1 to rank 0; wait entry[0], gathered[13]; r0:dst@0[13/32] = r7:dst@0[13/32]; signal r0:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 13}, {{7, 2, 0, 32, 0, 13}}, {{4, 0, 0, 1}, {6, 0, 13, 64}}, {{0, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{7, 2, 0, 32, 0, 13}}, {}, {{4, 0, 0, 1}, {6, 0, 13, 64}}, {{0, 6, 13}}},
     // rank 7 step 51: reduced part 3 piece 2 to rank 0; wait entry[0], gathered[14]; r0:dst@0[14/32] = r7:dst@0[14/32]; signal r0:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 14}, {{7, 2, 0, 32, 0, 14}}, {{4, 0, 0, 1}, {6, 0, 14, 64}}, {{0, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{7, 2, 0, 32, 0, 14}}, {}, {{4, 0, 0, 1}, {6, 0, 14, 64}}, {{0, 6, 14}}},
     // rank 7 step 52: reduced part 3 piece 3 to rank 0; wait entry[0], gathered[15]; r0:dst@0[15/32] = r7:dst@0[15/32]; signal r0:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 15}, {{7, 2, 0, 32, 0, 15}}, {{4, 0, 0, 1}, {6, 0, 15, 64}}, {{0, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{7, 2, 0, 32, 0, 15}}, {}, {{4, 0, 0, 1}, {6, 0, 15, 64}}, {{0, 6, 15}}},
     // rank 7 step 53: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/32] = r7:dst@0[8/32]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 8}, {{7, 2, 0, 32, 0, 8}}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{7, 2, 0, 32, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
     // rank 7 step 54: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/32] = r7:dst@0[9/32]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 9}, {{7, 2, 0, 32, 0, 9}}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{7, 2, 0, 32, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
     // rank 7 step 55: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/32] = r7:dst@0[10/32]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 10}, {{7, 2, 0, 32, 0, 10}}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{7, 2, 0, 32, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
     // rank 7 step 56: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/32] = r7:dst@0[11/32]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 11}, {{7, 2, 0, 32, 0, 11}}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{7, 2, 0, 32, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
     // rank 7 step 57: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/32] = r7:dst@0[4/32]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 4}, {{7, 2, 0, 32, 0, 4}}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 4}, {{7, 2, 0, 32, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
     // rank 7 step 58: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/32] = r7:dst@0[5/32]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 5}, {{7, 2, 0, 32, 0, 5}}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 5}, {{7, 2, 0, 32, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
     // rank 7 step 59: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/32] = r7:dst@0[6/32]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 6}, {{7, 2, 0, 32, 0, 6}}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 6}, {{7, 2, 0, 32, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
     // rank 7 step 60: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/32] = r7:dst@0[7/32]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 7}, {{7, 2, 0, 32, 0, 7}}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 7}, {{7, 2, 0, 32, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
     // rank 7 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
     // rank 7 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
     // rank 7 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
     // rank 7 step 64: wait for every reduced part; wait gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {

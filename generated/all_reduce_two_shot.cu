@@ -870,6 +870,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -898,9 +899,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1078,6 +1080,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1112,6 +1132,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1119,6 +1149,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1127,7 +1158,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1171,109 +1206,109 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "i
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/16] = r0:src@0[8/16]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/16] = r0:src@0[9/16]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/16] = r0:src@0[10/16]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/16] = r0:src@0[11/16]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: reduce our part, piece 0; wait arrive[8]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}}, {{5, 0, 8, 16}}, {{0, 6, 0}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}}, {}, {{5, 0, 8, 16}}, {{0, 6, 0}}},
     // rank 0 step 10: reduce our part, piece 1; wait arrive[9]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}}, {{5, 0, 9, 16}}, {{0, 6, 1}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}}, {}, {{5, 0, 9, 16}}, {{0, 6, 1}}},
     // rank 0 step 11: reduce our part, piece 2; wait arrive[10]; r0:dst@0[2/16] = r0:src@0[2/16] + r0:inbox@1[2/16]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}}, {{5, 0, 10, 16}}, {{0, 6, 2}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}}, {}, {{5, 0, 10, 16}}, {{0, 6, 2}}},
     // rank 0 step 12: reduce our part, piece 3; wait arrive[11]; r0:dst@0[3/16] = r0:src@0[3/16] + r0:inbox@1[3/16]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}}, {{5, 0, 11, 16}}, {{0, 6, 3}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}}, {}, {{5, 0, 11, 16}}, {{0, 6, 3}}},
     // rank 0 step 13: reduce our part, piece 4; wait arrive[12]; r0:dst@0[4/16] = r0:src@0[4/16] + r0:inbox@1[4/16]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}, {0, 3, 0, 16, 1, 4}}, {{5, 0, 12, 16}}, {{0, 6, 4}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}, {0, 3, 0, 16, 1, 4}}, {}, {{5, 0, 12, 16}}, {{0, 6, 4}}},
     // rank 0 step 14: reduce our part, piece 5; wait arrive[13]; r0:dst@0[5/16] = r0:src@0[5/16] + r0:inbox@1[5/16]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}, {0, 3, 0, 16, 1, 5}}, {{5, 0, 13, 16}}, {{0, 6, 5}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}, {0, 3, 0, 16, 1, 5}}, {}, {{5, 0, 13, 16}}, {{0, 6, 5}}},
     // rank 0 step 15: reduce our part, piece 6; wait arrive[14]; r0:dst@0[6/16] = r0:src@0[6/16] + r0:inbox@1[6/16]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}, {0, 3, 0, 16, 1, 6}}, {{5, 0, 14, 16}}, {{0, 6, 6}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}, {0, 3, 0, 16, 1, 6}}, {}, {{5, 0, 14, 16}}, {{0, 6, 6}}},
     // rank 0 step 16: reduce our part, piece 7; wait arrive[15]; r0:dst@0[7/16] = r0:src@0[7/16] + r0:inbox@1[7/16]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 2, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}, {0, 3, 0, 16, 1, 7}}, {{5, 0, 15, 16}}, {{0, 6, 7}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}, {0, 3, 0, 16, 1, 7}}, {}, {{5, 0, 15, 16}}, {{0, 6, 7}}},
     // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
     // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
     // rank 0 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
     // rank 0 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
     // rank 0 step 21: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/16] = r0:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 4}, {{0, 2, 0, 16, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 4}, {{0, 2, 0, 16, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
     // rank 0 step 22: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/16] = r0:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 5}, {{0, 2, 0, 16, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 5}, {{0, 2, 0, 16, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 0 step 23: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/16] = r0:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 6}, {{0, 2, 0, 16, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 6}, {{0, 2, 0, 16, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
     // rank 0 step 24: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/16] = r0:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 16, 0, 7}, {{0, 2, 0, 16, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 7}, {{0, 2, 0, 16, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
     // rank 0 step 25: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/16] = r1:src@0[2/16]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/16] = r1:src@0[3/16]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/16] = r1:src@0[4/16]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 4}, {{1, 1, 1, 16, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/16] = r1:src@0[5/16]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 5}, {{1, 1, 1, 16, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/16] = r1:src@0[6/16]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/16] = r1:src@0[7/16]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 16, 1, 7}, {{1, 1, 1, 16, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 9: reduce our part, piece 0; wait arrive[0]; r1:dst@0[8/16] = r1:src@0[8/16] + r1:inbox@0[8/16]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}, {1, 3, 0, 16, 0, 8}}, {{5, 0, 0, 16}}, {{1, 6, 0}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}, {1, 3, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}}, {{1, 6, 0}}},
     // rank 1 step 10: reduce our part, piece 1; wait arrive[1]; r1:dst@0[9/16] = r1:src@0[9/16] + r1:inbox@0[9/16]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}, {1, 3, 0, 16, 0, 9}}, {{5, 0, 1, 16}}, {{1, 6, 1}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}, {1, 3, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}}, {{1, 6, 1}}},
     // rank 1 step 11: reduce our part, piece 2; wait arrive[2]; r1:dst@0[10/16] = r1:src@0[10/16] + r1:inbox@0[10/16]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}, {1, 3, 0, 16, 0, 10}}, {{5, 0, 2, 16}}, {{1, 6, 2}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}, {1, 3, 0, 16, 0, 10}}, {}, {{5, 0, 2, 16}}, {{1, 6, 2}}},
     // rank 1 step 12: reduce our part, piece 3; wait arrive[3]; r1:dst@0[11/16] = r1:src@0[11/16] + r1:inbox@0[11/16]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}, {1, 3, 0, 16, 0, 11}}, {{5, 0, 3, 16}}, {{1, 6, 3}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}, {1, 3, 0, 16, 0, 11}}, {}, {{5, 0, 3, 16}}, {{1, 6, 3}}},
     // rank 1 step 13: reduce our part, piece 4; wait arrive[4]; r1:dst@0[12/16] = r1:src@0[12/16] + r1:inbox@0[12/16]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}, {1, 3, 0, 16, 0, 12}}, {{5, 0, 4, 16}}, {{1, 6, 4}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}, {1, 3, 0, 16, 0, 12}}, {}, {{5, 0, 4, 16}}, {{1, 6, 4}}},
     // rank 1 step 14: reduce our part, piece 5; wait arrive[5]; r1:dst@0[13/16] = r1:src@0[13/16] + r1:inbox@0[13/16]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}, {1, 3, 0, 16, 0, 13}}, {{5, 0, 5, 16}}, {{1, 6, 5}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}, {1, 3, 0, 16, 0, 13}}, {}, {{5, 0, 5, 16}}, {{1, 6, 5}}},
     // rank 1 step 15: reduce our part, piece 6; wait arrive[6]; r1:dst@0[14/16] = r1:src@0[14/16] + r1:inbox@0[14/16]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}, {1, 3, 0, 16, 0, 14}}, {{5, 0, 6, 16}}, {{1, 6, 6}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}, {1, 3, 0, 16, 0, 14}}, {}, {{5, 0, 6, 16}}, {{1, 6, 6}}},
     // rank 1 step 16: reduce our part, piece 7; wait arrive[7]; r1:dst@0[15/16] = r1:src@0[15/16] + r1:inbox@0[15/16]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}, {1, 3, 0, 16, 0, 15}}, {{5, 0, 7, 16}}, {{1, 6, 7}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}, {1, 3, 0, 16, 0, 15}}, {}, {{5, 0, 7, 16}}, {{1, 6, 7}}},
     // rank 1 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r1:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{1, 2, 0, 16, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
     // rank 1 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r1:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{1, 2, 0, 16, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
     // rank 1 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/16] = r1:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{1, 2, 0, 16, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
     // rank 1 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/16] = r1:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{1, 2, 0, 16, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
     // rank 1 step 21: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/16] = r1:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
     // rank 1 step 22: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/16] = r1:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
     // rank 1 step 23: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/16] = r1:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
     // rank 1 step 24: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/16] = r1:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
     // rank 1 step 25: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 26 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1486,263 +1521,263 @@ static __device__ const uint16_t first_w2[2][114] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/24] = r0:src@0[8/24]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 8}, {{0, 1, 1, 24, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 8}, {{0, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/24] = r0:src@0[9/24]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 9}, {{0, 1, 1, 24, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 9}, {{0, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/24] = r0:src@0[10/24]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 10}, {{0, 1, 1, 24, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 10}, {{0, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/24] = r0:src@0[11/24]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 11}, {{0, 1, 1, 24, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 11}, {{0, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/24] = r0:src@0[12/24]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 12}, {{0, 1, 1, 24, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 12}, {{0, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/24] = r0:src@0[13/24]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 13}, {{0, 1, 1, 24, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 13}, {{0, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/24] = r0:src@0[14/24]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 14}, {{0, 1, 1, 24, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 14}, {{0, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/24] = r0:src@0[15/24]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 0, 15}, {{0, 1, 1, 24, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 15}, {{0, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/24] = r0:src@0[16/24]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 16}, {{0, 1, 1, 24, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 16}, {{0, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/24] = r0:src@0[17/24]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 17}, {{0, 1, 1, 24, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 17}, {{0, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/24] = r0:src@0[18/24]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 18}, {{0, 1, 1, 24, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 18}, {{0, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/24] = r0:src@0[19/24]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 19}, {{0, 1, 1, 24, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 19}, {{0, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/24] = r0:src@0[20/24]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 20}, {{0, 1, 1, 24, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 20}, {{0, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/24] = r0:src@0[21/24]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 21}, {{0, 1, 1, 24, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 21}, {{0, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/24] = r0:src@0[22/24]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 22}, {{0, 1, 1, 24, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 22}, {{0, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/24] = r0:src@0[23/24]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 0, 23}, {{0, 1, 1, 24, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 23}, {{0, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: reduce our part, piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/24] = r0:src@0[0/24] + r0:inbox@1[0/24] + r0:inbox@2[0/24]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 0}, {{0, 1, 1, 24, 0, 0}, {0, 3, 0, 24, 1, 0}, {0, 3, 0, 24, 2, 0}}, {{5, 0, 8, 16}, {5, 0, 16, 16}}, {{0, 6, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 0}, {{0, 1, 1, 24, 0, 0}, {0, 3, 0, 24, 1, 0}, {0, 3, 0, 24, 2, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}}, {{0, 6, 0}}},
     // rank 0 step 18: reduce our part, piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/24] = r0:src@0[1/24] + r0:inbox@1[1/24] + r0:inbox@2[1/24]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 1}, {{0, 1, 1, 24, 0, 1}, {0, 3, 0, 24, 1, 1}, {0, 3, 0, 24, 2, 1}}, {{5, 0, 9, 16}, {5, 0, 17, 16}}, {{0, 6, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 1}, {{0, 1, 1, 24, 0, 1}, {0, 3, 0, 24, 1, 1}, {0, 3, 0, 24, 2, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}}, {{0, 6, 1}}},
     // rank 0 step 19: reduce our part, piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/24] = r0:src@0[2/24] + r0:inbox@1[2/24] + r0:inbox@2[2/24]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 2}, {{0, 1, 1, 24, 0, 2}, {0, 3, 0, 24, 1, 2}, {0, 3, 0, 24, 2, 2}}, {{5, 0, 10, 16}, {5, 0, 18, 16}}, {{0, 6, 2}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 2}, {{0, 1, 1, 24, 0, 2}, {0, 3, 0, 24, 1, 2}, {0, 3, 0, 24, 2, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}}, {{0, 6, 2}}},
     // rank 0 step 20: reduce our part, piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/24] = r0:src@0[3/24] + r0:inbox@1[3/24] + r0:inbox@2[3/24]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 3}, {{0, 1, 1, 24, 0, 3}, {0, 3, 0, 24, 1, 3}, {0, 3, 0, 24, 2, 3}}, {{5, 0, 11, 16}, {5, 0, 19, 16}}, {{0, 6, 3}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 3}, {{0, 1, 1, 24, 0, 3}, {0, 3, 0, 24, 1, 3}, {0, 3, 0, 24, 2, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}}, {{0, 6, 3}}},
     // rank 0 step 21: reduce our part, piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/24] = r0:src@0[4/24] + r0:inbox@1[4/24] + r0:inbox@2[4/24]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 4}, {{0, 1, 1, 24, 0, 4}, {0, 3, 0, 24, 1, 4}, {0, 3, 0, 24, 2, 4}}, {{5, 0, 12, 16}, {5, 0, 20, 16}}, {{0, 6, 4}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 4}, {{0, 1, 1, 24, 0, 4}, {0, 3, 0, 24, 1, 4}, {0, 3, 0, 24, 2, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}}, {{0, 6, 4}}},
     // rank 0 step 22: reduce our part, piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/24] = r0:src@0[5/24] + r0:inbox@1[5/24] + r0:inbox@2[5/24]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 5}, {{0, 1, 1, 24, 0, 5}, {0, 3, 0, 24, 1, 5}, {0, 3, 0, 24, 2, 5}}, {{5, 0, 13, 16}, {5, 0, 21, 16}}, {{0, 6, 5}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 5}, {{0, 1, 1, 24, 0, 5}, {0, 3, 0, 24, 1, 5}, {0, 3, 0, 24, 2, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}}, {{0, 6, 5}}},
     // rank 0 step 23: reduce our part, piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/24] = r0:src@0[6/24] + r0:inbox@1[6/24] + r0:inbox@2[6/24]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 6}, {{0, 1, 1, 24, 0, 6}, {0, 3, 0, 24, 1, 6}, {0, 3, 0, 24, 2, 6}}, {{5, 0, 14, 16}, {5, 0, 22, 16}}, {{0, 6, 6}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 6}, {{0, 1, 1, 24, 0, 6}, {0, 3, 0, 24, 1, 6}, {0, 3, 0, 24, 2, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}}, {{0, 6, 6}}},
     // rank 0 step 24: reduce our part, piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/24] = r0:src@0[7/24] + r0:inbox@1[7/24] + r0:inbox@2[7/24]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 2, 0, 24, 0, 7}, {{0, 1, 1, 24, 0, 7}, {0, 3, 0, 24, 1, 7}, {0, 3, 0, 24, 2, 7}}, {{5, 0, 15, 16}, {5, 0, 23, 16}}, {{0, 6, 7}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 7}, {{0, 1, 1, 24, 0, 7}, {0, 3, 0, 24, 1, 7}, {0, 3, 0, 24, 2, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}}, {{0, 6, 7}}},
     // rank 0 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/24] = r0:dst@0[0/24]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
     // rank 0 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/24] = r0:dst@0[1/24]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
     // rank 0 step 27: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/24] = r0:dst@0[2/24]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
     // rank 0 step 28: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/24] = r0:dst@0[3/24]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
     // rank 0 step 29: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/24] = r0:dst@0[4/24]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
     // rank 0 step 30: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/24] = r0:dst@0[5/24]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 0 step 31: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/24] = r0:dst@0[6/24]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
     // rank 0 step 32: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/24] = r0:dst@0[7/24]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
     // rank 0 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/24] = r0:dst@0[0/24]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
     // rank 0 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/24] = r0:dst@0[1/24]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
     // rank 0 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/24] = r0:dst@0[2/24]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
     // rank 0 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/24] = r0:dst@0[3/24]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
     // rank 0 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/24] = r0:dst@0[4/24]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
     // rank 0 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/24] = r0:dst@0[5/24]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
     // rank 0 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/24] = r0:dst@0[6/24]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
     // rank 0 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/24] = r0:dst@0[7/24]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
     // rank 0 step 41: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 0 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/24] = r1:src@0[16/24]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 16}, {{1, 1, 1, 24, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 16}, {{1, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/24] = r1:src@0[17/24]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 17}, {{1, 1, 1, 24, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 17}, {{1, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/24] = r1:src@0[18/24]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 18}, {{1, 1, 1, 24, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 18}, {{1, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/24] = r1:src@0[19/24]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 19}, {{1, 1, 1, 24, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 19}, {{1, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/24] = r1:src@0[20/24]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 20}, {{1, 1, 1, 24, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 20}, {{1, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/24] = r1:src@0[21/24]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 21}, {{1, 1, 1, 24, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 21}, {{1, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/24] = r1:src@0[22/24]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 22}, {{1, 1, 1, 24, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 22}, {{1, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/24] = r1:src@0[23/24]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 24, 1, 23}, {{1, 1, 1, 24, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 23}, {{1, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/24] = r1:src@0[0/24]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 0}, {{1, 1, 1, 24, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 0}, {{1, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/24] = r1:src@0[1/24]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 1}, {{1, 1, 1, 24, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 1}, {{1, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/24] = r1:src@0[2/24]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 2}, {{1, 1, 1, 24, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 2}, {{1, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/24] = r1:src@0[3/24]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 3}, {{1, 1, 1, 24, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 3}, {{1, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/24] = r1:src@0[4/24]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 4}, {{1, 1, 1, 24, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 4}, {{1, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/24] = r1:src@0[5/24]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 5}, {{1, 1, 1, 24, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 5}, {{1, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/24] = r1:src@0[6/24]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 6}, {{1, 1, 1, 24, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 6}, {{1, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/24] = r1:src@0[7/24]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 1, 7}, {{1, 1, 1, 24, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 7}, {{1, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 17: reduce our part, piece 0; wait arrive[0], arrive[16]; r1:dst@0[8/24] = r1:src@0[8/24] + r1:inbox@0[8/24] + r1:inbox@2[8/24]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 8}, {{1, 1, 1, 24, 0, 8}, {1, 3, 0, 24, 0, 8}, {1, 3, 0, 24, 2, 8}}, {{5, 0, 0, 16}, {5, 0, 16, 16}}, {{1, 6, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 8}, {{1, 1, 1, 24, 0, 8}, {1, 3, 0, 24, 0, 8}, {1, 3, 0, 24, 2, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}}, {{1, 6, 0}}},
     // rank 1 step 18: reduce our part, piece 1; wait arrive[1], arrive[17]; r1:dst@0[9/24] = r1:src@0[9/24] + r1:inbox@0[9/24] + r1:inbox@2[9/24]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 9}, {{1, 1, 1, 24, 0, 9}, {1, 3, 0, 24, 0, 9}, {1, 3, 0, 24, 2, 9}}, {{5, 0, 1, 16}, {5, 0, 17, 16}}, {{1, 6, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 9}, {{1, 1, 1, 24, 0, 9}, {1, 3, 0, 24, 0, 9}, {1, 3, 0, 24, 2, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}}, {{1, 6, 1}}},
     // rank 1 step 19: reduce our part, piece 2; wait arrive[2], arrive[18]; r1:dst@0[10/24] = r1:src@0[10/24] + r1:inbox@0[10/24] + r1:inbox@2[10/24]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 10}, {{1, 1, 1, 24, 0, 10}, {1, 3, 0, 24, 0, 10}, {1, 3, 0, 24, 2, 10}}, {{5, 0, 2, 16}, {5, 0, 18, 16}}, {{1, 6, 2}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 10}, {{1, 1, 1, 24, 0, 10}, {1, 3, 0, 24, 0, 10}, {1, 3, 0, 24, 2, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}}, {{1, 6, 2}}},
     // rank 1 step 20: reduce our part, piece 3; wait arrive[3], arrive[19]; r1:dst@0[11/24] = r1:src@0[11/24] + r1:inbox@0[11/24] + r1:inbox@2[11/24]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 11}, {{1, 1, 1, 24, 0, 11}, {1, 3, 0, 24, 0, 11}, {1, 3, 0, 24, 2, 11}}, {{5, 0, 3, 16}, {5, 0, 19, 16}}, {{1, 6, 3}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 11}, {{1, 1, 1, 24, 0, 11}, {1, 3, 0, 24, 0, 11}, {1, 3, 0, 24, 2, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}}, {{1, 6, 3}}},
     // rank 1 step 21: reduce our part, piece 4; wait arrive[4], arrive[20]; r1:dst@0[12/24] = r1:src@0[12/24] + r1:inbox@0[12/24] + r1:inbox@2[12/24]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 12}, {{1, 1, 1, 24, 0, 12}, {1, 3, 0, 24, 0, 12}, {1, 3, 0, 24, 2, 12}}, {{5, 0, 4, 16}, {5, 0, 20, 16}}, {{1, 6, 4}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 12}, {{1, 1, 1, 24, 0, 12}, {1, 3, 0, 24, 0, 12}, {1, 3, 0, 24, 2, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}}, {{1, 6, 4}}},
     // rank 1 step 22: reduce our part, piece 5; wait arrive[5], arrive[21]; r1:dst@0[13/24] = r1:src@0[13/24] + r1:inbox@0[13/24] + r1:inbox@2[13/24]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 13}, {{1, 1, 1, 24, 0, 13}, {1, 3, 0, 24, 0, 13}, {1, 3, 0, 24, 2, 13}}, {{5, 0, 5, 16}, {5, 0, 21, 16}}, {{1, 6, 5}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 13}, {{1, 1, 1, 24, 0, 13}, {1, 3, 0, 24, 0, 13}, {1, 3, 0, 24, 2, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}}, {{1, 6, 5}}},
     // rank 1 step 23: reduce our part, piece 6; wait arrive[6], arrive[22]; r1:dst@0[14/24] = r1:src@0[14/24] + r1:inbox@0[14/24] + r1:inbox@2[14/24]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 14}, {{1, 1, 1, 24, 0, 14}, {1, 3, 0, 24, 0, 14}, {1, 3, 0, 24, 2, 14}}, {{5, 0, 6, 16}, {5, 0, 22, 16}}, {{1, 6, 6}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 14}, {{1, 1, 1, 24, 0, 14}, {1, 3, 0, 24, 0, 14}, {1, 3, 0, 24, 2, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}}, {{1, 6, 6}}},
     // rank 1 step 24: reduce our part, piece 7; wait arrive[7], arrive[23]; r1:dst@0[15/24] = r1:src@0[15/24] + r1:inbox@0[15/24] + r1:inbox@2[15/24]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 2, 0, 24, 0, 15}, {{1, 1, 1, 24, 0, 15}, {1, 3, 0, 24, 0, 15}, {1, 3, 0, 24, 2, 15}}, {{5, 0, 7, 16}, {5, 0, 23, 16}}, {{1, 6, 7}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 15}, {{1, 1, 1, 24, 0, 15}, {1, 3, 0, 24, 0, 15}, {1, 3, 0, 24, 2, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}}, {{1, 6, 7}}},
     // rank 1 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/24] = r1:dst@0[8/24]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
     // rank 1 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/24] = r1:dst@0[9/24]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
     // rank 1 step 27: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/24] = r1:dst@0[10/24]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
     // rank 1 step 28: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/24] = r1:dst@0[11/24]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
     // rank 1 step 29: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/24] = r1:dst@0[12/24]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
     // rank 1 step 30: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/24] = r1:dst@0[13/24]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
     // rank 1 step 31: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/24] = r1:dst@0[14/24]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
     // rank 1 step 32: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/24] = r1:dst@0[15/24]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
     // rank 1 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/24] = r1:dst@0[8/24]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
     // rank 1 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/24] = r1:dst@0[9/24]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
     // rank 1 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/24] = r1:dst@0[10/24]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
     // rank 1 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/24] = r1:dst@0[11/24]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
     // rank 1 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/24] = r1:dst@0[12/24]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
     // rank 1 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/24] = r1:dst@0[13/24]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
     // rank 1 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/24] = r1:dst@0[14/24]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
     // rank 1 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/24] = r1:dst@0[15/24]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
     // rank 1 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 1 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
     // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/24] = r2:src@0[0/24]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 0}, {{2, 1, 1, 24, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 0}, {{2, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/24] = r2:src@0[1/24]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 1}, {{2, 1, 1, 24, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 1}, {{2, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/24] = r2:src@0[2/24]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 2}, {{2, 1, 1, 24, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 2}, {{2, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/24] = r2:src@0[3/24]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 3}, {{2, 1, 1, 24, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 3}, {{2, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/24] = r2:src@0[4/24]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 4}, {{2, 1, 1, 24, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 4}, {{2, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/24] = r2:src@0[5/24]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 5}, {{2, 1, 1, 24, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 5}, {{2, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/24] = r2:src@0[6/24]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 6}, {{2, 1, 1, 24, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 6}, {{2, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/24] = r2:src@0[7/24]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 24, 2, 7}, {{2, 1, 1, 24, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 7}, {{2, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/24] = r2:src@0[8/24]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 8}, {{2, 1, 1, 24, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 8}, {{2, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/24] = r2:src@0[9/24]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 9}, {{2, 1, 1, 24, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 9}, {{2, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/24] = r2:src@0[10/24]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 10}, {{2, 1, 1, 24, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 10}, {{2, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/24] = r2:src@0[11/24]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 11}, {{2, 1, 1, 24, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 11}, {{2, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/24] = r2:src@0[12/24]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 12}, {{2, 1, 1, 24, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 12}, {{2, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/24] = r2:src@0[13/24]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 13}, {{2, 1, 1, 24, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 13}, {{2, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/24] = r2:src@0[14/24]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 14}, {{2, 1, 1, 24, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 14}, {{2, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/24] = r2:src@0[15/24]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 24, 2, 15}, {{2, 1, 1, 24, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 15}, {{2, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 17: reduce our part, piece 0; wait arrive[0], arrive[8]; r2:dst@0[16/24] = r2:src@0[16/24] + r2:inbox@0[16/24] + r2:inbox@1[16/24]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 16}, {{2, 1, 1, 24, 0, 16}, {2, 3, 0, 24, 0, 16}, {2, 3, 0, 24, 1, 16}}, {{5, 0, 0, 16}, {5, 0, 8, 16}}, {{2, 6, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 16}, {{2, 1, 1, 24, 0, 16}, {2, 3, 0, 24, 0, 16}, {2, 3, 0, 24, 1, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}}, {{2, 6, 0}}},
     // rank 2 step 18: reduce our part, piece 1; wait arrive[1], arrive[9]; r2:dst@0[17/24] = r2:src@0[17/24] + r2:inbox@0[17/24] + r2:inbox@1[17/24]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 17}, {{2, 1, 1, 24, 0, 17}, {2, 3, 0, 24, 0, 17}, {2, 3, 0, 24, 1, 17}}, {{5, 0, 1, 16}, {5, 0, 9, 16}}, {{2, 6, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 17}, {{2, 1, 1, 24, 0, 17}, {2, 3, 0, 24, 0, 17}, {2, 3, 0, 24, 1, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}}, {{2, 6, 1}}},
     // rank 2 step 19: reduce our part, piece 2; wait arrive[2], arrive[10]; r2:dst@0[18/24] = r2:src@0[18/24] + r2:inbox@0[18/24] + r2:inbox@1[18/24]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 18}, {{2, 1, 1, 24, 0, 18}, {2, 3, 0, 24, 0, 18}, {2, 3, 0, 24, 1, 18}}, {{5, 0, 2, 16}, {5, 0, 10, 16}}, {{2, 6, 2}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 18}, {{2, 1, 1, 24, 0, 18}, {2, 3, 0, 24, 0, 18}, {2, 3, 0, 24, 1, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}}, {{2, 6, 2}}},
     // rank 2 step 20: reduce our part, piece 3; wait arrive[3], arrive[11]; r2:dst@0[19/24] = r2:src@0[19/24] + r2:inbox@0[19/24] + r2:inbox@1[19/24]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 19}, {{2, 1, 1, 24, 0, 19}, {2, 3, 0, 24, 0, 19}, {2, 3, 0, 24, 1, 19}}, {{5, 0, 3, 16}, {5, 0, 11, 16}}, {{2, 6, 3}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 19}, {{2, 1, 1, 24, 0, 19}, {2, 3, 0, 24, 0, 19}, {2, 3, 0, 24, 1, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}}, {{2, 6, 3}}},
     // rank 2 step 21: reduce our part, piece 4; wait arrive[4], arrive[12]; r2:dst@0[20/24] = r2:src@0[20/24] + r2:inbox@0[20/24] + r2:inbox@1[20/24]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 20}, {{2, 1, 1, 24, 0, 20}, {2, 3, 0, 24, 0, 20}, {2, 3, 0, 24, 1, 20}}, {{5, 0, 4, 16}, {5, 0, 12, 16}}, {{2, 6, 4}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 20}, {{2, 1, 1, 24, 0, 20}, {2, 3, 0, 24, 0, 20}, {2, 3, 0, 24, 1, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}}, {{2, 6, 4}}},
     // rank 2 step 22: reduce our part, piece 5; wait arrive[5], arrive[13]; r2:dst@0[21/24] = r2:src@0[21/24] + r2:inbox@0[21/24] + r2:inbox@1[21/24]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 21}, {{2, 1, 1, 24, 0, 21}, {2, 3, 0, 24, 0, 21}, {2, 3, 0, 24, 1, 21}}, {{5, 0, 5, 16}, {5, 0, 13, 16}}, {{2, 6, 5}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 21}, {{2, 1, 1, 24, 0, 21}, {2, 3, 0, 24, 0, 21}, {2, 3, 0, 24, 1, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}}, {{2, 6, 5}}},
     // rank 2 step 23: reduce our part, piece 6; wait arrive[6], arrive[14]; r2:dst@0[22/24] = r2:src@0[22/24] + r2:inbox@0[22/24] + r2:inbox@1[22/24]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 22}, {{2, 1, 1, 24, 0, 22}, {2, 3, 0, 24, 0, 22}, {2, 3, 0, 24, 1, 22}}, {{5, 0, 6, 16}, {5, 0, 14, 16}}, {{2, 6, 6}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 22}, {{2, 1, 1, 24, 0, 22}, {2, 3, 0, 24, 0, 22}, {2, 3, 0, 24, 1, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}}, {{2, 6, 6}}},
     // rank 2 step 24: reduce our part, piece 7; wait arrive[7], arrive[15]; r2:dst@0[23/24] = r2:src@0[23/24] + r2:inbox@0[23/24] + r2:inbox@1[23/24]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 2, 0, 24, 0, 23}, {{2, 1, 1, 24, 0, 23}, {2, 3, 0, 24, 0, 23}, {2, 3, 0, 24, 1, 23}}, {{5, 0, 7, 16}, {5, 0, 15, 16}}, {{2, 6, 7}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 23}, {{2, 1, 1, 24, 0, 23}, {2, 3, 0, 24, 0, 23}, {2, 3, 0, 24, 1, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}}, {{2, 6, 7}}},
     // rank 2 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/24] = r2:dst@0[16/24]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
     // rank 2 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/24] = r2:dst@0[17/24]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
     // rank 2 step 27: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/24] = r2:dst@0[18/24]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
     // rank 2 step 28: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/24] = r2:dst@0[19/24]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
     // rank 2 step 29: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/24] = r2:dst@0[20/24]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
     // rank 2 step 30: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/24] = r2:dst@0[21/24]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
     // rank 2 step 31: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/24] = r2:dst@0[22/24]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
     // rank 2 step 32: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/24] = r2:dst@0[23/24]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
     // rank 2 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/24] = r2:dst@0[16/24]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
     // rank 2 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/24] = r2:dst@0[17/24]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
     // rank 2 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/24] = r2:dst@0[18/24]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
     // rank 2 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/24] = r2:dst@0[19/24]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
     // rank 2 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/24] = r2:dst@0[20/24]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
     // rank 2 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/24] = r2:dst@0[21/24]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
     // rank 2 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/24] = r2:dst@0[22/24]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
     // rank 2 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/24] = r2:dst@0[23/24]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
     // rank 2 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 2 step 42: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 43, 86 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2252,485 +2287,485 @@ static __device__ const uint16_t first_w3[3][114] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/32] = r0:src@0[8/32]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/32] = r0:src@0[9/32]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/32] = r0:src@0[10/32]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/32] = r0:src@0[11/32]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/32] = r0:src@0[12/32]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/32] = r0:src@0[13/32]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/32] = r0:src@0[14/32]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/32] = r0:src@0[15/32]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/32] = r0:src@0[16/32]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/32] = r0:src@0[17/32]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/32] = r0:src@0[18/32]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/32] = r0:src@0[19/32]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/32] = r0:src@0[20/32]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/32] = r0:src@0[21/32]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/32] = r0:src@0[22/32]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/32] = r0:src@0[23/32]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/32] = r0:src@0[24/32]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/32] = r0:src@0[25/32]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/32] = r0:src@0[26/32]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/32] = r0:src@0[27/32]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/32] = r0:src@0[28/32]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/32] = r0:src@0[29/32]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/32] = r0:src@0[30/32]; signal r3:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/32] = r0:src@0[31/32]; signal r3:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 0 step 25: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/32] = r0:src@0[0/32] + r0:inbox@1[0/32] + r0:inbox@2[0/32] + r0:inbox@3[0/32]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{0, 6, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{0, 6, 0}}},
     // rank 0 step 26: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/32] = r0:src@0[1/32] + r0:inbox@1[1/32] + r0:inbox@2[1/32] + r0:inbox@3[1/32]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{0, 6, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{0, 6, 1}}},
     // rank 0 step 27: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/32] = r0:src@0[2/32] + r0:inbox@1[2/32] + r0:inbox@2[2/32] + r0:inbox@3[2/32]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{0, 6, 2}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{0, 6, 2}}},
     // rank 0 step 28: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/32] = r0:src@0[3/32] + r0:inbox@1[3/32] + r0:inbox@2[3/32] + r0:inbox@3[3/32]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{0, 6, 3}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{0, 6, 3}}},
     // rank 0 step 29: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/32] = r0:src@0[4/32] + r0:inbox@1[4/32] + r0:inbox@2[4/32] + r0:inbox@3[4/32]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}, {0, 3, 0, 32, 1, 4}, {0, 3, 0, 32, 2, 4}, {0, 3, 0, 32, 3, 4}}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{0, 6, 4}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}, {0, 3, 0, 32, 1, 4}, {0, 3, 0, 32, 2, 4}, {0, 3, 0, 32, 3, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{0, 6, 4}}},
     // rank 0 step 30: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/32] = r0:src@0[5/32] + r0:inbox@1[5/32] + r0:inbox@2[5/32] + r0:inbox@3[5/32]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}, {0, 3, 0, 32, 1, 5}, {0, 3, 0, 32, 2, 5}, {0, 3, 0, 32, 3, 5}}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{0, 6, 5}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}, {0, 3, 0, 32, 1, 5}, {0, 3, 0, 32, 2, 5}, {0, 3, 0, 32, 3, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{0, 6, 5}}},
     // rank 0 step 31: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/32] = r0:src@0[6/32] + r0:inbox@1[6/32] + r0:inbox@2[6/32] + r0:inbox@3[6/32]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}, {0, 3, 0, 32, 1, 6}, {0, 3, 0, 32, 2, 6}, {0, 3, 0, 32, 3, 6}}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{0, 6, 6}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}, {0, 3, 0, 32, 1, 6}, {0, 3, 0, 32, 2, 6}, {0, 3, 0, 32, 3, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{0, 6, 6}}},
     // rank 0 step 32: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/32] = r0:src@0[7/32] + r0:inbox@1[7/32] + r0:inbox@2[7/32] + r0:inbox@3[7/32]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 2, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}, {0, 3, 0, 32, 1, 7}, {0, 3, 0, 32, 2, 7}, {0, 3, 0, 32, 3, 7}}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{0, 6, 7}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}, {0, 3, 0, 32, 1, 7}, {0, 3, 0, 32, 2, 7}, {0, 3, 0, 32, 3, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{0, 6, 7}}},
     // rank 0 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
     // rank 0 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
     // rank 0 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
     // rank 0 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
     // rank 0 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/32] = r0:dst@0[4/32]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
     // rank 0 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/32] = r0:dst@0[5/32]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 0 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/32] = r0:dst@0[6/32]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
     // rank 0 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/32] = r0:dst@0[7/32]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
     // rank 0 step 41: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/32] = r0:dst@0[0/32]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
     // rank 0 step 42: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/32] = r0:dst@0[1/32]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
     // rank 0 step 43: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/32] = r0:dst@0[2/32]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
     // rank 0 step 44: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/32] = r0:dst@0[3/32]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
     // rank 0 step 45: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/32] = r0:dst@0[4/32]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
     // rank 0 step 46: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/32] = r0:dst@0[5/32]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
     // rank 0 step 47: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/32] = r0:dst@0[6/32]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
     // rank 0 step 48: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/32] = r0:dst@0[7/32]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
     // rank 0 step 49: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/32] = r0:dst@0[0/32]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
     // rank 0 step 50: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/32] = r0:dst@0[1/32]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
     // rank 0 step 51: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/32] = r0:dst@0[2/32]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
     // rank 0 step 52: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/32] = r0:dst@0[3/32]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
     // rank 0 step 53: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/32] = r0:dst@0[4/32]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
     // rank 0 step 54: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/32] = r0:dst@0[5/32]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
     // rank 0 step 55: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/32] = r0:dst@0[6/32]; signal r3:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
     // rank 0 step 56: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/32] = r0:dst@0[7/32]; signal r3:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
     // rank 0 step 57: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 0 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 0 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/32] = r1:src@0[16/32]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/32] = r1:src@0[17/32]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/32] = r1:src@0[18/32]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/32] = r1:src@0[19/32]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/32] = r1:src@0[20/32]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/32] = r1:src@0[21/32]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/32] = r1:src@0[22/32]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/32] = r1:src@0[23/32]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/32] = r1:src@0[24/32]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/32] = r1:src@0[25/32]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/32] = r1:src@0[26/32]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/32] = r1:src@0[27/32]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/32] = r1:src@0[28/32]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/32] = r1:src@0[29/32]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/32] = r1:src@0[30/32]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/32] = r1:src@0[31/32]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 1 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/32] = r1:src@0[0/32]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/32] = r1:src@0[1/32]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/32] = r1:src@0[2/32]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/32] = r1:src@0[3/32]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/32] = r1:src@0[4/32]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 4}, {{1, 1, 1, 32, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 4}, {{1, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/32] = r1:src@0[5/32]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 5}, {{1, 1, 1, 32, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 5}, {{1, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/32] = r1:src@0[6/32]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 6}, {{1, 1, 1, 32, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 6}, {{1, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/32] = r1:src@0[7/32]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 1, 7}, {{1, 1, 1, 32, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 7}, {{1, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 25: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[8/32] = r1:src@0[8/32] + r1:inbox@0[8/32] + r1:inbox@2[8/32] + r1:inbox@3[8/32]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 8}, {{1, 1, 1, 32, 0, 8}, {1, 3, 0, 32, 0, 8}, {1, 3, 0, 32, 2, 8}, {1, 3, 0, 32, 3, 8}}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{1, 6, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 8}, {{1, 1, 1, 32, 0, 8}, {1, 3, 0, 32, 0, 8}, {1, 3, 0, 32, 2, 8}, {1, 3, 0, 32, 3, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{1, 6, 0}}},
     // rank 1 step 26: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[9/32] = r1:src@0[9/32] + r1:inbox@0[9/32] + r1:inbox@2[9/32] + r1:inbox@3[9/32]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 9}, {{1, 1, 1, 32, 0, 9}, {1, 3, 0, 32, 0, 9}, {1, 3, 0, 32, 2, 9}, {1, 3, 0, 32, 3, 9}}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{1, 6, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 9}, {{1, 1, 1, 32, 0, 9}, {1, 3, 0, 32, 0, 9}, {1, 3, 0, 32, 2, 9}, {1, 3, 0, 32, 3, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{1, 6, 1}}},
     // rank 1 step 27: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[10/32] = r1:src@0[10/32] + r1:inbox@0[10/32] + r1:inbox@2[10/32] + r1:inbox@3[10/32]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 10}, {{1, 1, 1, 32, 0, 10}, {1, 3, 0, 32, 0, 10}, {1, 3, 0, 32, 2, 10}, {1, 3, 0, 32, 3, 10}}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{1, 6, 2}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 10}, {{1, 1, 1, 32, 0, 10}, {1, 3, 0, 32, 0, 10}, {1, 3, 0, 32, 2, 10}, {1, 3, 0, 32, 3, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{1, 6, 2}}},
     // rank 1 step 28: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[11/32] = r1:src@0[11/32] + r1:inbox@0[11/32] + r1:inbox@2[11/32] + r1:inbox@3[11/32]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 11}, {{1, 1, 1, 32, 0, 11}, {1, 3, 0, 32, 0, 11}, {1, 3, 0, 32, 2, 11}, {1, 3, 0, 32, 3, 11}}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{1, 6, 3}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 11}, {{1, 1, 1, 32, 0, 11}, {1, 3, 0, 32, 0, 11}, {1, 3, 0, 32, 2, 11}, {1, 3, 0, 32, 3, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{1, 6, 3}}},
     // rank 1 step 29: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[12/32] = r1:src@0[12/32] + r1:inbox@0[12/32] + r1:inbox@2[12/32] + r1:inbox@3[12/32]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 12}, {{1, 1, 1, 32, 0, 12}, {1, 3, 0, 32, 0, 12}, {1, 3, 0, 32, 2, 12}, {1, 3, 0, 32, 3, 12}}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{1, 6, 4}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 12}, {{1, 1, 1, 32, 0, 12}, {1, 3, 0, 32, 0, 12}, {1, 3, 0, 32, 2, 12}, {1, 3, 0, 32, 3, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{1, 6, 4}}},
     // rank 1 step 30: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[13/32] = r1:src@0[13/32] + r1:inbox@0[13/32] + r1:inbox@2[13/32] + r1:inbox@3[13/32]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 13}, {{1, 1, 1, 32, 0, 13}, {1, 3, 0, 32, 0, 13}, {1, 3, 0, 32, 2, 13}, {1, 3, 0, 32, 3, 13}}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{1, 6, 5}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 13}, {{1, 1, 1, 32, 0, 13}, {1, 3, 0, 32, 0, 13}, {1, 3, 0, 32, 2, 13}, {1, 3, 0, 32, 3, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{1, 6, 5}}},
     // rank 1 step 31: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[14/32] = r1:src@0[14/32] + r1:inbox@0[14/32] + r1:inbox@2[14/32] + r1:inbox@3[14/32]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 14}, {{1, 1, 1, 32, 0, 14}, {1, 3, 0, 32, 0, 14}, {1, 3, 0, 32, 2, 14}, {1, 3, 0, 32, 3, 14}}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{1, 6, 6}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 14}, {{1, 1, 1, 32, 0, 14}, {1, 3, 0, 32, 0, 14}, {1, 3, 0, 32, 2, 14}, {1, 3, 0, 32, 3, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{1, 6, 6}}},
     // rank 1 step 32: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[15/32] = r1:src@0[15/32] + r1:inbox@0[15/32] + r1:inbox@2[15/32] + r1:inbox@3[15/32]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 2, 0, 32, 0, 15}, {{1, 1, 1, 32, 0, 15}, {1, 3, 0, 32, 0, 15}, {1, 3, 0, 32, 2, 15}, {1, 3, 0, 32, 3, 15}}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{1, 6, 7}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 15}, {{1, 1, 1, 32, 0, 15}, {1, 3, 0, 32, 0, 15}, {1, 3, 0, 32, 2, 15}, {1, 3, 0, 32, 3, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{1, 6, 7}}},
     // rank 1 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/32] = r1:dst@0[8/32]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
     // rank 1 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/32] = r1:dst@0[9/32]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
     // rank 1 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/32] = r1:dst@0[10/32]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
     // rank 1 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/32] = r1:dst@0[11/32]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
     // rank 1 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
     // rank 1 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
     // rank 1 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
     // rank 1 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
     // rank 1 step 41: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/32] = r1:dst@0[8/32]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
     // rank 1 step 42: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/32] = r1:dst@0[9/32]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
     // rank 1 step 43: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/32] = r1:dst@0[10/32]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
     // rank 1 step 44: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/32] = r1:dst@0[11/32]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
     // rank 1 step 45: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/32] = r1:dst@0[12/32]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
     // rank 1 step 46: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/32] = r1:dst@0[13/32]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
     // rank 1 step 47: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/32] = r1:dst@0[14/32]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
     // rank 1 step 48: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/32] = r1:dst@0[15/32]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
     // rank 1 step 49: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/32] = r1:dst@0[8/32]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
     // rank 1 step 50: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/32] = r1:dst@0[9/32]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
     // rank 1 step 51: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/32] = r1:dst@0[10/32]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
     // rank 1 step 52: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/32] = r1:dst@0[11/32]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
     // rank 1 step 53: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/32] = r1:dst@0[12/32]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
     // rank 1 step 54: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/32] = r1:dst@0[13/32]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
     // rank 1 step 55: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/32] = r1:dst@0[14/32]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
     // rank 1 step 56: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/32] = r1:dst@0[15/32]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
     // rank 1 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 1 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 1 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
     // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/32] = r2:src@0[24/32]; signal r3:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
     // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/32] = r2:src@0[25/32]; signal r3:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
     // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/32] = r2:src@0[26/32]; signal r3:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
     // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/32] = r2:src@0[27/32]; signal r3:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
     // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/32] = r2:src@0[28/32]; signal r3:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
     // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/32] = r2:src@0[29/32]; signal r3:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
     // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/32] = r2:src@0[30/32]; signal r3:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
     // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/32] = r2:src@0[31/32]; signal r3:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
     // rank 2 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/32] = r2:src@0[0/32]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/32] = r2:src@0[1/32]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/32] = r2:src@0[2/32]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/32] = r2:src@0[3/32]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/32] = r2:src@0[4/32]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/32] = r2:src@0[5/32]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/32] = r2:src@0[6/32]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/32] = r2:src@0[7/32]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/32] = r2:src@0[8/32]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 8}, {{2, 1, 1, 32, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 8}, {{2, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/32] = r2:src@0[9/32]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 9}, {{2, 1, 1, 32, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 9}, {{2, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/32] = r2:src@0[10/32]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 10}, {{2, 1, 1, 32, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 10}, {{2, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/32] = r2:src@0[11/32]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 11}, {{2, 1, 1, 32, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 11}, {{2, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/32] = r2:src@0[12/32]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/32] = r2:src@0[13/32]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/32] = r2:src@0[14/32]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/32] = r2:src@0[15/32]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[16/32] = r2:src@0[16/32] + r2:inbox@0[16/32] + r2:inbox@1[16/32] + r2:inbox@3[16/32]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 16}, {{2, 1, 1, 32, 0, 16}, {2, 3, 0, 32, 0, 16}, {2, 3, 0, 32, 1, 16}, {2, 3, 0, 32, 3, 16}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}}, {{2, 6, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 16}, {{2, 1, 1, 32, 0, 16}, {2, 3, 0, 32, 0, 16}, {2, 3, 0, 32, 1, 16}, {2, 3, 0, 32, 3, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}}, {{2, 6, 0}}},
     // rank 2 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[17/32] = r2:src@0[17/32] + r2:inbox@0[17/32] + r2:inbox@1[17/32] + r2:inbox@3[17/32]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 17}, {{2, 1, 1, 32, 0, 17}, {2, 3, 0, 32, 0, 17}, {2, 3, 0, 32, 1, 17}, {2, 3, 0, 32, 3, 17}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}}, {{2, 6, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 17}, {{2, 1, 1, 32, 0, 17}, {2, 3, 0, 32, 0, 17}, {2, 3, 0, 32, 1, 17}, {2, 3, 0, 32, 3, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}}, {{2, 6, 1}}},
     // rank 2 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[18/32] = r2:src@0[18/32] + r2:inbox@0[18/32] + r2:inbox@1[18/32] + r2:inbox@3[18/32]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 18}, {{2, 1, 1, 32, 0, 18}, {2, 3, 0, 32, 0, 18}, {2, 3, 0, 32, 1, 18}, {2, 3, 0, 32, 3, 18}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}}, {{2, 6, 2}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 18}, {{2, 1, 1, 32, 0, 18}, {2, 3, 0, 32, 0, 18}, {2, 3, 0, 32, 1, 18}, {2, 3, 0, 32, 3, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}}, {{2, 6, 2}}},
     // rank 2 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[19/32] = r2:src@0[19/32] + r2:inbox@0[19/32] + r2:inbox@1[19/32] + r2:inbox@3[19/32]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 19}, {{2, 1, 1, 32, 0, 19}, {2, 3, 0, 32, 0, 19}, {2, 3, 0, 32, 1, 19}, {2, 3, 0, 32, 3, 19}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}}, {{2, 6, 3}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 19}, {{2, 1, 1, 32, 0, 19}, {2, 3, 0, 32, 0, 19}, {2, 3, 0, 32, 1, 19}, {2, 3, 0, 32, 3, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}}, {{2, 6, 3}}},
     // rank 2 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[20/32] = r2:src@0[20/32] + r2:inbox@0[20/32] + r2:inbox@1[20/32] + r2:inbox@3[20/32]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 20}, {{2, 1, 1, 32, 0, 20}, {2, 3, 0, 32, 0, 20}, {2, 3, 0, 32, 1, 20}, {2, 3, 0, 32, 3, 20}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}}, {{2, 6, 4}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 20}, {{2, 1, 1, 32, 0, 20}, {2, 3, 0, 32, 0, 20}, {2, 3, 0, 32, 1, 20}, {2, 3, 0, 32, 3, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}}, {{2, 6, 4}}},
     // rank 2 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[21/32] = r2:src@0[21/32] + r2:inbox@0[21/32] + r2:inbox@1[21/32] + r2:inbox@3[21/32]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 21}, {{2, 1, 1, 32, 0, 21}, {2, 3, 0, 32, 0, 21}, {2, 3, 0, 32, 1, 21}, {2, 3, 0, 32, 3, 21}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}}, {{2, 6, 5}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 21}, {{2, 1, 1, 32, 0, 21}, {2, 3, 0, 32, 0, 21}, {2, 3, 0, 32, 1, 21}, {2, 3, 0, 32, 3, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}}, {{2, 6, 5}}},
     // rank 2 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[22/32] = r2:src@0[22/32] + r2:inbox@0[22/32] + r2:inbox@1[22/32] + r2:inbox@3[22/32]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 22}, {{2, 1, 1, 32, 0, 22}, {2, 3, 0, 32, 0, 22}, {2, 3, 0, 32, 1, 22}, {2, 3, 0, 32, 3, 22}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}}, {{2, 6, 6}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 22}, {{2, 1, 1, 32, 0, 22}, {2, 3, 0, 32, 0, 22}, {2, 3, 0, 32, 1, 22}, {2, 3, 0, 32, 3, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}}, {{2, 6, 6}}},
     // rank 2 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[23/32] = r2:src@0[23/32] + r2:inbox@0[23/32] + r2:inbox@1[23/32] + r2:inbox@3[23/32]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 2, 0, 32, 0, 23}, {{2, 1, 1, 32, 0, 23}, {2, 3, 0, 32, 0, 23}, {2, 3, 0, 32, 1, 23}, {2, 3, 0, 32, 3, 23}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}}, {{2, 6, 7}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 23}, {{2, 1, 1, 32, 0, 23}, {2, 3, 0, 32, 0, 23}, {2, 3, 0, 32, 1, 23}, {2, 3, 0, 32, 3, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}}, {{2, 6, 7}}},
     // rank 2 step 33: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
     // rank 2 step 34: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
     // rank 2 step 35: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
     // rank 2 step 36: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
     // rank 2 step 37: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
     // rank 2 step 38: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
     // rank 2 step 39: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
     // rank 2 step 40: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
     // rank 2 step 41: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/32] = r2:dst@0[16/32]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
     // rank 2 step 42: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/32] = r2:dst@0[17/32]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
     // rank 2 step 43: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/32] = r2:dst@0[18/32]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
     // rank 2 step 44: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/32] = r2:dst@0[19/32]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
     // rank 2 step 45: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/32] = r2:dst@0[20/32]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
     // rank 2 step 46: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/32] = r2:dst@0[21/32]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
     // rank 2 step 47: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/32] = r2:dst@0[22/32]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
     // rank 2 step 48: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/32] = r2:dst@0[23/32]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
     // rank 2 step 49: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/32] = r2:dst@0[16/32]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
     // rank 2 step 50: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/32] = r2:dst@0[17/32]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
     // rank 2 step 51: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/32] = r2:dst@0[18/32]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
     // rank 2 step 52: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/32] = r2:dst@0[19/32]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
     // rank 2 step 53: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/32] = r2:dst@0[20/32]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
     // rank 2 step 54: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/32] = r2:dst@0[21/32]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
     // rank 2 step 55: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/32] = r2:dst@0[22/32]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
     // rank 2 step 56: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/32] = r2:dst@0[23/32]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
     // rank 2 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 2 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 2 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
     // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/32] = r3:src@0[0/32]; signal r0:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/32] = r3:src@0[1/32]; signal r0:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 3 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/32] = r3:src@0[2/32]; signal r0:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 3 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/32] = r3:src@0[3/32]; signal r0:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 3 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/32] = r3:src@0[4/32]; signal r0:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
     // rank 3 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/32] = r3:src@0[5/32]; signal r0:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
     // rank 3 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/32] = r3:src@0[6/32]; signal r0:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
     // rank 3 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/32] = r3:src@0[7/32]; signal r0:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
     // rank 3 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/32] = r3:src@0[8/32]; signal r1:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 3 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/32] = r3:src@0[9/32]; signal r1:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 3 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/32] = r3:src@0[10/32]; signal r1:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 3 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/32] = r3:src@0[11/32]; signal r1:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 3 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/32] = r3:src@0[12/32]; signal r1:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 12}, {{3, 1, 1, 32, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 12}, {{3, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 3 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/32] = r3:src@0[13/32]; signal r1:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 13}, {{3, 1, 1, 32, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 13}, {{3, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 3 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/32] = r3:src@0[14/32]; signal r1:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 14}, {{3, 1, 1, 32, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 14}, {{3, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 3 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/32] = r3:src@0[15/32]; signal r1:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 32, 3, 15}, {{3, 1, 1, 32, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 15}, {{3, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 3 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/32] = r3:src@0[16/32]; signal r2:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 3 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/32] = r3:src@0[17/32]; signal r2:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 3 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/32] = r3:src@0[18/32]; signal r2:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 3 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/32] = r3:src@0[19/32]; signal r2:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 3 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/32] = r3:src@0[20/32]; signal r2:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 3 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/32] = r3:src@0[21/32]; signal r2:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 3 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/32] = r3:src@0[22/32]; signal r2:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 3 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/32] = r3:src@0[23/32]; signal r2:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 3 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[24/32] = r3:src@0[24/32] + r3:inbox@0[24/32] + r3:inbox@1[24/32] + r3:inbox@2[24/32]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 24}, {{3, 1, 1, 32, 0, 24}, {3, 3, 0, 32, 0, 24}, {3, 3, 0, 32, 1, 24}, {3, 3, 0, 32, 2, 24}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}}, {{3, 6, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 24}, {{3, 1, 1, 32, 0, 24}, {3, 3, 0, 32, 0, 24}, {3, 3, 0, 32, 1, 24}, {3, 3, 0, 32, 2, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}}, {{3, 6, 0}}},
     // rank 3 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[25/32] = r3:src@0[25/32] + r3:inbox@0[25/32] + r3:inbox@1[25/32] + r3:inbox@2[25/32]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 25}, {{3, 1, 1, 32, 0, 25}, {3, 3, 0, 32, 0, 25}, {3, 3, 0, 32, 1, 25}, {3, 3, 0, 32, 2, 25}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}}, {{3, 6, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 25}, {{3, 1, 1, 32, 0, 25}, {3, 3, 0, 32, 0, 25}, {3, 3, 0, 32, 1, 25}, {3, 3, 0, 32, 2, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}}, {{3, 6, 1}}},
     // rank 3 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[26/32] = r3:src@0[26/32] + r3:inbox@0[26/32] + r3:inbox@1[26/32] + r3:inbox@2[26/32]; signal r3:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 26}, {{3, 1, 1, 32, 0, 26}, {3, 3, 0, 32, 0, 26}, {3, 3, 0, 32, 1, 26}, {3, 3, 0, 32, 2, 26}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}}, {{3, 6, 2}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 26}, {{3, 1, 1, 32, 0, 26}, {3, 3, 0, 32, 0, 26}, {3, 3, 0, 32, 1, 26}, {3, 3, 0, 32, 2, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}}, {{3, 6, 2}}},
     // rank 3 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[27/32] = r3:src@0[27/32] + r3:inbox@0[27/32] + r3:inbox@1[27/32] + r3:inbox@2[27/32]; signal r3:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 27}, {{3, 1, 1, 32, 0, 27}, {3, 3, 0, 32, 0, 27}, {3, 3, 0, 32, 1, 27}, {3, 3, 0, 32, 2, 27}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}}, {{3, 6, 3}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 27}, {{3, 1, 1, 32, 0, 27}, {3, 3, 0, 32, 0, 27}, {3, 3, 0, 32, 1, 27}, {3, 3, 0, 32, 2, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}}, {{3, 6, 3}}},
     // rank 3 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[28/32] = r3:src@0[28/32] + r3:inbox@0[28/32] + r3:inbox@1[28/32] + r3:inbox@2[28/32]; signal r3:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 28}, {{3, 1, 1, 32, 0, 28}, {3, 3, 0, 32, 0, 28}, {3, 3, 0, 32, 1, 28}, {3, 3, 0, 32, 2, 28}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}}, {{3, 6, 4}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 28}, {{3, 1, 1, 32, 0, 28}, {3, 3, 0, 32, 0, 28}, {3, 3, 0, 32, 1, 28}, {3, 3, 0, 32, 2, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}}, {{3, 6, 4}}},
     // rank 3 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[29/32] = r3:src@0[29/32] + r3:inbox@0[29/32] + r3:inbox@1[29/32] + r3:inbox@2[29/32]; signal r3:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 29}, {{3, 1, 1, 32, 0, 29}, {3, 3, 0, 32, 0, 29}, {3, 3, 0, 32, 1, 29}, {3, 3, 0, 32, 2, 29}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}}, {{3, 6, 5}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 29}, {{3, 1, 1, 32, 0, 29}, {3, 3, 0, 32, 0, 29}, {3, 3, 0, 32, 1, 29}, {3, 3, 0, 32, 2, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}}, {{3, 6, 5}}},
     // rank 3 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[30/32] = r3:src@0[30/32] + r3:inbox@0[30/32] + r3:inbox@1[30/32] + r3:inbox@2[30/32]; signal r3:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 30}, {{3, 1, 1, 32, 0, 30}, {3, 3, 0, 32, 0, 30}, {3, 3, 0, 32, 1, 30}, {3, 3, 0, 32, 2, 30}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}}, {{3, 6, 6}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 30}, {{3, 1, 1, 32, 0, 30}, {3, 3, 0, 32, 0, 30}, {3, 3, 0, 32, 1, 30}, {3, 3, 0, 32, 2, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}}, {{3, 6, 6}}},
     // rank 3 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[31/32] = r3:src@0[31/32] + r3:inbox@0[31/32] + r3:inbox@1[31/32] + r3:inbox@2[31/32]; signal r3:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 2, 0, 32, 0, 31}, {{3, 1, 1, 32, 0, 31}, {3, 3, 0, 32, 0, 31}, {3, 3, 0, 32, 1, 31}, {3, 3, 0, 32, 2, 31}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}}, {{3, 6, 7}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 31}, {{3, 1, 1, 32, 0, 31}, {3, 3, 0, 32, 0, 31}, {3, 3, 0, 32, 1, 31}, {3, 3, 0, 32, 2, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}}, {{3, 6, 7}}},
     // rank 3 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/32] = r3:dst@0[24/32]; signal r0:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
     // rank 3 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/32] = r3:dst@0[25/32]; signal r0:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
     // rank 3 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/32] = r3:dst@0[26/32]; signal r0:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
     // rank 3 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/32] = r3:dst@0[27/32]; signal r0:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
     // rank 3 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/32] = r3:dst@0[28/32]; signal r0:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
     // rank 3 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/32] = r3:dst@0[29/32]; signal r0:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
     // rank 3 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/32] = r3:dst@0[30/32]; signal r0:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
     // rank 3 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/32] = r3:dst@0[31/32]; signal r0:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
     // rank 3 step 41: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/32] = r3:dst@0[24/32]; signal r1:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
     // rank 3 step 42: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/32] = r3:dst@0[25/32]; signal r1:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
     // rank 3 step 43: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/32] = r3:dst@0[26/32]; signal r1:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
     // rank 3 step 44: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/32] = r3:dst@0[27/32]; signal r1:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
     // rank 3 step 45: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/32] = r3:dst@0[28/32]; signal r1:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
     // rank 3 step 46: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/32] = r3:dst@0[29/32]; signal r1:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
     // rank 3 step 47: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/32] = r3:dst@0[30/32]; signal r1:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
     // rank 3 step 48: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/32] = r3:dst@0[31/32]; signal r1:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
     // rank 3 step 49: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/32] = r3:dst@0[24/32]; signal r2:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
     // rank 3 step 50: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/32] = r3:dst@0[25/32]; signal r2:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
     // rank 3 step 51: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/32] = r3:dst@0[26/32]; signal r2:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
     // rank 3 step 52: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/32] = r3:dst@0[27/32]; signal r2:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
     // rank 3 step 53: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/32] = r3:dst@0[28/32]; signal r2:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
     // rank 3 step 54: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/32] = r3:dst@0[29/32]; signal r2:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
     // rank 3 step 55: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/32] = r3:dst@0[30/32]; signal r2:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
     // rank 3 step 56: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/32] = r3:dst@0[31/32]; signal r2:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
     // rank 3 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 3 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 3 step 59: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 60, 120, 180 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -3661,2053 +3696,2053 @@ static __device__ const uint16_t first_w4[4][114] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/64] = r0:src@0[8/64]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 8}, {{0, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 8}, {{0, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/64] = r0:src@0[9/64]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 9}, {{0, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 9}, {{0, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/64] = r0:src@0[10/64]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 10}, {{0, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 10}, {{0, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/64] = r0:src@0[11/64]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 11}, {{0, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 11}, {{0, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/64] = r0:src@0[12/64]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 12}, {{0, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 12}, {{0, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/64] = r0:src@0[13/64]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 13}, {{0, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 13}, {{0, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/64] = r0:src@0[14/64]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 14}, {{0, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 14}, {{0, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/64] = r0:src@0[15/64]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 0, 15}, {{0, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 15}, {{0, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/64] = r0:src@0[16/64]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 16}, {{0, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 16}, {{0, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/64] = r0:src@0[17/64]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 17}, {{0, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 17}, {{0, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/64] = r0:src@0[18/64]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 18}, {{0, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 18}, {{0, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/64] = r0:src@0[19/64]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 19}, {{0, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 19}, {{0, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/64] = r0:src@0[20/64]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 20}, {{0, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 20}, {{0, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/64] = r0:src@0[21/64]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 21}, {{0, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 21}, {{0, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/64] = r0:src@0[22/64]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 22}, {{0, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 22}, {{0, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/64] = r0:src@0[23/64]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 0, 23}, {{0, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 23}, {{0, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/64] = r0:src@0[24/64]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 24}, {{0, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 24}, {{0, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/64] = r0:src@0[25/64]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 25}, {{0, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 25}, {{0, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/64] = r0:src@0[26/64]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 26}, {{0, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 26}, {{0, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/64] = r0:src@0[27/64]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 27}, {{0, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 27}, {{0, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/64] = r0:src@0[28/64]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 28}, {{0, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 28}, {{0, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/64] = r0:src@0[29/64]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 29}, {{0, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 29}, {{0, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/64] = r0:src@0[30/64]; signal r3:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 30}, {{0, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 30}, {{0, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/64] = r0:src@0[31/64]; signal r3:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 0, 31}, {{0, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 31}, {{0, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 0 step 25: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[32/64] = r0:src@0[32/64]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 32}, {{0, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 32}, {{0, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
     // rank 0 step 26: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[33/64] = r0:src@0[33/64]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 33}, {{0, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 33}, {{0, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
     // rank 0 step 27: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@0[34/64] = r0:src@0[34/64]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 34}, {{0, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 34}, {{0, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
     // rank 0 step 28: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@0[35/64] = r0:src@0[35/64]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 35}, {{0, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 35}, {{0, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
     // rank 0 step 29: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@0[36/64] = r0:src@0[36/64]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 36}, {{0, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 36}, {{0, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
     // rank 0 step 30: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@0[37/64] = r0:src@0[37/64]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 37}, {{0, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 37}, {{0, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
     // rank 0 step 31: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@0[38/64] = r0:src@0[38/64]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 38}, {{0, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 38}, {{0, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
     // rank 0 step 32: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@0[39/64] = r0:src@0[39/64]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 0, 39}, {{0, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 39}, {{0, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
     // rank 0 step 33: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[40/64] = r0:src@0[40/64]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 40}, {{0, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 40}, {{0, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
     // rank 0 step 34: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[41/64] = r0:src@0[41/64]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 41}, {{0, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 41}, {{0, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
     // rank 0 step 35: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@0[42/64] = r0:src@0[42/64]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 42}, {{0, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 42}, {{0, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
     // rank 0 step 36: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@0[43/64] = r0:src@0[43/64]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 43}, {{0, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 43}, {{0, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
     // rank 0 step 37: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@0[44/64] = r0:src@0[44/64]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 44}, {{0, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 44}, {{0, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
     // rank 0 step 38: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@0[45/64] = r0:src@0[45/64]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 45}, {{0, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 45}, {{0, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
     // rank 0 step 39: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@0[46/64] = r0:src@0[46/64]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 46}, {{0, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 46}, {{0, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
     // rank 0 step 40: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@0[47/64] = r0:src@0[47/64]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 0, 47}, {{0, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 47}, {{0, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
     // rank 0 step 41: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[48/64] = r0:src@0[48/64]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 48}, {{0, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 48}, {{0, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
     // rank 0 step 42: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[49/64] = r0:src@0[49/64]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 49}, {{0, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 49}, {{0, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
     // rank 0 step 43: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@0[50/64] = r0:src@0[50/64]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 50}, {{0, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 50}, {{0, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
     // rank 0 step 44: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@0[51/64] = r0:src@0[51/64]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 51}, {{0, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 51}, {{0, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
     // rank 0 step 45: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@0[52/64] = r0:src@0[52/64]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 52}, {{0, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 52}, {{0, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
     // rank 0 step 46: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@0[53/64] = r0:src@0[53/64]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 53}, {{0, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 53}, {{0, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
     // rank 0 step 47: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@0[54/64] = r0:src@0[54/64]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 54}, {{0, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 54}, {{0, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
     // rank 0 step 48: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@0[55/64] = r0:src@0[55/64]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 0, 55}, {{0, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 55}, {{0, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
     // rank 0 step 49: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[56/64] = r0:src@0[56/64]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 56}, {{0, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 56}, {{0, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
     // rank 0 step 50: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[57/64] = r0:src@0[57/64]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 57}, {{0, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 57}, {{0, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
     // rank 0 step 51: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@0[58/64] = r0:src@0[58/64]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 58}, {{0, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 58}, {{0, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
     // rank 0 step 52: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@0[59/64] = r0:src@0[59/64]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 59}, {{0, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 59}, {{0, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
     // rank 0 step 53: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@0[60/64] = r0:src@0[60/64]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 60}, {{0, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 60}, {{0, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
     // rank 0 step 54: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@0[61/64] = r0:src@0[61/64]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 61}, {{0, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 61}, {{0, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
     // rank 0 step 55: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@0[62/64] = r0:src@0[62/64]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 62}, {{0, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 62}, {{0, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
     // rank 0 step 56: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@0[63/64] = r0:src@0[63/64]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 0, 63}, {{0, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 63}, {{0, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
     // rank 0 step 57: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/64] = r0:src@0[0/64] + r0:inbox@1[0/64] + r0:inbox@2[0/64] + r0:inbox@3[0/64] + r0:inbox@4[0/64] + r0:inbox@5[0/64] + r0:inbox@6[0/64] + r0:inbox@7[0/64]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 0}, {{0, 1, 1, 64, 0, 0}, {0, 3, 0, 64, 1, 0}, {0, 3, 0, 64, 2, 0}, {0, 3, 0, 64, 3, 0}, {0, 3, 0, 64, 4, 0}, {0, 3, 0, 64, 5, 0}, {0, 3, 0, 64, 6, 0}, {0, 3, 0, 64, 7, 0}}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{0, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 0}, {{0, 1, 1, 64, 0, 0}, {0, 3, 0, 64, 1, 0}, {0, 3, 0, 64, 2, 0}, {0, 3, 0, 64, 3, 0}, {0, 3, 0, 64, 4, 0}, {0, 3, 0, 64, 5, 0}, {0, 3, 0, 64, 6, 0}, {0, 3, 0, 64, 7, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{0, 6, 0}}},
     // rank 0 step 58: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/64] = r0:src@0[1/64] + r0:inbox@1[1/64] + r0:inbox@2[1/64] + r0:inbox@3[1/64] + r0:inbox@4[1/64] + r0:inbox@5[1/64] + r0:inbox@6[1/64] + r0:inbox@7[1/64]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 1}, {{0, 1, 1, 64, 0, 1}, {0, 3, 0, 64, 1, 1}, {0, 3, 0, 64, 2, 1}, {0, 3, 0, 64, 3, 1}, {0, 3, 0, 64, 4, 1}, {0, 3, 0, 64, 5, 1}, {0, 3, 0, 64, 6, 1}, {0, 3, 0, 64, 7, 1}}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{0, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 1}, {{0, 1, 1, 64, 0, 1}, {0, 3, 0, 64, 1, 1}, {0, 3, 0, 64, 2, 1}, {0, 3, 0, 64, 3, 1}, {0, 3, 0, 64, 4, 1}, {0, 3, 0, 64, 5, 1}, {0, 3, 0, 64, 6, 1}, {0, 3, 0, 64, 7, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{0, 6, 1}}},
     // rank 0 step 59: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/64] = r0:src@0[2/64] + r0:inbox@1[2/64] + r0:inbox@2[2/64] + r0:inbox@3[2/64] + r0:inbox@4[2/64] + r0:inbox@5[2/64] + r0:inbox@6[2/64] + r0:inbox@7[2/64]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 2}, {{0, 1, 1, 64, 0, 2}, {0, 3, 0, 64, 1, 2}, {0, 3, 0, 64, 2, 2}, {0, 3, 0, 64, 3, 2}, {0, 3, 0, 64, 4, 2}, {0, 3, 0, 64, 5, 2}, {0, 3, 0, 64, 6, 2}, {0, 3, 0, 64, 7, 2}}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{0, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 2}, {{0, 1, 1, 64, 0, 2}, {0, 3, 0, 64, 1, 2}, {0, 3, 0, 64, 2, 2}, {0, 3, 0, 64, 3, 2}, {0, 3, 0, 64, 4, 2}, {0, 3, 0, 64, 5, 2}, {0, 3, 0, 64, 6, 2}, {0, 3, 0, 64, 7, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{0, 6, 2}}},
     // rank 0 step 60: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/64] = r0:src@0[3/64] + r0:inbox@1[3/64] + r0:inbox@2[3/64] + r0:inbox@3[3/64] + r0:inbox@4[3/64] + r0:inbox@5[3/64] + r0:inbox@6[3/64] + r0:inbox@7[3/64]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 3}, {{0, 1, 1, 64, 0, 3}, {0, 3, 0, 64, 1, 3}, {0, 3, 0, 64, 2, 3}, {0, 3, 0, 64, 3, 3}, {0, 3, 0, 64, 4, 3}, {0, 3, 0, 64, 5, 3}, {0, 3, 0, 64, 6, 3}, {0, 3, 0, 64, 7, 3}}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{0, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 3}, {{0, 1, 1, 64, 0, 3}, {0, 3, 0, 64, 1, 3}, {0, 3, 0, 64, 2, 3}, {0, 3, 0, 64, 3, 3}, {0, 3, 0, 64, 4, 3}, {0, 3, 0, 64, 5, 3}, {0, 3, 0, 64, 6, 3}, {0, 3, 0, 64, 7, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{0, 6, 3}}},
     // rank 0 step 61: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/64] = r0:src@0[4/64] + r0:inbox@1[4/64] + r0:inbox@2[4/64] + r0:inbox@3[4/64] + r0:inbox@4[4/64] + r0:inbox@5[4/64] + r0:inbox@6[4/64] + r0:inbox@7[4/64]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 4}, {{0, 1, 1, 64, 0, 4}, {0, 3, 0, 64, 1, 4}, {0, 3, 0, 64, 2, 4}, {0, 3, 0, 64, 3, 4}, {0, 3, 0, 64, 4, 4}, {0, 3, 0, 64, 5, 4}, {0, 3, 0, 64, 6, 4}, {0, 3, 0, 64, 7, 4}}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{0, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 4}, {{0, 1, 1, 64, 0, 4}, {0, 3, 0, 64, 1, 4}, {0, 3, 0, 64, 2, 4}, {0, 3, 0, 64, 3, 4}, {0, 3, 0, 64, 4, 4}, {0, 3, 0, 64, 5, 4}, {0, 3, 0, 64, 6, 4}, {0, 3, 0, 64, 7, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{0, 6, 4}}},
     // rank 0 step 62: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/64] = r0:src@0[5/64] + r0:inbox@1[5/64] + r0:inbox@2[5/64] + r0:inbox@3[5/64] + r0:inbox@4[5/64] + r0:inbox@5[5/64] + r0:inbox@6[5/64] + r0:inbox@7[5/64]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 5}, {{0, 1, 1, 64, 0, 5}, {0, 3, 0, 64, 1, 5}, {0, 3, 0, 64, 2, 5}, {0, 3, 0, 64, 3, 5}, {0, 3, 0, 64, 4, 5}, {0, 3, 0, 64, 5, 5}, {0, 3, 0, 64, 6, 5}, {0, 3, 0, 64, 7, 5}}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{0, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 5}, {{0, 1, 1, 64, 0, 5}, {0, 3, 0, 64, 1, 5}, {0, 3, 0, 64, 2, 5}, {0, 3, 0, 64, 3, 5}, {0, 3, 0, 64, 4, 5}, {0, 3, 0, 64, 5, 5}, {0, 3, 0, 64, 6, 5}, {0, 3, 0, 64, 7, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{0, 6, 5}}},
     // rank 0 step 63: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/64] = r0:src@0[6/64] + r0:inbox@1[6/64] + r0:inbox@2[6/64] + r0:inbox@3[6/64] + r0:inbox@4[6/64] + r0:inbox@5[6/64] + r0:inbox@6[6/64] + r0:inbox@7[6/64]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 6}, {{0, 1, 1, 64, 0, 6}, {0, 3, 0, 64, 1, 6}, {0, 3, 0, 64, 2, 6}, {0, 3, 0, 64, 3, 6}, {0, 3, 0, 64, 4, 6}, {0, 3, 0, 64, 5, 6}, {0, 3, 0, 64, 6, 6}, {0, 3, 0, 64, 7, 6}}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{0, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 6}, {{0, 1, 1, 64, 0, 6}, {0, 3, 0, 64, 1, 6}, {0, 3, 0, 64, 2, 6}, {0, 3, 0, 64, 3, 6}, {0, 3, 0, 64, 4, 6}, {0, 3, 0, 64, 5, 6}, {0, 3, 0, 64, 6, 6}, {0, 3, 0, 64, 7, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{0, 6, 6}}},
     // rank 0 step 64: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/64] = r0:src@0[7/64] + r0:inbox@1[7/64] + r0:inbox@2[7/64] + r0:inbox@3[7/64] + r0:inbox@4[7/64] + r0:inbox@5[7/64] + r0:inbox@6[7/64] + r0:inbox@7[7/64]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 2, 0, 64, 0, 7}, {{0, 1, 1, 64, 0, 7}, {0, 3, 0, 64, 1, 7}, {0, 3, 0, 64, 2, 7}, {0, 3, 0, 64, 3, 7}, {0, 3, 0, 64, 4, 7}, {0, 3, 0, 64, 5, 7}, {0, 3, 0, 64, 6, 7}, {0, 3, 0, 64, 7, 7}}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{0, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 7}, {{0, 1, 1, 64, 0, 7}, {0, 3, 0, 64, 1, 7}, {0, 3, 0, 64, 2, 7}, {0, 3, 0, 64, 3, 7}, {0, 3, 0, 64, 4, 7}, {0, 3, 0, 64, 5, 7}, {0, 3, 0, 64, 6, 7}, {0, 3, 0, 64, 7, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{0, 6, 7}}},
     // rank 0 step 65: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/64] = r0:dst@0[0/64]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
     // rank 0 step 66: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/64] = r0:dst@0[1/64]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
     // rank 0 step 67: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/64] = r0:dst@0[2/64]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
     // rank 0 step 68: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/64] = r0:dst@0[3/64]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
     // rank 0 step 69: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/64] = r0:dst@0[4/64]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
     // rank 0 step 70: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/64] = r0:dst@0[5/64]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
     // rank 0 step 71: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/64] = r0:dst@0[6/64]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
     // rank 0 step 72: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/64] = r0:dst@0[7/64]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
     // rank 0 step 73: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/64] = r0:dst@0[0/64]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
     // rank 0 step 74: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/64] = r0:dst@0[1/64]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
     // rank 0 step 75: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/64] = r0:dst@0[2/64]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
     // rank 0 step 76: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/64] = r0:dst@0[3/64]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
     // rank 0 step 77: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/64] = r0:dst@0[4/64]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
     // rank 0 step 78: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/64] = r0:dst@0[5/64]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
     // rank 0 step 79: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/64] = r0:dst@0[6/64]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
     // rank 0 step 80: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/64] = r0:dst@0[7/64]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
     // rank 0 step 81: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/64] = r0:dst@0[0/64]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
     // rank 0 step 82: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/64] = r0:dst@0[1/64]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
     // rank 0 step 83: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/64] = r0:dst@0[2/64]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
     // rank 0 step 84: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/64] = r0:dst@0[3/64]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
     // rank 0 step 85: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/64] = r0:dst@0[4/64]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
     // rank 0 step 86: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/64] = r0:dst@0[5/64]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
     // rank 0 step 87: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/64] = r0:dst@0[6/64]; signal r3:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
     // rank 0 step 88: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/64] = r0:dst@0[7/64]; signal r3:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
     // rank 0 step 89: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/64] = r0:dst@0[0/64]; signal r4:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 0}}},
     // rank 0 step 90: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/64] = r0:dst@0[1/64]; signal r4:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 1}}},
     // rank 0 step 91: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[2/64] = r0:dst@0[2/64]; signal r4:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 2}}},
     // rank 0 step 92: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[3/64] = r0:dst@0[3/64]; signal r4:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 3}}},
     // rank 0 step 93: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[4/64] = r0:dst@0[4/64]; signal r4:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 4}}},
     // rank 0 step 94: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[5/64] = r0:dst@0[5/64]; signal r4:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 5}}},
     // rank 0 step 95: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[6/64] = r0:dst@0[6/64]; signal r4:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 6}}},
     // rank 0 step 96: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[7/64] = r0:dst@0[7/64]; signal r4:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 7}}},
     // rank 0 step 97: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/64] = r0:dst@0[0/64]; signal r5:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 0}}},
     // rank 0 step 98: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/64] = r0:dst@0[1/64]; signal r5:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 1}}},
     // rank 0 step 99: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[2/64] = r0:dst@0[2/64]; signal r5:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 2}}},
     // rank 0 step 100: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[3/64] = r0:dst@0[3/64]; signal r5:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 3}}},
     // rank 0 step 101: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[4/64] = r0:dst@0[4/64]; signal r5:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 4}}},
     // rank 0 step 102: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[5/64] = r0:dst@0[5/64]; signal r5:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 5}}},
     // rank 0 step 103: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[6/64] = r0:dst@0[6/64]; signal r5:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 6}}},
     // rank 0 step 104: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[7/64] = r0:dst@0[7/64]; signal r5:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 7}}},
     // rank 0 step 105: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/64] = r0:dst@0[0/64]; signal r6:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 0}}},
     // rank 0 step 106: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/64] = r0:dst@0[1/64]; signal r6:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 1}}},
     // rank 0 step 107: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[2/64] = r0:dst@0[2/64]; signal r6:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 2}}},
     // rank 0 step 108: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[3/64] = r0:dst@0[3/64]; signal r6:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 3}}},
     // rank 0 step 109: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[4/64] = r0:dst@0[4/64]; signal r6:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 4}}},
     // rank 0 step 110: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[5/64] = r0:dst@0[5/64]; signal r6:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 5}}},
     // rank 0 step 111: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[6/64] = r0:dst@0[6/64]; signal r6:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 6}}},
     // rank 0 step 112: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[7/64] = r0:dst@0[7/64]; signal r6:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 7}}},
     // rank 0 step 113: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/64] = r0:dst@0[0/64]; signal r7:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 0}}},
     // rank 0 step 114: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/64] = r0:dst@0[1/64]; signal r7:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 1}}},
     // rank 0 step 115: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[2/64] = r0:dst@0[2/64]; signal r7:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 2}}},
     // rank 0 step 116: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[3/64] = r0:dst@0[3/64]; signal r7:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 3}}},
     // rank 0 step 117: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[4/64] = r0:dst@0[4/64]; signal r7:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 4}}},
     // rank 0 step 118: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[5/64] = r0:dst@0[5/64]; signal r7:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 5}}},
     // rank 0 step 119: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[6/64] = r0:dst@0[6/64]; signal r7:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 6}}},
     // rank 0 step 120: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[7/64] = r0:dst@0[7/64]; signal r7:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 7}}},
     // rank 0 step 121: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 0 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 0 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 0 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 0 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 0 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 0 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/64] = r1:src@0[16/64]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 16}, {{1, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 16}, {{1, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/64] = r1:src@0[17/64]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 17}, {{1, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 17}, {{1, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/64] = r1:src@0[18/64]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 18}, {{1, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 18}, {{1, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/64] = r1:src@0[19/64]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 19}, {{1, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 19}, {{1, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/64] = r1:src@0[20/64]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 20}, {{1, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 20}, {{1, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/64] = r1:src@0[21/64]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 21}, {{1, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 21}, {{1, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/64] = r1:src@0[22/64]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 22}, {{1, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 22}, {{1, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/64] = r1:src@0[23/64]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 1, 23}, {{1, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 23}, {{1, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/64] = r1:src@0[24/64]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 24}, {{1, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 24}, {{1, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/64] = r1:src@0[25/64]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 25}, {{1, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 25}, {{1, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/64] = r1:src@0[26/64]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 26}, {{1, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 26}, {{1, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/64] = r1:src@0[27/64]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 27}, {{1, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 27}, {{1, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/64] = r1:src@0[28/64]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 28}, {{1, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 28}, {{1, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/64] = r1:src@0[29/64]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 29}, {{1, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 29}, {{1, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/64] = r1:src@0[30/64]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 30}, {{1, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 30}, {{1, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/64] = r1:src@0[31/64]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 1, 31}, {{1, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 31}, {{1, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 1 step 17: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[32/64] = r1:src@0[32/64]; signal r4:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 32}, {{1, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 32}, {{1, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
     // rank 1 step 18: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[33/64] = r1:src@0[33/64]; signal r4:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 33}, {{1, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 33}, {{1, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
     // rank 1 step 19: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@1[34/64] = r1:src@0[34/64]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 34}, {{1, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 34}, {{1, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
     // rank 1 step 20: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@1[35/64] = r1:src@0[35/64]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 35}, {{1, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 35}, {{1, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
     // rank 1 step 21: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@1[36/64] = r1:src@0[36/64]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 36}, {{1, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 36}, {{1, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
     // rank 1 step 22: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@1[37/64] = r1:src@0[37/64]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 37}, {{1, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 37}, {{1, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
     // rank 1 step 23: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@1[38/64] = r1:src@0[38/64]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 38}, {{1, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 38}, {{1, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
     // rank 1 step 24: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@1[39/64] = r1:src@0[39/64]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 1, 39}, {{1, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 39}, {{1, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
     // rank 1 step 25: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[40/64] = r1:src@0[40/64]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 40}, {{1, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 40}, {{1, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
     // rank 1 step 26: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[41/64] = r1:src@0[41/64]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 41}, {{1, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 41}, {{1, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
     // rank 1 step 27: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@1[42/64] = r1:src@0[42/64]; signal r5:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 42}, {{1, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 42}, {{1, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
     // rank 1 step 28: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@1[43/64] = r1:src@0[43/64]; signal r5:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 43}, {{1, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 43}, {{1, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
     // rank 1 step 29: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@1[44/64] = r1:src@0[44/64]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 44}, {{1, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 44}, {{1, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
     // rank 1 step 30: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@1[45/64] = r1:src@0[45/64]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 45}, {{1, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 45}, {{1, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
     // rank 1 step 31: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@1[46/64] = r1:src@0[46/64]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 46}, {{1, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 46}, {{1, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
     // rank 1 step 32: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@1[47/64] = r1:src@0[47/64]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 1, 47}, {{1, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 47}, {{1, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
     // rank 1 step 33: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[48/64] = r1:src@0[48/64]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 48}, {{1, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 48}, {{1, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
     // rank 1 step 34: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[49/64] = r1:src@0[49/64]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 49}, {{1, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 49}, {{1, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
     // rank 1 step 35: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@1[50/64] = r1:src@0[50/64]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 50}, {{1, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 50}, {{1, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
     // rank 1 step 36: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@1[51/64] = r1:src@0[51/64]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 51}, {{1, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 51}, {{1, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
     // rank 1 step 37: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@1[52/64] = r1:src@0[52/64]; signal r6:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 52}, {{1, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 52}, {{1, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
     // rank 1 step 38: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@1[53/64] = r1:src@0[53/64]; signal r6:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 53}, {{1, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 53}, {{1, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
     // rank 1 step 39: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@1[54/64] = r1:src@0[54/64]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 54}, {{1, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 54}, {{1, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
     // rank 1 step 40: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@1[55/64] = r1:src@0[55/64]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 1, 55}, {{1, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 55}, {{1, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
     // rank 1 step 41: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[56/64] = r1:src@0[56/64]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 56}, {{1, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 56}, {{1, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
     // rank 1 step 42: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[57/64] = r1:src@0[57/64]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 57}, {{1, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 57}, {{1, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
     // rank 1 step 43: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@1[58/64] = r1:src@0[58/64]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 58}, {{1, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 58}, {{1, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
     // rank 1 step 44: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@1[59/64] = r1:src@0[59/64]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 59}, {{1, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 59}, {{1, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
     // rank 1 step 45: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@1[60/64] = r1:src@0[60/64]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 60}, {{1, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 60}, {{1, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
     // rank 1 step 46: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@1[61/64] = r1:src@0[61/64]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 61}, {{1, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 61}, {{1, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
     // rank 1 step 47: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@1[62/64] = r1:src@0[62/64]; signal r7:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 62}, {{1, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 62}, {{1, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
     // rank 1 step 48: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@1[63/64] = r1:src@0[63/64]; signal r7:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 1, 63}, {{1, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 63}, {{1, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
     // rank 1 step 49: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/64] = r1:src@0[0/64]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 0}, {{1, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 0}, {{1, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 50: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/64] = r1:src@0[1/64]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 1}, {{1, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 1}, {{1, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 51: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/64] = r1:src@0[2/64]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 2}, {{1, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 2}, {{1, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 52: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/64] = r1:src@0[3/64]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 3}, {{1, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 3}, {{1, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 53: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/64] = r1:src@0[4/64]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 4}, {{1, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 4}, {{1, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 54: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/64] = r1:src@0[5/64]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 5}, {{1, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 5}, {{1, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 55: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/64] = r1:src@0[6/64]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 6}, {{1, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 6}, {{1, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 56: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/64] = r1:src@0[7/64]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 1, 7}, {{1, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 7}, {{1, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 57: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[8/64] = r1:src@0[8/64] + r1:inbox@0[8/64] + r1:inbox@2[8/64] + r1:inbox@3[8/64] + r1:inbox@4[8/64] + r1:inbox@5[8/64] + r1:inbox@6[8/64] + r1:inbox@7[8/64]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 8}, {{1, 1, 1, 64, 0, 8}, {1, 3, 0, 64, 0, 8}, {1, 3, 0, 64, 2, 8}, {1, 3, 0, 64, 3, 8}, {1, 3, 0, 64, 4, 8}, {1, 3, 0, 64, 5, 8}, {1, 3, 0, 64, 6, 8}, {1, 3, 0, 64, 7, 8}}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{1, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 8}, {{1, 1, 1, 64, 0, 8}, {1, 3, 0, 64, 0, 8}, {1, 3, 0, 64, 2, 8}, {1, 3, 0, 64, 3, 8}, {1, 3, 0, 64, 4, 8}, {1, 3, 0, 64, 5, 8}, {1, 3, 0, 64, 6, 8}, {1, 3, 0, 64, 7, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{1, 6, 0}}},
     // rank 1 step 58: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[9/64] = r1:src@0[9/64] + r1:inbox@0[9/64] + r1:inbox@2[9/64] + r1:inbox@3[9/64] + r1:inbox@4[9/64] + r1:inbox@5[9/64] + r1:inbox@6[9/64] + r1:inbox@7[9/64]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 9}, {{1, 1, 1, 64, 0, 9}, {1, 3, 0, 64, 0, 9}, {1, 3, 0, 64, 2, 9}, {1, 3, 0, 64, 3, 9}, {1, 3, 0, 64, 4, 9}, {1, 3, 0, 64, 5, 9}, {1, 3, 0, 64, 6, 9}, {1, 3, 0, 64, 7, 9}}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{1, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 9}, {{1, 1, 1, 64, 0, 9}, {1, 3, 0, 64, 0, 9}, {1, 3, 0, 64, 2, 9}, {1, 3, 0, 64, 3, 9}, {1, 3, 0, 64, 4, 9}, {1, 3, 0, 64, 5, 9}, {1, 3, 0, 64, 6, 9}, {1, 3, 0, 64, 7, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{1, 6, 1}}},
     // rank 1 step 59: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[10/64] = r1:src@0[10/64] + r1:inbox@0[10/64] + r1:inbox@2[10/64] + r1:inbox@3[10/64] + r1:inbox@4[10/64] + r1:inbox@5[10/64] + r1:inbox@6[10/64] + r1:inbox@7[10/64]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 10}, {{1, 1, 1, 64, 0, 10}, {1, 3, 0, 64, 0, 10}, {1, 3, 0, 64, 2, 10}, {1, 3, 0, 64, 3, 10}, {1, 3, 0, 64, 4, 10}, {1, 3, 0, 64, 5, 10}, {1, 3, 0, 64, 6, 10}, {1, 3, 0, 64, 7, 10}}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{1, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 10}, {{1, 1, 1, 64, 0, 10}, {1, 3, 0, 64, 0, 10}, {1, 3, 0, 64, 2, 10}, {1, 3, 0, 64, 3, 10}, {1, 3, 0, 64, 4, 10}, {1, 3, 0, 64, 5, 10}, {1, 3, 0, 64, 6, 10}, {1, 3, 0, 64, 7, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{1, 6, 2}}},
     // rank 1 step 60: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[11/64] = r1:src@0[11/64] + r1:inbox@0[11/64] + r1:inbox@2[11/64] + r1:inbox@3[11/64] + r1:inbox@4[11/64] + r1:inbox@5[11/64] + r1:inbox@6[11/64] + r1:inbox@7[11/64]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 11}, {{1, 1, 1, 64, 0, 11}, {1, 3, 0, 64, 0, 11}, {1, 3, 0, 64, 2, 11}, {1, 3, 0, 64, 3, 11}, {1, 3, 0, 64, 4, 11}, {1, 3, 0, 64, 5, 11}, {1, 3, 0, 64, 6, 11}, {1, 3, 0, 64, 7, 11}}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{1, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 11}, {{1, 1, 1, 64, 0, 11}, {1, 3, 0, 64, 0, 11}, {1, 3, 0, 64, 2, 11}, {1, 3, 0, 64, 3, 11}, {1, 3, 0, 64, 4, 11}, {1, 3, 0, 64, 5, 11}, {1, 3, 0, 64, 6, 11}, {1, 3, 0, 64, 7, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{1, 6, 3}}},
     // rank 1 step 61: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[12/64] = r1:src@0[12/64] + r1:inbox@0[12/64] + r1:inbox@2[12/64] + r1:inbox@3[12/64] + r1:inbox@4[12/64] + r1:inbox@5[12/64] + r1:inbox@6[12/64] + r1:inbox@7[12/64]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 12}, {{1, 1, 1, 64, 0, 12}, {1, 3, 0, 64, 0, 12}, {1, 3, 0, 64, 2, 12}, {1, 3, 0, 64, 3, 12}, {1, 3, 0, 64, 4, 12}, {1, 3, 0, 64, 5, 12}, {1, 3, 0, 64, 6, 12}, {1, 3, 0, 64, 7, 12}}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{1, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 12}, {{1, 1, 1, 64, 0, 12}, {1, 3, 0, 64, 0, 12}, {1, 3, 0, 64, 2, 12}, {1, 3, 0, 64, 3, 12}, {1, 3, 0, 64, 4, 12}, {1, 3, 0, 64, 5, 12}, {1, 3, 0, 64, 6, 12}, {1, 3, 0, 64, 7, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{1, 6, 4}}},
     // rank 1 step 62: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[13/64] = r1:src@0[13/64] + r1:inbox@0[13/64] + r1:inbox@2[13/64] + r1:inbox@3[13/64] + r1:inbox@4[13/64] + r1:inbox@5[13/64] + r1:inbox@6[13/64] + r1:inbox@7[13/64]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 13}, {{1, 1, 1, 64, 0, 13}, {1, 3, 0, 64, 0, 13}, {1, 3, 0, 64, 2, 13}, {1, 3, 0, 64, 3, 13}, {1, 3, 0, 64, 4, 13}, {1, 3, 0, 64, 5, 13}, {1, 3, 0, 64, 6, 13}, {1, 3, 0, 64, 7, 13}}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{1, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 13}, {{1, 1, 1, 64, 0, 13}, {1, 3, 0, 64, 0, 13}, {1, 3, 0, 64, 2, 13}, {1, 3, 0, 64, 3, 13}, {1, 3, 0, 64, 4, 13}, {1, 3, 0, 64, 5, 13}, {1, 3, 0, 64, 6, 13}, {1, 3, 0, 64, 7, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{1, 6, 5}}},
     // rank 1 step 63: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[14/64] = r1:src@0[14/64] + r1:inbox@0[14/64] + r1:inbox@2[14/64] + r1:inbox@3[14/64] + r1:inbox@4[14/64] + r1:inbox@5[14/64] + r1:inbox@6[14/64] + r1:inbox@7[14/64]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 14}, {{1, 1, 1, 64, 0, 14}, {1, 3, 0, 64, 0, 14}, {1, 3, 0, 64, 2, 14}, {1, 3, 0, 64, 3, 14}, {1, 3, 0, 64, 4, 14}, {1, 3, 0, 64, 5, 14}, {1, 3, 0, 64, 6, 14}, {1, 3, 0, 64, 7, 14}}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{1, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 14}, {{1, 1, 1, 64, 0, 14}, {1, 3, 0, 64, 0, 14}, {1, 3, 0, 64, 2, 14}, {1, 3, 0, 64, 3, 14}, {1, 3, 0, 64, 4, 14}, {1, 3, 0, 64, 5, 14}, {1, 3, 0, 64, 6, 14}, {1, 3, 0, 64, 7, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{1, 6, 6}}},
     // rank 1 step 64: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[15/64] = r1:src@0[15/64] + r1:inbox@0[15/64] + r1:inbox@2[15/64] + r1:inbox@3[15/64] + r1:inbox@4[15/64] + r1:inbox@5[15/64] + r1:inbox@6[15/64] + r1:inbox@7[15/64]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 2, 0, 64, 0, 15}, {{1, 1, 1, 64, 0, 15}, {1, 3, 0, 64, 0, 15}, {1, 3, 0, 64, 2, 15}, {1, 3, 0, 64, 3, 15}, {1, 3, 0, 64, 4, 15}, {1, 3, 0, 64, 5, 15}, {1, 3, 0, 64, 6, 15}, {1, 3, 0, 64, 7, 15}}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{1, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 15}, {{1, 1, 1, 64, 0, 15}, {1, 3, 0, 64, 0, 15}, {1, 3, 0, 64, 2, 15}, {1, 3, 0, 64, 3, 15}, {1, 3, 0, 64, 4, 15}, {1, 3, 0, 64, 5, 15}, {1, 3, 0, 64, 6, 15}, {1, 3, 0, 64, 7, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{1, 6, 7}}},
     // rank 1 step 65: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/64] = r1:dst@0[8/64]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
     // rank 1 step 66: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/64] = r1:dst@0[9/64]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
     // rank 1 step 67: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/64] = r1:dst@0[10/64]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
     // rank 1 step 68: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/64] = r1:dst@0[11/64]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
     // rank 1 step 69: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/64] = r1:dst@0[12/64]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
     // rank 1 step 70: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/64] = r1:dst@0[13/64]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
     // rank 1 step 71: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/64] = r1:dst@0[14/64]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
     // rank 1 step 72: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/64] = r1:dst@0[15/64]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
     // rank 1 step 73: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/64] = r1:dst@0[8/64]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
     // rank 1 step 74: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/64] = r1:dst@0[9/64]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
     // rank 1 step 75: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/64] = r1:dst@0[10/64]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
     // rank 1 step 76: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/64] = r1:dst@0[11/64]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
     // rank 1 step 77: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/64] = r1:dst@0[12/64]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
     // rank 1 step 78: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/64] = r1:dst@0[13/64]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
     // rank 1 step 79: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/64] = r1:dst@0[14/64]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
     // rank 1 step 80: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/64] = r1:dst@0[15/64]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
     // rank 1 step 81: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[8/64] = r1:dst@0[8/64]; signal r4:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 8}}},
     // rank 1 step 82: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[9/64] = r1:dst@0[9/64]; signal r4:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 9}}},
     // rank 1 step 83: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[10/64] = r1:dst@0[10/64]; signal r4:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 10}}},
     // rank 1 step 84: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[11/64] = r1:dst@0[11/64]; signal r4:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 11}}},
     // rank 1 step 85: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[12/64] = r1:dst@0[12/64]; signal r4:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 12}}},
     // rank 1 step 86: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[13/64] = r1:dst@0[13/64]; signal r4:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 13}}},
     // rank 1 step 87: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[14/64] = r1:dst@0[14/64]; signal r4:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 14}}},
     // rank 1 step 88: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[15/64] = r1:dst@0[15/64]; signal r4:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 15}}},
     // rank 1 step 89: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/64] = r1:dst@0[8/64]; signal r5:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 8}}},
     // rank 1 step 90: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/64] = r1:dst@0[9/64]; signal r5:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 9}}},
     // rank 1 step 91: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[10/64] = r1:dst@0[10/64]; signal r5:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 10}}},
     // rank 1 step 92: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[11/64] = r1:dst@0[11/64]; signal r5:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 11}}},
     // rank 1 step 93: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[12/64] = r1:dst@0[12/64]; signal r5:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 12}}},
     // rank 1 step 94: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[13/64] = r1:dst@0[13/64]; signal r5:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 13}}},
     // rank 1 step 95: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[14/64] = r1:dst@0[14/64]; signal r5:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 14}}},
     // rank 1 step 96: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[15/64] = r1:dst@0[15/64]; signal r5:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 15}}},
     // rank 1 step 97: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/64] = r1:dst@0[8/64]; signal r6:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 8}}},
     // rank 1 step 98: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/64] = r1:dst@0[9/64]; signal r6:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 9}}},
     // rank 1 step 99: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[10/64] = r1:dst@0[10/64]; signal r6:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 10}}},
     // rank 1 step 100: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[11/64] = r1:dst@0[11/64]; signal r6:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 11}}},
     // rank 1 step 101: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[12/64] = r1:dst@0[12/64]; signal r6:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 12}}},
     // rank 1 step 102: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[13/64] = r1:dst@0[13/64]; signal r6:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 13}}},
     // rank 1 step 103: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[14/64] = r1:dst@0[14/64]; signal r6:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 14}}},
     // rank 1 step 104: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[15/64] = r1:dst@0[15/64]; signal r6:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 15}}},
     // rank 1 step 105: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/64] = r1:dst@0[8/64]; signal r7:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 8}}},
     // rank 1 step 106: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/64] = r1:dst@0[9/64]; signal r7:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 9}}},
     // rank 1 step 107: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[10/64] = r1:dst@0[10/64]; signal r7:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 10}}},
     // rank 1 step 108: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[11/64] = r1:dst@0[11/64]; signal r7:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 11}}},
     // rank 1 step 109: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[12/64] = r1:dst@0[12/64]; signal r7:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 12}}},
     // rank 1 step 110: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[13/64] = r1:dst@0[13/64]; signal r7:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 13}}},
     // rank 1 step 111: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[14/64] = r1:dst@0[14/64]; signal r7:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 14}}},
     // rank 1 step 112: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[15/64] = r1:dst@0[15/64]; signal r7:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 15}}},
     // rank 1 step 113: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/64] = r1:dst@0[8/64]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
     // rank 1 step 114: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/64] = r1:dst@0[9/64]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
     // rank 1 step 115: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/64] = r1:dst@0[10/64]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
     // rank 1 step 116: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/64] = r1:dst@0[11/64]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
     // rank 1 step 117: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/64] = r1:dst@0[12/64]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
     // rank 1 step 118: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/64] = r1:dst@0[13/64]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
     // rank 1 step 119: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/64] = r1:dst@0[14/64]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
     // rank 1 step 120: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/64] = r1:dst@0[15/64]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
     // rank 1 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 1 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 1 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 1 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 1 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 1 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 1 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
     // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/64] = r2:src@0[24/64]; signal r3:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 24}, {{2, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 24}, {{2, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
     // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/64] = r2:src@0[25/64]; signal r3:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 25}, {{2, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 25}, {{2, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
     // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/64] = r2:src@0[26/64]; signal r3:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 26}, {{2, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 26}, {{2, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
     // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/64] = r2:src@0[27/64]; signal r3:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 27}, {{2, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 27}, {{2, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
     // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/64] = r2:src@0[28/64]; signal r3:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 28}, {{2, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 28}, {{2, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
     // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/64] = r2:src@0[29/64]; signal r3:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 29}, {{2, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 29}, {{2, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
     // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/64] = r2:src@0[30/64]; signal r3:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 30}, {{2, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 30}, {{2, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
     // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/64] = r2:src@0[31/64]; signal r3:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 2, 31}, {{2, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 31}, {{2, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
     // rank 2 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[32/64] = r2:src@0[32/64]; signal r4:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 32}, {{2, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 32}, {{2, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
     // rank 2 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[33/64] = r2:src@0[33/64]; signal r4:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 33}, {{2, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 33}, {{2, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
     // rank 2 step 11: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@2[34/64] = r2:src@0[34/64]; signal r4:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 34}, {{2, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 34}, {{2, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
     // rank 2 step 12: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@2[35/64] = r2:src@0[35/64]; signal r4:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 35}, {{2, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 35}, {{2, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
     // rank 2 step 13: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@2[36/64] = r2:src@0[36/64]; signal r4:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 36}, {{2, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 36}, {{2, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
     // rank 2 step 14: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@2[37/64] = r2:src@0[37/64]; signal r4:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 37}, {{2, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 37}, {{2, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
     // rank 2 step 15: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@2[38/64] = r2:src@0[38/64]; signal r4:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 38}, {{2, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 38}, {{2, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
     // rank 2 step 16: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@2[39/64] = r2:src@0[39/64]; signal r4:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 2, 39}, {{2, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 39}, {{2, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
     // rank 2 step 17: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[40/64] = r2:src@0[40/64]; signal r5:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 40}, {{2, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 40}, {{2, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
     // rank 2 step 18: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[41/64] = r2:src@0[41/64]; signal r5:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 41}, {{2, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 41}, {{2, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
     // rank 2 step 19: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@2[42/64] = r2:src@0[42/64]; signal r5:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 42}, {{2, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 42}, {{2, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
     // rank 2 step 20: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@2[43/64] = r2:src@0[43/64]; signal r5:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 43}, {{2, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 43}, {{2, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
     // rank 2 step 21: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@2[44/64] = r2:src@0[44/64]; signal r5:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 44}, {{2, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 44}, {{2, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
     // rank 2 step 22: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@2[45/64] = r2:src@0[45/64]; signal r5:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 45}, {{2, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 45}, {{2, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
     // rank 2 step 23: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@2[46/64] = r2:src@0[46/64]; signal r5:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 46}, {{2, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 46}, {{2, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
     // rank 2 step 24: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@2[47/64] = r2:src@0[47/64]; signal r5:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 2, 47}, {{2, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 47}, {{2, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
     // rank 2 step 25: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[48/64] = r2:src@0[48/64]; signal r6:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 48}, {{2, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 48}, {{2, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
     // rank 2 step 26: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[49/64] = r2:src@0[49/64]; signal r6:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 49}, {{2, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 49}, {{2, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
     // rank 2 step 27: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@2[50/64] = r2:src@0[50/64]; signal r6:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 50}, {{2, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 50}, {{2, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
     // rank 2 step 28: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@2[51/64] = r2:src@0[51/64]; signal r6:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 51}, {{2, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 51}, {{2, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
     // rank 2 step 29: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@2[52/64] = r2:src@0[52/64]; signal r6:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 52}, {{2, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 52}, {{2, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
     // rank 2 step 30: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@2[53/64] = r2:src@0[53/64]; signal r6:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 53}, {{2, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 53}, {{2, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
     // rank 2 step 31: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@2[54/64] = r2:src@0[54/64]; signal r6:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 54}, {{2, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 54}, {{2, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
     // rank 2 step 32: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@2[55/64] = r2:src@0[55/64]; signal r6:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 2, 55}, {{2, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 55}, {{2, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
     // rank 2 step 33: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[56/64] = r2:src@0[56/64]; signal r7:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 56}, {{2, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 56}, {{2, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
     // rank 2 step 34: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[57/64] = r2:src@0[57/64]; signal r7:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 57}, {{2, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 57}, {{2, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
     // rank 2 step 35: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@2[58/64] = r2:src@0[58/64]; signal r7:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 58}, {{2, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 58}, {{2, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
     // rank 2 step 36: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@2[59/64] = r2:src@0[59/64]; signal r7:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 59}, {{2, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 59}, {{2, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
     // rank 2 step 37: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@2[60/64] = r2:src@0[60/64]; signal r7:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 60}, {{2, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 60}, {{2, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
     // rank 2 step 38: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@2[61/64] = r2:src@0[61/64]; signal r7:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 61}, {{2, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 61}, {{2, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
     // rank 2 step 39: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@2[62/64] = r2:src@0[62/64]; signal r7:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 62}, {{2, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 62}, {{2, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
     // rank 2 step 40: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@2[63/64] = r2:src@0[63/64]; signal r7:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 2, 63}, {{2, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 63}, {{2, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
     // rank 2 step 41: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/64] = r2:src@0[0/64]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 0}, {{2, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 0}, {{2, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 42: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/64] = r2:src@0[1/64]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 1}, {{2, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 1}, {{2, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 43: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/64] = r2:src@0[2/64]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 2}, {{2, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 2}, {{2, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 44: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/64] = r2:src@0[3/64]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 3}, {{2, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 3}, {{2, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 45: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/64] = r2:src@0[4/64]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 4}, {{2, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 4}, {{2, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 46: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/64] = r2:src@0[5/64]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 5}, {{2, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 5}, {{2, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 47: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/64] = r2:src@0[6/64]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 6}, {{2, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 6}, {{2, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 48: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/64] = r2:src@0[7/64]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 2, 7}, {{2, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 7}, {{2, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 49: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/64] = r2:src@0[8/64]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 8}, {{2, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 8}, {{2, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 50: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/64] = r2:src@0[9/64]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 9}, {{2, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 9}, {{2, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 51: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/64] = r2:src@0[10/64]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 10}, {{2, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 10}, {{2, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 52: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/64] = r2:src@0[11/64]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 11}, {{2, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 11}, {{2, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 53: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/64] = r2:src@0[12/64]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 12}, {{2, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 12}, {{2, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 54: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/64] = r2:src@0[13/64]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 13}, {{2, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 13}, {{2, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 55: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/64] = r2:src@0[14/64]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 14}, {{2, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 14}, {{2, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 56: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/64] = r2:src@0[15/64]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 2, 15}, {{2, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 15}, {{2, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[16/64] = r2:src@0[16/64] + r2:inbox@0[16/64] + r2:inbox@1[16/64] + r2:inbox@3[16/64] + r2:inbox@4[16/64] + r2:inbox@5[16/64] + r2:inbox@6[16/64] + r2:inbox@7[16/64]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 16}, {{2, 1, 1, 64, 0, 16}, {2, 3, 0, 64, 0, 16}, {2, 3, 0, 64, 1, 16}, {2, 3, 0, 64, 3, 16}, {2, 3, 0, 64, 4, 16}, {2, 3, 0, 64, 5, 16}, {2, 3, 0, 64, 6, 16}, {2, 3, 0, 64, 7, 16}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{2, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 16}, {{2, 1, 1, 64, 0, 16}, {2, 3, 0, 64, 0, 16}, {2, 3, 0, 64, 1, 16}, {2, 3, 0, 64, 3, 16}, {2, 3, 0, 64, 4, 16}, {2, 3, 0, 64, 5, 16}, {2, 3, 0, 64, 6, 16}, {2, 3, 0, 64, 7, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{2, 6, 0}}},
     // rank 2 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[17/64] = r2:src@0[17/64] + r2:inbox@0[17/64] + r2:inbox@1[17/64] + r2:inbox@3[17/64] + r2:inbox@4[17/64] + r2:inbox@5[17/64] + r2:inbox@6[17/64] + r2:inbox@7[17/64]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 17}, {{2, 1, 1, 64, 0, 17}, {2, 3, 0, 64, 0, 17}, {2, 3, 0, 64, 1, 17}, {2, 3, 0, 64, 3, 17}, {2, 3, 0, 64, 4, 17}, {2, 3, 0, 64, 5, 17}, {2, 3, 0, 64, 6, 17}, {2, 3, 0, 64, 7, 17}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{2, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 17}, {{2, 1, 1, 64, 0, 17}, {2, 3, 0, 64, 0, 17}, {2, 3, 0, 64, 1, 17}, {2, 3, 0, 64, 3, 17}, {2, 3, 0, 64, 4, 17}, {2, 3, 0, 64, 5, 17}, {2, 3, 0, 64, 6, 17}, {2, 3, 0, 64, 7, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{2, 6, 1}}},
     // rank 2 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[18/64] = r2:src@0[18/64] + r2:inbox@0[18/64] + r2:inbox@1[18/64] + r2:inbox@3[18/64] + r2:inbox@4[18/64] + r2:inbox@5[18/64] + r2:inbox@6[18/64] + r2:inbox@7[18/64]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 18}, {{2, 1, 1, 64, 0, 18}, {2, 3, 0, 64, 0, 18}, {2, 3, 0, 64, 1, 18}, {2, 3, 0, 64, 3, 18}, {2, 3, 0, 64, 4, 18}, {2, 3, 0, 64, 5, 18}, {2, 3, 0, 64, 6, 18}, {2, 3, 0, 64, 7, 18}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{2, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 18}, {{2, 1, 1, 64, 0, 18}, {2, 3, 0, 64, 0, 18}, {2, 3, 0, 64, 1, 18}, {2, 3, 0, 64, 3, 18}, {2, 3, 0, 64, 4, 18}, {2, 3, 0, 64, 5, 18}, {2, 3, 0, 64, 6, 18}, {2, 3, 0, 64, 7, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{2, 6, 2}}},
     // rank 2 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[19/64] = r2:src@0[19/64] + r2:inbox@0[19/64] + r2:inbox@1[19/64] + r2:inbox@3[19/64] + r2:inbox@4[19/64] + r2:inbox@5[19/64] + r2:inbox@6[19/64] + r2:inbox@7[19/64]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 19}, {{2, 1, 1, 64, 0, 19}, {2, 3, 0, 64, 0, 19}, {2, 3, 0, 64, 1, 19}, {2, 3, 0, 64, 3, 19}, {2, 3, 0, 64, 4, 19}, {2, 3, 0, 64, 5, 19}, {2, 3, 0, 64, 6, 19}, {2, 3, 0, 64, 7, 19}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{2, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 19}, {{2, 1, 1, 64, 0, 19}, {2, 3, 0, 64, 0, 19}, {2, 3, 0, 64, 1, 19}, {2, 3, 0, 64, 3, 19}, {2, 3, 0, 64, 4, 19}, {2, 3, 0, 64, 5, 19}, {2, 3, 0, 64, 6, 19}, {2, 3, 0, 64, 7, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{2, 6, 3}}},
     // rank 2 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[20/64] = r2:src@0[20/64] + r2:inbox@0[20/64] + r2:inbox@1[20/64] + r2:inbox@3[20/64] + r2:inbox@4[20/64] + r2:inbox@5[20/64] + r2:inbox@6[20/64] + r2:inbox@7[20/64]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 20}, {{2, 1, 1, 64, 0, 20}, {2, 3, 0, 64, 0, 20}, {2, 3, 0, 64, 1, 20}, {2, 3, 0, 64, 3, 20}, {2, 3, 0, 64, 4, 20}, {2, 3, 0, 64, 5, 20}, {2, 3, 0, 64, 6, 20}, {2, 3, 0, 64, 7, 20}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{2, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 20}, {{2, 1, 1, 64, 0, 20}, {2, 3, 0, 64, 0, 20}, {2, 3, 0, 64, 1, 20}, {2, 3, 0, 64, 3, 20}, {2, 3, 0, 64, 4, 20}, {2, 3, 0, 64, 5, 20}, {2, 3, 0, 64, 6, 20}, {2, 3, 0, 64, 7, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{2, 6, 4}}},
     // rank 2 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[21/64] = r2:src@0[21/64] + r2:inbox@0[21/64] + r2:inbox@1[21/64] + r2:inbox@3[21/64] + r2:inbox@4[21/64] + r2:inbox@5[21/64] + r2:inbox@6[21/64] + r2:inbox@7[21/64]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 21}, {{2, 1, 1, 64, 0, 21}, {2, 3, 0, 64, 0, 21}, {2, 3, 0, 64, 1, 21}, {2, 3, 0, 64, 3, 21}, {2, 3, 0, 64, 4, 21}, {2, 3, 0, 64, 5, 21}, {2, 3, 0, 64, 6, 21}, {2, 3, 0, 64, 7, 21}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{2, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 21}, {{2, 1, 1, 64, 0, 21}, {2, 3, 0, 64, 0, 21}, {2, 3, 0, 64, 1, 21}, {2, 3, 0, 64, 3, 21}, {2, 3, 0, 64, 4, 21}, {2, 3, 0, 64, 5, 21}, {2, 3, 0, 64, 6, 21}, {2, 3, 0, 64, 7, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{2, 6, 5}}},
     // rank 2 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[22/64] = r2:src@0[22/64] + r2:inbox@0[22/64] + r2:inbox@1[22/64] + r2:inbox@3[22/64] + r2:inbox@4[22/64] + r2:inbox@5[22/64] + r2:inbox@6[22/64] + r2:inbox@7[22/64]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 22}, {{2, 1, 1, 64, 0, 22}, {2, 3, 0, 64, 0, 22}, {2, 3, 0, 64, 1, 22}, {2, 3, 0, 64, 3, 22}, {2, 3, 0, 64, 4, 22}, {2, 3, 0, 64, 5, 22}, {2, 3, 0, 64, 6, 22}, {2, 3, 0, 64, 7, 22}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{2, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 22}, {{2, 1, 1, 64, 0, 22}, {2, 3, 0, 64, 0, 22}, {2, 3, 0, 64, 1, 22}, {2, 3, 0, 64, 3, 22}, {2, 3, 0, 64, 4, 22}, {2, 3, 0, 64, 5, 22}, {2, 3, 0, 64, 6, 22}, {2, 3, 0, 64, 7, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{2, 6, 6}}},
     // rank 2 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[23/64] = r2:src@0[23/64] + r2:inbox@0[23/64] + r2:inbox@1[23/64] + r2:inbox@3[23/64] + r2:inbox@4[23/64] + r2:inbox@5[23/64] + r2:inbox@6[23/64] + r2:inbox@7[23/64]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 2, 0, 64, 0, 23}, {{2, 1, 1, 64, 0, 23}, {2, 3, 0, 64, 0, 23}, {2, 3, 0, 64, 1, 23}, {2, 3, 0, 64, 3, 23}, {2, 3, 0, 64, 4, 23}, {2, 3, 0, 64, 5, 23}, {2, 3, 0, 64, 6, 23}, {2, 3, 0, 64, 7, 23}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{2, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 23}, {{2, 1, 1, 64, 0, 23}, {2, 3, 0, 64, 0, 23}, {2, 3, 0, 64, 1, 23}, {2, 3, 0, 64, 3, 23}, {2, 3, 0, 64, 4, 23}, {2, 3, 0, 64, 5, 23}, {2, 3, 0, 64, 6, 23}, {2, 3, 0, 64, 7, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{2, 6, 7}}},
     // rank 2 step 65: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/64] = r2:dst@0[16/64]; signal r3:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
     // rank 2 step 66: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/64] = r2:dst@0[17/64]; signal r3:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
     // rank 2 step 67: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/64] = r2:dst@0[18/64]; signal r3:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
     // rank 2 step 68: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/64] = r2:dst@0[19/64]; signal r3:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
     // rank 2 step 69: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/64] = r2:dst@0[20/64]; signal r3:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
     // rank 2 step 70: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/64] = r2:dst@0[21/64]; signal r3:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
     // rank 2 step 71: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/64] = r2:dst@0[22/64]; signal r3:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
     // rank 2 step 72: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/64] = r2:dst@0[23/64]; signal r3:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
     // rank 2 step 73: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[16/64] = r2:dst@0[16/64]; signal r4:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 16}}},
     // rank 2 step 74: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[17/64] = r2:dst@0[17/64]; signal r4:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 17}}},
     // rank 2 step 75: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[18/64] = r2:dst@0[18/64]; signal r4:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 18}}},
     // rank 2 step 76: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[19/64] = r2:dst@0[19/64]; signal r4:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 19}}},
     // rank 2 step 77: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[20/64] = r2:dst@0[20/64]; signal r4:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 20}}},
     // rank 2 step 78: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[21/64] = r2:dst@0[21/64]; signal r4:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 21}}},
     // rank 2 step 79: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[22/64] = r2:dst@0[22/64]; signal r4:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 22}}},
     // rank 2 step 80: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[23/64] = r2:dst@0[23/64]; signal r4:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 23}}},
     // rank 2 step 81: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[16/64] = r2:dst@0[16/64]; signal r5:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 16}}},
     // rank 2 step 82: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[17/64] = r2:dst@0[17/64]; signal r5:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 17}}},
     // rank 2 step 83: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[18/64] = r2:dst@0[18/64]; signal r5:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 18}}},
     // rank 2 step 84: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[19/64] = r2:dst@0[19/64]; signal r5:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 19}}},
     // rank 2 step 85: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[20/64] = r2:dst@0[20/64]; signal r5:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 20}}},
     // rank 2 step 86: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[21/64] = r2:dst@0[21/64]; signal r5:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 21}}},
     // rank 2 step 87: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[22/64] = r2:dst@0[22/64]; signal r5:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 22}}},
     // rank 2 step 88: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[23/64] = r2:dst@0[23/64]; signal r5:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 23}}},
     // rank 2 step 89: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[16/64] = r2:dst@0[16/64]; signal r6:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 16}}},
     // rank 2 step 90: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[17/64] = r2:dst@0[17/64]; signal r6:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 17}}},
     // rank 2 step 91: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[18/64] = r2:dst@0[18/64]; signal r6:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 18}}},
     // rank 2 step 92: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[19/64] = r2:dst@0[19/64]; signal r6:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 19}}},
     // rank 2 step 93: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[20/64] = r2:dst@0[20/64]; signal r6:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 20}}},
     // rank 2 step 94: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[21/64] = r2:dst@0[21/64]; signal r6:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 21}}},
     // rank 2 step 95: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[22/64] = r2:dst@0[22/64]; signal r6:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 22}}},
     // rank 2 step 96: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[23/64] = r2:dst@0[23/64]; signal r6:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 23}}},
     // rank 2 step 97: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[16/64] = r2:dst@0[16/64]; signal r7:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 16}}},
     // rank 2 step 98: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[17/64] = r2:dst@0[17/64]; signal r7:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 17}}},
     // rank 2 step 99: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[18/64] = r2:dst@0[18/64]; signal r7:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 18}}},
     // rank 2 step 100: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[19/64] = r2:dst@0[19/64]; signal r7:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 19}}},
     // rank 2 step 101: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[20/64] = r2:dst@0[20/64]; signal r7:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 20}}},
     // rank 2 step 102: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[21/64] = r2:dst@0[21/64]; signal r7:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 21}}},
     // rank 2 step 103: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[22/64] = r2:dst@0[22/64]; signal r7:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 22}}},
     // rank 2 step 104: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[23/64] = r2:dst@0[23/64]; signal r7:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 23}}},
     // rank 2 step 105: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/64] = r2:dst@0[16/64]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
     // rank 2 step 106: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/64] = r2:dst@0[17/64]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
     // rank 2 step 107: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/64] = r2:dst@0[18/64]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
     // rank 2 step 108: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/64] = r2:dst@0[19/64]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
     // rank 2 step 109: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/64] = r2:dst@0[20/64]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
     // rank 2 step 110: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/64] = r2:dst@0[21/64]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
     // rank 2 step 111: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/64] = r2:dst@0[22/64]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
     // rank 2 step 112: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/64] = r2:dst@0[23/64]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
     // rank 2 step 113: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/64] = r2:dst@0[16/64]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
     // rank 2 step 114: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/64] = r2:dst@0[17/64]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
     // rank 2 step 115: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/64] = r2:dst@0[18/64]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
     // rank 2 step 116: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/64] = r2:dst@0[19/64]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
     // rank 2 step 117: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/64] = r2:dst@0[20/64]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
     // rank 2 step 118: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/64] = r2:dst@0[21/64]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
     // rank 2 step 119: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/64] = r2:dst@0[22/64]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
     // rank 2 step 120: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/64] = r2:dst@0[23/64]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
     // rank 2 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 2 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 2 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 2 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 2 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 2 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 2 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
     // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[32/64] = r3:src@0[32/64]; signal r4:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 32}, {{3, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 32}, {{3, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
     // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[33/64] = r3:src@0[33/64]; signal r4:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 33}, {{3, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 33}, {{3, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
     // rank 3 step 3: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@3[34/64] = r3:src@0[34/64]; signal r4:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 34}, {{3, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 34}, {{3, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
     // rank 3 step 4: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@3[35/64] = r3:src@0[35/64]; signal r4:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 35}, {{3, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 35}, {{3, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
     // rank 3 step 5: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@3[36/64] = r3:src@0[36/64]; signal r4:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 36}, {{3, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 36}, {{3, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
     // rank 3 step 6: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@3[37/64] = r3:src@0[37/64]; signal r4:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 37}, {{3, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 37}, {{3, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
     // rank 3 step 7: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@3[38/64] = r3:src@0[38/64]; signal r4:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 38}, {{3, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 38}, {{3, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
     // rank 3 step 8: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@3[39/64] = r3:src@0[39/64]; signal r4:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 3, 39}, {{3, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 39}, {{3, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
     // rank 3 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[40/64] = r3:src@0[40/64]; signal r5:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 40}, {{3, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 40}, {{3, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
     // rank 3 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[41/64] = r3:src@0[41/64]; signal r5:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 41}, {{3, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 41}, {{3, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
     // rank 3 step 11: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@3[42/64] = r3:src@0[42/64]; signal r5:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 42}, {{3, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 42}, {{3, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
     // rank 3 step 12: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@3[43/64] = r3:src@0[43/64]; signal r5:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 43}, {{3, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 43}, {{3, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
     // rank 3 step 13: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@3[44/64] = r3:src@0[44/64]; signal r5:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 44}, {{3, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 44}, {{3, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
     // rank 3 step 14: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@3[45/64] = r3:src@0[45/64]; signal r5:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 45}, {{3, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 45}, {{3, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
     // rank 3 step 15: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@3[46/64] = r3:src@0[46/64]; signal r5:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 46}, {{3, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 46}, {{3, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
     // rank 3 step 16: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@3[47/64] = r3:src@0[47/64]; signal r5:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 3, 47}, {{3, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 47}, {{3, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
     // rank 3 step 17: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[48/64] = r3:src@0[48/64]; signal r6:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 48}, {{3, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 48}, {{3, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
     // rank 3 step 18: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[49/64] = r3:src@0[49/64]; signal r6:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 49}, {{3, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 49}, {{3, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
     // rank 3 step 19: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@3[50/64] = r3:src@0[50/64]; signal r6:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 50}, {{3, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 50}, {{3, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
     // rank 3 step 20: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@3[51/64] = r3:src@0[51/64]; signal r6:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 51}, {{3, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 51}, {{3, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
     // rank 3 step 21: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@3[52/64] = r3:src@0[52/64]; signal r6:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 52}, {{3, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 52}, {{3, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
     // rank 3 step 22: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@3[53/64] = r3:src@0[53/64]; signal r6:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 53}, {{3, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 53}, {{3, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
     // rank 3 step 23: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@3[54/64] = r3:src@0[54/64]; signal r6:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 54}, {{3, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 54}, {{3, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
     // rank 3 step 24: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@3[55/64] = r3:src@0[55/64]; signal r6:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 3, 55}, {{3, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 55}, {{3, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
     // rank 3 step 25: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[56/64] = r3:src@0[56/64]; signal r7:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 56}, {{3, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 56}, {{3, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
     // rank 3 step 26: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[57/64] = r3:src@0[57/64]; signal r7:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 57}, {{3, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 57}, {{3, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
     // rank 3 step 27: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@3[58/64] = r3:src@0[58/64]; signal r7:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 58}, {{3, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 58}, {{3, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
     // rank 3 step 28: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@3[59/64] = r3:src@0[59/64]; signal r7:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 59}, {{3, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 59}, {{3, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
     // rank 3 step 29: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@3[60/64] = r3:src@0[60/64]; signal r7:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 60}, {{3, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 60}, {{3, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
     // rank 3 step 30: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@3[61/64] = r3:src@0[61/64]; signal r7:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 61}, {{3, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 61}, {{3, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
     // rank 3 step 31: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@3[62/64] = r3:src@0[62/64]; signal r7:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 62}, {{3, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 62}, {{3, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
     // rank 3 step 32: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@3[63/64] = r3:src@0[63/64]; signal r7:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 3, 63}, {{3, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 63}, {{3, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
     // rank 3 step 33: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/64] = r3:src@0[0/64]; signal r0:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 0}, {{3, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 0}, {{3, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 3 step 34: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/64] = r3:src@0[1/64]; signal r0:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 1}, {{3, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 1}, {{3, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 3 step 35: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/64] = r3:src@0[2/64]; signal r0:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 2}, {{3, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 2}, {{3, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 3 step 36: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/64] = r3:src@0[3/64]; signal r0:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 3}, {{3, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 3}, {{3, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 3 step 37: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/64] = r3:src@0[4/64]; signal r0:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 4}, {{3, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 4}, {{3, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
     // rank 3 step 38: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/64] = r3:src@0[5/64]; signal r0:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 5}, {{3, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 5}, {{3, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
     // rank 3 step 39: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/64] = r3:src@0[6/64]; signal r0:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 6}, {{3, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 6}, {{3, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
     // rank 3 step 40: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/64] = r3:src@0[7/64]; signal r0:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 3, 7}, {{3, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 7}, {{3, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
     // rank 3 step 41: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/64] = r3:src@0[8/64]; signal r1:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 8}, {{3, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 8}, {{3, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 3 step 42: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/64] = r3:src@0[9/64]; signal r1:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 9}, {{3, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 9}, {{3, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 3 step 43: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/64] = r3:src@0[10/64]; signal r1:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 10}, {{3, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 10}, {{3, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 3 step 44: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/64] = r3:src@0[11/64]; signal r1:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 11}, {{3, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 11}, {{3, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 3 step 45: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/64] = r3:src@0[12/64]; signal r1:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 12}, {{3, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 12}, {{3, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 3 step 46: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/64] = r3:src@0[13/64]; signal r1:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 13}, {{3, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 13}, {{3, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 3 step 47: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/64] = r3:src@0[14/64]; signal r1:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 14}, {{3, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 14}, {{3, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 3 step 48: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/64] = r3:src@0[15/64]; signal r1:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 3, 15}, {{3, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 15}, {{3, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 3 step 49: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/64] = r3:src@0[16/64]; signal r2:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 16}, {{3, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 16}, {{3, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 3 step 50: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/64] = r3:src@0[17/64]; signal r2:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 17}, {{3, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 17}, {{3, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 3 step 51: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/64] = r3:src@0[18/64]; signal r2:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 18}, {{3, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 18}, {{3, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 3 step 52: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/64] = r3:src@0[19/64]; signal r2:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 19}, {{3, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 19}, {{3, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 3 step 53: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/64] = r3:src@0[20/64]; signal r2:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 20}, {{3, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 20}, {{3, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 3 step 54: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/64] = r3:src@0[21/64]; signal r2:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 21}, {{3, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 21}, {{3, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 3 step 55: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/64] = r3:src@0[22/64]; signal r2:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 22}, {{3, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 22}, {{3, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 3 step 56: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/64] = r3:src@0[23/64]; signal r2:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 3, 23}, {{3, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 23}, {{3, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 3 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[24/64] = r3:src@0[24/64] + r3:inbox@0[24/64] + r3:inbox@1[24/64] + r3:inbox@2[24/64] + r3:inbox@4[24/64] + r3:inbox@5[24/64] + r3:inbox@6[24/64] + r3:inbox@7[24/64]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 24}, {{3, 1, 1, 64, 0, 24}, {3, 3, 0, 64, 0, 24}, {3, 3, 0, 64, 1, 24}, {3, 3, 0, 64, 2, 24}, {3, 3, 0, 64, 4, 24}, {3, 3, 0, 64, 5, 24}, {3, 3, 0, 64, 6, 24}, {3, 3, 0, 64, 7, 24}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{3, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 24}, {{3, 1, 1, 64, 0, 24}, {3, 3, 0, 64, 0, 24}, {3, 3, 0, 64, 1, 24}, {3, 3, 0, 64, 2, 24}, {3, 3, 0, 64, 4, 24}, {3, 3, 0, 64, 5, 24}, {3, 3, 0, 64, 6, 24}, {3, 3, 0, 64, 7, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{3, 6, 0}}},
     // rank 3 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[25/64] = r3:src@0[25/64] + r3:inbox@0[25/64] + r3:inbox@1[25/64] + r3:inbox@2[25/64] + r3:inbox@4[25/64] + r3:inbox@5[25/64] + r3:inbox@6[25/64] + r3:inbox@7[25/64]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 25}, {{3, 1, 1, 64, 0, 25}, {3, 3, 0, 64, 0, 25}, {3, 3, 0, 64, 1, 25}, {3, 3, 0, 64, 2, 25}, {3, 3, 0, 64, 4, 25}, {3, 3, 0, 64, 5, 25}, {3, 3, 0, 64, 6, 25}, {3, 3, 0, 64, 7, 25}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{3, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 25}, {{3, 1, 1, 64, 0, 25}, {3, 3, 0, 64, 0, 25}, {3, 3, 0, 64, 1, 25}, {3, 3, 0, 64, 2, 25}, {3, 3, 0, 64, 4, 25}, {3, 3, 0, 64, 5, 25}, {3, 3, 0, 64, 6, 25}, {3, 3, 0, 64, 7, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{3, 6, 1}}},
     // rank 3 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[26/64] = r3:src@0[26/64] + r3:inbox@0[26/64] + r3:inbox@1[26/64] + r3:inbox@2[26/64] + r3:inbox@4[26/64] + r3:inbox@5[26/64] + r3:inbox@6[26/64] + r3:inbox@7[26/64]; signal r3:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 26}, {{3, 1, 1, 64, 0, 26}, {3, 3, 0, 64, 0, 26}, {3, 3, 0, 64, 1, 26}, {3, 3, 0, 64, 2, 26}, {3, 3, 0, 64, 4, 26}, {3, 3, 0, 64, 5, 26}, {3, 3, 0, 64, 6, 26}, {3, 3, 0, 64, 7, 26}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{3, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 26}, {{3, 1, 1, 64, 0, 26}, {3, 3, 0, 64, 0, 26}, {3, 3, 0, 64, 1, 26}, {3, 3, 0, 64, 2, 26}, {3, 3, 0, 64, 4, 26}, {3, 3, 0, 64, 5, 26}, {3, 3, 0, 64, 6, 26}, {3, 3, 0, 64, 7, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{3, 6, 2}}},
     // rank 3 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[27/64] = r3:src@0[27/64] + r3:inbox@0[27/64] + r3:inbox@1[27/64] + r3:inbox@2[27/64] + r3:inbox@4[27/64] + r3:inbox@5[27/64] + r3:inbox@6[27/64] + r3:inbox@7[27/64]; signal r3:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 27}, {{3, 1, 1, 64, 0, 27}, {3, 3, 0, 64, 0, 27}, {3, 3, 0, 64, 1, 27}, {3, 3, 0, 64, 2, 27}, {3, 3, 0, 64, 4, 27}, {3, 3, 0, 64, 5, 27}, {3, 3, 0, 64, 6, 27}, {3, 3, 0, 64, 7, 27}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{3, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 27}, {{3, 1, 1, 64, 0, 27}, {3, 3, 0, 64, 0, 27}, {3, 3, 0, 64, 1, 27}, {3, 3, 0, 64, 2, 27}, {3, 3, 0, 64, 4, 27}, {3, 3, 0, 64, 5, 27}, {3, 3, 0, 64, 6, 27}, {3, 3, 0, 64, 7, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{3, 6, 3}}},
     // rank 3 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[28/64] = r3:src@0[28/64] + r3:inbox@0[28/64] + r3:inbox@1[28/64] + r3:inbox@2[28/64] + r3:inbox@4[28/64] + r3:inbox@5[28/64] + r3:inbox@6[28/64] + r3:inbox@7[28/64]; signal r3:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 28}, {{3, 1, 1, 64, 0, 28}, {3, 3, 0, 64, 0, 28}, {3, 3, 0, 64, 1, 28}, {3, 3, 0, 64, 2, 28}, {3, 3, 0, 64, 4, 28}, {3, 3, 0, 64, 5, 28}, {3, 3, 0, 64, 6, 28}, {3, 3, 0, 64, 7, 28}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{3, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 28}, {{3, 1, 1, 64, 0, 28}, {3, 3, 0, 64, 0, 28}, {3, 3, 0, 64, 1, 28}, {3, 3, 0, 64, 2, 28}, {3, 3, 0, 64, 4, 28}, {3, 3, 0, 64, 5, 28}, {3, 3, 0, 64, 6, 28}, {3, 3, 0, 64, 7, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{3, 6, 4}}},
     // rank 3 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[29/64] = r3:src@0[29/64] + r3:inbox@0[29/64] + r3:inbox@1[29/64] + r3:inbox@2[29/64] + r3:inbox@4[29/64] + r3:inbox@5[29/64] + r3:inbox@6[29/64] + r3:inbox@7[29/64]; signal r3:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 29}, {{3, 1, 1, 64, 0, 29}, {3, 3, 0, 64, 0, 29}, {3, 3, 0, 64, 1, 29}, {3, 3, 0, 64, 2, 29}, {3, 3, 0, 64, 4, 29}, {3, 3, 0, 64, 5, 29}, {3, 3, 0, 64, 6, 29}, {3, 3, 0, 64, 7, 29}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{3, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 29}, {{3, 1, 1, 64, 0, 29}, {3, 3, 0, 64, 0, 29}, {3, 3, 0, 64, 1, 29}, {3, 3, 0, 64, 2, 29}, {3, 3, 0, 64, 4, 29}, {3, 3, 0, 64, 5, 29}, {3, 3, 0, 64, 6, 29}, {3, 3, 0, 64, 7, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{3, 6, 5}}},
     // rank 3 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[30/64] = r3:src@0[30/64] + r3:inbox@0[30/64] + r3:inbox@1[30/64] + r3:inbox@2[30/64] + r3:inbox@4[30/64] + r3:inbox@5[30/64] + r3:inbox@6[30/64] + r3:inbox@7[30/64]; signal r3:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 30}, {{3, 1, 1, 64, 0, 30}, {3, 3, 0, 64, 0, 30}, {3, 3, 0, 64, 1, 30}, {3, 3, 0, 64, 2, 30}, {3, 3, 0, 64, 4, 30}, {3, 3, 0, 64, 5, 30}, {3, 3, 0, 64, 6, 30}, {3, 3, 0, 64, 7, 30}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{3, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 30}, {{3, 1, 1, 64, 0, 30}, {3, 3, 0, 64, 0, 30}, {3, 3, 0, 64, 1, 30}, {3, 3, 0, 64, 2, 30}, {3, 3, 0, 64, 4, 30}, {3, 3, 0, 64, 5, 30}, {3, 3, 0, 64, 6, 30}, {3, 3, 0, 64, 7, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{3, 6, 6}}},
     // rank 3 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[31/64] = r3:src@0[31/64] + r3:inbox@0[31/64] + r3:inbox@1[31/64] + r3:inbox@2[31/64] + r3:inbox@4[31/64] + r3:inbox@5[31/64] + r3:inbox@6[31/64] + r3:inbox@7[31/64]; signal r3:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 2, 0, 64, 0, 31}, {{3, 1, 1, 64, 0, 31}, {3, 3, 0, 64, 0, 31}, {3, 3, 0, 64, 1, 31}, {3, 3, 0, 64, 2, 31}, {3, 3, 0, 64, 4, 31}, {3, 3, 0, 64, 5, 31}, {3, 3, 0, 64, 6, 31}, {3, 3, 0, 64, 7, 31}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{3, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 31}, {{3, 1, 1, 64, 0, 31}, {3, 3, 0, 64, 0, 31}, {3, 3, 0, 64, 1, 31}, {3, 3, 0, 64, 2, 31}, {3, 3, 0, 64, 4, 31}, {3, 3, 0, 64, 5, 31}, {3, 3, 0, 64, 6, 31}, {3, 3, 0, 64, 7, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{3, 6, 7}}},
     // rank 3 step 65: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[24/64] = r3:dst@0[24/64]; signal r4:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 24}}},
     // rank 3 step 66: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[25/64] = r3:dst@0[25/64]; signal r4:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 25}}},
     // rank 3 step 67: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[26/64] = r3:dst@0[26/64]; signal r4:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 26}}},
     // rank 3 step 68: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[27/64] = r3:dst@0[27/64]; signal r4:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 27}}},
     // rank 3 step 69: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[28/64] = r3:dst@0[28/64]; signal r4:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 28}}},
     // rank 3 step 70: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[29/64] = r3:dst@0[29/64]; signal r4:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 29}}},
     // rank 3 step 71: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[30/64] = r3:dst@0[30/64]; signal r4:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 30}}},
     // rank 3 step 72: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[31/64] = r3:dst@0[31/64]; signal r4:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 31}}},
     // rank 3 step 73: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[24/64] = r3:dst@0[24/64]; signal r5:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 24}}},
     // rank 3 step 74: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[25/64] = r3:dst@0[25/64]; signal r5:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 25}}},
     // rank 3 step 75: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[26/64] = r3:dst@0[26/64]; signal r5:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 26}}},
     // rank 3 step 76: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[27/64] = r3:dst@0[27/64]; signal r5:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 27}}},
     // rank 3 step 77: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[28/64] = r3:dst@0[28/64]; signal r5:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 28}}},
     // rank 3 step 78: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[29/64] = r3:dst@0[29/64]; signal r5:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 29}}},
     // rank 3 step 79: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[30/64] = r3:dst@0[30/64]; signal r5:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 30}}},
     // rank 3 step 80: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[31/64] = r3:dst@0[31/64]; signal r5:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 31}}},
     // rank 3 step 81: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[24/64] = r3:dst@0[24/64]; signal r6:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 24}}},
     // rank 3 step 82: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[25/64] = r3:dst@0[25/64]; signal r6:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 25}}},
     // rank 3 step 83: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[26/64] = r3:dst@0[26/64]; signal r6:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 26}}},
     // rank 3 step 84: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[27/64] = r3:dst@0[27/64]; signal r6:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 27}}},
     // rank 3 step 85: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[28/64] = r3:dst@0[28/64]; signal r6:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 28}}},
     // rank 3 step 86: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[29/64] = r3:dst@0[29/64]; signal r6:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 29}}},
     // rank 3 step 87: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[30/64] = r3:dst@0[30/64]; signal r6:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 30}}},
     // rank 3 step 88: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[31/64] = r3:dst@0[31/64]; signal r6:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 31}}},
     // rank 3 step 89: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[24/64] = r3:dst@0[24/64]; signal r7:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 24}}},
     // rank 3 step 90: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[25/64] = r3:dst@0[25/64]; signal r7:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 25}}},
     // rank 3 step 91: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[26/64] = r3:dst@0[26/64]; signal r7:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 26}}},
     // rank 3 step 92: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[27/64] = r3:dst@0[27/64]; signal r7:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 27}}},
     // rank 3 step 93: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[28/64] = r3:dst@0[28/64]; signal r7:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 28}}},
     // rank 3 step 94: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[29/64] = r3:dst@0[29/64]; signal r7:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 29}}},
     // rank 3 step 95: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[30/64] = r3:dst@0[30/64]; signal r7:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 30}}},
     // rank 3 step 96: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[31/64] = r3:dst@0[31/64]; signal r7:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 31}}},
     // rank 3 step 97: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/64] = r3:dst@0[24/64]; signal r0:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
     // rank 3 step 98: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/64] = r3:dst@0[25/64]; signal r0:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
     // rank 3 step 99: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/64] = r3:dst@0[26/64]; signal r0:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
     // rank 3 step 100: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/64] = r3:dst@0[27/64]; signal r0:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
     // rank 3 step 101: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/64] = r3:dst@0[28/64]; signal r0:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
     // rank 3 step 102: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/64] = r3:dst@0[29/64]; signal r0:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
     // rank 3 step 103: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/64] = r3:dst@0[30/64]; signal r0:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
     // rank 3 step 104: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/64] = r3:dst@0[31/64]; signal r0:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
     // rank 3 step 105: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/64] = r3:dst@0[24/64]; signal r1:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
     // rank 3 step 106: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/64] = r3:dst@0[25/64]; signal r1:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
     // rank 3 step 107: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/64] = r3:dst@0[26/64]; signal r1:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
     // rank 3 step 108: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/64] = r3:dst@0[27/64]; signal r1:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
     // rank 3 step 109: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/64] = r3:dst@0[28/64]; signal r1:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
     // rank 3 step 110: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/64] = r3:dst@0[29/64]; signal r1:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
     // rank 3 step 111: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/64] = r3:dst@0[30/64]; signal r1:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
     // rank 3 step 112: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/64] = r3:dst@0[31/64]; signal r1:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
     // rank 3 step 113: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/64] = r3:dst@0[24/64]; signal r2:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
     // rank 3 step 114: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/64] = r3:dst@0[25/64]; signal r2:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
     // rank 3 step 115: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/64] = r3:dst@0[26/64]; signal r2:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
     // rank 3 step 116: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/64] = r3:dst@0[27/64]; signal r2:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
     // rank 3 step 117: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/64] = r3:dst@0[28/64]; signal r2:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
     // rank 3 step 118: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/64] = r3:dst@0[29/64]; signal r2:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
     // rank 3 step 119: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/64] = r3:dst@0[30/64]; signal r2:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
     // rank 3 step 120: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/64] = r3:dst@0[31/64]; signal r2:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
     // rank 3 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 3 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 3 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 3 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 3 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 3 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 3 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
     // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[40/64] = r4:src@0[40/64]; signal r5:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 40}, {{4, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 40}, {{4, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
     // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[41/64] = r4:src@0[41/64]; signal r5:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 41}, {{4, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 41}, {{4, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
     // rank 4 step 3: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@4[42/64] = r4:src@0[42/64]; signal r5:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 42}, {{4, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 42}, {{4, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
     // rank 4 step 4: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@4[43/64] = r4:src@0[43/64]; signal r5:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 43}, {{4, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 43}, {{4, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
     // rank 4 step 5: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@4[44/64] = r4:src@0[44/64]; signal r5:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 44}, {{4, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 44}, {{4, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
     // rank 4 step 6: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@4[45/64] = r4:src@0[45/64]; signal r5:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 45}, {{4, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 45}, {{4, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
     // rank 4 step 7: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@4[46/64] = r4:src@0[46/64]; signal r5:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 46}, {{4, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 46}, {{4, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
     // rank 4 step 8: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@4[47/64] = r4:src@0[47/64]; signal r5:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 4, 47}, {{4, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 47}, {{4, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
     // rank 4 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[48/64] = r4:src@0[48/64]; signal r6:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 48}, {{4, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 48}, {{4, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
     // rank 4 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[49/64] = r4:src@0[49/64]; signal r6:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 49}, {{4, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 49}, {{4, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
     // rank 4 step 11: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@4[50/64] = r4:src@0[50/64]; signal r6:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 50}, {{4, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 50}, {{4, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
     // rank 4 step 12: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@4[51/64] = r4:src@0[51/64]; signal r6:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 51}, {{4, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 51}, {{4, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
     // rank 4 step 13: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@4[52/64] = r4:src@0[52/64]; signal r6:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 52}, {{4, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 52}, {{4, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
     // rank 4 step 14: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@4[53/64] = r4:src@0[53/64]; signal r6:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 53}, {{4, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 53}, {{4, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
     // rank 4 step 15: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@4[54/64] = r4:src@0[54/64]; signal r6:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 54}, {{4, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 54}, {{4, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
     // rank 4 step 16: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@4[55/64] = r4:src@0[55/64]; signal r6:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 4, 55}, {{4, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 55}, {{4, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
     // rank 4 step 17: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[56/64] = r4:src@0[56/64]; signal r7:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 56}, {{4, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 56}, {{4, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
     // rank 4 step 18: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[57/64] = r4:src@0[57/64]; signal r7:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 57}, {{4, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 57}, {{4, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
     // rank 4 step 19: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@4[58/64] = r4:src@0[58/64]; signal r7:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 58}, {{4, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 58}, {{4, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
     // rank 4 step 20: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@4[59/64] = r4:src@0[59/64]; signal r7:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 59}, {{4, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 59}, {{4, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
     // rank 4 step 21: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@4[60/64] = r4:src@0[60/64]; signal r7:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 60}, {{4, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 60}, {{4, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
     // rank 4 step 22: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@4[61/64] = r4:src@0[61/64]; signal r7:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 61}, {{4, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 61}, {{4, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
     // rank 4 step 23: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@4[62/64] = r4:src@0[62/64]; signal r7:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 62}, {{4, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 62}, {{4, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
     // rank 4 step 24: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@4[63/64] = r4:src@0[63/64]; signal r7:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 4, 63}, {{4, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 63}, {{4, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
     // rank 4 step 25: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/64] = r4:src@0[0/64]; signal r0:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 0}, {{4, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 0}, {{4, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
     // rank 4 step 26: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/64] = r4:src@0[1/64]; signal r0:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 1}, {{4, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 1}, {{4, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
     // rank 4 step 27: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@4[2/64] = r4:src@0[2/64]; signal r0:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 2}, {{4, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 2}, {{4, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
     // rank 4 step 28: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@4[3/64] = r4:src@0[3/64]; signal r0:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 3}, {{4, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 3}, {{4, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
     // rank 4 step 29: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@4[4/64] = r4:src@0[4/64]; signal r0:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 4}, {{4, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 4}, {{4, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
     // rank 4 step 30: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@4[5/64] = r4:src@0[5/64]; signal r0:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 5}, {{4, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 5}, {{4, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
     // rank 4 step 31: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@4[6/64] = r4:src@0[6/64]; signal r0:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 6}, {{4, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 6}, {{4, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
     // rank 4 step 32: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@4[7/64] = r4:src@0[7/64]; signal r0:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 4, 7}, {{4, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 7}, {{4, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
     // rank 4 step 33: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[8/64] = r4:src@0[8/64]; signal r1:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 8}, {{4, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 8}, {{4, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
     // rank 4 step 34: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[9/64] = r4:src@0[9/64]; signal r1:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 9}, {{4, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 9}, {{4, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
     // rank 4 step 35: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@4[10/64] = r4:src@0[10/64]; signal r1:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 10}, {{4, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 10}, {{4, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
     // rank 4 step 36: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@4[11/64] = r4:src@0[11/64]; signal r1:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 11}, {{4, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 11}, {{4, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
     // rank 4 step 37: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@4[12/64] = r4:src@0[12/64]; signal r1:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 12}, {{4, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 12}, {{4, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
     // rank 4 step 38: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@4[13/64] = r4:src@0[13/64]; signal r1:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 13}, {{4, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 13}, {{4, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
     // rank 4 step 39: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@4[14/64] = r4:src@0[14/64]; signal r1:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 14}, {{4, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 14}, {{4, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
     // rank 4 step 40: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@4[15/64] = r4:src@0[15/64]; signal r1:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 4, 15}, {{4, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 15}, {{4, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
     // rank 4 step 41: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[16/64] = r4:src@0[16/64]; signal r2:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 16}, {{4, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 16}, {{4, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
     // rank 4 step 42: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[17/64] = r4:src@0[17/64]; signal r2:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 17}, {{4, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 17}, {{4, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
     // rank 4 step 43: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@4[18/64] = r4:src@0[18/64]; signal r2:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 18}, {{4, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 18}, {{4, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
     // rank 4 step 44: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@4[19/64] = r4:src@0[19/64]; signal r2:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 19}, {{4, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 19}, {{4, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
     // rank 4 step 45: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@4[20/64] = r4:src@0[20/64]; signal r2:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 20}, {{4, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 20}, {{4, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
     // rank 4 step 46: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@4[21/64] = r4:src@0[21/64]; signal r2:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 21}, {{4, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 21}, {{4, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
     // rank 4 step 47: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@4[22/64] = r4:src@0[22/64]; signal r2:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 22}, {{4, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 22}, {{4, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
     // rank 4 step 48: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@4[23/64] = r4:src@0[23/64]; signal r2:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 4, 23}, {{4, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 23}, {{4, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
     // rank 4 step 49: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[24/64] = r4:src@0[24/64]; signal r3:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 24}, {{4, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 24}, {{4, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
     // rank 4 step 50: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[25/64] = r4:src@0[25/64]; signal r3:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 25}, {{4, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 25}, {{4, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
     // rank 4 step 51: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@4[26/64] = r4:src@0[26/64]; signal r3:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 26}, {{4, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 26}, {{4, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
     // rank 4 step 52: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@4[27/64] = r4:src@0[27/64]; signal r3:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 27}, {{4, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 27}, {{4, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
     // rank 4 step 53: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@4[28/64] = r4:src@0[28/64]; signal r3:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 28}, {{4, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 28}, {{4, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
     // rank 4 step 54: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@4[29/64] = r4:src@0[29/64]; signal r3:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 29}, {{4, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 29}, {{4, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
     // rank 4 step 55: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@4[30/64] = r4:src@0[30/64]; signal r3:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 30}, {{4, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 30}, {{4, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
     // rank 4 step 56: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@4[31/64] = r4:src@0[31/64]; signal r3:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 4, 31}, {{4, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 31}, {{4, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
     // rank 4 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[32/64] = r4:src@0[32/64] + r4:inbox@0[32/64] + r4:inbox@1[32/64] + r4:inbox@2[32/64] + r4:inbox@3[32/64] + r4:inbox@5[32/64] + r4:inbox@6[32/64] + r4:inbox@7[32/64]; signal r4:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 32}, {{4, 1, 1, 64, 0, 32}, {4, 3, 0, 64, 0, 32}, {4, 3, 0, 64, 1, 32}, {4, 3, 0, 64, 2, 32}, {4, 3, 0, 64, 3, 32}, {4, 3, 0, 64, 5, 32}, {4, 3, 0, 64, 6, 32}, {4, 3, 0, 64, 7, 32}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{4, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 32}, {{4, 1, 1, 64, 0, 32}, {4, 3, 0, 64, 0, 32}, {4, 3, 0, 64, 1, 32}, {4, 3, 0, 64, 2, 32}, {4, 3, 0, 64, 3, 32}, {4, 3, 0, 64, 5, 32}, {4, 3, 0, 64, 6, 32}, {4, 3, 0, 64, 7, 32}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{4, 6, 0}}},
     // rank 4 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[33/64] = r4:src@0[33/64] + r4:inbox@0[33/64] + r4:inbox@1[33/64] + r4:inbox@2[33/64] + r4:inbox@3[33/64] + r4:inbox@5[33/64] + r4:inbox@6[33/64] + r4:inbox@7[33/64]; signal r4:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 33}, {{4, 1, 1, 64, 0, 33}, {4, 3, 0, 64, 0, 33}, {4, 3, 0, 64, 1, 33}, {4, 3, 0, 64, 2, 33}, {4, 3, 0, 64, 3, 33}, {4, 3, 0, 64, 5, 33}, {4, 3, 0, 64, 6, 33}, {4, 3, 0, 64, 7, 33}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{4, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 33}, {{4, 1, 1, 64, 0, 33}, {4, 3, 0, 64, 0, 33}, {4, 3, 0, 64, 1, 33}, {4, 3, 0, 64, 2, 33}, {4, 3, 0, 64, 3, 33}, {4, 3, 0, 64, 5, 33}, {4, 3, 0, 64, 6, 33}, {4, 3, 0, 64, 7, 33}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{4, 6, 1}}},
     // rank 4 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[34/64] = r4:src@0[34/64] + r4:inbox@0[34/64] + r4:inbox@1[34/64] + r4:inbox@2[34/64] + r4:inbox@3[34/64] + r4:inbox@5[34/64] + r4:inbox@6[34/64] + r4:inbox@7[34/64]; signal r4:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 34}, {{4, 1, 1, 64, 0, 34}, {4, 3, 0, 64, 0, 34}, {4, 3, 0, 64, 1, 34}, {4, 3, 0, 64, 2, 34}, {4, 3, 0, 64, 3, 34}, {4, 3, 0, 64, 5, 34}, {4, 3, 0, 64, 6, 34}, {4, 3, 0, 64, 7, 34}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{4, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 34}, {{4, 1, 1, 64, 0, 34}, {4, 3, 0, 64, 0, 34}, {4, 3, 0, 64, 1, 34}, {4, 3, 0, 64, 2, 34}, {4, 3, 0, 64, 3, 34}, {4, 3, 0, 64, 5, 34}, {4, 3, 0, 64, 6, 34}, {4, 3, 0, 64, 7, 34}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{4, 6, 2}}},
     // rank 4 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[35/64] = r4:src@0[35/64] + r4:inbox@0[35/64] + r4:inbox@1[35/64] + r4:inbox@2[35/64] + r4:inbox@3[35/64] + r4:inbox@5[35/64] + r4:inbox@6[35/64] + r4:inbox@7[35/64]; signal r4:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 35}, {{4, 1, 1, 64, 0, 35}, {4, 3, 0, 64, 0, 35}, {4, 3, 0, 64, 1, 35}, {4, 3, 0, 64, 2, 35}, {4, 3, 0, 64, 3, 35}, {4, 3, 0, 64, 5, 35}, {4, 3, 0, 64, 6, 35}, {4, 3, 0, 64, 7, 35}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{4, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 35}, {{4, 1, 1, 64, 0, 35}, {4, 3, 0, 64, 0, 35}, {4, 3, 0, 64, 1, 35}, {4, 3, 0, 64, 2, 35}, {4, 3, 0, 64, 3, 35}, {4, 3, 0, 64, 5, 35}, {4, 3, 0, 64, 6, 35}, {4, 3, 0, 64, 7, 35}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{4, 6, 3}}},
     // rank 4 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[36/64] = r4:src@0[36/64] + r4:inbox@0[36/64] + r4:inbox@1[36/64] + r4:inbox@2[36/64] + r4:inbox@3[36/64] + r4:inbox@5[36/64] + r4:inbox@6[36/64] + r4:inbox@7[36/64]; signal r4:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 36}, {{4, 1, 1, 64, 0, 36}, {4, 3, 0, 64, 0, 36}, {4, 3, 0, 64, 1, 36}, {4, 3, 0, 64, 2, 36}, {4, 3, 0, 64, 3, 36}, {4, 3, 0, 64, 5, 36}, {4, 3, 0, 64, 6, 36}, {4, 3, 0, 64, 7, 36}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{4, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 36}, {{4, 1, 1, 64, 0, 36}, {4, 3, 0, 64, 0, 36}, {4, 3, 0, 64, 1, 36}, {4, 3, 0, 64, 2, 36}, {4, 3, 0, 64, 3, 36}, {4, 3, 0, 64, 5, 36}, {4, 3, 0, 64, 6, 36}, {4, 3, 0, 64, 7, 36}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{4, 6, 4}}},
     // rank 4 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[37/64] = r4:src@0[37/64] + r4:inbox@0[37/64] + r4:inbox@1[37/64] + r4:inbox@2[37/64] + r4:inbox@3[37/64] + r4:inbox@5[37/64] + r4:inbox@6[37/64] + r4:inbox@7[37/64]; signal r4:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 37}, {{4, 1, 1, 64, 0, 37}, {4, 3, 0, 64, 0, 37}, {4, 3, 0, 64, 1, 37}, {4, 3, 0, 64, 2, 37}, {4, 3, 0, 64, 3, 37}, {4, 3, 0, 64, 5, 37}, {4, 3, 0, 64, 6, 37}, {4, 3, 0, 64, 7, 37}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{4, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 37}, {{4, 1, 1, 64, 0, 37}, {4, 3, 0, 64, 0, 37}, {4, 3, 0, 64, 1, 37}, {4, 3, 0, 64, 2, 37}, {4, 3, 0, 64, 3, 37}, {4, 3, 0, 64, 5, 37}, {4, 3, 0, 64, 6, 37}, {4, 3, 0, 64, 7, 37}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{4, 6, 5}}},
     // rank 4 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[38/64] = r4:src@0[38/64] + r4:inbox@0[38/64] + r4:inbox@1[38/64] + r4:inbox@2[38/64] + r4:inbox@3[38/64] + r4:inbox@5[38/64] + r4:inbox@6[38/64] + r4:inbox@7[38/64]; signal r4:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 38}, {{4, 1, 1, 64, 0, 38}, {4, 3, 0, 64, 0, 38}, {4, 3, 0, 64, 1, 38}, {4, 3, 0, 64, 2, 38}, {4, 3, 0, 64, 3, 38}, {4, 3, 0, 64, 5, 38}, {4, 3, 0, 64, 6, 38}, {4, 3, 0, 64, 7, 38}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{4, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 38}, {{4, 1, 1, 64, 0, 38}, {4, 3, 0, 64, 0, 38}, {4, 3, 0, 64, 1, 38}, {4, 3, 0, 64, 2, 38}, {4, 3, 0, 64, 3, 38}, {4, 3, 0, 64, 5, 38}, {4, 3, 0, 64, 6, 38}, {4, 3, 0, 64, 7, 38}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{4, 6, 6}}},
     // rank 4 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[39/64] = r4:src@0[39/64] + r4:inbox@0[39/64] + r4:inbox@1[39/64] + r4:inbox@2[39/64] + r4:inbox@3[39/64] + r4:inbox@5[39/64] + r4:inbox@6[39/64] + r4:inbox@7[39/64]; signal r4:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 2, 0, 64, 0, 39}, {{4, 1, 1, 64, 0, 39}, {4, 3, 0, 64, 0, 39}, {4, 3, 0, 64, 1, 39}, {4, 3, 0, 64, 2, 39}, {4, 3, 0, 64, 3, 39}, {4, 3, 0, 64, 5, 39}, {4, 3, 0, 64, 6, 39}, {4, 3, 0, 64, 7, 39}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{4, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 39}, {{4, 1, 1, 64, 0, 39}, {4, 3, 0, 64, 0, 39}, {4, 3, 0, 64, 1, 39}, {4, 3, 0, 64, 2, 39}, {4, 3, 0, 64, 3, 39}, {4, 3, 0, 64, 5, 39}, {4, 3, 0, 64, 6, 39}, {4, 3, 0, 64, 7, 39}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{4, 6, 7}}},
     // rank 4 step 65: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[32/64] = r4:dst@0[32/64]; signal r5:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 32}}},
     // rank 4 step 66: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[33/64] = r4:dst@0[33/64]; signal r5:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 33}}},
     // rank 4 step 67: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[34/64] = r4:dst@0[34/64]; signal r5:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 34}}},
     // rank 4 step 68: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[35/64] = r4:dst@0[35/64]; signal r5:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 35}}},
     // rank 4 step 69: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[36/64] = r4:dst@0[36/64]; signal r5:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 36}}},
     // rank 4 step 70: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[37/64] = r4:dst@0[37/64]; signal r5:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 37}}},
     // rank 4 step 71: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[38/64] = r4:dst@0[38/64]; signal r5:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 38}}},
     // rank 4 step 72: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[39/64] = r4:dst@0[39/64]; signal r5:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 39}}},
     // rank 4 step 73: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[32/64] = r4:dst@0[32/64]; signal r6:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 32}}},
     // rank 4 step 74: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[33/64] = r4:dst@0[33/64]; signal r6:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 33}}},
     // rank 4 step 75: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[34/64] = r4:dst@0[34/64]; signal r6:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 34}}},
     // rank 4 step 76: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[35/64] = r4:dst@0[35/64]; signal r6:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 35}}},
     // rank 4 step 77: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[36/64] = r4:dst@0[36/64]; signal r6:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 36}}},
     // rank 4 step 78: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[37/64] = r4:dst@0[37/64]; signal r6:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 37}}},
     // rank 4 step 79: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[38/64] = r4:dst@0[38/64]; signal r6:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 38}}},
     // rank 4 step 80: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[39/64] = r4:dst@0[39/64]; signal r6:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 39}}},
     // rank 4 step 81: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[32/64] = r4:dst@0[32/64]; signal r7:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 32}}},
     // rank 4 step 82: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[33/64] = r4:dst@0[33/64]; signal r7:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 33}}},
     // rank 4 step 83: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[34/64] = r4:dst@0[34/64]; signal r7:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 34}}},
     // rank 4 step 84: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[35/64] = r4:dst@0[35/64]; signal r7:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 35}}},
     // rank 4 step 85: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[36/64] = r4:dst@0[36/64]; signal r7:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 36}}},
     // rank 4 step 86: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[37/64] = r4:dst@0[37/64]; signal r7:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 37}}},
     // rank 4 step 87: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[38/64] = r4:dst@0[38/64]; signal r7:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 38}}},
     // rank 4 step 88: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[39/64] = r4:dst@0[39/64]; signal r7:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 39}}},
     // rank 4 step 89: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[32/64] = r4:dst@0[32/64]; signal r0:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 32}}},
     // rank 4 step 90: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[33/64] = r4:dst@0[33/64]; signal r0:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 33}}},
     // rank 4 step 91: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[34/64] = r4:dst@0[34/64]; signal r0:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 34}}},
     // rank 4 step 92: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[35/64] = r4:dst@0[35/64]; signal r0:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 35}}},
     // rank 4 step 93: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[36/64] = r4:dst@0[36/64]; signal r0:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 36}}},
     // rank 4 step 94: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[37/64] = r4:dst@0[37/64]; signal r0:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 37}}},
     // rank 4 step 95: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[38/64] = r4:dst@0[38/64]; signal r0:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 38}}},
     // rank 4 step 96: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[39/64] = r4:dst@0[39/64]; signal r0:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 39}}},
     // rank 4 step 97: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[32/64] = r4:dst@0[32/64]; signal r1:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 32}}},
     // rank 4 step 98: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[33/64] = r4:dst@0[33/64]; signal r1:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 33}}},
     // rank 4 step 99: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[34/64] = r4:dst@0[34/64]; signal r1:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 34}}},
     // rank 4 step 100: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[35/64] = r4:dst@0[35/64]; signal r1:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 35}}},
     // rank 4 step 101: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[36/64] = r4:dst@0[36/64]; signal r1:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 36}}},
     // rank 4 step 102: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[37/64] = r4:dst@0[37/64]; signal r1:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 37}}},
     // rank 4 step 103: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[38/64] = r4:dst@0[38/64]; signal r1:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 38}}},
     // rank 4 step 104: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[39/64] = r4:dst@0[39/64]; signal r1:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 39}}},
     // rank 4 step 105: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[32/64] = r4:dst@0[32/64]; signal r2:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 32}}},
     // rank 4 step 106: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[33/64] = r4:dst@0[33/64]; signal r2:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 33}}},
     // rank 4 step 107: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[34/64] = r4:dst@0[34/64]; signal r2:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 34}}},
     // rank 4 step 108: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[35/64] = r4:dst@0[35/64]; signal r2:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 35}}},
     // rank 4 step 109: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[36/64] = r4:dst@0[36/64]; signal r2:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 36}}},
     // rank 4 step 110: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[37/64] = r4:dst@0[37/64]; signal r2:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 37}}},
     // rank 4 step 111: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[38/64] = r4:dst@0[38/64]; signal r2:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 38}}},
     // rank 4 step 112: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[39/64] = r4:dst@0[39/64]; signal r2:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 39}}},
     // rank 4 step 113: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[32/64] = r4:dst@0[32/64]; signal r3:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 32}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 32}}},
     // rank 4 step 114: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[33/64] = r4:dst@0[33/64]; signal r3:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 33}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 33}}},
     // rank 4 step 115: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[34/64] = r4:dst@0[34/64]; signal r3:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 34}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 34}}},
     // rank 4 step 116: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[35/64] = r4:dst@0[35/64]; signal r3:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 35}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 35}}},
     // rank 4 step 117: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[36/64] = r4:dst@0[36/64]; signal r3:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 36}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 36}}},
     // rank 4 step 118: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[37/64] = r4:dst@0[37/64]; signal r3:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 37}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 37}}},
     // rank 4 step 119: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[38/64] = r4:dst@0[38/64]; signal r3:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 38}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 38}}},
     // rank 4 step 120: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[39/64] = r4:dst@0[39/64]; signal r3:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 39}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 39}}},
     // rank 4 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 4 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 4 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 4 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 4 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 4 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 4 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
     // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[48/64] = r5:src@0[48/64]; signal r6:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 48}, {{5, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 48}, {{5, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
     // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[49/64] = r5:src@0[49/64]; signal r6:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 49}, {{5, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 49}, {{5, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
     // rank 5 step 3: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@5[50/64] = r5:src@0[50/64]; signal r6:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 50}, {{5, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 50}, {{5, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
     // rank 5 step 4: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@5[51/64] = r5:src@0[51/64]; signal r6:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 51}, {{5, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 51}, {{5, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
     // rank 5 step 5: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@5[52/64] = r5:src@0[52/64]; signal r6:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 52}, {{5, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 52}, {{5, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
     // rank 5 step 6: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@5[53/64] = r5:src@0[53/64]; signal r6:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 53}, {{5, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 53}, {{5, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
     // rank 5 step 7: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@5[54/64] = r5:src@0[54/64]; signal r6:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 54}, {{5, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 54}, {{5, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
     // rank 5 step 8: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@5[55/64] = r5:src@0[55/64]; signal r6:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 5, 55}, {{5, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 55}, {{5, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
     // rank 5 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[56/64] = r5:src@0[56/64]; signal r7:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 56}, {{5, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 56}, {{5, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
     // rank 5 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[57/64] = r5:src@0[57/64]; signal r7:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 57}, {{5, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 57}, {{5, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
     // rank 5 step 11: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@5[58/64] = r5:src@0[58/64]; signal r7:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 58}, {{5, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 58}, {{5, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
     // rank 5 step 12: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@5[59/64] = r5:src@0[59/64]; signal r7:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 59}, {{5, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 59}, {{5, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
     // rank 5 step 13: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@5[60/64] = r5:src@0[60/64]; signal r7:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 60}, {{5, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 60}, {{5, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
     // rank 5 step 14: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@5[61/64] = r5:src@0[61/64]; signal r7:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 61}, {{5, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 61}, {{5, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
     // rank 5 step 15: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@5[62/64] = r5:src@0[62/64]; signal r7:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 62}, {{5, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 62}, {{5, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
     // rank 5 step 16: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@5[63/64] = r5:src@0[63/64]; signal r7:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 5, 63}, {{5, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 63}, {{5, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
     // rank 5 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/64] = r5:src@0[0/64]; signal r0:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 0}, {{5, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 0}, {{5, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
     // rank 5 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/64] = r5:src@0[1/64]; signal r0:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 1}, {{5, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 1}, {{5, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
     // rank 5 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@5[2/64] = r5:src@0[2/64]; signal r0:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 2}, {{5, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 2}, {{5, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
     // rank 5 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@5[3/64] = r5:src@0[3/64]; signal r0:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 3}, {{5, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 3}, {{5, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
     // rank 5 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@5[4/64] = r5:src@0[4/64]; signal r0:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 4}, {{5, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 4}, {{5, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
     // rank 5 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@5[5/64] = r5:src@0[5/64]; signal r0:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 5}, {{5, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 5}, {{5, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
     // rank 5 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@5[6/64] = r5:src@0[6/64]; signal r0:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 6}, {{5, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 6}, {{5, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
     // rank 5 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@5[7/64] = r5:src@0[7/64]; signal r0:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 5, 7}, {{5, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 7}, {{5, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
     // rank 5 step 25: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[8/64] = r5:src@0[8/64]; signal r1:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 8}, {{5, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 8}, {{5, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
     // rank 5 step 26: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[9/64] = r5:src@0[9/64]; signal r1:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 9}, {{5, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 9}, {{5, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
     // rank 5 step 27: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@5[10/64] = r5:src@0[10/64]; signal r1:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 10}, {{5, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 10}, {{5, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
     // rank 5 step 28: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@5[11/64] = r5:src@0[11/64]; signal r1:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 11}, {{5, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 11}, {{5, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
     // rank 5 step 29: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@5[12/64] = r5:src@0[12/64]; signal r1:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 12}, {{5, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 12}, {{5, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
     // rank 5 step 30: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@5[13/64] = r5:src@0[13/64]; signal r1:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 13}, {{5, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 13}, {{5, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
     // rank 5 step 31: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@5[14/64] = r5:src@0[14/64]; signal r1:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 14}, {{5, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 14}, {{5, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
     // rank 5 step 32: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@5[15/64] = r5:src@0[15/64]; signal r1:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 5, 15}, {{5, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 15}, {{5, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
     // rank 5 step 33: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[16/64] = r5:src@0[16/64]; signal r2:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 16}, {{5, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 16}, {{5, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
     // rank 5 step 34: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[17/64] = r5:src@0[17/64]; signal r2:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 17}, {{5, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 17}, {{5, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
     // rank 5 step 35: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@5[18/64] = r5:src@0[18/64]; signal r2:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 18}, {{5, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 18}, {{5, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
     // rank 5 step 36: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@5[19/64] = r5:src@0[19/64]; signal r2:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 19}, {{5, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 19}, {{5, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
     // rank 5 step 37: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@5[20/64] = r5:src@0[20/64]; signal r2:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 20}, {{5, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 20}, {{5, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
     // rank 5 step 38: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@5[21/64] = r5:src@0[21/64]; signal r2:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 21}, {{5, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 21}, {{5, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
     // rank 5 step 39: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@5[22/64] = r5:src@0[22/64]; signal r2:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 22}, {{5, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 22}, {{5, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
     // rank 5 step 40: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@5[23/64] = r5:src@0[23/64]; signal r2:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 5, 23}, {{5, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 23}, {{5, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
     // rank 5 step 41: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[24/64] = r5:src@0[24/64]; signal r3:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 24}, {{5, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 24}, {{5, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
     // rank 5 step 42: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[25/64] = r5:src@0[25/64]; signal r3:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 25}, {{5, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 25}, {{5, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
     // rank 5 step 43: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@5[26/64] = r5:src@0[26/64]; signal r3:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 26}, {{5, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 26}, {{5, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
     // rank 5 step 44: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@5[27/64] = r5:src@0[27/64]; signal r3:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 27}, {{5, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 27}, {{5, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
     // rank 5 step 45: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@5[28/64] = r5:src@0[28/64]; signal r3:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 28}, {{5, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 28}, {{5, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
     // rank 5 step 46: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@5[29/64] = r5:src@0[29/64]; signal r3:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 29}, {{5, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 29}, {{5, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
     // rank 5 step 47: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@5[30/64] = r5:src@0[30/64]; signal r3:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 30}, {{5, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 30}, {{5, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
     // rank 5 step 48: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@5[31/64] = r5:src@0[31/64]; signal r3:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 5, 31}, {{5, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 31}, {{5, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
     // rank 5 step 49: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[32/64] = r5:src@0[32/64]; signal r4:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 32}, {{5, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 32}, {{5, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
     // rank 5 step 50: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[33/64] = r5:src@0[33/64]; signal r4:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 33}, {{5, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 33}, {{5, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
     // rank 5 step 51: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@5[34/64] = r5:src@0[34/64]; signal r4:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 34}, {{5, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 34}, {{5, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
     // rank 5 step 52: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@5[35/64] = r5:src@0[35/64]; signal r4:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 35}, {{5, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 35}, {{5, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
     // rank 5 step 53: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@5[36/64] = r5:src@0[36/64]; signal r4:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 36}, {{5, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 36}, {{5, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
     // rank 5 step 54: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@5[37/64] = r5:src@0[37/64]; signal r4:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 37}, {{5, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 37}, {{5, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
     // rank 5 step 55: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@5[38/64] = r5:src@0[38/64]; signal r4:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 38}, {{5, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 38}, {{5, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
     // rank 5 step 56: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@5[39/64] = r5:src@0[39/64]; signal r4:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 5, 39}, {{5, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 39}, {{5, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
     // rank 5 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[40/64] = r5:src@0[40/64] + r5:inbox@0[40/64] + r5:inbox@1[40/64] + r5:inbox@2[40/64] + r5:inbox@3[40/64] + r5:inbox@4[40/64] + r5:inbox@6[40/64] + r5:inbox@7[40/64]; signal r5:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 40}, {{5, 1, 1, 64, 0, 40}, {5, 3, 0, 64, 0, 40}, {5, 3, 0, 64, 1, 40}, {5, 3, 0, 64, 2, 40}, {5, 3, 0, 64, 3, 40}, {5, 3, 0, 64, 4, 40}, {5, 3, 0, 64, 6, 40}, {5, 3, 0, 64, 7, 40}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{5, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 40}, {{5, 1, 1, 64, 0, 40}, {5, 3, 0, 64, 0, 40}, {5, 3, 0, 64, 1, 40}, {5, 3, 0, 64, 2, 40}, {5, 3, 0, 64, 3, 40}, {5, 3, 0, 64, 4, 40}, {5, 3, 0, 64, 6, 40}, {5, 3, 0, 64, 7, 40}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{5, 6, 0}}},
     // rank 5 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[41/64] = r5:src@0[41/64] + r5:inbox@0[41/64] + r5:inbox@1[41/64] + r5:inbox@2[41/64] + r5:inbox@3[41/64] + r5:inbox@4[41/64] + r5:inbox@6[41/64] + r5:inbox@7[41/64]; signal r5:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 41}, {{5, 1, 1, 64, 0, 41}, {5, 3, 0, 64, 0, 41}, {5, 3, 0, 64, 1, 41}, {5, 3, 0, 64, 2, 41}, {5, 3, 0, 64, 3, 41}, {5, 3, 0, 64, 4, 41}, {5, 3, 0, 64, 6, 41}, {5, 3, 0, 64, 7, 41}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{5, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 41}, {{5, 1, 1, 64, 0, 41}, {5, 3, 0, 64, 0, 41}, {5, 3, 0, 64, 1, 41}, {5, 3, 0, 64, 2, 41}, {5, 3, 0, 64, 3, 41}, {5, 3, 0, 64, 4, 41}, {5, 3, 0, 64, 6, 41}, {5, 3, 0, 64, 7, 41}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{5, 6, 1}}},
     // rank 5 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[42/64] = r5:src@0[42/64] + r5:inbox@0[42/64] + r5:inbox@1[42/64] + r5:inbox@2[42/64] + r5:inbox@3[42/64] + r5:inbox@4[42/64] + r5:inbox@6[42/64] + r5:inbox@7[42/64]; signal r5:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 42}, {{5, 1, 1, 64, 0, 42}, {5, 3, 0, 64, 0, 42}, {5, 3, 0, 64, 1, 42}, {5, 3, 0, 64, 2, 42}, {5, 3, 0, 64, 3, 42}, {5, 3, 0, 64, 4, 42}, {5, 3, 0, 64, 6, 42}, {5, 3, 0, 64, 7, 42}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{5, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 42}, {{5, 1, 1, 64, 0, 42}, {5, 3, 0, 64, 0, 42}, {5, 3, 0, 64, 1, 42}, {5, 3, 0, 64, 2, 42}, {5, 3, 0, 64, 3, 42}, {5, 3, 0, 64, 4, 42}, {5, 3, 0, 64, 6, 42}, {5, 3, 0, 64, 7, 42}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{5, 6, 2}}},
     // rank 5 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[43/64] = r5:src@0[43/64] + r5:inbox@0[43/64] + r5:inbox@1[43/64] + r5:inbox@2[43/64] + r5:inbox@3[43/64] + r5:inbox@4[43/64] + r5:inbox@6[43/64] + r5:inbox@7[43/64]; signal r5:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 43}, {{5, 1, 1, 64, 0, 43}, {5, 3, 0, 64, 0, 43}, {5, 3, 0, 64, 1, 43}, {5, 3, 0, 64, 2, 43}, {5, 3, 0, 64, 3, 43}, {5, 3, 0, 64, 4, 43}, {5, 3, 0, 64, 6, 43}, {5, 3, 0, 64, 7, 43}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{5, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 43}, {{5, 1, 1, 64, 0, 43}, {5, 3, 0, 64, 0, 43}, {5, 3, 0, 64, 1, 43}, {5, 3, 0, 64, 2, 43}, {5, 3, 0, 64, 3, 43}, {5, 3, 0, 64, 4, 43}, {5, 3, 0, 64, 6, 43}, {5, 3, 0, 64, 7, 43}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{5, 6, 3}}},
     // rank 5 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[44/64] = r5:src@0[44/64] + r5:inbox@0[44/64] + r5:inbox@1[44/64] + r5:inbox@2[44/64] + r5:inbox@3[44/64] + r5:inbox@4[44/64] + r5:inbox@6[44/64] + r5:inbox@7[44/64]; signal r5:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 44}, {{5, 1, 1, 64, 0, 44}, {5, 3, 0, 64, 0, 44}, {5, 3, 0, 64, 1, 44}, {5, 3, 0, 64, 2, 44}, {5, 3, 0, 64, 3, 44}, {5, 3, 0, 64, 4, 44}, {5, 3, 0, 64, 6, 44}, {5, 3, 0, 64, 7, 44}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{5, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 44}, {{5, 1, 1, 64, 0, 44}, {5, 3, 0, 64, 0, 44}, {5, 3, 0, 64, 1, 44}, {5, 3, 0, 64, 2, 44}, {5, 3, 0, 64, 3, 44}, {5, 3, 0, 64, 4, 44}, {5, 3, 0, 64, 6, 44}, {5, 3, 0, 64, 7, 44}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{5, 6, 4}}},
     // rank 5 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[45/64] = r5:src@0[45/64] + r5:inbox@0[45/64] + r5:inbox@1[45/64] + r5:inbox@2[45/64] + r5:inbox@3[45/64] + r5:inbox@4[45/64] + r5:inbox@6[45/64] + r5:inbox@7[45/64]; signal r5:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 45}, {{5, 1, 1, 64, 0, 45}, {5, 3, 0, 64, 0, 45}, {5, 3, 0, 64, 1, 45}, {5, 3, 0, 64, 2, 45}, {5, 3, 0, 64, 3, 45}, {5, 3, 0, 64, 4, 45}, {5, 3, 0, 64, 6, 45}, {5, 3, 0, 64, 7, 45}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{5, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 45}, {{5, 1, 1, 64, 0, 45}, {5, 3, 0, 64, 0, 45}, {5, 3, 0, 64, 1, 45}, {5, 3, 0, 64, 2, 45}, {5, 3, 0, 64, 3, 45}, {5, 3, 0, 64, 4, 45}, {5, 3, 0, 64, 6, 45}, {5, 3, 0, 64, 7, 45}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{5, 6, 5}}},
     // rank 5 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[46/64] = r5:src@0[46/64] + r5:inbox@0[46/64] + r5:inbox@1[46/64] + r5:inbox@2[46/64] + r5:inbox@3[46/64] + r5:inbox@4[46/64] + r5:inbox@6[46/64] + r5:inbox@7[46/64]; signal r5:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 46}, {{5, 1, 1, 64, 0, 46}, {5, 3, 0, 64, 0, 46}, {5, 3, 0, 64, 1, 46}, {5, 3, 0, 64, 2, 46}, {5, 3, 0, 64, 3, 46}, {5, 3, 0, 64, 4, 46}, {5, 3, 0, 64, 6, 46}, {5, 3, 0, 64, 7, 46}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{5, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 46}, {{5, 1, 1, 64, 0, 46}, {5, 3, 0, 64, 0, 46}, {5, 3, 0, 64, 1, 46}, {5, 3, 0, 64, 2, 46}, {5, 3, 0, 64, 3, 46}, {5, 3, 0, 64, 4, 46}, {5, 3, 0, 64, 6, 46}, {5, 3, 0, 64, 7, 46}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{5, 6, 6}}},
     // rank 5 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[47/64] = r5:src@0[47/64] + r5:inbox@0[47/64] + r5:inbox@1[47/64] + r5:inbox@2[47/64] + r5:inbox@3[47/64] + r5:inbox@4[47/64] + r5:inbox@6[47/64] + r5:inbox@7[47/64]; signal r5:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 2, 0, 64, 0, 47}, {{5, 1, 1, 64, 0, 47}, {5, 3, 0, 64, 0, 47}, {5, 3, 0, 64, 1, 47}, {5, 3, 0, 64, 2, 47}, {5, 3, 0, 64, 3, 47}, {5, 3, 0, 64, 4, 47}, {5, 3, 0, 64, 6, 47}, {5, 3, 0, 64, 7, 47}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{5, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 47}, {{5, 1, 1, 64, 0, 47}, {5, 3, 0, 64, 0, 47}, {5, 3, 0, 64, 1, 47}, {5, 3, 0, 64, 2, 47}, {5, 3, 0, 64, 3, 47}, {5, 3, 0, 64, 4, 47}, {5, 3, 0, 64, 6, 47}, {5, 3, 0, 64, 7, 47}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{5, 6, 7}}},
     // rank 5 step 65: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[40/64] = r5:dst@0[40/64]; signal r6:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 40}}},
     // rank 5 step 66: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[41/64] = r5:dst@0[41/64]; signal r6:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 41}}},
     // rank 5 step 67: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[42/64] = r5:dst@0[42/64]; signal r6:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 42}}},
     // rank 5 step 68: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[43/64] = r5:dst@0[43/64]; signal r6:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 43}}},
     // rank 5 step 69: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[44/64] = r5:dst@0[44/64]; signal r6:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 44}}},
     // rank 5 step 70: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[45/64] = r5:dst@0[45/64]; signal r6:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 45}}},
     // rank 5 step 71: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[46/64] = r5:dst@0[46/64]; signal r6:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 46}}},
     // rank 5 step 72: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[47/64] = r5:dst@0[47/64]; signal r6:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 47}}},
     // rank 5 step 73: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[40/64] = r5:dst@0[40/64]; signal r7:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 40}}},
     // rank 5 step 74: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[41/64] = r5:dst@0[41/64]; signal r7:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 41}}},
     // rank 5 step 75: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[42/64] = r5:dst@0[42/64]; signal r7:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 42}}},
     // rank 5 step 76: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[43/64] = r5:dst@0[43/64]; signal r7:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 43}}},
     // rank 5 step 77: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[44/64] = r5:dst@0[44/64]; signal r7:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 44}}},
     // rank 5 step 78: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[45/64] = r5:dst@0[45/64]; signal r7:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 45}}},
     // rank 5 step 79: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[46/64] = r5:dst@0[46/64]; signal r7:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 46}}},
     // rank 5 step 80: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[47/64] = r5:dst@0[47/64]; signal r7:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 47}}},
     // rank 5 step 81: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[40/64] = r5:dst@0[40/64]; signal r0:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 40}}},
     // rank 5 step 82: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[41/64] = r5:dst@0[41/64]; signal r0:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 41}}},
     // rank 5 step 83: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[42/64] = r5:dst@0[42/64]; signal r0:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 42}}},
     // rank 5 step 84: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[43/64] = r5:dst@0[43/64]; signal r0:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 43}}},
     // rank 5 step 85: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[44/64] = r5:dst@0[44/64]; signal r0:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 44}}},
     // rank 5 step 86: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[45/64] = r5:dst@0[45/64]; signal r0:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 45}}},
     // rank 5 step 87: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[46/64] = r5:dst@0[46/64]; signal r0:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 46}}},
     // rank 5 step 88: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[47/64] = r5:dst@0[47/64]; signal r0:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 47}}},
     // rank 5 step 89: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[40/64] = r5:dst@0[40/64]; signal r1:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 40}}},
     // rank 5 step 90: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[41/64] = r5:dst@0[41/64]; signal r1:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 41}}},
     // rank 5 step 91: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[42/64] = r5:dst@0[42/64]; signal r1:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 42}}},
     // rank 5 step 92: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[43/64] = r5:dst@0[43/64]; signal r1:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 43}}},
     // rank 5 step 93: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[44/64] = r5:dst@0[44/64]; signal r1:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 44}}},
     // rank 5 step 94: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[45/64] = r5:dst@0[45/64]; signal r1:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 45}}},
     // rank 5 step 95: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[46/64] = r5:dst@0[46/64]; signal r1:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 46}}},
     // rank 5 step 96: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[47/64] = r5:dst@0[47/64]; signal r1:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 47}}},
     // rank 5 step 97: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[40/64] = r5:dst@0[40/64]; signal r2:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 40}}},
     // rank 5 step 98: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[41/64] = r5:dst@0[41/64]; signal r2:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 41}}},
     // rank 5 step 99: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[42/64] = r5:dst@0[42/64]; signal r2:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 42}}},
     // rank 5 step 100: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[43/64] = r5:dst@0[43/64]; signal r2:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 43}}},
     // rank 5 step 101: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[44/64] = r5:dst@0[44/64]; signal r2:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 44}}},
     // rank 5 step 102: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[45/64] = r5:dst@0[45/64]; signal r2:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 45}}},
     // rank 5 step 103: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[46/64] = r5:dst@0[46/64]; signal r2:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 46}}},
     // rank 5 step 104: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[47/64] = r5:dst@0[47/64]; signal r2:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 47}}},
     // rank 5 step 105: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[40/64] = r5:dst@0[40/64]; signal r3:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 40}}},
     // rank 5 step 106: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[41/64] = r5:dst@0[41/64]; signal r3:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 41}}},
     // rank 5 step 107: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[42/64] = r5:dst@0[42/64]; signal r3:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 42}}},
     // rank 5 step 108: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[43/64] = r5:dst@0[43/64]; signal r3:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 43}}},
     // rank 5 step 109: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[44/64] = r5:dst@0[44/64]; signal r3:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 44}}},
     // rank 5 step 110: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[45/64] = r5:dst@0[45/64]; signal r3:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 45}}},
     // rank 5 step 111: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[46/64] = r5:dst@0[46/64]; signal r3:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 46}}},
     // rank 5 step 112: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[47/64] = r5:dst@0[47/64]; signal r3:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 47}}},
     // rank 5 step 113: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[40/64] = r5:dst@0[40/64]; signal r4:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 40}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 40}}},
     // rank 5 step 114: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[41/64] = r5:dst@0[41/64]; signal r4:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 41}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 41}}},
     // rank 5 step 115: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[42/64] = r5:dst@0[42/64]; signal r4:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 42}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 42}}},
     // rank 5 step 116: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[43/64] = r5:dst@0[43/64]; signal r4:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 43}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 43}}},
     // rank 5 step 117: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[44/64] = r5:dst@0[44/64]; signal r4:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 44}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 44}}},
     // rank 5 step 118: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[45/64] = r5:dst@0[45/64]; signal r4:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 45}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 45}}},
     // rank 5 step 119: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[46/64] = r5:dst@0[46/64]; signal r4:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 46}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 46}}},
     // rank 5 step 120: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[47/64] = r5:dst@0[47/64]; signal r4:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 47}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 47}}},
     // rank 5 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 5 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 5 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 5 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 5 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 5 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
     // rank 5 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
     // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[56/64] = r6:src@0[56/64]; signal r7:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 56}, {{6, 1, 1, 64, 0, 56}}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 56}, {{6, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
     // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[57/64] = r6:src@0[57/64]; signal r7:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 57}, {{6, 1, 1, 64, 0, 57}}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 57}, {{6, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
     // rank 6 step 3: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@6[58/64] = r6:src@0[58/64]; signal r7:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 58}, {{6, 1, 1, 64, 0, 58}}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 58}, {{6, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
     // rank 6 step 4: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@6[59/64] = r6:src@0[59/64]; signal r7:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 59}, {{6, 1, 1, 64, 0, 59}}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 59}, {{6, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
     // rank 6 step 5: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@6[60/64] = r6:src@0[60/64]; signal r7:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 60}, {{6, 1, 1, 64, 0, 60}}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 60}, {{6, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
     // rank 6 step 6: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@6[61/64] = r6:src@0[61/64]; signal r7:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 61}, {{6, 1, 1, 64, 0, 61}}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 61}, {{6, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
     // rank 6 step 7: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@6[62/64] = r6:src@0[62/64]; signal r7:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 62}, {{6, 1, 1, 64, 0, 62}}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 62}, {{6, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
     // rank 6 step 8: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@6[63/64] = r6:src@0[63/64]; signal r7:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 64, 6, 63}, {{6, 1, 1, 64, 0, 63}}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 63}, {{6, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
     // rank 6 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/64] = r6:src@0[0/64]; signal r0:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 0}, {{6, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 0}, {{6, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
     // rank 6 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/64] = r6:src@0[1/64]; signal r0:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 1}, {{6, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 1}, {{6, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
     // rank 6 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@6[2/64] = r6:src@0[2/64]; signal r0:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 2}, {{6, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 2}, {{6, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
     // rank 6 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@6[3/64] = r6:src@0[3/64]; signal r0:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 3}, {{6, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 3}, {{6, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
     // rank 6 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@6[4/64] = r6:src@0[4/64]; signal r0:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 4}, {{6, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 4}, {{6, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
     // rank 6 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@6[5/64] = r6:src@0[5/64]; signal r0:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 5}, {{6, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 5}, {{6, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
     // rank 6 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@6[6/64] = r6:src@0[6/64]; signal r0:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 6}, {{6, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 6}, {{6, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
     // rank 6 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@6[7/64] = r6:src@0[7/64]; signal r0:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 6, 7}, {{6, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 7}, {{6, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
     // rank 6 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[8/64] = r6:src@0[8/64]; signal r1:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 8}, {{6, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 8}, {{6, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
     // rank 6 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[9/64] = r6:src@0[9/64]; signal r1:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 9}, {{6, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 9}, {{6, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
     // rank 6 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@6[10/64] = r6:src@0[10/64]; signal r1:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 10}, {{6, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 10}, {{6, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
     // rank 6 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@6[11/64] = r6:src@0[11/64]; signal r1:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 11}, {{6, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 11}, {{6, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
     // rank 6 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@6[12/64] = r6:src@0[12/64]; signal r1:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 12}, {{6, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 12}, {{6, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
     // rank 6 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@6[13/64] = r6:src@0[13/64]; signal r1:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 13}, {{6, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 13}, {{6, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
     // rank 6 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@6[14/64] = r6:src@0[14/64]; signal r1:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 14}, {{6, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 14}, {{6, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
     // rank 6 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@6[15/64] = r6:src@0[15/64]; signal r1:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 6, 15}, {{6, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 15}, {{6, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
     // rank 6 step 25: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[16/64] = r6:src@0[16/64]; signal r2:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 16}, {{6, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 16}, {{6, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
     // rank 6 step 26: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[17/64] = r6:src@0[17/64]; signal r2:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 17}, {{6, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 17}, {{6, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
     // rank 6 step 27: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@6[18/64] = r6:src@0[18/64]; signal r2:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 18}, {{6, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 18}, {{6, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
     // rank 6 step 28: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@6[19/64] = r6:src@0[19/64]; signal r2:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 19}, {{6, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 19}, {{6, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
     // rank 6 step 29: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@6[20/64] = r6:src@0[20/64]; signal r2:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 20}, {{6, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 20}, {{6, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
     // rank 6 step 30: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@6[21/64] = r6:src@0[21/64]; signal r2:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 21}, {{6, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 21}, {{6, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
     // rank 6 step 31: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@6[22/64] = r6:src@0[22/64]; signal r2:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 22}, {{6, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 22}, {{6, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
     // rank 6 step 32: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@6[23/64] = r6:src@0[23/64]; signal r2:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 6, 23}, {{6, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 23}, {{6, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
     // rank 6 step 33: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[24/64] = r6:src@0[24/64]; signal r3:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 24}, {{6, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 24}, {{6, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
     // rank 6 step 34: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[25/64] = r6:src@0[25/64]; signal r3:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 25}, {{6, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 25}, {{6, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
     // rank 6 step 35: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@6[26/64] = r6:src@0[26/64]; signal r3:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 26}, {{6, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 26}, {{6, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
     // rank 6 step 36: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@6[27/64] = r6:src@0[27/64]; signal r3:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 27}, {{6, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 27}, {{6, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
     // rank 6 step 37: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@6[28/64] = r6:src@0[28/64]; signal r3:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 28}, {{6, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 28}, {{6, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
     // rank 6 step 38: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@6[29/64] = r6:src@0[29/64]; signal r3:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 29}, {{6, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 29}, {{6, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
     // rank 6 step 39: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@6[30/64] = r6:src@0[30/64]; signal r3:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 30}, {{6, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 30}, {{6, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
     // rank 6 step 40: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@6[31/64] = r6:src@0[31/64]; signal r3:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 6, 31}, {{6, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 31}, {{6, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
     // rank 6 step 41: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[32/64] = r6:src@0[32/64]; signal r4:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 32}, {{6, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 32}, {{6, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
     // rank 6 step 42: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[33/64] = r6:src@0[33/64]; signal r4:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 33}, {{6, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 33}, {{6, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
     // rank 6 step 43: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@6[34/64] = r6:src@0[34/64]; signal r4:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 34}, {{6, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 34}, {{6, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
     // rank 6 step 44: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@6[35/64] = r6:src@0[35/64]; signal r4:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 35}, {{6, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 35}, {{6, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
     // rank 6 step 45: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@6[36/64] = r6:src@0[36/64]; signal r4:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 36}, {{6, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 36}, {{6, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
     // rank 6 step 46: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@6[37/64] = r6:src@0[37/64]; signal r4:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 37}, {{6, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 37}, {{6, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
     // rank 6 step 47: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@6[38/64] = r6:src@0[38/64]; signal r4:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 38}, {{6, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 38}, {{6, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
     // rank 6 step 48: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@6[39/64] = r6:src@0[39/64]; signal r4:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 6, 39}, {{6, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 39}, {{6, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
     // rank 6 step 49: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[40/64] = r6:src@0[40/64]; signal r5:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 40}, {{6, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 40}, {{6, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
     // rank 6 step 50: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[41/64] = r6:src@0[41/64]; signal r5:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 41}, {{6, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 41}, {{6, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
     // rank 6 step 51: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@6[42/64] = r6:src@0[42/64]; signal r5:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 42}, {{6, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 42}, {{6, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
     // rank 6 step 52: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@6[43/64] = r6:src@0[43/64]; signal r5:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 43}, {{6, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 43}, {{6, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
     // rank 6 step 53: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@6[44/64] = r6:src@0[44/64]; signal r5:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 44}, {{6, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 44}, {{6, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
     // rank 6 step 54: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@6[45/64] = r6:src@0[45/64]; signal r5:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 45}, {{6, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 45}, {{6, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
     // rank 6 step 55: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@6[46/64] = r6:src@0[46/64]; signal r5:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 46}, {{6, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 46}, {{6, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
     // rank 6 step 56: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@6[47/64] = r6:src@0[47/64]; signal r5:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 6, 47}, {{6, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 47}, {{6, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
     // rank 6 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[48/64] = r6:src@0[48/64] + r6:inbox@0[48/64] + r6:inbox@1[48/64] + r6:inbox@2[48/64] + r6:inbox@3[48/64] + r6:inbox@4[48/64] + r6:inbox@5[48/64] + r6:inbox@7[48/64]; signal r6:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 48}, {{6, 1, 1, 64, 0, 48}, {6, 3, 0, 64, 0, 48}, {6, 3, 0, 64, 1, 48}, {6, 3, 0, 64, 2, 48}, {6, 3, 0, 64, 3, 48}, {6, 3, 0, 64, 4, 48}, {6, 3, 0, 64, 5, 48}, {6, 3, 0, 64, 7, 48}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 56, 16}}, {{6, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 48}, {{6, 1, 1, 64, 0, 48}, {6, 3, 0, 64, 0, 48}, {6, 3, 0, 64, 1, 48}, {6, 3, 0, 64, 2, 48}, {6, 3, 0, 64, 3, 48}, {6, 3, 0, 64, 4, 48}, {6, 3, 0, 64, 5, 48}, {6, 3, 0, 64, 7, 48}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 56, 16}}, {{6, 6, 0}}},
     // rank 6 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[49/64] = r6:src@0[49/64] + r6:inbox@0[49/64] + r6:inbox@1[49/64] + r6:inbox@2[49/64] + r6:inbox@3[49/64] + r6:inbox@4[49/64] + r6:inbox@5[49/64] + r6:inbox@7[49/64]; signal r6:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 49}, {{6, 1, 1, 64, 0, 49}, {6, 3, 0, 64, 0, 49}, {6, 3, 0, 64, 1, 49}, {6, 3, 0, 64, 2, 49}, {6, 3, 0, 64, 3, 49}, {6, 3, 0, 64, 4, 49}, {6, 3, 0, 64, 5, 49}, {6, 3, 0, 64, 7, 49}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 57, 16}}, {{6, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 49}, {{6, 1, 1, 64, 0, 49}, {6, 3, 0, 64, 0, 49}, {6, 3, 0, 64, 1, 49}, {6, 3, 0, 64, 2, 49}, {6, 3, 0, 64, 3, 49}, {6, 3, 0, 64, 4, 49}, {6, 3, 0, 64, 5, 49}, {6, 3, 0, 64, 7, 49}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 57, 16}}, {{6, 6, 1}}},
     // rank 6 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[50/64] = r6:src@0[50/64] + r6:inbox@0[50/64] + r6:inbox@1[50/64] + r6:inbox@2[50/64] + r6:inbox@3[50/64] + r6:inbox@4[50/64] + r6:inbox@5[50/64] + r6:inbox@7[50/64]; signal r6:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 50}, {{6, 1, 1, 64, 0, 50}, {6, 3, 0, 64, 0, 50}, {6, 3, 0, 64, 1, 50}, {6, 3, 0, 64, 2, 50}, {6, 3, 0, 64, 3, 50}, {6, 3, 0, 64, 4, 50}, {6, 3, 0, 64, 5, 50}, {6, 3, 0, 64, 7, 50}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 58, 16}}, {{6, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 50}, {{6, 1, 1, 64, 0, 50}, {6, 3, 0, 64, 0, 50}, {6, 3, 0, 64, 1, 50}, {6, 3, 0, 64, 2, 50}, {6, 3, 0, 64, 3, 50}, {6, 3, 0, 64, 4, 50}, {6, 3, 0, 64, 5, 50}, {6, 3, 0, 64, 7, 50}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 58, 16}}, {{6, 6, 2}}},
     // rank 6 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[51/64] = r6:src@0[51/64] + r6:inbox@0[51/64] + r6:inbox@1[51/64] + r6:inbox@2[51/64] + r6:inbox@3[51/64] + r6:inbox@4[51/64] + r6:inbox@5[51/64] + r6:inbox@7[51/64]; signal r6:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 51}, {{6, 1, 1, 64, 0, 51}, {6, 3, 0, 64, 0, 51}, {6, 3, 0, 64, 1, 51}, {6, 3, 0, 64, 2, 51}, {6, 3, 0, 64, 3, 51}, {6, 3, 0, 64, 4, 51}, {6, 3, 0, 64, 5, 51}, {6, 3, 0, 64, 7, 51}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 59, 16}}, {{6, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 51}, {{6, 1, 1, 64, 0, 51}, {6, 3, 0, 64, 0, 51}, {6, 3, 0, 64, 1, 51}, {6, 3, 0, 64, 2, 51}, {6, 3, 0, 64, 3, 51}, {6, 3, 0, 64, 4, 51}, {6, 3, 0, 64, 5, 51}, {6, 3, 0, 64, 7, 51}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 59, 16}}, {{6, 6, 3}}},
     // rank 6 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[52/64] = r6:src@0[52/64] + r6:inbox@0[52/64] + r6:inbox@1[52/64] + r6:inbox@2[52/64] + r6:inbox@3[52/64] + r6:inbox@4[52/64] + r6:inbox@5[52/64] + r6:inbox@7[52/64]; signal r6:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 52}, {{6, 1, 1, 64, 0, 52}, {6, 3, 0, 64, 0, 52}, {6, 3, 0, 64, 1, 52}, {6, 3, 0, 64, 2, 52}, {6, 3, 0, 64, 3, 52}, {6, 3, 0, 64, 4, 52}, {6, 3, 0, 64, 5, 52}, {6, 3, 0, 64, 7, 52}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 60, 16}}, {{6, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 52}, {{6, 1, 1, 64, 0, 52}, {6, 3, 0, 64, 0, 52}, {6, 3, 0, 64, 1, 52}, {6, 3, 0, 64, 2, 52}, {6, 3, 0, 64, 3, 52}, {6, 3, 0, 64, 4, 52}, {6, 3, 0, 64, 5, 52}, {6, 3, 0, 64, 7, 52}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 60, 16}}, {{6, 6, 4}}},
     // rank 6 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[53/64] = r6:src@0[53/64] + r6:inbox@0[53/64] + r6:inbox@1[53/64] + r6:inbox@2[53/64] + r6:inbox@3[53/64] + r6:inbox@4[53/64] + r6:inbox@5[53/64] + r6:inbox@7[53/64]; signal r6:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 53}, {{6, 1, 1, 64, 0, 53}, {6, 3, 0, 64, 0, 53}, {6, 3, 0, 64, 1, 53}, {6, 3, 0, 64, 2, 53}, {6, 3, 0, 64, 3, 53}, {6, 3, 0, 64, 4, 53}, {6, 3, 0, 64, 5, 53}, {6, 3, 0, 64, 7, 53}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 61, 16}}, {{6, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 53}, {{6, 1, 1, 64, 0, 53}, {6, 3, 0, 64, 0, 53}, {6, 3, 0, 64, 1, 53}, {6, 3, 0, 64, 2, 53}, {6, 3, 0, 64, 3, 53}, {6, 3, 0, 64, 4, 53}, {6, 3, 0, 64, 5, 53}, {6, 3, 0, 64, 7, 53}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 61, 16}}, {{6, 6, 5}}},
     // rank 6 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[54/64] = r6:src@0[54/64] + r6:inbox@0[54/64] + r6:inbox@1[54/64] + r6:inbox@2[54/64] + r6:inbox@3[54/64] + r6:inbox@4[54/64] + r6:inbox@5[54/64] + r6:inbox@7[54/64]; signal r6:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 54}, {{6, 1, 1, 64, 0, 54}, {6, 3, 0, 64, 0, 54}, {6, 3, 0, 64, 1, 54}, {6, 3, 0, 64, 2, 54}, {6, 3, 0, 64, 3, 54}, {6, 3, 0, 64, 4, 54}, {6, 3, 0, 64, 5, 54}, {6, 3, 0, 64, 7, 54}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 62, 16}}, {{6, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 54}, {{6, 1, 1, 64, 0, 54}, {6, 3, 0, 64, 0, 54}, {6, 3, 0, 64, 1, 54}, {6, 3, 0, 64, 2, 54}, {6, 3, 0, 64, 3, 54}, {6, 3, 0, 64, 4, 54}, {6, 3, 0, 64, 5, 54}, {6, 3, 0, 64, 7, 54}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 62, 16}}, {{6, 6, 6}}},
     // rank 6 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[55/64] = r6:src@0[55/64] + r6:inbox@0[55/64] + r6:inbox@1[55/64] + r6:inbox@2[55/64] + r6:inbox@3[55/64] + r6:inbox@4[55/64] + r6:inbox@5[55/64] + r6:inbox@7[55/64]; signal r6:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 2, 0, 64, 0, 55}, {{6, 1, 1, 64, 0, 55}, {6, 3, 0, 64, 0, 55}, {6, 3, 0, 64, 1, 55}, {6, 3, 0, 64, 2, 55}, {6, 3, 0, 64, 3, 55}, {6, 3, 0, 64, 4, 55}, {6, 3, 0, 64, 5, 55}, {6, 3, 0, 64, 7, 55}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 63, 16}}, {{6, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 55}, {{6, 1, 1, 64, 0, 55}, {6, 3, 0, 64, 0, 55}, {6, 3, 0, 64, 1, 55}, {6, 3, 0, 64, 2, 55}, {6, 3, 0, 64, 3, 55}, {6, 3, 0, 64, 4, 55}, {6, 3, 0, 64, 5, 55}, {6, 3, 0, 64, 7, 55}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 63, 16}}, {{6, 6, 7}}},
     // rank 6 step 65: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[48/64] = r6:dst@0[48/64]; signal r7:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 48}}},
     // rank 6 step 66: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[49/64] = r6:dst@0[49/64]; signal r7:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 49}}},
     // rank 6 step 67: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[50/64] = r6:dst@0[50/64]; signal r7:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 50}}},
     // rank 6 step 68: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[51/64] = r6:dst@0[51/64]; signal r7:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 51}}},
     // rank 6 step 69: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[52/64] = r6:dst@0[52/64]; signal r7:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 52}}},
     // rank 6 step 70: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[53/64] = r6:dst@0[53/64]; signal r7:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 53}}},
     // rank 6 step 71: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[54/64] = r6:dst@0[54/64]; signal r7:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 54}}},
     // rank 6 step 72: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[55/64] = r6:dst@0[55/64]; signal r7:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 55}}},
     // rank 6 step 73: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[48/64] = r6:dst@0[48/64]; signal r0:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 48}}},
     // rank 6 step 74: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[49/64] = r6:dst@0[49/64]; signal r0:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 49}}},
     // rank 6 step 75: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[50/64] = r6:dst@0[50/64]; signal r0:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 50}}},
     // rank 6 step 76: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[51/64] = r6:dst@0[51/64]; signal r0:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 51}}},
     // rank 6 step 77: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[52/64] = r6:dst@0[52/64]; signal r0:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 52}}},
     // rank 6 step 78: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[53/64] = r6:dst@0[53/64]; signal r0:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 53}}},
     // rank 6 step 79: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[54/64] = r6:dst@0[54/64]; signal r0:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 54}}},
     // rank 6 step 80: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[55/64] = r6:dst@0[55/64]; signal r0:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 55}}},
     // rank 6 step 81: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[48/64] = r6:dst@0[48/64]; signal r1:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 48}}},
     // rank 6 step 82: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[49/64] = r6:dst@0[49/64]; signal r1:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 49}}},
     // rank 6 step 83: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[50/64] = r6:dst@0[50/64]; signal r1:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 50}}},
     // rank 6 step 84: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[51/64] = r6:dst@0[51/64]; signal r1:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 51}}},
     // rank 6 step 85: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[52/64] = r6:dst@0[52/64]; signal r1:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 52}}},
     // rank 6 step 86: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[53/64] = r6:dst@0[53/64]; signal r1:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 53}}},
     // rank 6 step 87: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[54/64] = r6:dst@0[54/64]; signal r1:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 54}}},
     // rank 6 step 88: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[55/64] = r6:dst@0[55/64]; signal r1:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 55}}},
     // rank 6 step 89: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[48/64] = r6:dst@0[48/64]; signal r2:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 48}}},
     // rank 6 step 90: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[49/64] = r6:dst@0[49/64]; signal r2:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 49}}},
     // rank 6 step 91: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[50/64] = r6:dst@0[50/64]; signal r2:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 50}}},
     // rank 6 step 92: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[51/64] = r6:dst@0[51/64]; signal r2:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 51}}},
     // rank 6 step 93: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[52/64] = r6:dst@0[52/64]; signal r2:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 52}}},
     // rank 6 step 94: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[53/64] = r6:dst@0[53/64]; signal r2:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 53}}},
     // rank 6 step 95: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[54/64] = r6:dst@0[54/64]; signal r2:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 54}}},
     // rank 6 step 96: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[55/64] = r6:dst@0[55/64]; signal r2:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 55}}},
     // rank 6 step 97: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[48/64] = r6:dst@0[48/64]; signal r3:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 48}}},
     // rank 6 step 98: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[49/64] = r6:dst@0[49/64]; signal r3:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 49}}},
     // rank 6 step 99: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[50/64] = r6:dst@0[50/64]; signal r3:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 50}}},
     // rank 6 step 100: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[51/64] = r6:dst@0[51/64]; signal r3:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 51}}},
     // rank 6 step 101: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[52/64] = r6:dst@0[52/64]; signal r3:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 52}}},
     // rank 6 step 102: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[53/64] = r6:dst@0[53/64]; signal r3:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 53}}},
     // rank 6 step 103: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[54/64] = r6:dst@0[54/64]; signal r3:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 54}}},
     // rank 6 step 104: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[55/64] = r6:dst@0[55/64]; signal r3:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 55}}},
     // rank 6 step 105: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[48/64] = r6:dst@0[48/64]; signal r4:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 48}}},
     // rank 6 step 106: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[49/64] = r6:dst@0[49/64]; signal r4:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 49}}},
     // rank 6 step 107: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[50/64] = r6:dst@0[50/64]; signal r4:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 50}}},
     // rank 6 step 108: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[51/64] = r6:dst@0[51/64]; signal r4:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 51}}},
     // rank 6 step 109: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[52/64] = r6:dst@0[52/64]; signal r4:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 52}}},
     // rank 6 step 110: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[53/64] = r6:dst@0[53/64]; signal r4:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 53}}},
     // rank 6 step 111: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[54/64] = r6:dst@0[54/64]; signal r4:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 54}}},
     // rank 6 step 112: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[55/64] = r6:dst@0[55/64]; signal r4:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 55}}},
     // rank 6 step 113: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[48/64] = r6:dst@0[48/64]; signal r5:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 48}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 48}}},
     // rank 6 step 114: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[49/64] = r6:dst@0[49/64]; signal r5:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 49}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 49}}},
     // rank 6 step 115: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[50/64] = r6:dst@0[50/64]; signal r5:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 50}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 50}}},
     // rank 6 step 116: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[51/64] = r6:dst@0[51/64]; signal r5:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 51}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 51}}},
     // rank 6 step 117: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[52/64] = r6:dst@0[52/64]; signal r5:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 52}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 52}}},
     // rank 6 step 118: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[53/64] = r6:dst@0[53/64]; signal r5:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 53}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 53}}},
     // rank 6 step 119: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[54/64] = r6:dst@0[54/64]; signal r5:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 54}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 54}}},
     // rank 6 step 120: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[55/64] = r6:dst@0[55/64]; signal r5:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 55}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 55}}},
     // rank 6 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 6 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 6 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 6 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 6 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 6 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 6 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
     // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/64] = r7:src@0[0/64]; signal r0:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 0}, {{7, 1, 1, 64, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 0}, {{7, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
     // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/64] = r7:src@0[1/64]; signal r0:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 1}, {{7, 1, 1, 64, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 1}, {{7, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
     // rank 7 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@7[2/64] = r7:src@0[2/64]; signal r0:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 2}, {{7, 1, 1, 64, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 2}, {{7, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
     // rank 7 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@7[3/64] = r7:src@0[3/64]; signal r0:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 3}, {{7, 1, 1, 64, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 3}, {{7, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
     // rank 7 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@7[4/64] = r7:src@0[4/64]; signal r0:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 4}, {{7, 1, 1, 64, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 4}, {{7, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
     // rank 7 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@7[5/64] = r7:src@0[5/64]; signal r0:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 5}, {{7, 1, 1, 64, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 5}, {{7, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
     // rank 7 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@7[6/64] = r7:src@0[6/64]; signal r0:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 6}, {{7, 1, 1, 64, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 6}, {{7, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
     // rank 7 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@7[7/64] = r7:src@0[7/64]; signal r0:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 64, 7, 7}, {{7, 1, 1, 64, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 7}, {{7, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
     // rank 7 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[8/64] = r7:src@0[8/64]; signal r1:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 8}, {{7, 1, 1, 64, 0, 8}}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 8}, {{7, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
     // rank 7 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[9/64] = r7:src@0[9/64]; signal r1:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 9}, {{7, 1, 1, 64, 0, 9}}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 9}, {{7, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
     // rank 7 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@7[10/64] = r7:src@0[10/64]; signal r1:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 10}, {{7, 1, 1, 64, 0, 10}}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 10}, {{7, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
     // rank 7 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@7[11/64] = r7:src@0[11/64]; signal r1:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 11}, {{7, 1, 1, 64, 0, 11}}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 11}, {{7, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
     // rank 7 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@7[12/64] = r7:src@0[12/64]; signal r1:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 12}, {{7, 1, 1, 64, 0, 12}}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 12}, {{7, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
     // rank 7 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@7[13/64] = r7:src@0[13/64]; signal r1:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 13}, {{7, 1, 1, 64, 0, 13}}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 13}, {{7, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
     // rank 7 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@7[14/64] = r7:src@0[14/64]; signal r1:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 14}, {{7, 1, 1, 64, 0, 14}}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 14}, {{7, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
     // rank 7 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@7[15/64] = r7:src@0[15/64]; signal r1:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 64, 7, 15}, {{7, 1, 1, 64, 0, 15}}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 15}, {{7, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
     // rank 7 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[16/64] = r7:src@0[16/64]; signal r2:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 16}, {{7, 1, 1, 64, 0, 16}}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 16}, {{7, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
     // rank 7 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[17/64] = r7:src@0[17/64]; signal r2:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 17}, {{7, 1, 1, 64, 0, 17}}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 17}, {{7, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
     // rank 7 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@7[18/64] = r7:src@0[18/64]; signal r2:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 18}, {{7, 1, 1, 64, 0, 18}}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 18}, {{7, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
     // rank 7 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@7[19/64] = r7:src@0[19/64]; signal r2:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 19}, {{7, 1, 1, 64, 0, 19}}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 19}, {{7, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
     // rank 7 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@7[20/64] = r7:src@0[20/64]; signal r2:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 20}, {{7, 1, 1, 64, 0, 20}}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 20}, {{7, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
     // rank 7 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@7[21/64] = r7:src@0[21/64]; signal r2:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 21}, {{7, 1, 1, 64, 0, 21}}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 21}, {{7, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
     // rank 7 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@7[22/64] = r7:src@0[22/64]; signal r2:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 22}, {{7, 1, 1, 64, 0, 22}}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 22}, {{7, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
     // rank 7 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@7[23/64] = r7:src@0[23/64]; signal r2:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 64, 7, 23}, {{7, 1, 1, 64, 0, 23}}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 23}, {{7, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
     // rank 7 step 25: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[24/64] = r7:src@0[24/64]; signal r3:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 24}, {{7, 1, 1, 64, 0, 24}}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 24}, {{7, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
     // rank 7 step 26: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[25/64] = r7:src@0[25/64]; signal r3:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 25}, {{7, 1, 1, 64, 0, 25}}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 25}, {{7, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
     // rank 7 step 27: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@7[26/64] = r7:src@0[26/64]; signal r3:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 26}, {{7, 1, 1, 64, 0, 26}}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 26}, {{7, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
     // rank 7 step 28: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@7[27/64] = r7:src@0[27/64]; signal r3:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 27}, {{7, 1, 1, 64, 0, 27}}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 27}, {{7, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
     // rank 7 step 29: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@7[28/64] = r7:src@0[28/64]; signal r3:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 28}, {{7, 1, 1, 64, 0, 28}}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 28}, {{7, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
     // rank 7 step 30: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@7[29/64] = r7:src@0[29/64]; signal r3:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 29}, {{7, 1, 1, 64, 0, 29}}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 29}, {{7, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
     // rank 7 step 31: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@7[30/64] = r7:src@0[30/64]; signal r3:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 30}, {{7, 1, 1, 64, 0, 30}}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 30}, {{7, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
     // rank 7 step 32: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@7[31/64] = r7:src@0[31/64]; signal r3:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 64, 7, 31}, {{7, 1, 1, 64, 0, 31}}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 31}, {{7, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
     // rank 7 step 33: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[32/64] = r7:src@0[32/64]; signal r4:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 32}, {{7, 1, 1, 64, 0, 32}}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 32}, {{7, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
     // rank 7 step 34: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[33/64] = r7:src@0[33/64]; signal r4:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 33}, {{7, 1, 1, 64, 0, 33}}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 33}, {{7, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
     // rank 7 step 35: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@7[34/64] = r7:src@0[34/64]; signal r4:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 34}, {{7, 1, 1, 64, 0, 34}}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 34}, {{7, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
     // rank 7 step 36: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@7[35/64] = r7:src@0[35/64]; signal r4:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 35}, {{7, 1, 1, 64, 0, 35}}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 35}, {{7, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
     // rank 7 step 37: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@7[36/64] = r7:src@0[36/64]; signal r4:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 36}, {{7, 1, 1, 64, 0, 36}}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 36}, {{7, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
     // rank 7 step 38: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@7[37/64] = r7:src@0[37/64]; signal r4:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 37}, {{7, 1, 1, 64, 0, 37}}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 37}, {{7, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
     // rank 7 step 39: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@7[38/64] = r7:src@0[38/64]; signal r4:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 38}, {{7, 1, 1, 64, 0, 38}}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 38}, {{7, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
     // rank 7 step 40: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@7[39/64] = r7:src@0[39/64]; signal r4:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 64, 7, 39}, {{7, 1, 1, 64, 0, 39}}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 39}, {{7, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
     // rank 7 step 41: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[40/64] = r7:src@0[40/64]; signal r5:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 40}, {{7, 1, 1, 64, 0, 40}}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 40}, {{7, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
     // rank 7 step 42: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[41/64] = r7:src@0[41/64]; signal r5:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 41}, {{7, 1, 1, 64, 0, 41}}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 41}, {{7, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
     // rank 7 step 43: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@7[42/64] = r7:src@0[42/64]; signal r5:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 42}, {{7, 1, 1, 64, 0, 42}}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 42}, {{7, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
     // rank 7 step 44: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@7[43/64] = r7:src@0[43/64]; signal r5:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 43}, {{7, 1, 1, 64, 0, 43}}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 43}, {{7, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
     // rank 7 step 45: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@7[44/64] = r7:src@0[44/64]; signal r5:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 44}, {{7, 1, 1, 64, 0, 44}}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 44}, {{7, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
     // rank 7 step 46: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@7[45/64] = r7:src@0[45/64]; signal r5:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 45}, {{7, 1, 1, 64, 0, 45}}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 45}, {{7, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
     // rank 7 step 47: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@7[46/64] = r7:src@0[46/64]; signal r5:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 46}, {{7, 1, 1, 64, 0, 46}}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 46}, {{7, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
     // rank 7 step 48: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@7[47/64] = r7:src@0[47/64]; signal r5:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 64, 7, 47}, {{7, 1, 1, 64, 0, 47}}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 47}, {{7, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
     // rank 7 step 49: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[48/64] = r7:src@0[48/64]; signal r6:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 48}, {{7, 1, 1, 64, 0, 48}}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 48}, {{7, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
     // rank 7 step 50: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[49/64] = r7:src@0[49/64]; signal r6:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 49}, {{7, 1, 1, 64, 0, 49}}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 49}, {{7, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
     // rank 7 step 51: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@7[50/64] = r7:src@0[50/64]; signal r6:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 50}, {{7, 1, 1, 64, 0, 50}}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 50}, {{7, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
     // rank 7 step 52: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@7[51/64] = r7:src@0[51/64]; signal r6:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 51}, {{7, 1, 1, 64, 0, 51}}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 51}, {{7, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
     // rank 7 step 53: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@7[52/64] = r7:src@0[52/64]; signal r6:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 52}, {{7, 1, 1, 64, 0, 52}}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 52}, {{7, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
     // rank 7 step 54: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@7[53/64] = r7:src@0[53/64]; signal r6:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 53}, {{7, 1, 1, 64, 0, 53}}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 53}, {{7, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
     // rank 7 step 55: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@7[54/64] = r7:src@0[54/64]; signal r6:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 54}, {{7, 1, 1, 64, 0, 54}}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 54}, {{7, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
     // rank 7 step 56: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@7[55/64] = r7:src@0[55/64]; signal r6:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 64, 7, 55}, {{7, 1, 1, 64, 0, 55}}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 55}, {{7, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
     // rank 7 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[56/64] = r7:src@0[56/64] + r7:inbox@0[56/64] + r7:inbox@1[56/64] + r7:inbox@2[56/64] + r7:inbox@3[56/64] + r7:inbox@4[56/64] + r7:inbox@5[56/64] + r7:inbox@6[56/64]; signal r7:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 56}, {{7, 1, 1, 64, 0, 56}, {7, 3, 0, 64, 0, 56}, {7, 3, 0, 64, 1, 56}, {7, 3, 0, 64, 2, 56}, {7, 3, 0, 64, 3, 56}, {7, 3, 0, 64, 4, 56}, {7, 3, 0, 64, 5, 56}, {7, 3, 0, 64, 6, 56}}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}}, {{7, 6, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 56}, {{7, 1, 1, 64, 0, 56}, {7, 3, 0, 64, 0, 56}, {7, 3, 0, 64, 1, 56}, {7, 3, 0, 64, 2, 56}, {7, 3, 0, 64, 3, 56}, {7, 3, 0, 64, 4, 56}, {7, 3, 0, 64, 5, 56}, {7, 3, 0, 64, 6, 56}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}}, {{7, 6, 0}}},
     // rank 7 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[57/64] = r7:src@0[57/64] + r7:inbox@0[57/64] + r7:inbox@1[57/64] + r7:inbox@2[57/64] + r7:inbox@3[57/64] + r7:inbox@4[57/64] + r7:inbox@5[57/64] + r7:inbox@6[57/64]; signal r7:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 57}, {{7, 1, 1, 64, 0, 57}, {7, 3, 0, 64, 0, 57}, {7, 3, 0, 64, 1, 57}, {7, 3, 0, 64, 2, 57}, {7, 3, 0, 64, 3, 57}, {7, 3, 0, 64, 4, 57}, {7, 3, 0, 64, 5, 57}, {7, 3, 0, 64, 6, 57}}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}}, {{7, 6, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 57}, {{7, 1, 1, 64, 0, 57}, {7, 3, 0, 64, 0, 57}, {7, 3, 0, 64, 1, 57}, {7, 3, 0, 64, 2, 57}, {7, 3, 0, 64, 3, 57}, {7, 3, 0, 64, 4, 57}, {7, 3, 0, 64, 5, 57}, {7, 3, 0, 64, 6, 57}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}}, {{7, 6, 1}}},
     // rank 7 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[58/64] = r7:src@0[58/64] + r7:inbox@0[58/64] + r7:inbox@1[58/64] + r7:inbox@2[58/64] + r7:inbox@3[58/64] + r7:inbox@4[58/64] + r7:inbox@5[58/64] + r7:inbox@6[58/64]; signal r7:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 58}, {{7, 1, 1, 64, 0, 58}, {7, 3, 0, 64, 0, 58}, {7, 3, 0, 64, 1, 58}, {7, 3, 0, 64, 2, 58}, {7, 3, 0, 64, 3, 58}, {7, 3, 0, 64, 4, 58}, {7, 3, 0, 64, 5, 58}, {7, 3, 0, 64, 6, 58}}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}}, {{7, 6, 2}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 58}, {{7, 1, 1, 64, 0, 58}, {7, 3, 0, 64, 0, 58}, {7, 3, 0, 64, 1, 58}, {7, 3, 0, 64, 2, 58}, {7, 3, 0, 64, 3, 58}, {7, 3, 0, 64, 4, 58}, {7, 3, 0, 64, 5, 58}, {7, 3, 0, 64, 6, 58}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}}, {{7, 6, 2}}},
     // rank 7 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[59/64] = r7:src@0[59/64] + r7:inbox@0[59/64] + r7:inbox@1[59/64] + r7:inbox@2[59/64] + r7:inbox@3[59/64] + r7:inbox@4[59/64] + r7:inbox@5[59/64] + r7:inbox@6[59/64]; signal r7:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 59}, {{7, 1, 1, 64, 0, 59}, {7, 3, 0, 64, 0, 59}, {7, 3, 0, 64, 1, 59}, {7, 3, 0, 64, 2, 59}, {7, 3, 0, 64, 3, 59}, {7, 3, 0, 64, 4, 59}, {7, 3, 0, 64, 5, 59}, {7, 3, 0, 64, 6, 59}}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}}, {{7, 6, 3}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 59}, {{7, 1, 1, 64, 0, 59}, {7, 3, 0, 64, 0, 59}, {7, 3, 0, 64, 1, 59}, {7, 3, 0, 64, 2, 59}, {7, 3, 0, 64, 3, 59}, {7, 3, 0, 64, 4, 59}, {7, 3, 0, 64, 5, 59}, {7, 3, 0, 64, 6, 59}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}}, {{7, 6, 3}}},
     // rank 7 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[60/64] = r7:src@0[60/64] + r7:inbox@0[60/64] + r7:inbox@1[60/64] + r7:inbox@2[60/64] + r7:inbox@3[60/64] + r7:inbox@4[60/64] + r7:inbox@5[60/64] + r7:inbox@6[60/64]; signal r7:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 60}, {{7, 1, 1, 64, 0, 60}, {7, 3, 0, 64, 0, 60}, {7, 3, 0, 64, 1, 60}, {7, 3, 0, 64, 2, 60}, {7, 3, 0, 64, 3, 60}, {7, 3, 0, 64, 4, 60}, {7, 3, 0, 64, 5, 60}, {7, 3, 0, 64, 6, 60}}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}}, {{7, 6, 4}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 60}, {{7, 1, 1, 64, 0, 60}, {7, 3, 0, 64, 0, 60}, {7, 3, 0, 64, 1, 60}, {7, 3, 0, 64, 2, 60}, {7, 3, 0, 64, 3, 60}, {7, 3, 0, 64, 4, 60}, {7, 3, 0, 64, 5, 60}, {7, 3, 0, 64, 6, 60}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}}, {{7, 6, 4}}},
     // rank 7 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[61/64] = r7:src@0[61/64] + r7:inbox@0[61/64] + r7:inbox@1[61/64] + r7:inbox@2[61/64] + r7:inbox@3[61/64] + r7:inbox@4[61/64] + r7:inbox@5[61/64] + r7:inbox@6[61/64]; signal r7:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 61}, {{7, 1, 1, 64, 0, 61}, {7, 3, 0, 64, 0, 61}, {7, 3, 0, 64, 1, 61}, {7, 3, 0, 64, 2, 61}, {7, 3, 0, 64, 3, 61}, {7, 3, 0, 64, 4, 61}, {7, 3, 0, 64, 5, 61}, {7, 3, 0, 64, 6, 61}}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}}, {{7, 6, 5}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 61}, {{7, 1, 1, 64, 0, 61}, {7, 3, 0, 64, 0, 61}, {7, 3, 0, 64, 1, 61}, {7, 3, 0, 64, 2, 61}, {7, 3, 0, 64, 3, 61}, {7, 3, 0, 64, 4, 61}, {7, 3, 0, 64, 5, 61}, {7, 3, 0, 64, 6, 61}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}}, {{7, 6, 5}}},
     // rank 7 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[62/64] = r7:src@0[62/64] + r7:inbox@0[62/64] + r7:inbox@1[62/64] + r7:inbox@2[62/64] + r7:inbox@3[62/64] + r7:inbox@4[62/64] + r7:inbox@5[62/64] + r7:inbox@6[62/64]; signal r7:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 62}, {{7, 1, 1, 64, 0, 62}, {7, 3, 0, 64, 0, 62}, {7, 3, 0, 64, 1, 62}, {7, 3, 0, 64, 2, 62}, {7, 3, 0, 64, 3, 62}, {7, 3, 0, 64, 4, 62}, {7, 3, 0, 64, 5, 62}, {7, 3, 0, 64, 6, 62}}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}}, {{7, 6, 6}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 62}, {{7, 1, 1, 64, 0, 62}, {7, 3, 0, 64, 0, 62}, {7, 3, 0, 64, 1, 62}, {7, 3, 0, 64, 2, 62}, {7, 3, 0, 64, 3, 62}, {7, 3, 0, 64, 4, 62}, {7, 3, 0, 64, 5, 62}, {7, 3, 0, 64, 6, 62}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}}, {{7, 6, 6}}},
     // rank 7 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[63/64] = r7:src@0[63/64] + r7:inbox@0[63/64] + r7:inbox@1[63/64] + r7:inbox@2[63/64] + r7:inbox@3[63/64] + r7:inbox@4[63/64] + r7:inbox@5[63/64] + r7:inbox@6[63/64]; signal r7:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 2, 0, 64, 0, 63}, {{7, 1, 1, 64, 0, 63}, {7, 3, 0, 64, 0, 63}, {7, 3, 0, 64, 1, 63}, {7, 3, 0, 64, 2, 63}, {7, 3, 0, 64, 3, 63}, {7, 3, 0, 64, 4, 63}, {7, 3, 0, 64, 5, 63}, {7, 3, 0, 64, 6, 63}}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}}, {{7, 6, 7}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 63}, {{7, 1, 1, 64, 0, 63}, {7, 3, 0, 64, 0, 63}, {7, 3, 0, 64, 1, 63}, {7, 3, 0, 64, 2, 63}, {7, 3, 0, 64, 3, 63}, {7, 3, 0, 64, 4, 63}, {7, 3, 0, 64, 5, 63}, {7, 3, 0, 64, 6, 63}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}}, {{7, 6, 7}}},
     // rank 7 step 65: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[56/64] = r7:dst@0[56/64]; signal r0:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 56}}},
     // rank 7 step 66: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[57/64] = r7:dst@0[57/64]; signal r0:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 57}}},
     // rank 7 step 67: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[58/64] = r7:dst@0[58/64]; signal r0:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 58}}},
     // rank 7 step 68: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[59/64] = r7:dst@0[59/64]; signal r0:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 59}}},
     // rank 7 step 69: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[60/64] = r7:dst@0[60/64]; signal r0:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 60}}},
     // rank 7 step 70: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[61/64] = r7:dst@0[61/64]; signal r0:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 61}}},
     // rank 7 step 71: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[62/64] = r7:dst@0[62/64]; signal r0:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 62}}},
     // rank 7 step 72: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[63/64] = r7:dst@0[63/64]; signal r0:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 63}}},
     // rank 7 step 73: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[56/64] = r7:dst@0[56/64]; signal r1:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 56}}},
     // rank 7 step 74: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[57/64] = r7:dst@0[57/64]; signal r1:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 57}}},
     // rank 7 step 75: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[58/64] = r7:dst@0[58/64]; signal r1:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 58}}},
     // rank 7 step 76: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[59/64] = r7:dst@0[59/64]; signal r1:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 59}}},
     // rank 7 step 77: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[60/64] = r7:dst@0[60/64]; signal r1:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 60}}},
     // rank 7 step 78: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[61/64] = r7:dst@0[61/64]; signal r1:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 61}}},
     // rank 7 step 79: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[62/64] = r7:dst@0[62/64]; signal r1:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 62}}},
     // rank 7 step 80: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[63/64] = r7:dst@0[63/64]; signal r1:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 63}}},
     // rank 7 step 81: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[56/64] = r7:dst@0[56/64]; signal r2:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 56}}},
     // rank 7 step 82: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[57/64] = r7:dst@0[57/64]; signal r2:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 57}}},
     // rank 7 step 83: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[58/64] = r7:dst@0[58/64]; signal r2:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 58}}},
     // rank 7 step 84: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[59/64] = r7:dst@0[59/64]; signal r2:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 59}}},
     // rank 7 step 85: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[60/64] = r7:dst@0[60/64]; signal r2:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 60}}},
     // rank 7 step 86: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[61/64] = r7:dst@0[61/64]; signal r2:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 61}}},
     // rank 7 step 87: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[62/64] = r7:dst@0[62/64]; signal r2:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 62}}},
     // rank 7 step 88: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[63/64] = r7:dst@0[63/64]; signal r2:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 63}}},
     // rank 7 step 89: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[56/64] = r7:dst@0[56/64]; signal r3:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 56}}},
     // rank 7 step 90: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[57/64] = r7:dst@0[57/64]; signal r3:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 57}}},
     // rank 7 step 91: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[58/64] = r7:dst@0[58/64]; signal r3:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 58}}},
     // rank 7 step 92: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[59/64] = r7:dst@0[59/64]; signal r3:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 59}}},
     // rank 7 step 93: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[60/64] = r7:dst@0[60/64]; signal r3:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 60}}},
     // rank 7 step 94: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[61/64] = r7:dst@0[61/64]; signal r3:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 61}}},
     // rank 7 step 95: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[62/64] = r7:dst@0[62/64]; signal r3:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 62}}},
     // rank 7 step 96: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[63/64] = r7:dst@0[63/64]; signal r3:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 63}}},
     // rank 7 step 97: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[56/64] = r7:dst@0[56/64]; signal r4:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 56}}},
     // rank 7 step 98: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[57/64] = r7:dst@0[57/64]; signal r4:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 57}}},
     // rank 7 step 99: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[58/64] = r7:dst@0[58/64]; signal r4:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 58}}},
     // rank 7 step 100: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[59/64] = r7:dst@0[59/64]; signal r4:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 59}}},
     // rank 7 step 101: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[60/64] = r7:dst@0[60/64]; signal r4:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 60}}},
     // rank 7 step 102: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[61/64] = r7:dst@0[61/64]; signal r4:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 61}}},
     // rank 7 step 103: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[62/64] = r7:dst@0[62/64]; signal r4:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 62}}},
     // rank 7 step 104: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[63/64] = r7:dst@0[63/64]; signal r4:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 63}}},
     // rank 7 step 105: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[56/64] = r7:dst@0[56/64]; signal r5:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 56}}},
     // rank 7 step 106: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[57/64] = r7:dst@0[57/64]; signal r5:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 57}}},
     // rank 7 step 107: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[58/64] = r7:dst@0[58/64]; signal r5:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 58}}},
     // rank 7 step 108: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[59/64] = r7:dst@0[59/64]; signal r5:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 59}}},
     // rank 7 step 109: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[60/64] = r7:dst@0[60/64]; signal r5:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 60}}},
     // rank 7 step 110: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[61/64] = r7:dst@0[61/64]; signal r5:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 61}}},
     // rank 7 step 111: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[62/64] = r7:dst@0[62/64]; signal r5:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 62}}},
     // rank 7 step 112: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[63/64] = r7:dst@0[63/64]; signal r5:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 63}}},
     // rank 7 step 113: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[56/64] = r7:dst@0[56/64]; signal r6:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 56}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 56}}},
     // rank 7 step 114: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[57/64] = r7:dst@0[57/64]; signal r6:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 57}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 57}}},
     // rank 7 step 115: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[58/64] = r7:dst@0[58/64]; signal r6:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 58}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 58}}},
     // rank 7 step 116: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[59/64] = r7:dst@0[59/64]; signal r6:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 59}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 59}}},
     // rank 7 step 117: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[60/64] = r7:dst@0[60/64]; signal r6:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 60}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 60}}},
     // rank 7 step 118: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[61/64] = r7:dst@0[61/64]; signal r6:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 61}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 61}}},
     // rank 7 step 119: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[62/64] = r7:dst@0[62/64]; signal r6:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 62}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 62}}},
     // rank 7 step 120: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[63/64] = r7:dst@0[63/64]; signal r6:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 63}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 63}}},
     // rank 7 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
     // rank 7 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
     // rank 7 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
     // rank 7 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
     // rank 7 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
     // rank 7 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
     // rank 7 step 127: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 128, 256, 384, 512, 640, 768, 896 };
 static __device__ const tsgen_share shares_w8[] = {

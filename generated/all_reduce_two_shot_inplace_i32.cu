@@ -869,6 +869,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -897,9 +898,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1077,6 +1079,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1111,6 +1131,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1118,6 +1148,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1126,7 +1157,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1169,37 +1204,37 @@ static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", 
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/4] = r0:dst@0[2/4]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 2}, {{0, 1, 0, 4, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 0, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/4] = r0:dst@0[3/4]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 3}, {{0, 1, 0, 4, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 0, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: reduce our part, piece 0; wait arrive[2]; r0:dst@0[0/4] = r0:dst@0[0/4] + r0:inbox@1[0/4]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}, {0, 2, 0, 4, 1, 0}}, {{4, 0, 2, 16}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}, {0, 2, 0, 4, 1, 0}}, {}, {{4, 0, 2, 16}}, {{0, 5, 0}}},
     // rank 0 step 4: reduce our part, piece 1; wait arrive[3]; r0:dst@0[1/4] = r0:dst@0[1/4] + r0:inbox@1[1/4]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {0, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}, {0, 2, 0, 4, 1, 1}}, {{4, 0, 3, 16}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}, {0, 2, 0, 4, 1, 1}}, {}, {{4, 0, 3, 16}}, {{0, 5, 1}}},
     // rank 0 step 5: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 6: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/4] = r0:dst@0[1/4]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 7: wait for every peer's reduced parts; wait gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/4] = r1:dst@0[0/4]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 0}, {{1, 1, 0, 4, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 0, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/4] = r1:dst@0[1/4]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 1}, {{1, 1, 0, 4, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 3: reduce our part, piece 0; wait arrive[0]; r1:dst@0[2/4] = r1:dst@0[2/4] + r1:inbox@0[2/4]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}, {1, 2, 0, 4, 0, 2}}, {{4, 0, 0, 16}}, {{1, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}, {1, 2, 0, 4, 0, 2}}, {}, {{4, 0, 0, 16}}, {{1, 5, 0}}},
     // rank 1 step 4: reduce our part, piece 1; wait arrive[1]; r1:dst@0[3/4] = r1:dst@0[3/4] + r1:inbox@0[3/4]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, {1, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}, {1, 2, 0, 4, 0, 3}}, {{4, 0, 1, 16}}, {{1, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}, {1, 2, 0, 4, 0, 3}}, {}, {{4, 0, 1, 16}}, {{1, 5, 1}}},
     // rank 1 step 5: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/4] = r1:dst@0[2/4]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
     // rank 1 step 6: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/4] = r1:dst@0[3/4]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
     // rank 1 step 7: wait for every peer's reduced parts; wait gathered[0], gathered[1]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1412,77 +1447,77 @@ static __device__ const uint16_t first_w2[2][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/6] = r0:dst@0[2/6]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 6, 0, 2}, {{0, 1, 0, 6, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 2}, {{0, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/6] = r0:dst@0[3/6]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 6, 0, 3}, {{0, 1, 0, 6, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 3}, {{0, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/6] = r0:dst@0[4/6]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 6, 0, 4}, {{0, 1, 0, 6, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 4}, {{0, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/6] = r0:dst@0[5/6]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 6, 0, 5}, {{0, 1, 0, 6, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 5}, {{0, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: reduce our part, piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/6] = r0:dst@0[0/6] + r0:inbox@1[0/6] + r0:inbox@2[0/6]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}, {0, 2, 0, 6, 1, 0}, {0, 2, 0, 6, 2, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}, {0, 2, 0, 6, 1, 0}, {0, 2, 0, 6, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {{0, 5, 0}}},
     // rank 0 step 6: reduce our part, piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/6] = r0:dst@0[1/6] + r0:inbox@1[1/6] + r0:inbox@2[1/6]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {0, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}, {0, 2, 0, 6, 1, 1}, {0, 2, 0, 6, 2, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}, {0, 2, 0, 6, 1, 1}, {0, 2, 0, 6, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {{0, 5, 1}}},
     // rank 0 step 7: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/6] = r0:dst@0[0/6]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 8: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/6] = r0:dst@0[1/6]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/6] = r0:dst@0[0/6]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
     // rank 0 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/6] = r0:dst@0[1/6]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
     // rank 0 step 11: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/6] = r1:dst@0[4/6]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 6, 1, 4}, {{1, 1, 0, 6, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 4}, {{1, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/6] = r1:dst@0[5/6]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 6, 1, 5}, {{1, 1, 0, 6, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 5}, {{1, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/6] = r1:dst@0[0/6]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 6, 1, 0}, {{1, 1, 0, 6, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 0}, {{1, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/6] = r1:dst@0[1/6]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 6, 1, 1}, {{1, 1, 0, 6, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 1}, {{1, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 5: reduce our part, piece 0; wait arrive[0], arrive[4]; r1:dst@0[2/6] = r1:dst@0[2/6] + r1:inbox@0[2/6] + r1:inbox@2[2/6]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}, {1, 2, 0, 6, 0, 2}, {1, 2, 0, 6, 2, 2}}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {{1, 5, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}, {1, 2, 0, 6, 0, 2}, {1, 2, 0, 6, 2, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {{1, 5, 0}}},
     // rank 1 step 6: reduce our part, piece 1; wait arrive[1], arrive[5]; r1:dst@0[3/6] = r1:dst@0[3/6] + r1:inbox@0[3/6] + r1:inbox@2[3/6]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {1, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}, {1, 2, 0, 6, 0, 3}, {1, 2, 0, 6, 2, 3}}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {{1, 5, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}, {1, 2, 0, 6, 0, 3}, {1, 2, 0, 6, 2, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {{1, 5, 1}}},
     // rank 1 step 7: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/6] = r1:dst@0[2/6]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
     // rank 1 step 8: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/6] = r1:dst@0[3/6]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
     // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/6] = r1:dst@0[2/6]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
     // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/6] = r1:dst@0[3/6]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
     // rank 1 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
     // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/6] = r2:dst@0[0/6]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 6, 2, 0}, {{2, 1, 0, 6, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 0}, {{2, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/6] = r2:dst@0[1/6]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 6, 2, 1}, {{2, 1, 0, 6, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 1}, {{2, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/6] = r2:dst@0[2/6]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 6, 2, 2}, {{2, 1, 0, 6, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 2}, {{2, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/6] = r2:dst@0[3/6]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 6, 2, 3}, {{2, 1, 0, 6, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 3}, {{2, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 5: reduce our part, piece 0; wait arrive[0], arrive[2]; r2:dst@0[4/6] = r2:dst@0[4/6] + r2:inbox@0[4/6] + r2:inbox@1[4/6]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}, {2, 2, 0, 6, 0, 4}, {2, 2, 0, 6, 1, 4}}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {{2, 5, 0}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}, {2, 2, 0, 6, 0, 4}, {2, 2, 0, 6, 1, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {{2, 5, 0}}},
     // rank 2 step 6: reduce our part, piece 1; wait arrive[1], arrive[3]; r2:dst@0[5/6] = r2:dst@0[5/6] + r2:inbox@0[5/6] + r2:inbox@1[5/6]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, {2, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}, {2, 2, 0, 6, 0, 5}, {2, 2, 0, 6, 1, 5}}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {{2, 5, 1}}},
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}, {2, 2, 0, 6, 0, 5}, {2, 2, 0, 6, 1, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {{2, 5, 1}}},
     // rank 2 step 7: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/6] = r2:dst@0[4/6]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
     // rank 2 step 8: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/6] = r2:dst@0[5/6]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
     // rank 2 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/6] = r2:dst@0[4/6]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
     // rank 2 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/6] = r2:dst@0[5/6]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
     // rank 2 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -1884,133 +1919,133 @@ static __device__ const uint16_t first_w3[3][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/8] = r0:dst@0[2/8]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 2}, {{0, 1, 0, 8, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/8] = r0:dst@0[3/8]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 0, 3}, {{0, 1, 0, 8, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/8] = r0:dst@0[4/8]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 0, 4}, {{0, 1, 0, 8, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 4}, {{0, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/8] = r0:dst@0[5/8]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 0, 5}, {{0, 1, 0, 8, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 5}, {{0, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/8] = r0:dst@0[6/8]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 0, 6}, {{0, 1, 0, 8, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 6}, {{0, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/8] = r0:dst@0[7/8]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 0, 7}, {{0, 1, 0, 8, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 7}, {{0, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
     // rank 0 step 7: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/8] = r0:dst@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}, {0, 2, 0, 8, 1, 0}, {0, 2, 0, 8, 2, 0}, {0, 2, 0, 8, 3, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}, {0, 2, 0, 8, 1, 0}, {0, 2, 0, 8, 2, 0}, {0, 2, 0, 8, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{0, 5, 0}}},
     // rank 0 step 8: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/8] = r0:dst@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {0, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}, {0, 2, 0, 8, 1, 1}, {0, 2, 0, 8, 2, 1}, {0, 2, 0, 8, 3, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}, {0, 2, 0, 8, 1, 1}, {0, 2, 0, 8, 2, 1}, {0, 2, 0, 8, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{0, 5, 1}}},
     // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 11: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
     // rank 0 step 12: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/8] = r0:dst@0[1/8]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
     // rank 0 step 13: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
     // rank 0 step 14: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/8] = r0:dst@0[1/8]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
     // rank 0 step 15: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/8] = r1:dst@0[4/8]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 1, 4}, {{1, 1, 0, 8, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 4}, {{1, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/8] = r1:dst@0[5/8]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 1, 5}, {{1, 1, 0, 8, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 5}, {{1, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/8] = r1:dst@0[6/8]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 1, 6}, {{1, 1, 0, 8, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 6}, {{1, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
     // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/8] = r1:dst@0[7/8]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 1, 7}, {{1, 1, 0, 8, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 7}, {{1, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
     // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:dst@0[0/8]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 1, 0}, {{1, 1, 0, 8, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 0}, {{1, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:dst@0[1/8]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 1, 1}, {{1, 1, 0, 8, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 7: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[2/8] = r1:dst@0[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}, {1, 2, 0, 8, 0, 2}, {1, 2, 0, 8, 2, 2}, {1, 2, 0, 8, 3, 2}}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{1, 5, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}, {1, 2, 0, 8, 0, 2}, {1, 2, 0, 8, 2, 2}, {1, 2, 0, 8, 3, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{1, 5, 0}}},
     // rank 1 step 8: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[3/8] = r1:dst@0[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {1, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}, {1, 2, 0, 8, 0, 3}, {1, 2, 0, 8, 2, 3}, {1, 2, 0, 8, 3, 3}}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{1, 5, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}, {1, 2, 0, 8, 0, 3}, {1, 2, 0, 8, 2, 3}, {1, 2, 0, 8, 3, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{1, 5, 1}}},
     // rank 1 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/8] = r1:dst@0[2/8]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
     // rank 1 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/8] = r1:dst@0[3/8]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
     // rank 1 step 11: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/8] = r1:dst@0[2/8]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
     // rank 1 step 12: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/8] = r1:dst@0[3/8]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
     // rank 1 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/8] = r1:dst@0[2/8]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
     // rank 1 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/8] = r1:dst@0[3/8]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
     // rank 1 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
     // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/8] = r2:dst@0[6/8]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 2, 6}, {{2, 1, 0, 8, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 6}, {{2, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
     // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/8] = r2:dst@0[7/8]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 8, 2, 7}, {{2, 1, 0, 8, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 7}, {{2, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
     // rank 2 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/8] = r2:dst@0[0/8]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 2, 0}, {{2, 1, 0, 8, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 0}, {{2, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/8] = r2:dst@0[1/8]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 2, 1}, {{2, 1, 0, 8, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 1}, {{2, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/8] = r2:dst@0[2/8]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 2, 2}, {{2, 1, 0, 8, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/8] = r2:dst@0[3/8]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 2, 3}, {{2, 1, 0, 8, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 3}, {{2, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[4/8] = r2:dst@0[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}, {2, 2, 0, 8, 0, 4}, {2, 2, 0, 8, 1, 4}, {2, 2, 0, 8, 3, 4}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {{2, 5, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}, {2, 2, 0, 8, 0, 4}, {2, 2, 0, 8, 1, 4}, {2, 2, 0, 8, 3, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {{2, 5, 0}}},
     // rank 2 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[5/8] = r2:dst@0[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {2, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}, {2, 2, 0, 8, 0, 5}, {2, 2, 0, 8, 1, 5}, {2, 2, 0, 8, 3, 5}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {{2, 5, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}, {2, 2, 0, 8, 0, 5}, {2, 2, 0, 8, 1, 5}, {2, 2, 0, 8, 3, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {{2, 5, 1}}},
     // rank 2 step 9: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/8] = r2:dst@0[4/8]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
     // rank 2 step 10: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/8] = r2:dst@0[5/8]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
     // rank 2 step 11: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r2:dst@0[4/8]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
     // rank 2 step 12: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r2:dst@0[5/8]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
     // rank 2 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/8] = r2:dst@0[4/8]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
     // rank 2 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/8] = r2:dst@0[5/8]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
     // rank 2 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
     // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/8] = r3:dst@0[0/8]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 3, 0}, {{3, 1, 0, 8, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 0}, {{3, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/8] = r3:dst@0[1/8]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 8, 3, 1}, {{3, 1, 0, 8, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 1}, {{3, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 3 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/8] = r3:dst@0[2/8]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 3, 2}, {{3, 1, 0, 8, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 2}, {{3, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
     // rank 3 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/8] = r3:dst@0[3/8]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 8, 3, 3}, {{3, 1, 0, 8, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
     // rank 3 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/8] = r3:dst@0[4/8]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 3, 4}, {{3, 1, 0, 8, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 4}, {{3, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 3 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/8] = r3:dst@0[5/8]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 8, 3, 5}, {{3, 1, 0, 8, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 5}, {{3, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 3 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[6/8] = r3:dst@0[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}, {3, 2, 0, 8, 0, 6}, {3, 2, 0, 8, 1, 6}, {3, 2, 0, 8, 2, 6}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}, {3, 2, 0, 8, 0, 6}, {3, 2, 0, 8, 1, 6}, {3, 2, 0, 8, 2, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {{3, 5, 0}}},
     // rank 3 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[7/8] = r3:dst@0[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, {3, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}, {3, 2, 0, 8, 0, 7}, {3, 2, 0, 8, 1, 7}, {3, 2, 0, 8, 2, 7}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}, {3, 2, 0, 8, 0, 7}, {3, 2, 0, 8, 1, 7}, {3, 2, 0, 8, 2, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {{3, 5, 1}}},
     // rank 3 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/8] = r3:dst@0[6/8]; signal r0:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
     // rank 3 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/8] = r3:dst@0[7/8]; signal r0:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
     // rank 3 step 11: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/8] = r3:dst@0[6/8]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
     // rank 3 step 12: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/8] = r3:dst@0[7/8]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
     // rank 3 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/8] = r3:dst@0[6/8]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
     // rank 3 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/8] = r3:dst@0[7/8]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
     // rank 3 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -2541,533 +2576,533 @@ static __device__ const uint16_t first_w4[4][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
     // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/16] = r0:dst@0[2/16]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 2}, {{0, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/16] = r0:dst@0[3/16]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 0, 3}, {{0, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/16] = r0:dst@0[4/16]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 4}, {{0, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{0, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/16] = r0:dst@0[5/16]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 5}, {{0, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{0, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/16] = r0:dst@0[6/16]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 6}, {{0, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 6}, {{0, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/16] = r0:dst@0[7/16]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 0, 7}, {{0, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 7}, {{0, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
     // rank 0 step 7: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[8/16] = r0:dst@0[8/16]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 0, 8}, {{0, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 8}, {{0, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
     // rank 0 step 8: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[9/16] = r0:dst@0[9/16]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 0, 9}, {{0, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 9}, {{0, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
     // rank 0 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[10/16] = r0:dst@0[10/16]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 0, 10}, {{0, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 10}, {{0, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
     // rank 0 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[11/16] = r0:dst@0[11/16]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 0, 11}, {{0, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 11}, {{0, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
     // rank 0 step 11: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[12/16] = r0:dst@0[12/16]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 0, 12}, {{0, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 12}, {{0, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
     // rank 0 step 12: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[13/16] = r0:dst@0[13/16]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 0, 13}, {{0, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 13}, {{0, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
     // rank 0 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[14/16] = r0:dst@0[14/16]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 0, 14}, {{0, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 14}, {{0, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
     // rank 0 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[15/16] = r0:dst@0[15/16]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 0, 15}, {{0, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 15}, {{0, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
     // rank 0 step 15: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/16] = r0:dst@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16] + r0:inbox@4[0/16] + r0:inbox@5[0/16] + r0:inbox@6[0/16] + r0:inbox@7[0/16]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}, {0, 2, 0, 16, 1, 0}, {0, 2, 0, 16, 2, 0}, {0, 2, 0, 16, 3, 0}, {0, 2, 0, 16, 4, 0}, {0, 2, 0, 16, 5, 0}, {0, 2, 0, 16, 6, 0}, {0, 2, 0, 16, 7, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}, {0, 2, 0, 16, 1, 0}, {0, 2, 0, 16, 2, 0}, {0, 2, 0, 16, 3, 0}, {0, 2, 0, 16, 4, 0}, {0, 2, 0, 16, 5, 0}, {0, 2, 0, 16, 6, 0}, {0, 2, 0, 16, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{0, 5, 0}}},
     // rank 0 step 16: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/16] = r0:dst@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16] + r0:inbox@4[1/16] + r0:inbox@5[1/16] + r0:inbox@6[1/16] + r0:inbox@7[1/16]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {0, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}, {0, 2, 0, 16, 1, 1}, {0, 2, 0, 16, 2, 1}, {0, 2, 0, 16, 3, 1}, {0, 2, 0, 16, 4, 1}, {0, 2, 0, 16, 5, 1}, {0, 2, 0, 16, 6, 1}, {0, 2, 0, 16, 7, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}, {0, 2, 0, 16, 1, 1}, {0, 2, 0, 16, 2, 1}, {0, 2, 0, 16, 3, 1}, {0, 2, 0, 16, 4, 1}, {0, 2, 0, 16, 5, 1}, {0, 2, 0, 16, 6, 1}, {0, 2, 0, 16, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{0, 5, 1}}},
     // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
     // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
     // rank 0 step 19: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
     // rank 0 step 20: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
     // rank 0 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
     // rank 0 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
     // rank 0 step 23: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/16] = r0:dst@0[0/16]; signal r4:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 0}}},
     // rank 0 step 24: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/16] = r0:dst@0[1/16]; signal r4:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 1}}},
     // rank 0 step 25: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/16] = r0:dst@0[0/16]; signal r5:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 0}}},
     // rank 0 step 26: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/16] = r0:dst@0[1/16]; signal r5:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 1}}},
     // rank 0 step 27: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/16] = r0:dst@0[0/16]; signal r6:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 0}}},
     // rank 0 step 28: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/16] = r0:dst@0[1/16]; signal r6:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 1}}},
     // rank 0 step 29: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/16] = r0:dst@0[0/16]; signal r7:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 0}}},
     // rank 0 step 30: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/16] = r0:dst@0[1/16]; signal r7:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 1}}},
     // rank 0 step 31: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
     // rank 0 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
     // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/16] = r1:dst@0[4/16]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 1, 4}, {{1, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 4}, {{1, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/16] = r1:dst@0[5/16]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 1, 5}, {{1, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 5}, {{1, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/16] = r1:dst@0[6/16]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 1, 6}, {{1, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 6}, {{1, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
     // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/16] = r1:dst@0[7/16]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 1, 7}, {{1, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 7}, {{1, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
     // rank 1 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[8/16] = r1:dst@0[8/16]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 1, 8}, {{1, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 8}, {{1, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
     // rank 1 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[9/16] = r1:dst@0[9/16]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 1, 9}, {{1, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 9}, {{1, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
     // rank 1 step 7: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[10/16] = r1:dst@0[10/16]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 1, 10}, {{1, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 10}, {{1, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
     // rank 1 step 8: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[11/16] = r1:dst@0[11/16]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 1, 11}, {{1, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 11}, {{1, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
     // rank 1 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[12/16] = r1:dst@0[12/16]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 1, 12}, {{1, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 12}, {{1, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
     // rank 1 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[13/16] = r1:dst@0[13/16]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 1, 13}, {{1, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 13}, {{1, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
     // rank 1 step 11: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[14/16] = r1:dst@0[14/16]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 1, 14}, {{1, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 14}, {{1, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
     // rank 1 step 12: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[15/16] = r1:dst@0[15/16]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 1, 15}, {{1, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 15}, {{1, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
     // rank 1 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:dst@0[0/16]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 1, 0}, {{1, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 0}, {{1, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:dst@0[1/16]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 1, 1}, {{1, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 1}, {{1, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 15: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[2/16] = r1:dst@0[2/16] + r1:inbox@0[2/16] + r1:inbox@2[2/16] + r1:inbox@3[2/16] + r1:inbox@4[2/16] + r1:inbox@5[2/16] + r1:inbox@6[2/16] + r1:inbox@7[2/16]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}, {1, 2, 0, 16, 0, 2}, {1, 2, 0, 16, 2, 2}, {1, 2, 0, 16, 3, 2}, {1, 2, 0, 16, 4, 2}, {1, 2, 0, 16, 5, 2}, {1, 2, 0, 16, 6, 2}, {1, 2, 0, 16, 7, 2}}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{1, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}, {1, 2, 0, 16, 0, 2}, {1, 2, 0, 16, 2, 2}, {1, 2, 0, 16, 3, 2}, {1, 2, 0, 16, 4, 2}, {1, 2, 0, 16, 5, 2}, {1, 2, 0, 16, 6, 2}, {1, 2, 0, 16, 7, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{1, 5, 0}}},
     // rank 1 step 16: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[3/16] = r1:dst@0[3/16] + r1:inbox@0[3/16] + r1:inbox@2[3/16] + r1:inbox@3[3/16] + r1:inbox@4[3/16] + r1:inbox@5[3/16] + r1:inbox@6[3/16] + r1:inbox@7[3/16]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {1, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}, {1, 2, 0, 16, 0, 3}, {1, 2, 0, 16, 2, 3}, {1, 2, 0, 16, 3, 3}, {1, 2, 0, 16, 4, 3}, {1, 2, 0, 16, 5, 3}, {1, 2, 0, 16, 6, 3}, {1, 2, 0, 16, 7, 3}}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{1, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}, {1, 2, 0, 16, 0, 3}, {1, 2, 0, 16, 2, 3}, {1, 2, 0, 16, 3, 3}, {1, 2, 0, 16, 4, 3}, {1, 2, 0, 16, 5, 3}, {1, 2, 0, 16, 6, 3}, {1, 2, 0, 16, 7, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{1, 5, 1}}},
     // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
     // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
     // rank 1 step 19: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/16] = r1:dst@0[2/16]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
     // rank 1 step 20: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/16] = r1:dst@0[3/16]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
     // rank 1 step 21: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[2/16] = r1:dst@0[2/16]; signal r4:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 2}}},
     // rank 1 step 22: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[3/16] = r1:dst@0[3/16]; signal r4:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 3}}},
     // rank 1 step 23: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[2/16] = r1:dst@0[2/16]; signal r5:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 2}}},
     // rank 1 step 24: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[3/16] = r1:dst@0[3/16]; signal r5:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 3}}},
     // rank 1 step 25: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[2/16] = r1:dst@0[2/16]; signal r6:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 2}}},
     // rank 1 step 26: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[3/16] = r1:dst@0[3/16]; signal r6:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 3}}},
     // rank 1 step 27: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[2/16] = r1:dst@0[2/16]; signal r7:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 2}}},
     // rank 1 step 28: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[3/16] = r1:dst@0[3/16]; signal r7:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 3}}},
     // rank 1 step 29: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/16] = r1:dst@0[2/16]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
     // rank 1 step 30: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/16] = r1:dst@0[3/16]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
     // rank 1 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
     // rank 1 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
     // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/16] = r2:dst@0[6/16]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 2, 6}, {{2, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 6}, {{2, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
     // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/16] = r2:dst@0[7/16]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 2, 7}, {{2, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 7}, {{2, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
     // rank 2 step 3: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[8/16] = r2:dst@0[8/16]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 2, 8}, {{2, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 8}, {{2, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
     // rank 2 step 4: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[9/16] = r2:dst@0[9/16]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 2, 9}, {{2, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 9}, {{2, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
     // rank 2 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[10/16] = r2:dst@0[10/16]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 2, 10}, {{2, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 10}, {{2, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
     // rank 2 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[11/16] = r2:dst@0[11/16]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 2, 11}, {{2, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 11}, {{2, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
     // rank 2 step 7: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[12/16] = r2:dst@0[12/16]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 2, 12}, {{2, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 12}, {{2, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
     // rank 2 step 8: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[13/16] = r2:dst@0[13/16]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 2, 13}, {{2, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 13}, {{2, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
     // rank 2 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[14/16] = r2:dst@0[14/16]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 2, 14}, {{2, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 14}, {{2, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
     // rank 2 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[15/16] = r2:dst@0[15/16]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 2, 15}, {{2, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 15}, {{2, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
     // rank 2 step 11: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:dst@0[0/16]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 2, 0}, {{2, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 0}, {{2, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 12: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:dst@0[1/16]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 2, 1}, {{2, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 1}, {{2, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/16] = r2:dst@0[2/16]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 2, 2}, {{2, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 2}, {{2, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/16] = r2:dst@0[3/16]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 2, 3}, {{2, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 3}, {{2, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[4/16] = r2:dst@0[4/16] + r2:inbox@0[4/16] + r2:inbox@1[4/16] + r2:inbox@3[4/16] + r2:inbox@4[4/16] + r2:inbox@5[4/16] + r2:inbox@6[4/16] + r2:inbox@7[4/16]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}, {2, 2, 0, 16, 0, 4}, {2, 2, 0, 16, 1, 4}, {2, 2, 0, 16, 3, 4}, {2, 2, 0, 16, 4, 4}, {2, 2, 0, 16, 5, 4}, {2, 2, 0, 16, 6, 4}, {2, 2, 0, 16, 7, 4}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{2, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}, {2, 2, 0, 16, 0, 4}, {2, 2, 0, 16, 1, 4}, {2, 2, 0, 16, 3, 4}, {2, 2, 0, 16, 4, 4}, {2, 2, 0, 16, 5, 4}, {2, 2, 0, 16, 6, 4}, {2, 2, 0, 16, 7, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{2, 5, 0}}},
     // rank 2 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[5/16] = r2:dst@0[5/16] + r2:inbox@0[5/16] + r2:inbox@1[5/16] + r2:inbox@3[5/16] + r2:inbox@4[5/16] + r2:inbox@5[5/16] + r2:inbox@6[5/16] + r2:inbox@7[5/16]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {2, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}, {2, 2, 0, 16, 0, 5}, {2, 2, 0, 16, 1, 5}, {2, 2, 0, 16, 3, 5}, {2, 2, 0, 16, 4, 5}, {2, 2, 0, 16, 5, 5}, {2, 2, 0, 16, 6, 5}, {2, 2, 0, 16, 7, 5}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{2, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}, {2, 2, 0, 16, 0, 5}, {2, 2, 0, 16, 1, 5}, {2, 2, 0, 16, 3, 5}, {2, 2, 0, 16, 4, 5}, {2, 2, 0, 16, 5, 5}, {2, 2, 0, 16, 6, 5}, {2, 2, 0, 16, 7, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{2, 5, 1}}},
     // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
     // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
     // rank 2 step 19: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/16] = r2:dst@0[4/16]; signal r4:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 4}}},
     // rank 2 step 20: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/16] = r2:dst@0[5/16]; signal r4:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 5}}},
     // rank 2 step 21: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/16] = r2:dst@0[4/16]; signal r5:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 4}}},
     // rank 2 step 22: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/16] = r2:dst@0[5/16]; signal r5:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 5}}},
     // rank 2 step 23: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/16] = r2:dst@0[4/16]; signal r6:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 4}}},
     // rank 2 step 24: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/16] = r2:dst@0[5/16]; signal r6:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 5}}},
     // rank 2 step 25: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/16] = r2:dst@0[4/16]; signal r7:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 4}}},
     // rank 2 step 26: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/16] = r2:dst@0[5/16]; signal r7:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 5}}},
     // rank 2 step 27: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
     // rank 2 step 28: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
     // rank 2 step 29: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/16] = r2:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
     // rank 2 step 30: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/16] = r2:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
     // rank 2 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
     // rank 2 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
     // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[8/16] = r3:dst@0[8/16]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 3, 8}, {{3, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 8}, {{3, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
     // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[9/16] = r3:dst@0[9/16]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 3, 9}, {{3, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 9}, {{3, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
     // rank 3 step 3: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[10/16] = r3:dst@0[10/16]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 3, 10}, {{3, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 10}, {{3, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
     // rank 3 step 4: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[11/16] = r3:dst@0[11/16]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 3, 11}, {{3, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 11}, {{3, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
     // rank 3 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[12/16] = r3:dst@0[12/16]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 3, 12}, {{3, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 12}, {{3, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
     // rank 3 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[13/16] = r3:dst@0[13/16]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 3, 13}, {{3, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 13}, {{3, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
     // rank 3 step 7: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[14/16] = r3:dst@0[14/16]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 3, 14}, {{3, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 14}, {{3, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
     // rank 3 step 8: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[15/16] = r3:dst@0[15/16]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 3, 15}, {{3, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 15}, {{3, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
     // rank 3 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:dst@0[0/16]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 3, 0}, {{3, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 0}, {{3, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 3 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:dst@0[1/16]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 3, 1}, {{3, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 1}, {{3, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 3 step 11: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/16] = r3:dst@0[2/16]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 3, 2}, {{3, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 2}, {{3, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
     // rank 3 step 12: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/16] = r3:dst@0[3/16]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 3, 3}, {{3, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 3}, {{3, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
     // rank 3 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/16] = r3:dst@0[4/16]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 3, 4}, {{3, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 4}, {{3, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 3 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/16] = r3:dst@0[5/16]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 3, 5}, {{3, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 5}, {{3, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 3 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[6/16] = r3:dst@0[6/16] + r3:inbox@0[6/16] + r3:inbox@1[6/16] + r3:inbox@2[6/16] + r3:inbox@4[6/16] + r3:inbox@5[6/16] + r3:inbox@6[6/16] + r3:inbox@7[6/16]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}, {3, 2, 0, 16, 0, 6}, {3, 2, 0, 16, 1, 6}, {3, 2, 0, 16, 2, 6}, {3, 2, 0, 16, 4, 6}, {3, 2, 0, 16, 5, 6}, {3, 2, 0, 16, 6, 6}, {3, 2, 0, 16, 7, 6}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}, {3, 2, 0, 16, 0, 6}, {3, 2, 0, 16, 1, 6}, {3, 2, 0, 16, 2, 6}, {3, 2, 0, 16, 4, 6}, {3, 2, 0, 16, 5, 6}, {3, 2, 0, 16, 6, 6}, {3, 2, 0, 16, 7, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{3, 5, 0}}},
     // rank 3 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[7/16] = r3:dst@0[7/16] + r3:inbox@0[7/16] + r3:inbox@1[7/16] + r3:inbox@2[7/16] + r3:inbox@4[7/16] + r3:inbox@5[7/16] + r3:inbox@6[7/16] + r3:inbox@7[7/16]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {3, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}, {3, 2, 0, 16, 0, 7}, {3, 2, 0, 16, 1, 7}, {3, 2, 0, 16, 2, 7}, {3, 2, 0, 16, 4, 7}, {3, 2, 0, 16, 5, 7}, {3, 2, 0, 16, 6, 7}, {3, 2, 0, 16, 7, 7}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}, {3, 2, 0, 16, 0, 7}, {3, 2, 0, 16, 1, 7}, {3, 2, 0, 16, 2, 7}, {3, 2, 0, 16, 4, 7}, {3, 2, 0, 16, 5, 7}, {3, 2, 0, 16, 6, 7}, {3, 2, 0, 16, 7, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{3, 5, 1}}},
     // rank 3 step 17: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 6}}},
     // rank 3 step 18: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 7}}},
     // rank 3 step 19: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[6/16] = r3:dst@0[6/16]; signal r5:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 6}}},
     // rank 3 step 20: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[7/16] = r3:dst@0[7/16]; signal r5:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 7}}},
     // rank 3 step 21: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[6/16] = r3:dst@0[6/16]; signal r6:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 6}}},
     // rank 3 step 22: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[7/16] = r3:dst@0[7/16]; signal r6:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 7}}},
     // rank 3 step 23: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[6/16] = r3:dst@0[6/16]; signal r7:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 6}}},
     // rank 3 step 24: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[7/16] = r3:dst@0[7/16]; signal r7:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 7}}},
     // rank 3 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
     // rank 3 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
     // rank 3 step 27: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/16] = r3:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
     // rank 3 step 28: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/16] = r3:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
     // rank 3 step 29: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/16] = r3:dst@0[6/16]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
     // rank 3 step 30: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/16] = r3:dst@0[7/16]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
     // rank 3 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
     // rank 3 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
     // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[10/16] = r4:dst@0[10/16]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 4, 10}, {{4, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 10}, {{4, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
     // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[11/16] = r4:dst@0[11/16]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 4, 11}, {{4, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 11}, {{4, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
     // rank 4 step 3: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[12/16] = r4:dst@0[12/16]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 4, 12}, {{4, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 12}, {{4, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
     // rank 4 step 4: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[13/16] = r4:dst@0[13/16]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 4, 13}, {{4, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 13}, {{4, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
     // rank 4 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[14/16] = r4:dst@0[14/16]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 4, 14}, {{4, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 14}, {{4, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
     // rank 4 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[15/16] = r4:dst@0[15/16]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 4, 15}, {{4, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 15}, {{4, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
     // rank 4 step 7: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/16] = r4:dst@0[0/16]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 4, 0}, {{4, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 0}, {{4, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
     // rank 4 step 8: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/16] = r4:dst@0[1/16]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 4, 1}, {{4, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 1}, {{4, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
     // rank 4 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[2/16] = r4:dst@0[2/16]; signal r1:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 4, 2}, {{4, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 2}, {{4, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
     // rank 4 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[3/16] = r4:dst@0[3/16]; signal r1:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 4, 3}, {{4, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 3}, {{4, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
     // rank 4 step 11: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[4/16] = r4:dst@0[4/16]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 4, 4}, {{4, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 4}, {{4, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
     // rank 4 step 12: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[5/16] = r4:dst@0[5/16]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 4, 5}, {{4, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 5}, {{4, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
     // rank 4 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[6/16] = r4:dst@0[6/16]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 4, 6}, {{4, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 6}, {{4, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
     // rank 4 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[7/16] = r4:dst@0[7/16]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 4, 7}, {{4, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 7}, {{4, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
     // rank 4 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[8/16] = r4:dst@0[8/16] + r4:inbox@0[8/16] + r4:inbox@1[8/16] + r4:inbox@2[8/16] + r4:inbox@3[8/16] + r4:inbox@5[8/16] + r4:inbox@6[8/16] + r4:inbox@7[8/16]; signal r4:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}, {4, 2, 0, 16, 0, 8}, {4, 2, 0, 16, 1, 8}, {4, 2, 0, 16, 2, 8}, {4, 2, 0, 16, 3, 8}, {4, 2, 0, 16, 5, 8}, {4, 2, 0, 16, 6, 8}, {4, 2, 0, 16, 7, 8}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{4, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}, {4, 2, 0, 16, 0, 8}, {4, 2, 0, 16, 1, 8}, {4, 2, 0, 16, 2, 8}, {4, 2, 0, 16, 3, 8}, {4, 2, 0, 16, 5, 8}, {4, 2, 0, 16, 6, 8}, {4, 2, 0, 16, 7, 8}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{4, 5, 0}}},
     // rank 4 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[9/16] = r4:dst@0[9/16] + r4:inbox@0[9/16] + r4:inbox@1[9/16] + r4:inbox@2[9/16] + r4:inbox@3[9/16] + r4:inbox@5[9/16] + r4:inbox@6[9/16] + r4:inbox@7[9/16]; signal r4:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {4, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}, {4, 2, 0, 16, 0, 9}, {4, 2, 0, 16, 1, 9}, {4, 2, 0, 16, 2, 9}, {4, 2, 0, 16, 3, 9}, {4, 2, 0, 16, 5, 9}, {4, 2, 0, 16, 6, 9}, {4, 2, 0, 16, 7, 9}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{4, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}, {4, 2, 0, 16, 0, 9}, {4, 2, 0, 16, 1, 9}, {4, 2, 0, 16, 2, 9}, {4, 2, 0, 16, 3, 9}, {4, 2, 0, 16, 5, 9}, {4, 2, 0, 16, 6, 9}, {4, 2, 0, 16, 7, 9}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{4, 5, 1}}},
     // rank 4 step 17: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 8}}},
     // rank 4 step 18: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 9}}},
     // rank 4 step 19: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/16] = r4:dst@0[8/16]; signal r6:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 8}}},
     // rank 4 step 20: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/16] = r4:dst@0[9/16]; signal r6:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 9}}},
     // rank 4 step 21: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/16] = r4:dst@0[8/16]; signal r7:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 8}}},
     // rank 4 step 22: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/16] = r4:dst@0[9/16]; signal r7:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 9}}},
     // rank 4 step 23: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r4:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 8}}},
     // rank 4 step 24: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r4:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 9}}},
     // rank 4 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r4:dst@0[8/16]; signal r1:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 8}}},
     // rank 4 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r4:dst@0[9/16]; signal r1:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 9}}},
     // rank 4 step 27: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/16] = r4:dst@0[8/16]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 8}}},
     // rank 4 step 28: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/16] = r4:dst@0[9/16]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 9}}},
     // rank 4 step 29: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r4:dst@0[8/16]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 8}}},
     // rank 4 step 30: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r4:dst@0[9/16]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 9}}},
     // rank 4 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 4 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
     // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[12/16] = r5:dst@0[12/16]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 5, 12}, {{5, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 12}, {{5, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
     // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[13/16] = r5:dst@0[13/16]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 5, 13}, {{5, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 13}, {{5, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
     // rank 5 step 3: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[14/16] = r5:dst@0[14/16]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 5, 14}, {{5, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 14}, {{5, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
     // rank 5 step 4: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[15/16] = r5:dst@0[15/16]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 5, 15}, {{5, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 15}, {{5, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
     // rank 5 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/16] = r5:dst@0[0/16]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 5, 0}, {{5, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 0}, {{5, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
     // rank 5 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/16] = r5:dst@0[1/16]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 5, 1}, {{5, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 1}, {{5, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
     // rank 5 step 7: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[2/16] = r5:dst@0[2/16]; signal r1:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 5, 2}, {{5, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 2}, {{5, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
     // rank 5 step 8: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[3/16] = r5:dst@0[3/16]; signal r1:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 5, 3}, {{5, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 3}, {{5, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
     // rank 5 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[4/16] = r5:dst@0[4/16]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 5, 4}, {{5, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 4}, {{5, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
     // rank 5 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[5/16] = r5:dst@0[5/16]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 5, 5}, {{5, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 5}, {{5, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
     // rank 5 step 11: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[6/16] = r5:dst@0[6/16]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 5, 6}, {{5, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 6}, {{5, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
     // rank 5 step 12: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[7/16] = r5:dst@0[7/16]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 5, 7}, {{5, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 7}, {{5, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
     // rank 5 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[8/16] = r5:dst@0[8/16]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 5, 8}, {{5, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 8}, {{5, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
     // rank 5 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[9/16] = r5:dst@0[9/16]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 5, 9}, {{5, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 9}, {{5, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
     // rank 5 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[10/16] = r5:dst@0[10/16] + r5:inbox@0[10/16] + r5:inbox@1[10/16] + r5:inbox@2[10/16] + r5:inbox@3[10/16] + r5:inbox@4[10/16] + r5:inbox@6[10/16] + r5:inbox@7[10/16]; signal r5:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}, {5, 2, 0, 16, 0, 10}, {5, 2, 0, 16, 1, 10}, {5, 2, 0, 16, 2, 10}, {5, 2, 0, 16, 3, 10}, {5, 2, 0, 16, 4, 10}, {5, 2, 0, 16, 6, 10}, {5, 2, 0, 16, 7, 10}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{5, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}, {5, 2, 0, 16, 0, 10}, {5, 2, 0, 16, 1, 10}, {5, 2, 0, 16, 2, 10}, {5, 2, 0, 16, 3, 10}, {5, 2, 0, 16, 4, 10}, {5, 2, 0, 16, 6, 10}, {5, 2, 0, 16, 7, 10}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{5, 5, 0}}},
     // rank 5 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[11/16] = r5:dst@0[11/16] + r5:inbox@0[11/16] + r5:inbox@1[11/16] + r5:inbox@2[11/16] + r5:inbox@3[11/16] + r5:inbox@4[11/16] + r5:inbox@6[11/16] + r5:inbox@7[11/16]; signal r5:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {5, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}, {5, 2, 0, 16, 0, 11}, {5, 2, 0, 16, 1, 11}, {5, 2, 0, 16, 2, 11}, {5, 2, 0, 16, 3, 11}, {5, 2, 0, 16, 4, 11}, {5, 2, 0, 16, 6, 11}, {5, 2, 0, 16, 7, 11}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{5, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}, {5, 2, 0, 16, 0, 11}, {5, 2, 0, 16, 1, 11}, {5, 2, 0, 16, 2, 11}, {5, 2, 0, 16, 3, 11}, {5, 2, 0, 16, 4, 11}, {5, 2, 0, 16, 6, 11}, {5, 2, 0, 16, 7, 11}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{5, 5, 1}}},
     // rank 5 step 17: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 10}}},
     // rank 5 step 18: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 11}}},
     // rank 5 step 19: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[10/16] = r5:dst@0[10/16]; signal r7:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 10}}},
     // rank 5 step 20: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[11/16] = r5:dst@0[11/16]; signal r7:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 11}}},
     // rank 5 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[10/16] = r5:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 10}}},
     // rank 5 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[11/16] = r5:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 11}}},
     // rank 5 step 23: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[10/16] = r5:dst@0[10/16]; signal r1:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 10}}},
     // rank 5 step 24: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[11/16] = r5:dst@0[11/16]; signal r1:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 11}}},
     // rank 5 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[10/16] = r5:dst@0[10/16]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 10}}},
     // rank 5 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[11/16] = r5:dst@0[11/16]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 11}}},
     // rank 5 step 27: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[10/16] = r5:dst@0[10/16]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 10}}},
     // rank 5 step 28: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[11/16] = r5:dst@0[11/16]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 11}}},
     // rank 5 step 29: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[10/16] = r5:dst@0[10/16]; signal r4:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 10}}},
     // rank 5 step 30: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[11/16] = r5:dst@0[11/16]; signal r4:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 11}}},
     // rank 5 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 5 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
     // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[14/16] = r6:dst@0[14/16]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 6, 14}, {{6, 1, 0, 16, 0, 14}}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 14}, {{6, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
     // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[15/16] = r6:dst@0[15/16]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 16, 6, 15}, {{6, 1, 0, 16, 0, 15}}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 15}, {{6, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
     // rank 6 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/16] = r6:dst@0[0/16]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 6, 0}, {{6, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 0}, {{6, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
     // rank 6 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/16] = r6:dst@0[1/16]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 6, 1}, {{6, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 1}, {{6, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
     // rank 6 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[2/16] = r6:dst@0[2/16]; signal r1:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 6, 2}, {{6, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 2}, {{6, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
     // rank 6 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[3/16] = r6:dst@0[3/16]; signal r1:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 6, 3}, {{6, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 3}, {{6, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
     // rank 6 step 7: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[4/16] = r6:dst@0[4/16]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 6, 4}, {{6, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 4}, {{6, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
     // rank 6 step 8: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[5/16] = r6:dst@0[5/16]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 6, 5}, {{6, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 5}, {{6, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
     // rank 6 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[6/16] = r6:dst@0[6/16]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 6, 6}, {{6, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 6}, {{6, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
     // rank 6 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[7/16] = r6:dst@0[7/16]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 6, 7}, {{6, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 7}, {{6, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
     // rank 6 step 11: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[8/16] = r6:dst@0[8/16]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 6, 8}, {{6, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 8}, {{6, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
     // rank 6 step 12: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[9/16] = r6:dst@0[9/16]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 6, 9}, {{6, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 9}, {{6, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
     // rank 6 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[10/16] = r6:dst@0[10/16]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 6, 10}, {{6, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 10}, {{6, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
     // rank 6 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[11/16] = r6:dst@0[11/16]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 6, 11}, {{6, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 11}, {{6, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
     // rank 6 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[12/16] = r6:dst@0[12/16] + r6:inbox@0[12/16] + r6:inbox@1[12/16] + r6:inbox@2[12/16] + r6:inbox@3[12/16] + r6:inbox@4[12/16] + r6:inbox@5[12/16] + r6:inbox@7[12/16]; signal r6:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}, {6, 2, 0, 16, 0, 12}, {6, 2, 0, 16, 1, 12}, {6, 2, 0, 16, 2, 12}, {6, 2, 0, 16, 3, 12}, {6, 2, 0, 16, 4, 12}, {6, 2, 0, 16, 5, 12}, {6, 2, 0, 16, 7, 12}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {{6, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}, {6, 2, 0, 16, 0, 12}, {6, 2, 0, 16, 1, 12}, {6, 2, 0, 16, 2, 12}, {6, 2, 0, 16, 3, 12}, {6, 2, 0, 16, 4, 12}, {6, 2, 0, 16, 5, 12}, {6, 2, 0, 16, 7, 12}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {{6, 5, 0}}},
     // rank 6 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[13/16] = r6:dst@0[13/16] + r6:inbox@0[13/16] + r6:inbox@1[13/16] + r6:inbox@2[13/16] + r6:inbox@3[13/16] + r6:inbox@4[13/16] + r6:inbox@5[13/16] + r6:inbox@7[13/16]; signal r6:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {6, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}, {6, 2, 0, 16, 0, 13}, {6, 2, 0, 16, 1, 13}, {6, 2, 0, 16, 2, 13}, {6, 2, 0, 16, 3, 13}, {6, 2, 0, 16, 4, 13}, {6, 2, 0, 16, 5, 13}, {6, 2, 0, 16, 7, 13}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {{6, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}, {6, 2, 0, 16, 0, 13}, {6, 2, 0, 16, 1, 13}, {6, 2, 0, 16, 2, 13}, {6, 2, 0, 16, 3, 13}, {6, 2, 0, 16, 4, 13}, {6, 2, 0, 16, 5, 13}, {6, 2, 0, 16, 7, 13}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {{6, 5, 1}}},
     // rank 6 step 17: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 12}}},
     // rank 6 step 18: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 13}}},
     // rank 6 step 19: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r6:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 12}}},
     // rank 6 step 20: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r6:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 13}}},
     // rank 6 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r6:dst@0[12/16]; signal r1:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 12}}},
     // rank 6 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r6:dst@0[13/16]; signal r1:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 13}}},
     // rank 6 step 23: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r6:dst@0[12/16]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 12}}},
     // rank 6 step 24: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r6:dst@0[13/16]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 13}}},
     // rank 6 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[12/16] = r6:dst@0[12/16]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 12}}},
     // rank 6 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[13/16] = r6:dst@0[13/16]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 13}}},
     // rank 6 step 27: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/16] = r6:dst@0[12/16]; signal r4:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 12}}},
     // rank 6 step 28: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/16] = r6:dst@0[13/16]; signal r4:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 13}}},
     // rank 6 step 29: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/16] = r6:dst@0[12/16]; signal r5:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 12}}},
     // rank 6 step 30: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/16] = r6:dst@0[13/16]; signal r5:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 13}}},
     // rank 6 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 6 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
     // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/16] = r7:dst@0[0/16]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 7, 0}, {{7, 1, 0, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 0}, {{7, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
     // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/16] = r7:dst@0[1/16]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 7, 1}, {{7, 1, 0, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 1}, {{7, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
     // rank 7 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[2/16] = r7:dst@0[2/16]; signal r1:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 7, 2}, {{7, 1, 0, 16, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 2}, {{7, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
     // rank 7 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[3/16] = r7:dst@0[3/16]; signal r1:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 16, 7, 3}, {{7, 1, 0, 16, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 3}, {{7, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
     // rank 7 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[4/16] = r7:dst@0[4/16]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 7, 4}, {{7, 1, 0, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 4}, {{7, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
     // rank 7 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[5/16] = r7:dst@0[5/16]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 7, 5}, {{7, 1, 0, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 5}, {{7, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
     // rank 7 step 7: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[6/16] = r7:dst@0[6/16]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 7, 6}, {{7, 1, 0, 16, 0, 6}}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 6}, {{7, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
     // rank 7 step 8: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[7/16] = r7:dst@0[7/16]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 16, 7, 7}, {{7, 1, 0, 16, 0, 7}}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 7}, {{7, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
     // rank 7 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[8/16] = r7:dst@0[8/16]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 7, 8}, {{7, 1, 0, 16, 0, 8}}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 8}, {{7, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
     // rank 7 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[9/16] = r7:dst@0[9/16]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 16, 7, 9}, {{7, 1, 0, 16, 0, 9}}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 9}, {{7, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
     // rank 7 step 11: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[10/16] = r7:dst@0[10/16]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 7, 10}, {{7, 1, 0, 16, 0, 10}}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 10}, {{7, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
     // rank 7 step 12: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[11/16] = r7:dst@0[11/16]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 16, 7, 11}, {{7, 1, 0, 16, 0, 11}}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 11}, {{7, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
     // rank 7 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[12/16] = r7:dst@0[12/16]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 7, 12}, {{7, 1, 0, 16, 0, 12}}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 12}, {{7, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
     // rank 7 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[13/16] = r7:dst@0[13/16]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 16, 7, 13}, {{7, 1, 0, 16, 0, 13}}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 13}, {{7, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
     // rank 7 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[14/16] = r7:dst@0[14/16] + r7:inbox@0[14/16] + r7:inbox@1[14/16] + r7:inbox@2[14/16] + r7:inbox@3[14/16] + r7:inbox@4[14/16] + r7:inbox@5[14/16] + r7:inbox@6[14/16]; signal r7:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}, {7, 2, 0, 16, 0, 14}, {7, 2, 0, 16, 1, 14}, {7, 2, 0, 16, 2, 14}, {7, 2, 0, 16, 3, 14}, {7, 2, 0, 16, 4, 14}, {7, 2, 0, 16, 5, 14}, {7, 2, 0, 16, 6, 14}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {{7, 5, 0}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}, {7, 2, 0, 16, 0, 14}, {7, 2, 0, 16, 1, 14}, {7, 2, 0, 16, 2, 14}, {7, 2, 0, 16, 3, 14}, {7, 2, 0, 16, 4, 14}, {7, 2, 0, 16, 5, 14}, {7, 2, 0, 16, 6, 14}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {{7, 5, 0}}},
     // rank 7 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[15/16] = r7:dst@0[15/16] + r7:inbox@0[15/16] + r7:inbox@1[15/16] + r7:inbox@2[15/16] + r7:inbox@3[15/16] + r7:inbox@4[15/16] + r7:inbox@5[15/16] + r7:inbox@6[15/16]; signal r7:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, {7, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}, {7, 2, 0, 16, 0, 15}, {7, 2, 0, 16, 1, 15}, {7, 2, 0, 16, 2, 15}, {7, 2, 0, 16, 3, 15}, {7, 2, 0, 16, 4, 15}, {7, 2, 0, 16, 5, 15}, {7, 2, 0, 16, 6, 15}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {{7, 5, 1}}},
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}, {7, 2, 0, 16, 0, 15}, {7, 2, 0, 16, 1, 15}, {7, 2, 0, 16, 2, 15}, {7, 2, 0, 16, 3, 15}, {7, 2, 0, 16, 4, 15}, {7, 2, 0, 16, 5, 15}, {7, 2, 0, 16, 6, 15}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {{7, 5, 1}}},
     // rank 7 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 14}}},
     // rank 7 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 15}}},
     // rank 7 step 19: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[14/16] = r7:dst@0[14/16]; signal r1:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 14}}},
     // rank 7 step 20: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[15/16] = r7:dst@0[15/16]; signal r1:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 15}}},
     // rank 7 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[14/16] = r7:dst@0[14/16]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 14}}},
     // rank 7 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[15/16] = r7:dst@0[15/16]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 15}}},
     // rank 7 step 23: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[14/16] = r7:dst@0[14/16]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 14}}},
     // rank 7 step 24: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[15/16] = r7:dst@0[15/16]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 15}}},
     // rank 7 step 25: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[14/16] = r7:dst@0[14/16]; signal r4:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 14}}},
     // rank 7 step 26: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[15/16] = r7:dst@0[15/16]; signal r4:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 15}}},
     // rank 7 step 27: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[14/16] = r7:dst@0[14/16]; signal r5:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 14}}},
     // rank 7 step 28: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[15/16] = r7:dst@0[15/16]; signal r5:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 15}}},
     // rank 7 step 29: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[14/16] = r7:dst@0[14/16]; signal r6:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 14}}},
     // rank 7 step 30: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[15/16] = r7:dst@0[15/16]; signal r6:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 15}}},
     // rank 7 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
     // rank 7 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13]
-    {TSGEN_OP_NONE, 0, 6, 0, {0, 0, 0, 1, 0, 0}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
 static __device__ const tsgen_share shares_w8[] = {

@@ -869,6 +869,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -897,9 +898,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1077,6 +1079,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1111,6 +1131,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1118,6 +1148,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1126,7 +1157,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1162,1448 +1197,1296 @@ typedef __nv_bfloat16 T;
 static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "gathered" };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 130 block shares over 40 blocks.
+// Plan for world size 2: 6 steps, 66 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1]; r0:dst@0[0/2] = r0:src@0[0/2] + r1:src@0[0/2]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {1, 1, 1, 2, 0, 0}}, {{3, 0, 1, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/2] = r0:dst@0[0/2]; signal r1:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {1, 2, 0, 2, 0, 0}, {{0, 2, 0, 2, 0, 0}}, {}, {{1, 4, 0}}},
-    // rank 0 step 3: wait for every peer's reduced parts (and their reads of our input); wait gathered[1]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 1, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
+    // rank 0 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[1]; r0:dst@0[0/2] = r1:dst@0[0/2] = r0:src@0[0/2] + r1:src@0[0/2]; signal r1:gathered[0]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 1, {0, 2, 0, 2, 0, 0}, {{0, 1, 1, 2, 0, 0}, {1, 1, 1, 2, 0, 0}}, {{1, 2, 0, 2, 0, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    // rank 0 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[1]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0]; r1:dst@0[1/2] = r1:src@0[1/2] + r0:src@0[1/2]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 0, 1}, {0, 1, 1, 2, 0, 1}}, {{3, 0, 0, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 0; r0:dst@0[1/2] = r1:dst@0[1/2]; signal r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 1, {0, 2, 0, 2, 0, 1}, {{1, 2, 0, 2, 0, 1}}, {}, {{0, 4, 1}}},
-    // rank 1 step 3: wait for every peer's reduced parts (and their reads of our input); wait gathered[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
+    // rank 1 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0]; r1:dst@0[1/2] = r0:dst@0[1/2] = r1:src@0[1/2] + r0:src@0[1/2]; signal r0:gathered[1]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 1, {1, 2, 0, 2, 0, 1}, {{1, 1, 1, 2, 0, 1}, {0, 1, 1, 2, 0, 1}}, {{0, 2, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
+    // rank 1 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}}, {}},
 };
-static __device__ const int step_base_w2[2] = { 0, 4 };
+static __device__ const int step_base_w2[2] = { 0, 3 };
 static __device__ const tsgen_share shares_w2[] = {
-    // rank 0 block 1: shares 0..1 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32},
-    // rank 0 block 2: shares 2..3 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32},
-    // rank 0 block 3: shares 4..5 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32},
-    // rank 0 block 4: shares 6..7 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32},
-    // rank 0 block 5: shares 8..9 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32},
-    // rank 0 block 6: shares 10..11 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32},
-    // rank 0 block 7: shares 12..13 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32},
-    // rank 0 block 8: shares 14..15 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32},
-    // rank 0 block 9: shares 16..17 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32},
-    // rank 0 block 10: shares 18..19 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32},
-    // rank 0 block 11: shares 20..21 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32},
-    // rank 0 block 12: shares 22..23 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32},
-    // rank 0 block 13: shares 24..25 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32},
-    // rank 0 block 14: shares 26..27 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32},
-    // rank 0 block 15: shares 28..29 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32},
-    // rank 0 block 16: shares 30..31 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32},
-    // rank 0 block 17: shares 32..33 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32},
-    // rank 0 block 18: shares 34..35 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32},
-    // rank 0 block 19: shares 36..37 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32},
-    // rank 0 block 20: shares 38..39 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32},
-    // rank 0 block 21: shares 40..41 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32},
-    // rank 0 block 22: shares 42..43 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32},
-    // rank 0 block 23: shares 44..45 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32},
-    // rank 0 block 24: shares 46..47 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32},
-    // rank 0 block 25: shares 48..49 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32},
-    // rank 0 block 26: shares 50..51 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32},
-    // rank 0 block 27: shares 52..53 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32},
-    // rank 0 block 28: shares 54..55 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32},
-    // rank 0 block 29: shares 56..57 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32},
-    // rank 0 block 30: shares 58..59 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32},
-    // rank 0 block 31: shares 60..61 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32},
-    // rank 0 block 32: shares 62..63 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32},
-    // rank 0 block 33: shares 64..64 ({step, share, of})
-    {3, 0, 1},
-    // rank 1 block 1: shares 65..66 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32},
-    // rank 1 block 2: shares 67..68 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32},
-    // rank 1 block 3: shares 69..70 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32},
-    // rank 1 block 4: shares 71..72 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32},
-    // rank 1 block 5: shares 73..74 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32},
-    // rank 1 block 6: shares 75..76 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32},
-    // rank 1 block 7: shares 77..78 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32},
-    // rank 1 block 8: shares 79..80 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32},
-    // rank 1 block 9: shares 81..82 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32},
-    // rank 1 block 10: shares 83..84 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32},
-    // rank 1 block 11: shares 85..86 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32},
-    // rank 1 block 12: shares 87..88 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32},
-    // rank 1 block 13: shares 89..90 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32},
-    // rank 1 block 14: shares 91..92 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32},
-    // rank 1 block 15: shares 93..94 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32},
-    // rank 1 block 16: shares 95..96 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32},
-    // rank 1 block 17: shares 97..98 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32},
-    // rank 1 block 18: shares 99..100 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32},
-    // rank 1 block 19: shares 101..102 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32},
-    // rank 1 block 20: shares 103..104 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32},
-    // rank 1 block 21: shares 105..106 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32},
-    // rank 1 block 22: shares 107..108 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32},
-    // rank 1 block 23: shares 109..110 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32},
-    // rank 1 block 24: shares 111..112 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32},
-    // rank 1 block 25: shares 113..114 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32},
-    // rank 1 block 26: shares 115..116 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32},
-    // rank 1 block 27: shares 117..118 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32},
-    // rank 1 block 28: shares 119..120 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32},
-    // rank 1 block 29: shares 121..122 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32},
-    // rank 1 block 30: shares 123..124 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32},
-    // rank 1 block 31: shares 125..126 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32},
-    // rank 1 block 32: shares 127..128 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32},
-    // rank 1 block 33: shares 129..129 ({step, share, of})
-    {3, 0, 1},
+    // rank 0 block 1: shares 0..0 ({step, share, of})
+    {1, 0, 32},
+    // rank 0 block 2: shares 1..1 ({step, share, of})
+    {1, 1, 32},
+    // rank 0 block 3: shares 2..2 ({step, share, of})
+    {1, 2, 32},
+    // rank 0 block 4: shares 3..3 ({step, share, of})
+    {1, 3, 32},
+    // rank 0 block 5: shares 4..4 ({step, share, of})
+    {1, 4, 32},
+    // rank 0 block 6: shares 5..5 ({step, share, of})
+    {1, 5, 32},
+    // rank 0 block 7: shares 6..6 ({step, share, of})
+    {1, 6, 32},
+    // rank 0 block 8: shares 7..7 ({step, share, of})
+    {1, 7, 32},
+    // rank 0 block 9: shares 8..8 ({step, share, of})
+    {1, 8, 32},
+    // rank 0 block 10: shares 9..9 ({step, share, of})
+    {1, 9, 32},
+    // rank 0 block 11: shares 10..10 ({step, share, of})
+    {1, 10, 32},
+    // rank 0 block 12: shares 11..11 ({step, share, of})
+    {1, 11, 32},
+    // rank 0 block 13: shares 12..12 ({step, share, of})
+    {1, 12, 32},
+    // rank 0 block 14: shares 13..13 ({step, share, of})
+    {1, 13, 32},
+    // rank 0 block 15: shares 14..14 ({step, share, of})
+    {1, 14, 32},
+    // rank 0 block 16: shares 15..15 ({step, share, of})
+    {1, 15, 32},
+    // rank 0 block 17: shares 16..16 ({step, share, of})
+    {1, 16, 32},
+    // rank 0 block 18: shares 17..17 ({step, share, of})
+    {1, 17, 32},
+    // rank 0 block 19: shares 18..18 ({step, share, of})
+    {1, 18, 32},
+    // rank 0 block 20: shares 19..19 ({step, share, of})
+    {1, 19, 32},
+    // rank 0 block 21: shares 20..20 ({step, share, of})
+    {1, 20, 32},
+    // rank 0 block 22: shares 21..21 ({step, share, of})
+    {1, 21, 32},
+    // rank 0 block 23: shares 22..22 ({step, share, of})
+    {1, 22, 32},
+    // rank 0 block 24: shares 23..23 ({step, share, of})
+    {1, 23, 32},
+    // rank 0 block 25: shares 24..24 ({step, share, of})
+    {1, 24, 32},
+    // rank 0 block 26: shares 25..25 ({step, share, of})
+    {1, 25, 32},
+    // rank 0 block 27: shares 26..26 ({step, share, of})
+    {1, 26, 32},
+    // rank 0 block 28: shares 27..27 ({step, share, of})
+    {1, 27, 32},
+    // rank 0 block 29: shares 28..28 ({step, share, of})
+    {1, 28, 32},
+    // rank 0 block 30: shares 29..29 ({step, share, of})
+    {1, 29, 32},
+    // rank 0 block 31: shares 30..30 ({step, share, of})
+    {1, 30, 32},
+    // rank 0 block 32: shares 31..31 ({step, share, of})
+    {1, 31, 32},
+    // rank 0 block 33: shares 32..32 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 1: shares 33..33 ({step, share, of})
+    {1, 0, 32},
+    // rank 1 block 2: shares 34..34 ({step, share, of})
+    {1, 1, 32},
+    // rank 1 block 3: shares 35..35 ({step, share, of})
+    {1, 2, 32},
+    // rank 1 block 4: shares 36..36 ({step, share, of})
+    {1, 3, 32},
+    // rank 1 block 5: shares 37..37 ({step, share, of})
+    {1, 4, 32},
+    // rank 1 block 6: shares 38..38 ({step, share, of})
+    {1, 5, 32},
+    // rank 1 block 7: shares 39..39 ({step, share, of})
+    {1, 6, 32},
+    // rank 1 block 8: shares 40..40 ({step, share, of})
+    {1, 7, 32},
+    // rank 1 block 9: shares 41..41 ({step, share, of})
+    {1, 8, 32},
+    // rank 1 block 10: shares 42..42 ({step, share, of})
+    {1, 9, 32},
+    // rank 1 block 11: shares 43..43 ({step, share, of})
+    {1, 10, 32},
+    // rank 1 block 12: shares 44..44 ({step, share, of})
+    {1, 11, 32},
+    // rank 1 block 13: shares 45..45 ({step, share, of})
+    {1, 12, 32},
+    // rank 1 block 14: shares 46..46 ({step, share, of})
+    {1, 13, 32},
+    // rank 1 block 15: shares 47..47 ({step, share, of})
+    {1, 14, 32},
+    // rank 1 block 16: shares 48..48 ({step, share, of})
+    {1, 15, 32},
+    // rank 1 block 17: shares 49..49 ({step, share, of})
+    {1, 16, 32},
+    // rank 1 block 18: shares 50..50 ({step, share, of})
+    {1, 17, 32},
+    // rank 1 block 19: shares 51..51 ({step, share, of})
+    {1, 18, 32},
+    // rank 1 block 20: shares 52..52 ({step, share, of})
+    {1, 19, 32},
+    // rank 1 block 21: shares 53..53 ({step, share, of})
+    {1, 20, 32},
+    // rank 1 block 22: shares 54..54 ({step, share, of})
+    {1, 21, 32},
+    // rank 1 block 23: shares 55..55 ({step, share, of})
+    {1, 22, 32},
+    // rank 1 block 24: shares 56..56 ({step, share, of})
+    {1, 23, 32},
+    // rank 1 block 25: shares 57..57 ({step, share, of})
+    {1, 24, 32},
+    // rank 1 block 26: shares 58..58 ({step, share, of})
+    {1, 25, 32},
+    // rank 1 block 27: shares 59..59 ({step, share, of})
+    {1, 26, 32},
+    // rank 1 block 28: shares 60..60 ({step, share, of})
+    {1, 27, 32},
+    // rank 1 block 29: shares 61..61 ({step, share, of})
+    {1, 28, 32},
+    // rank 1 block 30: shares 62..62 ({step, share, of})
+    {1, 29, 32},
+    // rank 1 block 31: shares 63..63 ({step, share, of})
+    {1, 30, 32},
+    // rank 1 block 32: shares 64..64 ({step, share, of})
+    {1, 31, 32},
+    // rank 1 block 33: shares 65..65 ({step, share, of})
+    {2, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w2[2][41] = {
-    { 0, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 65, 65, 65, 65, 65, 65, 65 },
-    { 65, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 130, 130, 130, 130, 130, 130, 130 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 291 block shares over 40 blocks.
+// Plan for world size 3: 9 steps, 99 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2]; r0:dst@0[0/3] = r0:src@0[0/3] + r1:src@0[0/3] + r2:src@0[0/3]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 3, 0, 0}, {{0, 1, 1, 3, 0, 0}, {1, 1, 1, 3, 0, 0}, {2, 1, 1, 3, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/3] = r0:dst@0[0/3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 3, 0, 0}, {{0, 2, 0, 3, 0, 0}}, {}, {}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/3] = r0:dst@0[0/3]; signal r1:gathered[0], r2:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 2, {2, 2, 0, 3, 0, 0}, {{0, 2, 0, 3, 0, 0}}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
+    // rank 0 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[1], entry[2]; r0:dst@0[0/3] = r1:dst@0[0/3] = r2:dst@0[0/3] = r0:src@0[0/3] + r1:src@0[0/3] + r2:src@0[0/3]; signal r1:gathered[0], r2:gathered[0]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 2, 2, {0, 2, 0, 3, 0, 0}, {{0, 1, 1, 3, 0, 0}, {1, 1, 1, 3, 0, 0}, {2, 1, 1, 3, 0, 0}}, {{1, 2, 0, 3, 0, 0}, {2, 2, 0, 3, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}}, {{1, 4, 0}, {2, 4, 0}}},
+    // rank 0 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2]
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2]; r1:dst@0[1/3] = r1:src@0[1/3] + r2:src@0[1/3] + r0:src@0[1/3]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 3, 0, 1}, {{1, 1, 1, 3, 0, 1}, {2, 1, 1, 3, 0, 1}, {0, 1, 1, 3, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/3] = r1:dst@0[1/3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 3, 0, 1}, {{1, 2, 0, 3, 0, 1}}, {}, {}},
-    // rank 1 step 3: the same share of piece 0 to rank 0; r0:dst@0[1/3] = r1:dst@0[1/3]; signal r2:gathered[1], r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 2, {0, 2, 0, 3, 0, 1}, {{1, 2, 0, 3, 0, 1}}, {}, {{2, 4, 1}, {0, 4, 1}}},
-    // rank 1 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
+    // rank 1 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[2]; r1:dst@0[1/3] = r2:dst@0[1/3] = r0:dst@0[1/3] = r1:src@0[1/3] + r2:src@0[1/3] + r0:src@0[1/3]; signal r2:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 2, 2, {1, 2, 0, 3, 0, 1}, {{1, 1, 1, 3, 0, 1}, {2, 1, 1, 3, 0, 1}, {0, 1, 1, 3, 0, 1}}, {{2, 2, 0, 3, 0, 1}, {0, 2, 0, 3, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}}, {{2, 4, 1}, {0, 4, 1}}},
+    // rank 1 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2]
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1]; r2:dst@0[2/3] = r2:src@0[2/3] + r0:src@0[2/3] + r1:src@0[2/3]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 3, 0, 2}, {{2, 1, 1, 3, 0, 2}, {0, 1, 1, 3, 0, 2}, {1, 1, 1, 3, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 0; r0:dst@0[2/3] = r2:dst@0[2/3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 3, 0, 2}, {{2, 2, 0, 3, 0, 2}}, {}, {}},
-    // rank 2 step 3: the same share of piece 0 to rank 1; r1:dst@0[2/3] = r2:dst@0[2/3]; signal r0:gathered[2], r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 2, {1, 2, 0, 3, 0, 2}, {{2, 2, 0, 3, 0, 2}}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 4: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1]
-    {TSGEN_OP_NONE, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
+    // rank 2 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1]; r2:dst@0[2/3] = r0:dst@0[2/3] = r1:dst@0[2/3] = r2:src@0[2/3] + r0:src@0[2/3] + r1:src@0[2/3]; signal r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 2, 2, {2, 2, 0, 3, 0, 2}, {{2, 1, 1, 3, 0, 2}, {0, 1, 1, 3, 0, 2}, {1, 1, 1, 3, 0, 2}}, {{0, 2, 0, 3, 0, 2}, {1, 2, 0, 3, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}}, {{0, 4, 2}, {1, 4, 2}}},
+    // rank 2 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1]
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}}, {}},
 };
-static __device__ const int step_base_w3[3] = { 0, 5, 10 };
+static __device__ const int step_base_w3[3] = { 0, 3, 6 };
 static __device__ const tsgen_share shares_w3[] = {
-    // rank 0 block 1: shares 0..2 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 0 block 2: shares 3..5 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 0 block 3: shares 6..8 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 0 block 4: shares 9..11 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 0 block 5: shares 12..14 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 0 block 6: shares 15..17 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 0 block 7: shares 18..20 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 0 block 8: shares 21..23 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 0 block 9: shares 24..26 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 0 block 10: shares 27..29 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 0 block 11: shares 30..32 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 0 block 12: shares 33..35 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 0 block 13: shares 36..38 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 0 block 14: shares 39..41 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 0 block 15: shares 42..44 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 0 block 16: shares 45..47 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 0 block 17: shares 48..50 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 0 block 18: shares 51..53 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 0 block 19: shares 54..56 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 0 block 20: shares 57..59 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 0 block 21: shares 60..62 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 0 block 22: shares 63..65 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 0 block 23: shares 66..68 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 0 block 24: shares 69..71 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 0 block 25: shares 72..74 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 0 block 26: shares 75..77 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 0 block 27: shares 78..80 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 0 block 28: shares 81..83 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 0 block 29: shares 84..86 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 0 block 30: shares 87..89 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 0 block 31: shares 90..92 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 0 block 32: shares 93..95 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 0 block 33: shares 96..96 ({step, share, of})
-    {4, 0, 1},
-    // rank 1 block 1: shares 97..99 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 1 block 2: shares 100..102 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 1 block 3: shares 103..105 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 1 block 4: shares 106..108 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 1 block 5: shares 109..111 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 1 block 6: shares 112..114 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 1 block 7: shares 115..117 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 1 block 8: shares 118..120 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 1 block 9: shares 121..123 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 1 block 10: shares 124..126 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 1 block 11: shares 127..129 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 1 block 12: shares 130..132 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 1 block 13: shares 133..135 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 1 block 14: shares 136..138 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 1 block 15: shares 139..141 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 1 block 16: shares 142..144 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 1 block 17: shares 145..147 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 1 block 18: shares 148..150 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 1 block 19: shares 151..153 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 1 block 20: shares 154..156 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 1 block 21: shares 157..159 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 1 block 22: shares 160..162 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 1 block 23: shares 163..165 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 1 block 24: shares 166..168 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 1 block 25: shares 169..171 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 1 block 26: shares 172..174 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 1 block 27: shares 175..177 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 1 block 28: shares 178..180 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 1 block 29: shares 181..183 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 1 block 30: shares 184..186 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 1 block 31: shares 187..189 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 1 block 32: shares 190..192 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 1 block 33: shares 193..193 ({step, share, of})
-    {4, 0, 1},
-    // rank 2 block 1: shares 194..196 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32},
-    // rank 2 block 2: shares 197..199 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32},
-    // rank 2 block 3: shares 200..202 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32},
-    // rank 2 block 4: shares 203..205 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32},
-    // rank 2 block 5: shares 206..208 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32},
-    // rank 2 block 6: shares 209..211 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32},
-    // rank 2 block 7: shares 212..214 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32},
-    // rank 2 block 8: shares 215..217 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32},
-    // rank 2 block 9: shares 218..220 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32},
-    // rank 2 block 10: shares 221..223 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32},
-    // rank 2 block 11: shares 224..226 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32},
-    // rank 2 block 12: shares 227..229 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32},
-    // rank 2 block 13: shares 230..232 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32},
-    // rank 2 block 14: shares 233..235 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32},
-    // rank 2 block 15: shares 236..238 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32},
-    // rank 2 block 16: shares 239..241 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32},
-    // rank 2 block 17: shares 242..244 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32},
-    // rank 2 block 18: shares 245..247 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32},
-    // rank 2 block 19: shares 248..250 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32},
-    // rank 2 block 20: shares 251..253 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32},
-    // rank 2 block 21: shares 254..256 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32},
-    // rank 2 block 22: shares 257..259 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32},
-    // rank 2 block 23: shares 260..262 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32},
-    // rank 2 block 24: shares 263..265 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32},
-    // rank 2 block 25: shares 266..268 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32},
-    // rank 2 block 26: shares 269..271 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32},
-    // rank 2 block 27: shares 272..274 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32},
-    // rank 2 block 28: shares 275..277 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32},
-    // rank 2 block 29: shares 278..280 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32},
-    // rank 2 block 30: shares 281..283 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32},
-    // rank 2 block 31: shares 284..286 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32},
-    // rank 2 block 32: shares 287..289 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32},
-    // rank 2 block 33: shares 290..290 ({step, share, of})
-    {4, 0, 1},
+    // rank 0 block 1: shares 0..0 ({step, share, of})
+    {1, 0, 32},
+    // rank 0 block 2: shares 1..1 ({step, share, of})
+    {1, 1, 32},
+    // rank 0 block 3: shares 2..2 ({step, share, of})
+    {1, 2, 32},
+    // rank 0 block 4: shares 3..3 ({step, share, of})
+    {1, 3, 32},
+    // rank 0 block 5: shares 4..4 ({step, share, of})
+    {1, 4, 32},
+    // rank 0 block 6: shares 5..5 ({step, share, of})
+    {1, 5, 32},
+    // rank 0 block 7: shares 6..6 ({step, share, of})
+    {1, 6, 32},
+    // rank 0 block 8: shares 7..7 ({step, share, of})
+    {1, 7, 32},
+    // rank 0 block 9: shares 8..8 ({step, share, of})
+    {1, 8, 32},
+    // rank 0 block 10: shares 9..9 ({step, share, of})
+    {1, 9, 32},
+    // rank 0 block 11: shares 10..10 ({step, share, of})
+    {1, 10, 32},
+    // rank 0 block 12: shares 11..11 ({step, share, of})
+    {1, 11, 32},
+    // rank 0 block 13: shares 12..12 ({step, share, of})
+    {1, 12, 32},
+    // rank 0 block 14: shares 13..13 ({step, share, of})
+    {1, 13, 32},
+    // rank 0 block 15: shares 14..14 ({step, share, of})
+    {1, 14, 32},
+    // rank 0 block 16: shares 15..15 ({step, share, of})
+    {1, 15, 32},
+    // rank 0 block 17: shares 16..16 ({step, share, of})
+    {1, 16, 32},
+    // rank 0 block 18: shares 17..17 ({step, share, of})
+    {1, 17, 32},
+    // rank 0 block 19: shares 18..18 ({step, share, of})
+    {1, 18, 32},
+    // rank 0 block 20: shares 19..19 ({step, share, of})
+    {1, 19, 32},
+    // rank 0 block 21: shares 20..20 ({step, share, of})
+    {1, 20, 32},
+    // rank 0 block 22: shares 21..21 ({step, share, of})
+    {1, 21, 32},
+    // rank 0 block 23: shares 22..22 ({step, share, of})
+    {1, 22, 32},
+    // rank 0 block 24: shares 23..23 ({step, share, of})
+    {1, 23, 32},
+    // rank 0 block 25: shares 24..24 ({step, share, of})
+    {1, 24, 32},
+    // rank 0 block 26: shares 25..25 ({step, share, of})
+    {1, 25, 32},
+    // rank 0 block 27: shares 26..26 ({step, share, of})
+    {1, 26, 32},
+    // rank 0 block 28: shares 27..27 ({step, share, of})
+    {1, 27, 32},
+    // rank 0 block 29: shares 28..28 ({step, share, of})
+    {1, 28, 32},
+    // rank 0 block 30: shares 29..29 ({step, share, of})
+    {1, 29, 32},
+    // rank 0 block 31: shares 30..30 ({step, share, of})
+    {1, 30, 32},
+    // rank 0 block 32: shares 31..31 ({step, share, of})
+    {1, 31, 32},
+    // rank 0 block 33: shares 32..32 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 1: shares 33..33 ({step, share, of})
+    {1, 0, 32},
+    // rank 1 block 2: shares 34..34 ({step, share, of})
+    {1, 1, 32},
+    // rank 1 block 3: shares 35..35 ({step, share, of})
+    {1, 2, 32},
+    // rank 1 block 4: shares 36..36 ({step, share, of})
+    {1, 3, 32},
+    // rank 1 block 5: shares 37..37 ({step, share, of})
+    {1, 4, 32},
+    // rank 1 block 6: shares 38..38 ({step, share, of})
+    {1, 5, 32},
+    // rank 1 block 7: shares 39..39 ({step, share, of})
+    {1, 6, 32},
+    // rank 1 block 8: shares 40..40 ({step, share, of})
+    {1, 7, 32},
+    // rank 1 block 9: shares 41..41 ({step, share, of})
+    {1, 8, 32},
+    // rank 1 block 10: shares 42..42 ({step, share, of})
+    {1, 9, 32},
+    // rank 1 block 11: shares 43..43 ({step, share, of})
+    {1, 10, 32},
+    // rank 1 block 12: shares 44..44 ({step, share, of})
+    {1, 11, 32},
+    // rank 1 block 13: shares 45..45 ({step, share, of})
+    {1, 12, 32},
+    // rank 1 block 14: shares 46..46 ({step, share, of})
+    {1, 13, 32},
+    // rank 1 block 15: shares 47..47 ({step, share, of})
+    {1, 14, 32},
+    // rank 1 block 16: shares 48..48 ({step, share, of})
+    {1, 15, 32},
+    // rank 1 block 17: shares 49..49 ({step, share, of})
+    {1, 16, 32},
+    // rank 1 block 18: shares 50..50 ({step, share, of})
+    {1, 17, 32},
+    // rank 1 block 19: shares 51..51 ({step, share, of})
+    {1, 18, 32},
+    // rank 1 block 20: shares 52..52 ({step, share, of})
+    {1, 19, 32},
+    // rank 1 block 21: shares 53..53 ({step, share, of})
+    {1, 20, 32},
+    // rank 1 block 22: shares 54..54 ({step, share, of})
+    {1, 21, 32},
+    // rank 1 block 23: shares 55..55 ({step, share, of})
+    {1, 22, 32},
+    // rank 1 block 24: shares 56..56 ({step, share, of})
+    {1, 23, 32},
+    // rank 1 block 25: shares 57..57 ({step, share, of})
+    {1, 24, 32},
+    // rank 1 block 26: shares 58..58 ({step, share, of})
+    {1, 25, 32},
+    // rank 1 block 27: shares 59..59 ({step, share, of})
+    {1, 26, 32},
+    // rank 1 block 28: shares 60..60 ({step, share, of})
+    {1, 27, 32},
+    // rank 1 block 29: shares 61..61 ({step, share, of})
+    {1, 28, 32},
+    // rank 1 block 30: shares 62..62 ({step, share, of})
+    {1, 29, 32},
+    // rank 1 block 31: shares 63..63 ({step, share, of})
+    {1, 30, 32},
+    // rank 1 block 32: shares 64..64 ({step, share, of})
+    {1, 31, 32},
+    // rank 1 block 33: shares 65..65 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 1: shares 66..66 ({step, share, of})
+    {1, 0, 32},
+    // rank 2 block 2: shares 67..67 ({step, share, of})
+    {1, 1, 32},
+    // rank 2 block 3: shares 68..68 ({step, share, of})
+    {1, 2, 32},
+    // rank 2 block 4: shares 69..69 ({step, share, of})
+    {1, 3, 32},
+    // rank 2 block 5: shares 70..70 ({step, share, of})
+    {1, 4, 32},
+    // rank 2 block 6: shares 71..71 ({step, share, of})
+    {1, 5, 32},
+    // rank 2 block 7: shares 72..72 ({step, share, of})
+    {1, 6, 32},
+    // rank 2 block 8: shares 73..73 ({step, share, of})
+    {1, 7, 32},
+    // rank 2 block 9: shares 74..74 ({step, share, of})
+    {1, 8, 32},
+    // rank 2 block 10: shares 75..75 ({step, share, of})
+    {1, 9, 32},
+    // rank 2 block 11: shares 76..76 ({step, share, of})
+    {1, 10, 32},
+    // rank 2 block 12: shares 77..77 ({step, share, of})
+    {1, 11, 32},
+    // rank 2 block 13: shares 78..78 ({step, share, of})
+    {1, 12, 32},
+    // rank 2 block 14: shares 79..79 ({step, share, of})
+    {1, 13, 32},
+    // rank 2 block 15: shares 80..80 ({step, share, of})
+    {1, 14, 32},
+    // rank 2 block 16: shares 81..81 ({step, share, of})
+    {1, 15, 32},
+    // rank 2 block 17: shares 82..82 ({step, share, of})
+    {1, 16, 32},
+    // rank 2 block 18: shares 83..83 ({step, share, of})
+    {1, 17, 32},
+    // rank 2 block 19: shares 84..84 ({step, share, of})
+    {1, 18, 32},
+    // rank 2 block 20: shares 85..85 ({step, share, of})
+    {1, 19, 32},
+    // rank 2 block 21: shares 86..86 ({step, share, of})
+    {1, 20, 32},
+    // rank 2 block 22: shares 87..87 ({step, share, of})
+    {1, 21, 32},
+    // rank 2 block 23: shares 88..88 ({step, share, of})
+    {1, 22, 32},
+    // rank 2 block 24: shares 89..89 ({step, share, of})
+    {1, 23, 32},
+    // rank 2 block 25: shares 90..90 ({step, share, of})
+    {1, 24, 32},
+    // rank 2 block 26: shares 91..91 ({step, share, of})
+    {1, 25, 32},
+    // rank 2 block 27: shares 92..92 ({step, share, of})
+    {1, 26, 32},
+    // rank 2 block 28: shares 93..93 ({step, share, of})
+    {1, 27, 32},
+    // rank 2 block 29: shares 94..94 ({step, share, of})
+    {1, 28, 32},
+    // rank 2 block 30: shares 95..95 ({step, share, of})
+    {1, 29, 32},
+    // rank 2 block 31: shares 96..96 ({step, share, of})
+    {1, 30, 32},
+    // rank 2 block 32: shares 97..97 ({step, share, of})
+    {1, 31, 32},
+    // rank 2 block 33: shares 98..98 ({step, share, of})
+    {2, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w3[3][41] = {
-    { 0, 0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45, 48, 51, 54, 57, 60, 63, 66, 69, 72, 75, 78, 81, 84, 87, 90, 93, 96, 97, 97, 97, 97, 97, 97, 97 },
-    { 97, 97, 100, 103, 106, 109, 112, 115, 118, 121, 124, 127, 130, 133, 136, 139, 142, 145, 148, 151, 154, 157, 160, 163, 166, 169, 172, 175, 178, 181, 184, 187, 190, 193, 194, 194, 194, 194, 194, 194, 194 },
-    { 194, 194, 197, 200, 203, 206, 209, 212, 215, 218, 221, 224, 227, 230, 233, 236, 239, 242, 245, 248, 251, 254, 257, 260, 263, 266, 269, 272, 275, 278, 281, 284, 287, 290, 291, 291, 291, 291, 291, 291, 291 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
+    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 516 block shares over 40 blocks.
+// Plan for world size 4: 12 steps, 132 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2], entry[3]; r0:dst@0[0/4] = r0:src@0[0/4] + r1:src@0[0/4] + r2:src@0[0/4] + r3:src@0[0/4]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {1, 1, 1, 4, 0, 0}, {2, 1, 1, 4, 0, 0}, {3, 1, 1, 4, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/4] = r0:dst@0[0/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 0, 0}, {{0, 2, 0, 4, 0, 0}}, {}, {}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/4] = r0:dst@0[0/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 0, 0}, {{0, 2, 0, 4, 0, 0}}, {}, {}},
-    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 3, {3, 2, 0, 4, 0, 0}, {{0, 2, 0, 4, 0, 0}}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
+    // rank 0 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[1], entry[2], entry[3]; r0:dst@0[0/4] = r1:dst@0[0/4] = r2:dst@0[0/4] = r3:dst@0[0/4] = r0:src@0[0/4] + r1:src@0[0/4] + r2:src@0[0/4] + r3:src@0[0/4]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 3, 3, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {1, 1, 1, 4, 0, 0}, {2, 1, 1, 4, 0, 0}, {3, 1, 1, 4, 0, 0}}, {{1, 2, 0, 4, 0, 0}, {2, 2, 0, 4, 0, 0}, {3, 2, 0, 4, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
+    // rank 0 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3]
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2], entry[3]; r1:dst@0[1/4] = r1:src@0[1/4] + r2:src@0[1/4] + r3:src@0[1/4] + r0:src@0[1/4]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 0, 1}, {2, 1, 1, 4, 0, 1}, {3, 1, 1, 4, 0, 1}, {0, 1, 1, 4, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/4] = r1:dst@0[1/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {}},
-    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/4] = r1:dst@0[1/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {}},
-    // rank 1 step 4: the same share of piece 0 to rank 0; r0:dst@0[1/4] = r1:dst@0[1/4]; signal r2:gathered[1], r3:gathered[1], r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 3, {0, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{2, 4, 1}, {3, 4, 1}, {0, 4, 1}}},
-    // rank 1 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
+    // rank 1 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[2], entry[3]; r1:dst@0[1/4] = r2:dst@0[1/4] = r3:dst@0[1/4] = r0:dst@0[1/4] = r1:src@0[1/4] + r2:src@0[1/4] + r3:src@0[1/4] + r0:src@0[1/4]; signal r2:gathered[1], r3:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 3, 3, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 0, 1}, {2, 1, 1, 4, 0, 1}, {3, 1, 1, 4, 0, 1}, {0, 1, 1, 4, 0, 1}}, {{2, 2, 0, 4, 0, 1}, {3, 2, 0, 4, 0, 1}, {0, 2, 0, 4, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{2, 4, 1}, {3, 4, 1}, {0, 4, 1}}},
+    // rank 1 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3]
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[3]; r2:dst@0[2/4] = r2:src@0[2/4] + r3:src@0[2/4] + r0:src@0[2/4] + r1:src@0[2/4]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 0, 2}, {3, 1, 1, 4, 0, 2}, {0, 1, 1, 4, 0, 2}, {1, 1, 1, 4, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/4] = r2:dst@0[2/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {}},
-    // rank 2 step 3: the same share of piece 0 to rank 0; r0:dst@0[2/4] = r2:dst@0[2/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {}},
-    // rank 2 step 4: the same share of piece 0 to rank 1; r1:dst@0[2/4] = r2:dst@0[2/4]; signal r3:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 3, {1, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 4, 2}, {0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3]
-    {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
+    // rank 2 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[3]; r2:dst@0[2/4] = r3:dst@0[2/4] = r0:dst@0[2/4] = r1:dst@0[2/4] = r2:src@0[2/4] + r3:src@0[2/4] + r0:src@0[2/4] + r1:src@0[2/4]; signal r3:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 3, 3, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 0, 2}, {3, 1, 1, 4, 0, 2}, {0, 1, 1, 4, 0, 2}, {1, 1, 1, 4, 0, 2}}, {{3, 2, 0, 4, 0, 2}, {0, 2, 0, 4, 0, 2}, {1, 2, 0, 4, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}}, {{3, 4, 2}, {0, 4, 2}, {1, 4, 2}}},
+    // rank 2 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3]
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2]; r3:dst@0[3/4] = r3:src@0[3/4] + r0:src@0[3/4] + r1:src@0[3/4] + r2:src@0[3/4]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 0, 3}, {0, 1, 1, 4, 0, 3}, {1, 1, 1, 4, 0, 3}, {2, 1, 1, 4, 0, 3}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}}, {}},
-    // rank 3 step 2: the same share of piece 0 to rank 0; r0:dst@0[3/4] = r3:dst@0[3/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {}},
-    // rank 3 step 3: the same share of piece 0 to rank 1; r1:dst@0[3/4] = r3:dst@0[3/4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {}},
-    // rank 3 step 4: the same share of piece 0 to rank 2; r2:dst@0[3/4] = r3:dst@0[3/4]; signal r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 3, {2, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 5: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2]
-    {TSGEN_OP_NONE, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
+    // rank 3 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2]; r3:dst@0[3/4] = r0:dst@0[3/4] = r1:dst@0[3/4] = r2:dst@0[3/4] = r3:src@0[3/4] + r0:src@0[3/4] + r1:src@0[3/4] + r2:src@0[3/4]; signal r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 3, 3, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 0, 3}, {0, 1, 1, 4, 0, 3}, {1, 1, 1, 4, 0, 3}, {2, 1, 1, 4, 0, 3}}, {{0, 2, 0, 4, 0, 3}, {1, 2, 0, 4, 0, 3}, {2, 2, 0, 4, 0, 3}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
+    // rank 3 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2]
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
 };
-static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
+static __device__ const int step_base_w4[4] = { 0, 3, 6, 9 };
 static __device__ const tsgen_share shares_w4[] = {
-    // rank 0 block 1: shares 0..3 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 0 block 2: shares 4..7 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 0 block 3: shares 8..11 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 0 block 4: shares 12..15 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 0 block 5: shares 16..19 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 0 block 6: shares 20..23 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 0 block 7: shares 24..27 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 0 block 8: shares 28..31 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 0 block 9: shares 32..35 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 0 block 10: shares 36..39 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 0 block 11: shares 40..43 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 0 block 12: shares 44..47 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 0 block 13: shares 48..51 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 0 block 14: shares 52..55 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 0 block 15: shares 56..59 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 0 block 16: shares 60..63 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 0 block 17: shares 64..67 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 0 block 18: shares 68..71 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 0 block 19: shares 72..75 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 0 block 20: shares 76..79 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 0 block 21: shares 80..83 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 0 block 22: shares 84..87 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 0 block 23: shares 88..91 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 0 block 24: shares 92..95 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 0 block 25: shares 96..99 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 0 block 26: shares 100..103 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 0 block 27: shares 104..107 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 0 block 28: shares 108..111 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 0 block 29: shares 112..115 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 0 block 30: shares 116..119 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 0 block 31: shares 120..123 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 0 block 32: shares 124..127 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 0 block 33: shares 128..128 ({step, share, of})
-    {5, 0, 1},
-    // rank 1 block 1: shares 129..132 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 1 block 2: shares 133..136 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 1 block 3: shares 137..140 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 1 block 4: shares 141..144 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 1 block 5: shares 145..148 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 1 block 6: shares 149..152 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 1 block 7: shares 153..156 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 1 block 8: shares 157..160 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 1 block 9: shares 161..164 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 1 block 10: shares 165..168 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 1 block 11: shares 169..172 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 1 block 12: shares 173..176 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 1 block 13: shares 177..180 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 1 block 14: shares 181..184 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 1 block 15: shares 185..188 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 1 block 16: shares 189..192 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 1 block 17: shares 193..196 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 1 block 18: shares 197..200 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 1 block 19: shares 201..204 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 1 block 20: shares 205..208 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 1 block 21: shares 209..212 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 1 block 22: shares 213..216 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 1 block 23: shares 217..220 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 1 block 24: shares 221..224 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 1 block 25: shares 225..228 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 1 block 26: shares 229..232 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 1 block 27: shares 233..236 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 1 block 28: shares 237..240 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 1 block 29: shares 241..244 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 1 block 30: shares 245..248 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 1 block 31: shares 249..252 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 1 block 32: shares 253..256 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 1 block 33: shares 257..257 ({step, share, of})
-    {5, 0, 1},
-    // rank 2 block 1: shares 258..261 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 2 block 2: shares 262..265 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 2 block 3: shares 266..269 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 2 block 4: shares 270..273 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 2 block 5: shares 274..277 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 2 block 6: shares 278..281 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 2 block 7: shares 282..285 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 2 block 8: shares 286..289 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 2 block 9: shares 290..293 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 2 block 10: shares 294..297 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 2 block 11: shares 298..301 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 2 block 12: shares 302..305 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 2 block 13: shares 306..309 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 2 block 14: shares 310..313 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 2 block 15: shares 314..317 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 2 block 16: shares 318..321 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 2 block 17: shares 322..325 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 2 block 18: shares 326..329 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 2 block 19: shares 330..333 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 2 block 20: shares 334..337 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 2 block 21: shares 338..341 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 2 block 22: shares 342..345 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 2 block 23: shares 346..349 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 2 block 24: shares 350..353 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 2 block 25: shares 354..357 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 2 block 26: shares 358..361 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 2 block 27: shares 362..365 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 2 block 28: shares 366..369 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 2 block 29: shares 370..373 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 2 block 30: shares 374..377 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 2 block 31: shares 378..381 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 2 block 32: shares 382..385 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 2 block 33: shares 386..386 ({step, share, of})
-    {5, 0, 1},
-    // rank 3 block 1: shares 387..390 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32},
-    // rank 3 block 2: shares 391..394 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32},
-    // rank 3 block 3: shares 395..398 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32},
-    // rank 3 block 4: shares 399..402 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32},
-    // rank 3 block 5: shares 403..406 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32},
-    // rank 3 block 6: shares 407..410 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32},
-    // rank 3 block 7: shares 411..414 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32},
-    // rank 3 block 8: shares 415..418 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32},
-    // rank 3 block 9: shares 419..422 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32},
-    // rank 3 block 10: shares 423..426 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32},
-    // rank 3 block 11: shares 427..430 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32},
-    // rank 3 block 12: shares 431..434 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32},
-    // rank 3 block 13: shares 435..438 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32},
-    // rank 3 block 14: shares 439..442 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32},
-    // rank 3 block 15: shares 443..446 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32},
-    // rank 3 block 16: shares 447..450 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32},
-    // rank 3 block 17: shares 451..454 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32},
-    // rank 3 block 18: shares 455..458 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32},
-    // rank 3 block 19: shares 459..462 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32},
-    // rank 3 block 20: shares 463..466 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32},
-    // rank 3 block 21: shares 467..470 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32},
-    // rank 3 block 22: shares 471..474 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32},
-    // rank 3 block 23: shares 475..478 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32},
-    // rank 3 block 24: shares 479..482 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32},
-    // rank 3 block 25: shares 483..486 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32},
-    // rank 3 block 26: shares 487..490 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32},
-    // rank 3 block 27: shares 491..494 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32},
-    // rank 3 block 28: shares 495..498 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32},
-    // rank 3 block 29: shares 499..502 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32},
-    // rank 3 block 30: shares 503..506 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32},
-    // rank 3 block 31: shares 507..510 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32},
-    // rank 3 block 32: shares 511..514 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32},
-    // rank 3 block 33: shares 515..515 ({step, share, of})
-    {5, 0, 1},
+    // rank 0 block 1: shares 0..0 ({step, share, of})
+    {1, 0, 32},
+    // rank 0 block 2: shares 1..1 ({step, share, of})
+    {1, 1, 32},
+    // rank 0 block 3: shares 2..2 ({step, share, of})
+    {1, 2, 32},
+    // rank 0 block 4: shares 3..3 ({step, share, of})
+    {1, 3, 32},
+    // rank 0 block 5: shares 4..4 ({step, share, of})
+    {1, 4, 32},
+    // rank 0 block 6: shares 5..5 ({step, share, of})
+    {1, 5, 32},
+    // rank 0 block 7: shares 6..6 ({step, share, of})
+    {1, 6, 32},
+    // rank 0 block 8: shares 7..7 ({step, share, of})
+    {1, 7, 32},
+    // rank 0 block 9: shares 8..8 ({step, share, of})
+    {1, 8, 32},
+    // rank 0 block 10: shares 9..9 ({step, share, of})
+    {1, 9, 32},
+    // rank 0 block 11: shares 10..10 ({step, share, of})
+    {1, 10, 32},
+    // rank 0 block 12: shares 11..11 ({step, share, of})
+    {1, 11, 32},
+    // rank 0 block 13: shares 12..12 ({step, share, of})
+    {1, 12, 32},
+    // rank 0 block 14: shares 13..13 ({step, share, of})
+    {1, 13, 32},
+    // rank 0 block 15: shares 14..14 ({step, share, of})
+    {1, 14, 32},
+    // rank 0 block 16: shares 15..15 ({step, share, of})
+    {1, 15, 32},
+    // rank 0 block 17: shares 16..16 ({step, share, of})
+    {1, 16, 32},
+    // rank 0 block 18: shares 17..17 ({step, share, of})
+    {1, 17, 32},
+    // rank 0 block 19: shares 18..18 ({step, share, of})
+    {1, 18, 32},
+    // rank 0 block 20: shares 19..19 ({step, share, of})
+    {1, 19, 32},
+    // rank 0 block 21: shares 20..20 ({step, share, of})
+    {1, 20, 32},
+    // rank 0 block 22: shares 21..21 ({step, share, of})
+    {1, 21, 32},
+    // rank 0 block 23: shares 22..22 ({step, share, of})
+    {1, 22, 32},
+    // rank 0 block 24: shares 23..23 ({step, share, of})
+    {1, 23, 32},
+    // rank 0 block 25: shares 24..24 ({step, share, of})
+    {1, 24, 32},
+    // rank 0 block 26: shares 25..25 ({step, share, of})
+    {1, 25, 32},
+    // rank 0 block 27: shares 26..26 ({step, share, of})
+    {1, 26, 32},
+    // rank 0 block 28: shares 27..27 ({step, share, of})
+    {1, 27, 32},
+    // rank 0 block 29: shares 28..28 ({step, share, of})
+    {1, 28, 32},
+    // rank 0 block 30: shares 29..29 ({step, share, of})
+    {1, 29, 32},
+    // rank 0 block 31: shares 30..30 ({step, share, of})
+    {1, 30, 32},
+    // rank 0 block 32: shares 31..31 ({step, share, of})
+    {1, 31, 32},
+    // rank 0 block 33: shares 32..32 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 1: shares 33..33 ({step, share, of})
+    {1, 0, 32},
+    // rank 1 block 2: shares 34..34 ({step, share, of})
+    {1, 1, 32},
+    // rank 1 block 3: shares 35..35 ({step, share, of})
+    {1, 2, 32},
+    // rank 1 block 4: shares 36..36 ({step, share, of})
+    {1, 3, 32},
+    // rank 1 block 5: shares 37..37 ({step, share, of})
+    {1, 4, 32},
+    // rank 1 block 6: shares 38..38 ({step, share, of})
+    {1, 5, 32},
+    // rank 1 block 7: shares 39..39 ({step, share, of})
+    {1, 6, 32},
+    // rank 1 block 8: shares 40..40 ({step, share, of})
+    {1, 7, 32},
+    // rank 1 block 9: shares 41..41 ({step, share, of})
+    {1, 8, 32},
+    // rank 1 block 10: shares 42..42 ({step, share, of})
+    {1, 9, 32},
+    // rank 1 block 11: shares 43..43 ({step, share, of})
+    {1, 10, 32},
+    // rank 1 block 12: shares 44..44 ({step, share, of})
+    {1, 11, 32},
+    // rank 1 block 13: shares 45..45 ({step, share, of})
+    {1, 12, 32},
+    // rank 1 block 14: shares 46..46 ({step, share, of})
+    {1, 13, 32},
+    // rank 1 block 15: shares 47..47 ({step, share, of})
+    {1, 14, 32},
+    // rank 1 block 16: shares 48..48 ({step, share, of})
+    {1, 15, 32},
+    // rank 1 block 17: shares 49..49 ({step, share, of})
+    {1, 16, 32},
+    // rank 1 block 18: shares 50..50 ({step, share, of})
+    {1, 17, 32},
+    // rank 1 block 19: shares 51..51 ({step, share, of})
+    {1, 18, 32},
+    // rank 1 block 20: shares 52..52 ({step, share, of})
+    {1, 19, 32},
+    // rank 1 block 21: shares 53..53 ({step, share, of})
+    {1, 20, 32},
+    // rank 1 block 22: shares 54..54 ({step, share, of})
+    {1, 21, 32},
+    // rank 1 block 23: shares 55..55 ({step, share, of})
+    {1, 22, 32},
+    // rank 1 block 24: shares 56..56 ({step, share, of})
+    {1, 23, 32},
+    // rank 1 block 25: shares 57..57 ({step, share, of})
+    {1, 24, 32},
+    // rank 1 block 26: shares 58..58 ({step, share, of})
+    {1, 25, 32},
+    // rank 1 block 27: shares 59..59 ({step, share, of})
+    {1, 26, 32},
+    // rank 1 block 28: shares 60..60 ({step, share, of})
+    {1, 27, 32},
+    // rank 1 block 29: shares 61..61 ({step, share, of})
+    {1, 28, 32},
+    // rank 1 block 30: shares 62..62 ({step, share, of})
+    {1, 29, 32},
+    // rank 1 block 31: shares 63..63 ({step, share, of})
+    {1, 30, 32},
+    // rank 1 block 32: shares 64..64 ({step, share, of})
+    {1, 31, 32},
+    // rank 1 block 33: shares 65..65 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 1: shares 66..66 ({step, share, of})
+    {1, 0, 32},
+    // rank 2 block 2: shares 67..67 ({step, share, of})
+    {1, 1, 32},
+    // rank 2 block 3: shares 68..68 ({step, share, of})
+    {1, 2, 32},
+    // rank 2 block 4: shares 69..69 ({step, share, of})
+    {1, 3, 32},
+    // rank 2 block 5: shares 70..70 ({step, share, of})
+    {1, 4, 32},
+    // rank 2 block 6: shares 71..71 ({step, share, of})
+    {1, 5, 32},
+    // rank 2 block 7: shares 72..72 ({step, share, of})
+    {1, 6, 32},
+    // rank 2 block 8: shares 73..73 ({step, share, of})
+    {1, 7, 32},
+    // rank 2 block 9: shares 74..74 ({step, share, of})
+    {1, 8, 32},
+    // rank 2 block 10: shares 75..75 ({step, share, of})
+    {1, 9, 32},
+    // rank 2 block 11: shares 76..76 ({step, share, of})
+    {1, 10, 32},
+    // rank 2 block 12: shares 77..77 ({step, share, of})
+    {1, 11, 32},
+    // rank 2 block 13: shares 78..78 ({step, share, of})
+    {1, 12, 32},
+    // rank 2 block 14: shares 79..79 ({step, share, of})
+    {1, 13, 32},
+    // rank 2 block 15: shares 80..80 ({step, share, of})
+    {1, 14, 32},
+    // rank 2 block 16: shares 81..81 ({step, share, of})
+    {1, 15, 32},
+    // rank 2 block 17: shares 82..82 ({step, share, of})
+    {1, 16, 32},
+    // rank 2 block 18: shares 83..83 ({step, share, of})
+    {1, 17, 32},
+    // rank 2 block 19: shares 84..84 ({step, share, of})
+    {1, 18, 32},
+    // rank 2 block 20: shares 85..85 ({step, share, of})
+    {1, 19, 32},
+    // rank 2 block 21: shares 86..86 ({step, share, of})
+    {1, 20, 32},
+    // rank 2 block 22: shares 87..87 ({step, share, of})
+    {1, 21, 32},
+    // rank 2 block 23: shares 88..88 ({step, share, of})
+    {1, 22, 32},
+    // rank 2 block 24: shares 89..89 ({step, share, of})
+    {1, 23, 32},
+    // rank 2 block 25: shares 90..90 ({step, share, of})
+    {1, 24, 32},
+    // rank 2 block 26: shares 91..91 ({step, share, of})
+    {1, 25, 32},
+    // rank 2 block 27: shares 92..92 ({step, share, of})
+    {1, 26, 32},
+    // rank 2 block 28: shares 93..93 ({step, share, of})
+    {1, 27, 32},
+    // rank 2 block 29: shares 94..94 ({step, share, of})
+    {1, 28, 32},
+    // rank 2 block 30: shares 95..95 ({step, share, of})
+    {1, 29, 32},
+    // rank 2 block 31: shares 96..96 ({step, share, of})
+    {1, 30, 32},
+    // rank 2 block 32: shares 97..97 ({step, share, of})
+    {1, 31, 32},
+    // rank 2 block 33: shares 98..98 ({step, share, of})
+    {2, 0, 1},
+    // rank 3 block 1: shares 99..99 ({step, share, of})
+    {1, 0, 32},
+    // rank 3 block 2: shares 100..100 ({step, share, of})
+    {1, 1, 32},
+    // rank 3 block 3: shares 101..101 ({step, share, of})
+    {1, 2, 32},
+    // rank 3 block 4: shares 102..102 ({step, share, of})
+    {1, 3, 32},
+    // rank 3 block 5: shares 103..103 ({step, share, of})
+    {1, 4, 32},
+    // rank 3 block 6: shares 104..104 ({step, share, of})
+    {1, 5, 32},
+    // rank 3 block 7: shares 105..105 ({step, share, of})
+    {1, 6, 32},
+    // rank 3 block 8: shares 106..106 ({step, share, of})
+    {1, 7, 32},
+    // rank 3 block 9: shares 107..107 ({step, share, of})
+    {1, 8, 32},
+    // rank 3 block 10: shares 108..108 ({step, share, of})
+    {1, 9, 32},
+    // rank 3 block 11: shares 109..109 ({step, share, of})
+    {1, 10, 32},
+    // rank 3 block 12: shares 110..110 ({step, share, of})
+    {1, 11, 32},
+    // rank 3 block 13: shares 111..111 ({step, share, of})
+    {1, 12, 32},
+    // rank 3 block 14: shares 112..112 ({step, share, of})
+    {1, 13, 32},
+    // rank 3 block 15: shares 113..113 ({step, share, of})
+    {1, 14, 32},
+    // rank 3 block 16: shares 114..114 ({step, share, of})
+    {1, 15, 32},
+    // rank 3 block 17: shares 115..115 ({step, share, of})
+    {1, 16, 32},
+    // rank 3 block 18: shares 116..116 ({step, share, of})
+    {1, 17, 32},
+    // rank 3 block 19: shares 117..117 ({step, share, of})
+    {1, 18, 32},
+    // rank 3 block 20: shares 118..118 ({step, share, of})
+    {1, 19, 32},
+    // rank 3 block 21: shares 119..119 ({step, share, of})
+    {1, 20, 32},
+    // rank 3 block 22: shares 120..120 ({step, share, of})
+    {1, 21, 32},
+    // rank 3 block 23: shares 121..121 ({step, share, of})
+    {1, 22, 32},
+    // rank 3 block 24: shares 122..122 ({step, share, of})
+    {1, 23, 32},
+    // rank 3 block 25: shares 123..123 ({step, share, of})
+    {1, 24, 32},
+    // rank 3 block 26: shares 124..124 ({step, share, of})
+    {1, 25, 32},
+    // rank 3 block 27: shares 125..125 ({step, share, of})
+    {1, 26, 32},
+    // rank 3 block 28: shares 126..126 ({step, share, of})
+    {1, 27, 32},
+    // rank 3 block 29: shares 127..127 ({step, share, of})
+    {1, 28, 32},
+    // rank 3 block 30: shares 128..128 ({step, share, of})
+    {1, 29, 32},
+    // rank 3 block 31: shares 129..129 ({step, share, of})
+    {1, 30, 32},
+    // rank 3 block 32: shares 130..130 ({step, share, of})
+    {1, 31, 32},
+    // rank 3 block 33: shares 131..131 ({step, share, of})
+    {2, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w4[4][41] = {
-    { 0, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 129, 129, 129, 129, 129, 129, 129 },
-    { 129, 129, 133, 137, 141, 145, 149, 153, 157, 161, 165, 169, 173, 177, 181, 185, 189, 193, 197, 201, 205, 209, 213, 217, 221, 225, 229, 233, 237, 241, 245, 249, 253, 257, 258, 258, 258, 258, 258, 258, 258 },
-    { 258, 258, 262, 266, 270, 274, 278, 282, 286, 290, 294, 298, 302, 306, 310, 314, 318, 322, 326, 330, 334, 338, 342, 346, 350, 354, 358, 362, 366, 370, 374, 378, 382, 386, 387, 387, 387, 387, 387, 387, 387 },
-    { 387, 387, 391, 395, 399, 403, 407, 411, 415, 419, 423, 427, 431, 435, 439, 443, 447, 451, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 516, 516, 516, 516, 516, 516, 516 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
+    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
+    { 99, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 132, 132, 132, 132, 132, 132 },
 };
 
 // ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 2056 block shares over 40 blocks.
+// Plan for world size 8: 24 steps, 264 block shares over 40 blocks.
 // Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: reduce our part, piece 0, reading every rank; wait entry[1], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r0:dst@0[0/8] = r0:src@0[0/8] + r1:src@0[0/8] + r2:src@0[0/8] + r3:src@0[0/8] + r4:src@0[0/8] + r5:src@0[0/8] + r6:src@0[0/8] + r7:src@0[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {1, 1, 1, 8, 0, 0}, {2, 1, 1, 8, 0, 0}, {3, 1, 1, 8, 0, 0}, {4, 1, 1, 8, 0, 0}, {5, 1, 1, 8, 0, 0}, {6, 1, 1, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 0 step 2: the same share of piece 0 to rank 1; r1:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 3: the same share of piece 0 to rank 2; r2:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 4: the same share of piece 0 to rank 3; r3:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 5: the same share of piece 0 to rank 4; r4:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 6: the same share of piece 0 to rank 5; r5:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 7: the same share of piece 0 to rank 6; r6:dst@0[0/8] = r0:dst@0[0/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {}},
-    // rank 0 step 8: the same share of piece 0 to rank 7; r7:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0], r4:gathered[0], r5:gathered[0], r6:gathered[0], r7:gathered[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {7, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
+    // rank 0 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[1], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r0:dst@0[0/8] = r1:dst@0[0/8] = r2:dst@0[0/8] = r3:dst@0[0/8] = r4:dst@0[0/8] = r5:dst@0[0/8] = r6:dst@0[0/8] = r7:dst@0[0/8] = r0:src@0[0/8] + r1:src@0[0/8] + r2:src@0[0/8] + r3:src@0[0/8] + r4:src@0[0/8] + r5:src@0[0/8] + r6:src@0[0/8] + r7:src@0[0/8]; signal r1:gathered[0], r2:gathered[0], r3:gathered[0], r4:gathered[0], r5:gathered[0], r6:gathered[0], r7:gathered[0]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {1, 1, 1, 8, 0, 0}, {2, 1, 1, 8, 0, 0}, {3, 1, 1, 8, 0, 0}, {4, 1, 1, 8, 0, 0}, {5, 1, 1, 8, 0, 0}, {6, 1, 1, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {{1, 2, 0, 8, 0, 0}, {2, 2, 0, 8, 0, 0}, {3, 2, 0, 8, 0, 0}, {4, 2, 0, 8, 0, 0}, {5, 2, 0, 8, 0, 0}, {6, 2, 0, 8, 0, 0}, {7, 2, 0, 8, 0, 0}}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
+    // rank 0 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r1:dst@0[1/8] = r1:src@0[1/8] + r2:src@0[1/8] + r3:src@0[1/8] + r4:src@0[1/8] + r5:src@0[1/8] + r6:src@0[1/8] + r7:src@0[1/8] + r0:src@0[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}, {2, 1, 1, 8, 0, 1}, {3, 1, 1, 8, 0, 1}, {4, 1, 1, 8, 0, 1}, {5, 1, 1, 8, 0, 1}, {6, 1, 1, 8, 0, 1}, {7, 1, 1, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 1 step 2: the same share of piece 0 to rank 2; r2:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 3: the same share of piece 0 to rank 3; r3:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 4: the same share of piece 0 to rank 4; r4:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 5: the same share of piece 0 to rank 5; r5:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 6: the same share of piece 0 to rank 6; r6:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 7: the same share of piece 0 to rank 7; r7:dst@0[1/8] = r1:dst@0[1/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {}},
-    // rank 1 step 8: the same share of piece 0 to rank 0; r0:dst@0[1/8] = r1:dst@0[1/8]; signal r2:gathered[1], r3:gathered[1], r4:gathered[1], r5:gathered[1], r6:gathered[1], r7:gathered[1], r0:gathered[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {0, 2, 0, 8, 0, 1}, {{1, 2, 0, 8, 0, 1}}, {}, {{2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}, {0, 4, 1}}},
-    // rank 1 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
+    // rank 1 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r1:dst@0[1/8] = r2:dst@0[1/8] = r3:dst@0[1/8] = r4:dst@0[1/8] = r5:dst@0[1/8] = r6:dst@0[1/8] = r7:dst@0[1/8] = r0:dst@0[1/8] = r1:src@0[1/8] + r2:src@0[1/8] + r3:src@0[1/8] + r4:src@0[1/8] + r5:src@0[1/8] + r6:src@0[1/8] + r7:src@0[1/8] + r0:src@0[1/8]; signal r2:gathered[1], r3:gathered[1], r4:gathered[1], r5:gathered[1], r6:gathered[1], r7:gathered[1], r0:gathered[1]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}, {2, 1, 1, 8, 0, 1}, {3, 1, 1, 8, 0, 1}, {4, 1, 1, 8, 0, 1}, {5, 1, 1, 8, 0, 1}, {6, 1, 1, 8, 0, 1}, {7, 1, 1, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{2, 2, 0, 8, 0, 1}, {3, 2, 0, 8, 0, 1}, {4, 2, 0, 8, 0, 1}, {5, 2, 0, 8, 0, 1}, {6, 2, 0, 8, 0, 1}, {7, 2, 0, 8, 0, 1}, {0, 2, 0, 8, 0, 1}}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}, {0, 4, 1}}},
+    // rank 1 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[3], entry[4], entry[5], entry[6], entry[7]; r2:dst@0[2/8] = r2:src@0[2/8] + r3:src@0[2/8] + r4:src@0[2/8] + r5:src@0[2/8] + r6:src@0[2/8] + r7:src@0[2/8] + r0:src@0[2/8] + r1:src@0[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 0, 2}, {3, 1, 1, 8, 0, 2}, {4, 1, 1, 8, 0, 2}, {5, 1, 1, 8, 0, 2}, {6, 1, 1, 8, 0, 2}, {7, 1, 1, 8, 0, 2}, {0, 1, 1, 8, 0, 2}, {1, 1, 1, 8, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 2 step 2: the same share of piece 0 to rank 3; r3:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 3: the same share of piece 0 to rank 4; r4:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 4: the same share of piece 0 to rank 5; r5:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 5: the same share of piece 0 to rank 6; r6:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 6: the same share of piece 0 to rank 7; r7:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 7: the same share of piece 0 to rank 0; r0:dst@0[2/8] = r2:dst@0[2/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {}},
-    // rank 2 step 8: the same share of piece 0 to rank 1; r1:dst@0[2/8] = r2:dst@0[2/8]; signal r3:gathered[2], r4:gathered[2], r5:gathered[2], r6:gathered[2], r7:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {1, 2, 0, 8, 0, 2}, {{2, 2, 0, 8, 0, 2}}, {}, {{3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}, {0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
+    // rank 2 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[3], entry[4], entry[5], entry[6], entry[7]; r2:dst@0[2/8] = r3:dst@0[2/8] = r4:dst@0[2/8] = r5:dst@0[2/8] = r6:dst@0[2/8] = r7:dst@0[2/8] = r0:dst@0[2/8] = r1:dst@0[2/8] = r2:src@0[2/8] + r3:src@0[2/8] + r4:src@0[2/8] + r5:src@0[2/8] + r6:src@0[2/8] + r7:src@0[2/8] + r0:src@0[2/8] + r1:src@0[2/8]; signal r3:gathered[2], r4:gathered[2], r5:gathered[2], r6:gathered[2], r7:gathered[2], r0:gathered[2], r1:gathered[2]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 0, 2}, {3, 1, 1, 8, 0, 2}, {4, 1, 1, 8, 0, 2}, {5, 1, 1, 8, 0, 2}, {6, 1, 1, 8, 0, 2}, {7, 1, 1, 8, 0, 2}, {0, 1, 1, 8, 0, 2}, {1, 1, 1, 8, 0, 2}}, {{3, 2, 0, 8, 0, 2}, {4, 2, 0, 8, 0, 2}, {5, 2, 0, 8, 0, 2}, {6, 2, 0, 8, 0, 2}, {7, 2, 0, 8, 0, 2}, {0, 2, 0, 8, 0, 2}, {1, 2, 0, 8, 0, 2}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}, {0, 4, 2}, {1, 4, 2}}},
+    // rank 2 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[4], entry[5], entry[6], entry[7]; r3:dst@0[3/8] = r3:src@0[3/8] + r4:src@0[3/8] + r5:src@0[3/8] + r6:src@0[3/8] + r7:src@0[3/8] + r0:src@0[3/8] + r1:src@0[3/8] + r2:src@0[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 0, 3}, {4, 1, 1, 8, 0, 3}, {5, 1, 1, 8, 0, 3}, {6, 1, 1, 8, 0, 3}, {7, 1, 1, 8, 0, 3}, {0, 1, 1, 8, 0, 3}, {1, 1, 1, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 3 step 2: the same share of piece 0 to rank 4; r4:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 3: the same share of piece 0 to rank 5; r5:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 4: the same share of piece 0 to rank 6; r6:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 5: the same share of piece 0 to rank 7; r7:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 6: the same share of piece 0 to rank 0; r0:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 7: the same share of piece 0 to rank 1; r1:dst@0[3/8] = r3:dst@0[3/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {}},
-    // rank 3 step 8: the same share of piece 0 to rank 2; r2:dst@0[3/8] = r3:dst@0[3/8]; signal r4:gathered[3], r5:gathered[3], r6:gathered[3], r7:gathered[3], r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {2, 2, 0, 8, 0, 3}, {{3, 2, 0, 8, 0, 3}}, {}, {{4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}, {0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
+    // rank 3 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2], entry[4], entry[5], entry[6], entry[7]; r3:dst@0[3/8] = r4:dst@0[3/8] = r5:dst@0[3/8] = r6:dst@0[3/8] = r7:dst@0[3/8] = r0:dst@0[3/8] = r1:dst@0[3/8] = r2:dst@0[3/8] = r3:src@0[3/8] + r4:src@0[3/8] + r5:src@0[3/8] + r6:src@0[3/8] + r7:src@0[3/8] + r0:src@0[3/8] + r1:src@0[3/8] + r2:src@0[3/8]; signal r4:gathered[3], r5:gathered[3], r6:gathered[3], r7:gathered[3], r0:gathered[3], r1:gathered[3], r2:gathered[3]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 0, 3}, {4, 1, 1, 8, 0, 3}, {5, 1, 1, 8, 0, 3}, {6, 1, 1, 8, 0, 3}, {7, 1, 1, 8, 0, 3}, {0, 1, 1, 8, 0, 3}, {1, 1, 1, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {{4, 2, 0, 8, 0, 3}, {5, 2, 0, 8, 0, 3}, {6, 2, 0, 8, 0, 3}, {7, 2, 0, 8, 0, 3}, {0, 2, 0, 8, 0, 3}, {1, 2, 0, 8, 0, 3}, {2, 2, 0, 8, 0, 3}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}, {0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
+    // rank 3 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[5], entry[6], entry[7]; r4:dst@0[4/8] = r4:src@0[4/8] + r5:src@0[4/8] + r6:src@0[4/8] + r7:src@0[4/8] + r0:src@0[4/8] + r1:src@0[4/8] + r2:src@0[4/8] + r3:src@0[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 0, 4}, {5, 1, 1, 8, 0, 4}, {6, 1, 1, 8, 0, 4}, {7, 1, 1, 8, 0, 4}, {0, 1, 1, 8, 0, 4}, {1, 1, 1, 8, 0, 4}, {2, 1, 1, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 4 step 2: the same share of piece 0 to rank 5; r5:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 3: the same share of piece 0 to rank 6; r6:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 4: the same share of piece 0 to rank 7; r7:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 5: the same share of piece 0 to rank 0; r0:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 6: the same share of piece 0 to rank 1; r1:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 7: the same share of piece 0 to rank 2; r2:dst@0[4/8] = r4:dst@0[4/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {}},
-    // rank 4 step 8: the same share of piece 0 to rank 3; r3:dst@0[4/8] = r4:dst@0[4/8]; signal r5:gathered[4], r6:gathered[4], r7:gathered[4], r0:gathered[4], r1:gathered[4], r2:gathered[4], r3:gathered[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {3, 2, 0, 8, 0, 4}, {{4, 2, 0, 8, 0, 4}}, {}, {{5, 4, 4}, {6, 4, 4}, {7, 4, 4}, {0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}}},
-    // rank 4 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
+    // rank 4 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2], entry[3], entry[5], entry[6], entry[7]; r4:dst@0[4/8] = r5:dst@0[4/8] = r6:dst@0[4/8] = r7:dst@0[4/8] = r0:dst@0[4/8] = r1:dst@0[4/8] = r2:dst@0[4/8] = r3:dst@0[4/8] = r4:src@0[4/8] + r5:src@0[4/8] + r6:src@0[4/8] + r7:src@0[4/8] + r0:src@0[4/8] + r1:src@0[4/8] + r2:src@0[4/8] + r3:src@0[4/8]; signal r5:gathered[4], r6:gathered[4], r7:gathered[4], r0:gathered[4], r1:gathered[4], r2:gathered[4], r3:gathered[4]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 0, 4}, {5, 1, 1, 8, 0, 4}, {6, 1, 1, 8, 0, 4}, {7, 1, 1, 8, 0, 4}, {0, 1, 1, 8, 0, 4}, {1, 1, 1, 8, 0, 4}, {2, 1, 1, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {{5, 2, 0, 8, 0, 4}, {6, 2, 0, 8, 0, 4}, {7, 2, 0, 8, 0, 4}, {0, 2, 0, 8, 0, 4}, {1, 2, 0, 8, 0, 4}, {2, 2, 0, 8, 0, 4}, {3, 2, 0, 8, 0, 4}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{5, 4, 4}, {6, 4, 4}, {7, 4, 4}, {0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}}},
+    // rank 4 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[6], entry[7]; r5:dst@0[5/8] = r5:src@0[5/8] + r6:src@0[5/8] + r7:src@0[5/8] + r0:src@0[5/8] + r1:src@0[5/8] + r2:src@0[5/8] + r3:src@0[5/8] + r4:src@0[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 0, 5}, {6, 1, 1, 8, 0, 5}, {7, 1, 1, 8, 0, 5}, {0, 1, 1, 8, 0, 5}, {1, 1, 1, 8, 0, 5}, {2, 1, 1, 8, 0, 5}, {3, 1, 1, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {}},
-    // rank 5 step 2: the same share of piece 0 to rank 6; r6:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 3: the same share of piece 0 to rank 7; r7:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 4: the same share of piece 0 to rank 0; r0:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 5: the same share of piece 0 to rank 1; r1:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 6: the same share of piece 0 to rank 2; r2:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 7: the same share of piece 0 to rank 3; r3:dst@0[5/8] = r5:dst@0[5/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {}},
-    // rank 5 step 8: the same share of piece 0 to rank 4; r4:dst@0[5/8] = r5:dst@0[5/8]; signal r6:gathered[5], r7:gathered[5], r0:gathered[5], r1:gathered[5], r2:gathered[5], r3:gathered[5], r4:gathered[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {4, 2, 0, 8, 0, 5}, {{5, 2, 0, 8, 0, 5}}, {}, {{6, 4, 5}, {7, 4, 5}, {0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}}},
-    // rank 5 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
+    // rank 5 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[6], entry[7]; r5:dst@0[5/8] = r6:dst@0[5/8] = r7:dst@0[5/8] = r0:dst@0[5/8] = r1:dst@0[5/8] = r2:dst@0[5/8] = r3:dst@0[5/8] = r4:dst@0[5/8] = r5:src@0[5/8] + r6:src@0[5/8] + r7:src@0[5/8] + r0:src@0[5/8] + r1:src@0[5/8] + r2:src@0[5/8] + r3:src@0[5/8] + r4:src@0[5/8]; signal r6:gathered[5], r7:gathered[5], r0:gathered[5], r1:gathered[5], r2:gathered[5], r3:gathered[5], r4:gathered[5]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 0, 5}, {6, 1, 1, 8, 0, 5}, {7, 1, 1, 8, 0, 5}, {0, 1, 1, 8, 0, 5}, {1, 1, 1, 8, 0, 5}, {2, 1, 1, 8, 0, 5}, {3, 1, 1, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {{6, 2, 0, 8, 0, 5}, {7, 2, 0, 8, 0, 5}, {0, 2, 0, 8, 0, 5}, {1, 2, 0, 8, 0, 5}, {2, 2, 0, 8, 0, 5}, {3, 2, 0, 8, 0, 5}, {4, 2, 0, 8, 0, 5}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{6, 4, 5}, {7, 4, 5}, {0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}}},
+    // rank 5 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[7]; r6:dst@0[6/8] = r6:src@0[6/8] + r7:src@0[6/8] + r0:src@0[6/8] + r1:src@0[6/8] + r2:src@0[6/8] + r3:src@0[6/8] + r4:src@0[6/8] + r5:src@0[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 0, 6}, {7, 1, 1, 8, 0, 6}, {0, 1, 1, 8, 0, 6}, {1, 1, 1, 8, 0, 6}, {2, 1, 1, 8, 0, 6}, {3, 1, 1, 8, 0, 6}, {4, 1, 1, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 7, 1}}, {}},
-    // rank 6 step 2: the same share of piece 0 to rank 7; r7:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 3: the same share of piece 0 to rank 0; r0:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 4: the same share of piece 0 to rank 1; r1:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 5: the same share of piece 0 to rank 2; r2:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 6: the same share of piece 0 to rank 3; r3:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 7: the same share of piece 0 to rank 4; r4:dst@0[6/8] = r6:dst@0[6/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {}},
-    // rank 6 step 8: the same share of piece 0 to rank 5; r5:dst@0[6/8] = r6:dst@0[6/8]; signal r7:gathered[6], r0:gathered[6], r1:gathered[6], r2:gathered[6], r3:gathered[6], r4:gathered[6], r5:gathered[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {5, 2, 0, 8, 0, 6}, {{6, 2, 0, 8, 0, 6}}, {}, {{7, 4, 6}, {0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}}},
-    // rank 6 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[7]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
+    // rank 6 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[7]; r6:dst@0[6/8] = r7:dst@0[6/8] = r0:dst@0[6/8] = r1:dst@0[6/8] = r2:dst@0[6/8] = r3:dst@0[6/8] = r4:dst@0[6/8] = r5:dst@0[6/8] = r6:src@0[6/8] + r7:src@0[6/8] + r0:src@0[6/8] + r1:src@0[6/8] + r2:src@0[6/8] + r3:src@0[6/8] + r4:src@0[6/8] + r5:src@0[6/8]; signal r7:gathered[6], r0:gathered[6], r1:gathered[6], r2:gathered[6], r3:gathered[6], r4:gathered[6], r5:gathered[6]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 0, 6}, {7, 1, 1, 8, 0, 6}, {0, 1, 1, 8, 0, 6}, {1, 1, 1, 8, 0, 6}, {2, 1, 1, 8, 0, 6}, {3, 1, 1, 8, 0, 6}, {4, 1, 1, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {{7, 2, 0, 8, 0, 6}, {0, 2, 0, 8, 0, 6}, {1, 2, 0, 8, 0, 6}, {2, 2, 0, 8, 0, 6}, {3, 2, 0, 8, 0, 6}, {4, 2, 0, 8, 0, 6}, {5, 2, 0, 8, 0, 6}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 7, 1}}, {{7, 4, 6}, {0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}}},
+    // rank 6 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[7]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 7, 32}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: reduce our part, piece 0, reading every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[6]; r7:dst@0[7/8] = r7:src@0[7/8] + r0:src@0[7/8] + r1:src@0[7/8] + r2:src@0[7/8] + r3:src@0[7/8] + r4:src@0[7/8] + r5:src@0[7/8] + r6:src@0[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 0, 7}, {0, 1, 1, 8, 0, 7}, {1, 1, 1, 8, 0, 7}, {2, 1, 1, 8, 0, 7}, {3, 1, 1, 8, 0, 7}, {4, 1, 1, 8, 0, 7}, {5, 1, 1, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}}, {}},
-    // rank 7 step 2: the same share of piece 0 to rank 0; r0:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 3: the same share of piece 0 to rank 1; r1:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 4: the same share of piece 0 to rank 2; r2:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 5: the same share of piece 0 to rank 3; r3:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 6: the same share of piece 0 to rank 4; r4:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 7: the same share of piece 0 to rank 5; r5:dst@0[7/8] = r7:dst@0[7/8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {}},
-    // rank 7 step 8: the same share of piece 0 to rank 6; r6:dst@0[7/8] = r7:dst@0[7/8]; signal r0:gathered[7], r1:gathered[7], r2:gathered[7], r3:gathered[7], r4:gathered[7], r5:gathered[7], r6:gathered[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 0, 7, {6, 2, 0, 8, 0, 7}, {{7, 2, 0, 8, 0, 7}}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 9: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6]
-    {TSGEN_OP_NONE, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
+    // rank 7 step 1: reduce our part, piece 0, reading every rank; the sums to every rank; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[6]; r7:dst@0[7/8] = r0:dst@0[7/8] = r1:dst@0[7/8] = r2:dst@0[7/8] = r3:dst@0[7/8] = r4:dst@0[7/8] = r5:dst@0[7/8] = r6:dst@0[7/8] = r7:src@0[7/8] + r0:src@0[7/8] + r1:src@0[7/8] + r2:src@0[7/8] + r3:src@0[7/8] + r4:src@0[7/8] + r5:src@0[7/8] + r6:src@0[7/8]; signal r0:gathered[7], r1:gathered[7], r2:gathered[7], r3:gathered[7], r4:gathered[7], r5:gathered[7], r6:gathered[7]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 7, 7, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 0, 7}, {0, 1, 1, 8, 0, 7}, {1, 1, 1, 8, 0, 7}, {2, 1, 1, 8, 0, 7}, {3, 1, 1, 8, 0, 7}, {4, 1, 1, 8, 0, 7}, {5, 1, 1, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {{0, 2, 0, 8, 0, 7}, {1, 2, 0, 8, 0, 7}, {2, 2, 0, 8, 0, 7}, {3, 2, 0, 8, 0, 7}, {4, 2, 0, 8, 0, 7}, {5, 2, 0, 8, 0, 7}, {6, 2, 0, 8, 0, 7}}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
+    // rank 7 step 2: wait for every peer's reduced parts (and their reads of our input); wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6]
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}}, {}},
 };
-static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
+static __device__ const int step_base_w8[8] = { 0, 3, 6, 9, 12, 15, 18, 21 };
 static __device__ const tsgen_share shares_w8[] = {
-    // rank 0 block 1: shares 0..7 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 0 block 2: shares 8..15 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 0 block 3: shares 16..23 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 0 block 4: shares 24..31 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 0 block 5: shares 32..39 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 0 block 6: shares 40..47 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 0 block 7: shares 48..55 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 0 block 8: shares 56..63 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 0 block 9: shares 64..71 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 0 block 10: shares 72..79 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 0 block 11: shares 80..87 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 0 block 12: shares 88..95 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 0 block 13: shares 96..103 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 0 block 14: shares 104..111 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 0 block 15: shares 112..119 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 0 block 16: shares 120..127 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 0 block 17: shares 128..135 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 0 block 18: shares 136..143 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 0 block 19: shares 144..151 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 0 block 20: shares 152..159 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 0 block 21: shares 160..167 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 0 block 22: shares 168..175 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 0 block 23: shares 176..183 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 0 block 24: shares 184..191 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 0 block 25: shares 192..199 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 0 block 26: shares 200..207 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 0 block 27: shares 208..215 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 0 block 28: shares 216..223 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 0 block 29: shares 224..231 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 0 block 30: shares 232..239 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 0 block 31: shares 240..247 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 0 block 32: shares 248..255 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 0 block 33: shares 256..256 ({step, share, of})
-    {9, 0, 1},
-    // rank 1 block 1: shares 257..264 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 1 block 2: shares 265..272 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 1 block 3: shares 273..280 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 1 block 4: shares 281..288 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 1 block 5: shares 289..296 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 1 block 6: shares 297..304 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 1 block 7: shares 305..312 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 1 block 8: shares 313..320 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 1 block 9: shares 321..328 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 1 block 10: shares 329..336 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 1 block 11: shares 337..344 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 1 block 12: shares 345..352 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 1 block 13: shares 353..360 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 1 block 14: shares 361..368 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 1 block 15: shares 369..376 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 1 block 16: shares 377..384 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 1 block 17: shares 385..392 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 1 block 18: shares 393..400 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 1 block 19: shares 401..408 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 1 block 20: shares 409..416 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 1 block 21: shares 417..424 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 1 block 22: shares 425..432 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 1 block 23: shares 433..440 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 1 block 24: shares 441..448 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 1 block 25: shares 449..456 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 1 block 26: shares 457..464 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 1 block 27: shares 465..472 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 1 block 28: shares 473..480 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 1 block 29: shares 481..488 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 1 block 30: shares 489..496 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 1 block 31: shares 497..504 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 1 block 32: shares 505..512 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 1 block 33: shares 513..513 ({step, share, of})
-    {9, 0, 1},
-    // rank 2 block 1: shares 514..521 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 2 block 2: shares 522..529 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 2 block 3: shares 530..537 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 2 block 4: shares 538..545 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 2 block 5: shares 546..553 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 2 block 6: shares 554..561 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 2 block 7: shares 562..569 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 2 block 8: shares 570..577 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 2 block 9: shares 578..585 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 2 block 10: shares 586..593 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 2 block 11: shares 594..601 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 2 block 12: shares 602..609 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 2 block 13: shares 610..617 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 2 block 14: shares 618..625 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 2 block 15: shares 626..633 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 2 block 16: shares 634..641 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 2 block 17: shares 642..649 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 2 block 18: shares 650..657 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 2 block 19: shares 658..665 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 2 block 20: shares 666..673 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 2 block 21: shares 674..681 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 2 block 22: shares 682..689 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 2 block 23: shares 690..697 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 2 block 24: shares 698..705 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 2 block 25: shares 706..713 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 2 block 26: shares 714..721 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 2 block 27: shares 722..729 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 2 block 28: shares 730..737 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 2 block 29: shares 738..745 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 2 block 30: shares 746..753 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 2 block 31: shares 754..761 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 2 block 32: shares 762..769 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 2 block 33: shares 770..770 ({step, share, of})
-    {9, 0, 1},
-    // rank 3 block 1: shares 771..778 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 3 block 2: shares 779..786 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 3 block 3: shares 787..794 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 3 block 4: shares 795..802 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 3 block 5: shares 803..810 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 3 block 6: shares 811..818 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 3 block 7: shares 819..826 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 3 block 8: shares 827..834 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 3 block 9: shares 835..842 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 3 block 10: shares 843..850 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 3 block 11: shares 851..858 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 3 block 12: shares 859..866 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 3 block 13: shares 867..874 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 3 block 14: shares 875..882 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 3 block 15: shares 883..890 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 3 block 16: shares 891..898 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 3 block 17: shares 899..906 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 3 block 18: shares 907..914 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 3 block 19: shares 915..922 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 3 block 20: shares 923..930 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 3 block 21: shares 931..938 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 3 block 22: shares 939..946 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 3 block 23: shares 947..954 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 3 block 24: shares 955..962 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 3 block 25: shares 963..970 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 3 block 26: shares 971..978 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 3 block 27: shares 979..986 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 3 block 28: shares 987..994 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 3 block 29: shares 995..1002 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 3 block 30: shares 1003..1010 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 3 block 31: shares 1011..1018 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 3 block 32: shares 1019..1026 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 3 block 33: shares 1027..1027 ({step, share, of})
-    {9, 0, 1},
-    // rank 4 block 1: shares 1028..1035 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 4 block 2: shares 1036..1043 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 4 block 3: shares 1044..1051 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 4 block 4: shares 1052..1059 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 4 block 5: shares 1060..1067 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 4 block 6: shares 1068..1075 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 4 block 7: shares 1076..1083 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 4 block 8: shares 1084..1091 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 4 block 9: shares 1092..1099 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 4 block 10: shares 1100..1107 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 4 block 11: shares 1108..1115 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 4 block 12: shares 1116..1123 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 4 block 13: shares 1124..1131 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 4 block 14: shares 1132..1139 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 4 block 15: shares 1140..1147 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 4 block 16: shares 1148..1155 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 4 block 17: shares 1156..1163 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 4 block 18: shares 1164..1171 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 4 block 19: shares 1172..1179 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 4 block 20: shares 1180..1187 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 4 block 21: shares 1188..1195 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 4 block 22: shares 1196..1203 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 4 block 23: shares 1204..1211 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 4 block 24: shares 1212..1219 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 4 block 25: shares 1220..1227 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 4 block 26: shares 1228..1235 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 4 block 27: shares 1236..1243 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 4 block 28: shares 1244..1251 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 4 block 29: shares 1252..1259 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 4 block 30: shares 1260..1267 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 4 block 31: shares 1268..1275 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 4 block 32: shares 1276..1283 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 4 block 33: shares 1284..1284 ({step, share, of})
-    {9, 0, 1},
-    // rank 5 block 1: shares 1285..1292 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 5 block 2: shares 1293..1300 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 5 block 3: shares 1301..1308 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 5 block 4: shares 1309..1316 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 5 block 5: shares 1317..1324 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 5 block 6: shares 1325..1332 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 5 block 7: shares 1333..1340 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 5 block 8: shares 1341..1348 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 5 block 9: shares 1349..1356 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 5 block 10: shares 1357..1364 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 5 block 11: shares 1365..1372 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 5 block 12: shares 1373..1380 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 5 block 13: shares 1381..1388 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 5 block 14: shares 1389..1396 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 5 block 15: shares 1397..1404 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 5 block 16: shares 1405..1412 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 5 block 17: shares 1413..1420 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 5 block 18: shares 1421..1428 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 5 block 19: shares 1429..1436 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 5 block 20: shares 1437..1444 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 5 block 21: shares 1445..1452 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 5 block 22: shares 1453..1460 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 5 block 23: shares 1461..1468 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 5 block 24: shares 1469..1476 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 5 block 25: shares 1477..1484 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 5 block 26: shares 1485..1492 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 5 block 27: shares 1493..1500 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 5 block 28: shares 1501..1508 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 5 block 29: shares 1509..1516 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 5 block 30: shares 1517..1524 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 5 block 31: shares 1525..1532 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 5 block 32: shares 1533..1540 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 5 block 33: shares 1541..1541 ({step, share, of})
-    {9, 0, 1},
-    // rank 6 block 1: shares 1542..1549 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 6 block 2: shares 1550..1557 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 6 block 3: shares 1558..1565 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 6 block 4: shares 1566..1573 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 6 block 5: shares 1574..1581 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 6 block 6: shares 1582..1589 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 6 block 7: shares 1590..1597 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 6 block 8: shares 1598..1605 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 6 block 9: shares 1606..1613 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 6 block 10: shares 1614..1621 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 6 block 11: shares 1622..1629 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 6 block 12: shares 1630..1637 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 6 block 13: shares 1638..1645 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 6 block 14: shares 1646..1653 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 6 block 15: shares 1654..1661 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 6 block 16: shares 1662..1669 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 6 block 17: shares 1670..1677 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 6 block 18: shares 1678..1685 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 6 block 19: shares 1686..1693 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 6 block 20: shares 1694..1701 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 6 block 21: shares 1702..1709 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 6 block 22: shares 1710..1717 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 6 block 23: shares 1718..1725 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 6 block 24: shares 1726..1733 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 6 block 25: shares 1734..1741 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 6 block 26: shares 1742..1749 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 6 block 27: shares 1750..1757 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 6 block 28: shares 1758..1765 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 6 block 29: shares 1766..1773 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 6 block 30: shares 1774..1781 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 6 block 31: shares 1782..1789 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 6 block 32: shares 1790..1797 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 6 block 33: shares 1798..1798 ({step, share, of})
-    {9, 0, 1},
-    // rank 7 block 1: shares 1799..1806 ({step, share, of})
-    {1, 0, 32}, {2, 0, 32}, {3, 0, 32}, {4, 0, 32}, {5, 0, 32}, {6, 0, 32}, {7, 0, 32}, {8, 0, 32},
-    // rank 7 block 2: shares 1807..1814 ({step, share, of})
-    {1, 1, 32}, {2, 1, 32}, {3, 1, 32}, {4, 1, 32}, {5, 1, 32}, {6, 1, 32}, {7, 1, 32}, {8, 1, 32},
-    // rank 7 block 3: shares 1815..1822 ({step, share, of})
-    {1, 2, 32}, {2, 2, 32}, {3, 2, 32}, {4, 2, 32}, {5, 2, 32}, {6, 2, 32}, {7, 2, 32}, {8, 2, 32},
-    // rank 7 block 4: shares 1823..1830 ({step, share, of})
-    {1, 3, 32}, {2, 3, 32}, {3, 3, 32}, {4, 3, 32}, {5, 3, 32}, {6, 3, 32}, {7, 3, 32}, {8, 3, 32},
-    // rank 7 block 5: shares 1831..1838 ({step, share, of})
-    {1, 4, 32}, {2, 4, 32}, {3, 4, 32}, {4, 4, 32}, {5, 4, 32}, {6, 4, 32}, {7, 4, 32}, {8, 4, 32},
-    // rank 7 block 6: shares 1839..1846 ({step, share, of})
-    {1, 5, 32}, {2, 5, 32}, {3, 5, 32}, {4, 5, 32}, {5, 5, 32}, {6, 5, 32}, {7, 5, 32}, {8, 5, 32},
-    // rank 7 block 7: shares 1847..1854 ({step, share, of})
-    {1, 6, 32}, {2, 6, 32}, {3, 6, 32}, {4, 6, 32}, {5, 6, 32}, {6, 6, 32}, {7, 6, 32}, {8, 6, 32},
-    // rank 7 block 8: shares 1855..1862 ({step, share, of})
-    {1, 7, 32}, {2, 7, 32}, {3, 7, 32}, {4, 7, 32}, {5, 7, 32}, {6, 7, 32}, {7, 7, 32}, {8, 7, 32},
-    // rank 7 block 9: shares 1863..1870 ({step, share, of})
-    {1, 8, 32}, {2, 8, 32}, {3, 8, 32}, {4, 8, 32}, {5, 8, 32}, {6, 8, 32}, {7, 8, 32}, {8, 8, 32},
-    // rank 7 block 10: shares 1871..1878 ({step, share, of})
-    {1, 9, 32}, {2, 9, 32}, {3, 9, 32}, {4, 9, 32}, {5, 9, 32}, {6, 9, 32}, {7, 9, 32}, {8, 9, 32},
-    // rank 7 block 11: shares 1879..1886 ({step, share, of})
-    {1, 10, 32}, {2, 10, 32}, {3, 10, 32}, {4, 10, 32}, {5, 10, 32}, {6, 10, 32}, {7, 10, 32}, {8, 10, 32},
-    // rank 7 block 12: shares 1887..1894 ({step, share, of})
-    {1, 11, 32}, {2, 11, 32}, {3, 11, 32}, {4, 11, 32}, {5, 11, 32}, {6, 11, 32}, {7, 11, 32}, {8, 11, 32},
-    // rank 7 block 13: shares 1895..1902 ({step, share, of})
-    {1, 12, 32}, {2, 12, 32}, {3, 12, 32}, {4, 12, 32}, {5, 12, 32}, {6, 12, 32}, {7, 12, 32}, {8, 12, 32},
-    // rank 7 block 14: shares 1903..1910 ({step, share, of})
-    {1, 13, 32}, {2, 13, 32}, {3, 13, 32}, {4, 13, 32}, {5, 13, 32}, {6, 13, 32}, {7, 13, 32}, {8, 13, 32},
-    // rank 7 block 15: shares 1911..1918 ({step, share, of})
-    {1, 14, 32}, {2, 14, 32}, {3, 14, 32}, {4, 14, 32}, {5, 14, 32}, {6, 14, 32}, {7, 14, 32}, {8, 14, 32},
-    // rank 7 block 16: shares 1919..1926 ({step, share, of})
-    {1, 15, 32}, {2, 15, 32}, {3, 15, 32}, {4, 15, 32}, {5, 15, 32}, {6, 15, 32}, {7, 15, 32}, {8, 15, 32},
-    // rank 7 block 17: shares 1927..1934 ({step, share, of})
-    {1, 16, 32}, {2, 16, 32}, {3, 16, 32}, {4, 16, 32}, {5, 16, 32}, {6, 16, 32}, {7, 16, 32}, {8, 16, 32},
-    // rank 7 block 18: shares 1935..1942 ({step, share, of})
-    {1, 17, 32}, {2, 17, 32}, {3, 17, 32}, {4, 17, 32}, {5, 17, 32}, {6, 17, 32}, {7, 17, 32}, {8, 17, 32},
-    // rank 7 block 19: shares 1943..1950 ({step, share, of})
-    {1, 18, 32}, {2, 18, 32}, {3, 18, 32}, {4, 18, 32}, {5, 18, 32}, {6, 18, 32}, {7, 18, 32}, {8, 18, 32},
-    // rank 7 block 20: shares 1951..1958 ({step, share, of})
-    {1, 19, 32}, {2, 19, 32}, {3, 19, 32}, {4, 19, 32}, {5, 19, 32}, {6, 19, 32}, {7, 19, 32}, {8, 19, 32},
-    // rank 7 block 21: shares 1959..1966 ({step, share, of})
-    {1, 20, 32}, {2, 20, 32}, {3, 20, 32}, {4, 20, 32}, {5, 20, 32}, {6, 20, 32}, {7, 20, 32}, {8, 20, 32},
-    // rank 7 block 22: shares 1967..1974 ({step, share, of})
-    {1, 21, 32}, {2, 21, 32}, {3, 21, 32}, {4, 21, 32}, {5, 21, 32}, {6, 21, 32}, {7, 21, 32}, {8, 21, 32},
-    // rank 7 block 23: shares 1975..1982 ({step, share, of})
-    {1, 22, 32}, {2, 22, 32}, {3, 22, 32}, {4, 22, 32}, {5, 22, 32}, {6, 22, 32}, {7, 22, 32}, {8, 22, 32},
-    // rank 7 block 24: shares 1983..1990 ({step, share, of})
-    {1, 23, 32}, {2, 23, 32}, {3, 23, 32}, {4, 23, 32}, {5, 23, 32}, {6, 23, 32}, {7, 23, 32}, {8, 23, 32},
-    // rank 7 block 25: shares 1991..1998 ({step, share, of})
-    {1, 24, 32}, {2, 24, 32}, {3, 24, 32}, {4, 24, 32}, {5, 24, 32}, {6, 24, 32}, {7, 24, 32}, {8, 24, 32},
-    // rank 7 block 26: shares 1999..2006 ({step, share, of})
-    {1, 25, 32}, {2, 25, 32}, {3, 25, 32}, {4, 25, 32}, {5, 25, 32}, {6, 25, 32}, {7, 25, 32}, {8, 25, 32},
-    // rank 7 block 27: shares 2007..2014 ({step, share, of})
-    {1, 26, 32}, {2, 26, 32}, {3, 26, 32}, {4, 26, 32}, {5, 26, 32}, {6, 26, 32}, {7, 26, 32}, {8, 26, 32},
-    // rank 7 block 28: shares 2015..2022 ({step, share, of})
-    {1, 27, 32}, {2, 27, 32}, {3, 27, 32}, {4, 27, 32}, {5, 27, 32}, {6, 27, 32}, {7, 27, 32}, {8, 27, 32},
-    // rank 7 block 29: shares 2023..2030 ({step, share, of})
-    {1, 28, 32}, {2, 28, 32}, {3, 28, 32}, {4, 28, 32}, {5, 28, 32}, {6, 28, 32}, {7, 28, 32}, {8, 28, 32},
-    // rank 7 block 30: shares 2031..2038 ({step, share, of})
-    {1, 29, 32}, {2, 29, 32}, {3, 29, 32}, {4, 29, 32}, {5, 29, 32}, {6, 29, 32}, {7, 29, 32}, {8, 29, 32},
-    // rank 7 block 31: shares 2039..2046 ({step, share, of})
-    {1, 30, 32}, {2, 30, 32}, {3, 30, 32}, {4, 30, 32}, {5, 30, 32}, {6, 30, 32}, {7, 30, 32}, {8, 30, 32},
-    // rank 7 block 32: shares 2047..2054 ({step, share, of})
-    {1, 31, 32}, {2, 31, 32}, {3, 31, 32}, {4, 31, 32}, {5, 31, 32}, {6, 31, 32}, {7, 31, 32}, {8, 31, 32},
-    // rank 7 block 33: shares 2055..2055 ({step, share, of})
-    {9, 0, 1},
+    // rank 0 block 1: shares 0..0 ({step, share, of})
+    {1, 0, 32},
+    // rank 0 block 2: shares 1..1 ({step, share, of})
+    {1, 1, 32},
+    // rank 0 block 3: shares 2..2 ({step, share, of})
+    {1, 2, 32},
+    // rank 0 block 4: shares 3..3 ({step, share, of})
+    {1, 3, 32},
+    // rank 0 block 5: shares 4..4 ({step, share, of})
+    {1, 4, 32},
+    // rank 0 block 6: shares 5..5 ({step, share, of})
+    {1, 5, 32},
+    // rank 0 block 7: shares 6..6 ({step, share, of})
+    {1, 6, 32},
+    // rank 0 block 8: shares 7..7 ({step, share, of})
+    {1, 7, 32},
+    // rank 0 block 9: shares 8..8 ({step, share, of})
+    {1, 8, 32},
+    // rank 0 block 10: shares 9..9 ({step, share, of})
+    {1, 9, 32},
+    // rank 0 block 11: shares 10..10 ({step, share, of})
+    {1, 10, 32},
+    // rank 0 block 12: shares 11..11 ({step, share, of})
+    {1, 11, 32},
+    // rank 0 block 13: shares 12..12 ({step, share, of})
+    {1, 12, 32},
+    // rank 0 block 14: shares 13..13 ({step, share, of})
+    {1, 13, 32},
+    // rank 0 block 15: shares 14..14 ({step, share, of})
+    {1, 14, 32},
+    // rank 0 block 16: shares 15..15 ({step, share, of})
+    {1, 15, 32},
+    // rank 0 block 17: shares 16..16 ({step, share, of})
+    {1, 16, 32},
+    // rank 0 block 18: shares 17..17 ({step, share, of})
+    {1, 17, 32},
+    // rank 0 block 19: shares 18..18 ({step, share, of})
+    {1, 18, 32},
+    // rank 0 block 20: shares 19..19 ({step, share, of})
+    {1, 19, 32},
+    // rank 0 block 21: shares 20..20 ({step, share, of})
+    {1, 20, 32},
+    // rank 0 block 22: shares 21..21 ({step, share, of})
+    {1, 21, 32},
+    // rank 0 block 23: shares 22..22 ({step, share, of})
+    {1, 22, 32},
+    // rank 0 block 24: shares 23..23 ({step, share, of})
+    {1, 23, 32},
+    // rank 0 block 25: shares 24..24 ({step, share, of})
+    {1, 24, 32},
+    // rank 0 block 26: shares 25..25 ({step, share, of})
+    {1, 25, 32},
+    // rank 0 block 27: shares 26..26 ({step, share, of})
+    {1, 26, 32},
+    // rank 0 block 28: shares 27..27 ({step, share, of})
+    {1, 27, 32},
+    // rank 0 block 29: shares 28..28 ({step, share, of})
+    {1, 28, 32},
+    // rank 0 block 30: shares 29..29 ({step, share, of})
+    {1, 29, 32},
+    // rank 0 block 31: shares 30..30 ({step, share, of})
+    {1, 30, 32},
+    // rank 0 block 32: shares 31..31 ({step, share, of})
+    {1, 31, 32},
+    // rank 0 block 33: shares 32..32 ({step, share, of})
+    {2, 0, 1},
+    // rank 1 block 1: shares 33..33 ({step, share, of})
+    {1, 0, 32},
+    // rank 1 block 2: shares 34..34 ({step, share, of})
+    {1, 1, 32},
+    // rank 1 block 3: shares 35..35 ({step, share, of})
+    {1, 2, 32},
+    // rank 1 block 4: shares 36..36 ({step, share, of})
+    {1, 3, 32},
+    // rank 1 block 5: shares 37..37 ({step, share, of})
+    {1, 4, 32},
+    // rank 1 block 6: shares 38..38 ({step, share, of})
+    {1, 5, 32},
+    // rank 1 block 7: shares 39..39 ({step, share, of})
+    {1, 6, 32},
+    // rank 1 block 8: shares 40..40 ({step, share, of})
+    {1, 7, 32},
+    // rank 1 block 9: shares 41..41 ({step, share, of})
+    {1, 8, 32},
+    // rank 1 block 10: shares 42..42 ({step, share, of})
+    {1, 9, 32},
+    // rank 1 block 11: shares 43..43 ({step, share, of})
+    {1, 10, 32},
+    // rank 1 block 12: shares 44..44 ({step, share, of})
+    {1, 11, 32},
+    // rank 1 block 13: shares 45..45 ({step, share, of})
+    {1, 12, 32},
+    // rank 1 block 14: shares 46..46 ({step, share, of})
+    {1, 13, 32},
+    // rank 1 block 15: shares 47..47 ({step, share, of})
+    {1, 14, 32},
+    // rank 1 block 16: shares 48..48 ({step, share, of})
+    {1, 15, 32},
+    // rank 1 block 17: shares 49..49 ({step, share, of})
+    {1, 16, 32},
+    // rank 1 block 18: shares 50..50 ({step, share, of})
+    {1, 17, 32},
+    // rank 1 block 19: shares 51..51 ({step, share, of})
+    {1, 18, 32},
+    // rank 1 block 20: shares 52..52 ({step, share, of})
+    {1, 19, 32},
+    // rank 1 block 21: shares 53..53 ({step, share, of})
+    {1, 20, 32},
+    // rank 1 block 22: shares 54..54 ({step, share, of})
+    {1, 21, 32},
+    // rank 1 block 23: shares 55..55 ({step, share, of})
+    {1, 22, 32},
+    // rank 1 block 24: shares 56..56 ({step, share, of})
+    {1, 23, 32},
+    // rank 1 block 25: shares 57..57 ({step, share, of})
+    {1, 24, 32},
+    // rank 1 block 26: shares 58..58 ({step, share, of})
+    {1, 25, 32},
+    // rank 1 block 27: shares 59..59 ({step, share, of})
+    {1, 26, 32},
+    // rank 1 block 28: shares 60..60 ({step, share, of})
+    {1, 27, 32},
+    // rank 1 block 29: shares 61..61 ({step, share, of})
+    {1, 28, 32},
+    // rank 1 block 30: shares 62..62 ({step, share, of})
+    {1, 29, 32},
+    // rank 1 block 31: shares 63..63 ({step, share, of})
+    {1, 30, 32},
+    // rank 1 block 32: shares 64..64 ({step, share, of})
+    {1, 31, 32},
+    // rank 1 block 33: shares 65..65 ({step, share, of})
+    {2, 0, 1},
+    // rank 2 block 1: shares 66..66 ({step, share, of})
+    {1, 0, 32},
+    // rank 2 block 2: shares 67..67 ({step, share, of})
+    {1, 1, 32},
+    // rank 2 block 3: shares 68..68 ({step, share, of})
+    {1, 2, 32},
+    // rank 2 block 4: shares 69..69 ({step, share, of})
+    {1, 3, 32},
+    // rank 2 block 5: shares 70..70 ({step, share, of})
+    {1, 4, 32},
+    // rank 2 block 6: shares 71..71 ({step, share, of})
+    {1, 5, 32},
+    // rank 2 block 7: shares 72..72 ({step, share, of})
+    {1, 6, 32},
+    // rank 2 block 8: shares 73..73 ({step, share, of})
+    {1, 7, 32},
+    // rank 2 block 9: shares 74..74 ({step, share, of})
+    {1, 8, 32},
+    // rank 2 block 10: shares 75..75 ({step, share, of})
+    {1, 9, 32},
+    // rank 2 block 11: shares 76..76 ({step, share, of})
+    {1, 10, 32},
+    // rank 2 block 12: shares 77..77 ({step, share, of})
+    {1, 11, 32},
+    // rank 2 block 13: shares 78..78 ({step, share, of})
+    {1, 12, 32},
+    // rank 2 block 14: shares 79..79 ({step, share, of})
+    {1, 13, 32},
+    // rank 2 block 15: shares 80..80 ({step, share, of})
+    {1, 14, 32},
+    // rank 2 block 16: shares 81..81 ({step, share, of})
+    {1, 15, 32},
+    // rank 2 block 17: shares 82..82 ({step, share, of})
+    {1, 16, 32},
+    // rank 2 block 18: shares 83..83 ({step, share, of})
+    {1, 17, 32},
+    // rank 2 block 19: shares 84..84 ({step, share, of})
+    {1, 18, 32},
+    // rank 2 block 20: shares 85..85 ({step, share, of})
+    {1, 19, 32},
+    // rank 2 block 21: shares 86..86 ({step, share, of})
+    {1, 20, 32},
+    // rank 2 block 22: shares 87..87 ({step, share, of})
+    {1, 21, 32},
+    // rank 2 block 23: shares 88..88 ({step, share, of})
+    {1, 22, 32},
+    // rank 2 block 24: shares 89..89 ({step, share, of})
+    {1, 23, 32},
+    // rank 2 block 25: shares 90..90 ({step, share, of})
+    {1, 24, 32},
+    // rank 2 block 26: shares 91..91 ({step, share, of})
+    {1, 25, 32},
+    // rank 2 block 27: shares 92..92 ({step, share, of})
+    {1, 26, 32},
+    // rank 2 block 28: shares 93..93 ({step, share, of})
+    {1, 27, 32},
+    // rank 2 block 29: shares 94..94 ({step, share, of})
+    {1, 28, 32},
+    // rank 2 block 30: shares 95..95 ({step, share, of})
+    {1, 29, 32},
+    // rank 2 block 31: shares 96..96 ({step, share, of})
+    {1, 30, 32},
+    // rank 2 block 32: shares 97..97 ({step, share, of})
+    {1, 31, 32},
+    // rank 2 block 33: shares 98..98 ({step, share, of})
+    {2, 0, 1},
+    // rank 3 block 1: shares 99..99 ({step, share, of})
+    {1, 0, 32},
+    // rank 3 block 2: shares 100..100 ({step, share, of})
+    {1, 1, 32},
+    // rank 3 block 3: shares 101..101 ({step, share, of})
+    {1, 2, 32},
+    // rank 3 block 4: shares 102..102 ({step, share, of})
+    {1, 3, 32},
+    // rank 3 block 5: shares 103..103 ({step, share, of})
+    {1, 4, 32},
+    // rank 3 block 6: shares 104..104 ({step, share, of})
+    {1, 5, 32},
+    // rank 3 block 7: shares 105..105 ({step, share, of})
+    {1, 6, 32},
+    // rank 3 block 8: shares 106..106 ({step, share, of})
+    {1, 7, 32},
+    // rank 3 block 9: shares 107..107 ({step, share, of})
+    {1, 8, 32},
+    // rank 3 block 10: shares 108..108 ({step, share, of})
+    {1, 9, 32},
+    // rank 3 block 11: shares 109..109 ({step, share, of})
+    {1, 10, 32},
+    // rank 3 block 12: shares 110..110 ({step, share, of})
+    {1, 11, 32},
+    // rank 3 block 13: shares 111..111 ({step, share, of})
+    {1, 12, 32},
+    // rank 3 block 14: shares 112..112 ({step, share, of})
+    {1, 13, 32},
+    // rank 3 block 15: shares 113..113 ({step, share, of})
+    {1, 14, 32},
+    // rank 3 block 16: shares 114..114 ({step, share, of})
+    {1, 15, 32},
+    // rank 3 block 17: shares 115..115 ({step, share, of})
+    {1, 16, 32},
+    // rank 3 block 18: shares 116..116 ({step, share, of})
+    {1, 17, 32},
+    // rank 3 block 19: shares 117..117 ({step, share, of})
+    {1, 18, 32},
+    // rank 3 block 20: shares 118..118 ({step, share, of})
+    {1, 19, 32},
+    // rank 3 block 21: shares 119..119 ({step, share, of})
+    {1, 20, 32},
+    // rank 3 block 22: shares 120..120 ({step, share, of})
+    {1, 21, 32},
+    // rank 3 block 23: shares 121..121 ({step, share, of})
+    {1, 22, 32},
+    // rank 3 block 24: shares 122..122 ({step, share, of})
+    {1, 23, 32},
+    // rank 3 block 25: shares 123..123 ({step, share, of})
+    {1, 24, 32},
+    // rank 3 block 26: shares 124..124 ({step, share, of})
+    {1, 25, 32},
+    // rank 3 block 27: shares 125..125 ({step, share, of})
+    {1, 26, 32},
+    // rank 3 block 28: shares 126..126 ({step, share, of})
+    {1, 27, 32},
+    // rank 3 block 29: shares 127..127 ({step, share, of})
+    {1, 28, 32},
+    // rank 3 block 30: shares 128..128 ({step, share, of})
+    {1, 29, 32},
+    // rank 3 block 31: shares 129..129 ({step, share, of})
+    {1, 30, 32},
+    // rank 3 block 32: shares 130..130 ({step, share, of})
+    {1, 31, 32},
+    // rank 3 block 33: shares 131..131 ({step, share, of})
+    {2, 0, 1},
+    // rank 4 block 1: shares 132..132 ({step, share, of})
+    {1, 0, 32},
+    // rank 4 block 2: shares 133..133 ({step, share, of})
+    {1, 1, 32},
+    // rank 4 block 3: shares 134..134 ({step, share, of})
+    {1, 2, 32},
+    // rank 4 block 4: shares 135..135 ({step, share, of})
+    {1, 3, 32},
+    // rank 4 block 5: shares 136..136 ({step, share, of})
+    {1, 4, 32},
+    // rank 4 block 6: shares 137..137 ({step, share, of})
+    {1, 5, 32},
+    // rank 4 block 7: shares 138..138 ({step, share, of})
+    {1, 6, 32},
+    // rank 4 block 8: shares 139..139 ({step, share, of})
+    {1, 7, 32},
+    // rank 4 block 9: shares 140..140 ({step, share, of})
+    {1, 8, 32},
+    // rank 4 block 10: shares 141..141 ({step, share, of})
+    {1, 9, 32},
+    // rank 4 block 11: shares 142..142 ({step, share, of})
+    {1, 10, 32},
+    // rank 4 block 12: shares 143..143 ({step, share, of})
+    {1, 11, 32},
+    // rank 4 block 13: shares 144..144 ({step, share, of})
+    {1, 12, 32},
+    // rank 4 block 14: shares 145..145 ({step, share, of})
+    {1, 13, 32},
+    // rank 4 block 15: shares 146..146 ({step, share, of})
+    {1, 14, 32},
+    // rank 4 block 16: shares 147..147 ({step, share, of})
+    {1, 15, 32},
+    // rank 4 block 17: shares 148..148 ({step, share, of})
+    {1, 16, 32},
+    // rank 4 block 18: shares 149..149 ({step, share, of})
+    {1, 17, 32},
+    // rank 4 block 19: shares 150..150 ({step, share, of})
+    {1, 18, 32},
+    // rank 4 block 20: shares 151..151 ({step, share, of})
+    {1, 19, 32},
+    // rank 4 block 21: shares 152..152 ({step, share, of})
+    {1, 20, 32},
+    // rank 4 block 22: shares 153..153 ({step, share, of})
+    {1, 21, 32},
+    // rank 4 block 23: shares 154..154 ({step, share, of})
+    {1, 22, 32},
+    // rank 4 block 24: shares 155..155 ({step, share, of})
+    {1, 23, 32},
+    // rank 4 block 25: shares 156..156 ({step, share, of})
+    {1, 24, 32},
+    // rank 4 block 26: shares 157..157 ({step, share, of})
+    {1, 25, 32},
+    // rank 4 block 27: shares 158..158 ({step, share, of})
+    {1, 26, 32},
+    // rank 4 block 28: shares 159..159 ({step, share, of})
+    {1, 27, 32},
+    // rank 4 block 29: shares 160..160 ({step, share, of})
+    {1, 28, 32},
+    // rank 4 block 30: shares 161..161 ({step, share, of})
+    {1, 29, 32},
+    // rank 4 block 31: shares 162..162 ({step, share, of})
+    {1, 30, 32},
+    // rank 4 block 32: shares 163..163 ({step, share, of})
+    {1, 31, 32},
+    // rank 4 block 33: shares 164..164 ({step, share, of})
+    {2, 0, 1},
+    // rank 5 block 1: shares 165..165 ({step, share, of})
+    {1, 0, 32},
+    // rank 5 block 2: shares 166..166 ({step, share, of})
+    {1, 1, 32},
+    // rank 5 block 3: shares 167..167 ({step, share, of})
+    {1, 2, 32},
+    // rank 5 block 4: shares 168..168 ({step, share, of})
+    {1, 3, 32},
+    // rank 5 block 5: shares 169..169 ({step, share, of})
+    {1, 4, 32},
+    // rank 5 block 6: shares 170..170 ({step, share, of})
+    {1, 5, 32},
+    // rank 5 block 7: shares 171..171 ({step, share, of})
+    {1, 6, 32},
+    // rank 5 block 8: shares 172..172 ({step, share, of})
+    {1, 7, 32},
+    // rank 5 block 9: shares 173..173 ({step, share, of})
+    {1, 8, 32},
+    // rank 5 block 10: shares 174..174 ({step, share, of})
+    {1, 9, 32},
+    // rank 5 block 11: shares 175..175 ({step, share, of})
+    {1, 10, 32},
+    // rank 5 block 12: shares 176..176 ({step, share, of})
+    {1, 11, 32},
+    // rank 5 block 13: shares 177..177 ({step, share, of})
+    {1, 12, 32},
+    // rank 5 block 14: shares 178..178 ({step, share, of})
+    {1, 13, 32},
+    // rank 5 block 15: shares 179..179 ({step, share, of})
+    {1, 14, 32},
+    // rank 5 block 16: shares 180..180 ({step, share, of})
+    {1, 15, 32},
+    // rank 5 block 17: shares 181..181 ({step, share, of})
+    {1, 16, 32},
+    // rank 5 block 18: shares 182..182 ({step, share, of})
+    {1, 17, 32},
+    // rank 5 block 19: shares 183..183 ({step, share, of})
+    {1, 18, 32},
+    // rank 5 block 20: shares 184..184 ({step, share, of})
+    {1, 19, 32},
+    // rank 5 block 21: shares 185..185 ({step, share, of})
+    {1, 20, 32},
+    // rank 5 block 22: shares 186..186 ({step, share, of})
+    {1, 21, 32},
+    // rank 5 block 23: shares 187..187 ({step, share, of})
+    {1, 22, 32},
+    // rank 5 block 24: shares 188..188 ({step, share, of})
+    {1, 23, 32},
+    // rank 5 block 25: shares 189..189 ({step, share, of})
+    {1, 24, 32},
+    // rank 5 block 26: shares 190..190 ({step, share, of})
+    {1, 25, 32},
+    // rank 5 block 27: shares 191..191 ({step, share, of})
+    {1, 26, 32},
+    // rank 5 block 28: shares 192..192 ({step, share, of})
+    {1, 27, 32},
+    // rank 5 block 29: shares 193..193 ({step, share, of})
+    {1, 28, 32},
+    // rank 5 block 30: shares 194..194 ({step, share, of})
+    {1, 29, 32},
+    // rank 5 block 31: shares 195..195 ({step, share, of})
+    {1, 30, 32},
+    // rank 5 block 32: shares 196..196 ({step, share, of})
+    {1, 31, 32},
+    // rank 5 block 33: shares 197..197 ({step, share, of})
+    {2, 0, 1},
+    // rank 6 block 1: shares 198..198 ({step, share, of})
+    {1, 0, 32},
+    // rank 6 block 2: shares 199..199 ({step, share, of})
+    {1, 1, 32},
+    // rank 6 block 3: shares 200..200 ({step, share, of})
+    {1, 2, 32},
+    // rank 6 block 4: shares 201..201 ({step, share, of})
+    {1, 3, 32},
+    // rank 6 block 5: shares 202..202 ({step, share, of})
+    {1, 4, 32},
+    // rank 6 block 6: shares 203..203 ({step, share, of})
+    {1, 5, 32},
+    // rank 6 block 7: shares 204..204 ({step, share, of})
+    {1, 6, 32},
+    // rank 6 block 8: shares 205..205 ({step, share, of})
+    {1, 7, 32},
+    // rank 6 block 9: shares 206..206 ({step, share, of})
+    {1, 8, 32},
+    // rank 6 block 10: shares 207..207 ({step, share, of})
+    {1, 9, 32},
+    // rank 6 block 11: shares 208..208 ({step, share, of})
+    {1, 10, 32},
+    // rank 6 block 12: shares 209..209 ({step, share, of})
+    {1, 11, 32},
+    // rank 6 block 13: shares 210..210 ({step, share, of})
+    {1, 12, 32},
+    // rank 6 block 14: shares 211..211 ({step, share, of})
+    {1, 13, 32},
+    // rank 6 block 15: shares 212..212 ({step, share, of})
+    {1, 14, 32},
+    // rank 6 block 16: shares 213..213 ({step, share, of})
+    {1, 15, 32},
+    // rank 6 block 17: shares 214..214 ({step, share, of})
+    {1, 16, 32},
+    // rank 6 block 18: shares 215..215 ({step, share, of})
+    {1, 17, 32},
+    // rank 6 block 19: shares 216..216 ({step, share, of})
+    {1, 18, 32},
+    // rank 6 block 20: shares 217..217 ({step, share, of})
+    {1, 19, 32},
+    // rank 6 block 21: shares 218..218 ({step, share, of})
+    {1, 20, 32},
+    // rank 6 block 22: shares 219..219 ({step, share, of})
+    {1, 21, 32},
+    // rank 6 block 23: shares 220..220 ({step, share, of})
+    {1, 22, 32},
+    // rank 6 block 24: shares 221..221 ({step, share, of})
+    {1, 23, 32},
+    // rank 6 block 25: shares 222..222 ({step, share, of})
+    {1, 24, 32},
+    // rank 6 block 26: shares 223..223 ({step, share, of})
+    {1, 25, 32},
+    // rank 6 block 27: shares 224..224 ({step, share, of})
+    {1, 26, 32},
+    // rank 6 block 28: shares 225..225 ({step, share, of})
+    {1, 27, 32},
+    // rank 6 block 29: shares 226..226 ({step, share, of})
+    {1, 28, 32},
+    // rank 6 block 30: shares 227..227 ({step, share, of})
+    {1, 29, 32},
+    // rank 6 block 31: shares 228..228 ({step, share, of})
+    {1, 30, 32},
+    // rank 6 block 32: shares 229..229 ({step, share, of})
+    {1, 31, 32},
+    // rank 6 block 33: shares 230..230 ({step, share, of})
+    {2, 0, 1},
+    // rank 7 block 1: shares 231..231 ({step, share, of})
+    {1, 0, 32},
+    // rank 7 block 2: shares 232..232 ({step, share, of})
+    {1, 1, 32},
+    // rank 7 block 3: shares 233..233 ({step, share, of})
+    {1, 2, 32},
+    // rank 7 block 4: shares 234..234 ({step, share, of})
+    {1, 3, 32},
+    // rank 7 block 5: shares 235..235 ({step, share, of})
+    {1, 4, 32},
+    // rank 7 block 6: shares 236..236 ({step, share, of})
+    {1, 5, 32},
+    // rank 7 block 7: shares 237..237 ({step, share, of})
+    {1, 6, 32},
+    // rank 7 block 8: shares 238..238 ({step, share, of})
+    {1, 7, 32},
+    // rank 7 block 9: shares 239..239 ({step, share, of})
+    {1, 8, 32},
+    // rank 7 block 10: shares 240..240 ({step, share, of})
+    {1, 9, 32},
+    // rank 7 block 11: shares 241..241 ({step, share, of})
+    {1, 10, 32},
+    // rank 7 block 12: shares 242..242 ({step, share, of})
+    {1, 11, 32},
+    // rank 7 block 13: shares 243..243 ({step, share, of})
+    {1, 12, 32},
+    // rank 7 block 14: shares 244..244 ({step, share, of})
+    {1, 13, 32},
+    // rank 7 block 15: shares 245..245 ({step, share, of})
+    {1, 14, 32},
+    // rank 7 block 16: shares 246..246 ({step, share, of})
+    {1, 15, 32},
+    // rank 7 block 17: shares 247..247 ({step, share, of})
+    {1, 16, 32},
+    // rank 7 block 18: shares 248..248 ({step, share, of})
+    {1, 17, 32},
+    // rank 7 block 19: shares 249..249 ({step, share, of})
+    {1, 18, 32},
+    // rank 7 block 20: shares 250..250 ({step, share, of})
+    {1, 19, 32},
+    // rank 7 block 21: shares 251..251 ({step, share, of})
+    {1, 20, 32},
+    // rank 7 block 22: shares 252..252 ({step, share, of})
+    {1, 21, 32},
+    // rank 7 block 23: shares 253..253 ({step, share, of})
+    {1, 22, 32},
+    // rank 7 block 24: shares 254..254 ({step, share, of})
+    {1, 23, 32},
+    // rank 7 block 25: shares 255..255 ({step, share, of})
+    {1, 24, 32},
+    // rank 7 block 26: shares 256..256 ({step, share, of})
+    {1, 25, 32},
+    // rank 7 block 27: shares 257..257 ({step, share, of})
+    {1, 26, 32},
+    // rank 7 block 28: shares 258..258 ({step, share, of})
+    {1, 27, 32},
+    // rank 7 block 29: shares 259..259 ({step, share, of})
+    {1, 28, 32},
+    // rank 7 block 30: shares 260..260 ({step, share, of})
+    {1, 29, 32},
+    // rank 7 block 31: shares 261..261 ({step, share, of})
+    {1, 30, 32},
+    // rank 7 block 32: shares 262..262 ({step, share, of})
+    {1, 31, 32},
+    // rank 7 block 33: shares 263..263 ({step, share, of})
+    {2, 0, 1},
 };
 // Block b of rank r executes shares [first[r][b], first[r][b + 1]).
 static __device__ const uint16_t first_w8[8][41] = {
-    { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 257, 257, 257, 257, 257, 257, 257 },
-    { 257, 257, 265, 273, 281, 289, 297, 305, 313, 321, 329, 337, 345, 353, 361, 369, 377, 385, 393, 401, 409, 417, 425, 433, 441, 449, 457, 465, 473, 481, 489, 497, 505, 513, 514, 514, 514, 514, 514, 514, 514 },
-    { 514, 514, 522, 530, 538, 546, 554, 562, 570, 578, 586, 594, 602, 610, 618, 626, 634, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 771, 771, 771, 771, 771, 771, 771 },
-    { 771, 771, 779, 787, 795, 803, 811, 819, 827, 835, 843, 851, 859, 867, 875, 883, 891, 899, 907, 915, 923, 931, 939, 947, 955, 963, 971, 979, 987, 995, 1003, 1011, 1019, 1027, 1028, 1028, 1028, 1028, 1028, 1028, 1028 },
-    { 1028, 1028, 1036, 1044, 1052, 1060, 1068, 1076, 1084, 1092, 1100, 1108, 1116, 1124, 1132, 1140, 1148, 1156, 1164, 1172, 1180, 1188, 1196, 1204, 1212, 1220, 1228, 1236, 1244, 1252, 1260, 1268, 1276, 1284, 1285, 1285, 1285, 1285, 1285, 1285, 1285 },
-    { 1285, 1285, 1293, 1301, 1309, 1317, 1325, 1333, 1341, 1349, 1357, 1365, 1373, 1381, 1389, 1397, 1405, 1413, 1421, 1429, 1437, 1445, 1453, 1461, 1469, 1477, 1485, 1493, 1501, 1509, 1517, 1525, 1533, 1541, 1542, 1542, 1542, 1542, 1542, 1542, 1542 },
-    { 1542, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798, 1799, 1799, 1799, 1799, 1799, 1799, 1799 },
-    { 1799, 1799, 1807, 1815, 1823, 1831, 1839, 1847, 1855, 1863, 1871, 1879, 1887, 1895, 1903, 1911, 1919, 1927, 1935, 1943, 1951, 1959, 1967, 1975, 1983, 1991, 1999, 2007, 2015, 2023, 2031, 2039, 2047, 2055, 2056, 2056, 2056, 2056, 2056, 2056, 2056 },
+    { 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 33, 33, 33, 33, 33, 33 },
+    { 33, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 66, 66, 66, 66, 66, 66 },
+    { 66, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 99, 99, 99, 99, 99, 99 },
+    { 99, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 132, 132, 132, 132, 132, 132 },
+    { 132, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 165, 165, 165, 165, 165, 165 },
+    { 165, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198, 198, 198, 198, 198, 198, 198 },
+    { 198, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 231, 231, 231, 231, 231, 231 },
+    { 231, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264, 264, 264, 264, 264, 264, 264 },
 };
 
 template <int WORLD> struct plan;

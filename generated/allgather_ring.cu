@@ -871,6 +871,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -899,9 +900,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1079,6 +1081,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1113,6 +1133,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1120,6 +1150,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1128,7 +1159,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1169,45 +1204,45 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "e
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
     // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
     // rank 0 step 5: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 0 step 6: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 0 step 7: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 0 step 8: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 0 step 9: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: chunk 1 piece 0 to rank 0; wait entry[0]; r0:dst@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 1 step 2: chunk 1 piece 1 to rank 0; wait entry[0]; r0:dst@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 1 step 3: chunk 1 piece 2 to rank 0; wait entry[0]; r0:dst@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 1 step 4: chunk 1 piece 3 to rank 0; wait entry[0]; r0:dst@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 1 step 5: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 1 step 6: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 1 step 7: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 1 step 8: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 1 step 9: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 10 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1736,89 +1771,89 @@ static __device__ const uint16_t first_w2[2][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},
     // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
     // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
     // rank 0 step 5: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
     // rank 0 step 6: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
     // rank 0 step 7: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
     // rank 0 step 8: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
     // rank 0 step 9: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 0 step 10: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 0 step 11: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 0 step 12: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 0 step 13: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
     // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
     // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
     // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
     // rank 1 step 9: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 1 step 10: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 1 step 11: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 1 step 12: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 1 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: chunk 2 piece 0 to rank 0; wait entry[0]; r0:dst@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
     // rank 2 step 2: chunk 2 piece 1 to rank 0; wait entry[0]; r0:dst@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
     // rank 2 step 3: chunk 2 piece 2 to rank 0; wait entry[0]; r0:dst@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
     // rank 2 step 4: chunk 2 piece 3 to rank 0; wait entry[0]; r0:dst@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
     // rank 2 step 5: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r2:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 2 step 6: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r2:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 2 step 7: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r2:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 2 step 8: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r2:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 2 step 9: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 2 step 10: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 2 step 11: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 2 step 12: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 2 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 14, 28 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2607,157 +2642,157 @@ static __device__ const uint16_t first_w3[3][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},
     // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
     // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
     // rank 0 step 5: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
     // rank 0 step 6: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
     // rank 0 step 7: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
     // rank 0 step 8: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
     // rank 0 step 9: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
     // rank 0 step 10: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
     // rank 0 step 11: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
     // rank 0 step 12: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
     // rank 0 step 13: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 0 step 14: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 0 step 15: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 0 step 16: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 0 step 17: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 0 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
     // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
     // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
     // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
     // rank 1 step 9: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
     // rank 1 step 10: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
     // rank 1 step 11: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
     // rank 1 step 12: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
     // rank 1 step 13: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 1 step 14: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 1 step 15: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 1 step 16: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 1 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 1 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
     // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
     // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
     // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
     // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
     // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
     // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
     // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
     // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
     // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
     // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
     // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
     // rank 2 step 13: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 2 step 14: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 2 step 15: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 2 step 16: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 2 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 2 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
     // rank 3 step 1: chunk 3 piece 0 to rank 0; wait entry[0]; r0:dst@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
     // rank 3 step 2: chunk 3 piece 1 to rank 0; wait entry[0]; r0:dst@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
     // rank 3 step 3: chunk 3 piece 2 to rank 0; wait entry[0]; r0:dst@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
     // rank 3 step 4: chunk 3 piece 3 to rank 0; wait entry[0]; r0:dst@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
     // rank 3 step 5: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r3:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
     // rank 3 step 6: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r3:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
     // rank 3 step 7: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r3:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
     // rank 3 step 8: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r3:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
     // rank 3 step 9: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r3:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 3 step 10: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r3:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 3 step 11: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r3:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 3 step 12: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r3:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 3 step 13: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 3 step 14: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 3 step 15: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 3 step 16: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 3 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 3 step 18: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 19, 38, 57 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -4056,597 +4091,597 @@ static __device__ const uint16_t first_w4[4][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},
     // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
     // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
     // rank 0 step 5: chunk 7 piece 0 to rank 1; wait entry[1], arrive[28]; r1:dst@7[0/4] = r0:dst@7[0/4]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 7, 0}, {{0, 2, 0, 4, 7, 0}}, {{3, 0, 1, 1}, {4, 0, 28, 64}}, {{1, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 0}, {{0, 2, 0, 4, 7, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 28, 64}}, {{1, 4, 28}}},
     // rank 0 step 6: chunk 7 piece 1 to rank 1; wait entry[1], arrive[29]; r1:dst@7[1/4] = r0:dst@7[1/4]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 7, 1}, {{0, 2, 0, 4, 7, 1}}, {{3, 0, 1, 1}, {4, 0, 29, 64}}, {{1, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 1}, {{0, 2, 0, 4, 7, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 29, 64}}, {{1, 4, 29}}},
     // rank 0 step 7: chunk 7 piece 2 to rank 1; wait entry[1], arrive[30]; r1:dst@7[2/4] = r0:dst@7[2/4]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 7, 2}, {{0, 2, 0, 4, 7, 2}}, {{3, 0, 1, 1}, {4, 0, 30, 64}}, {{1, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 2}, {{0, 2, 0, 4, 7, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 30, 64}}, {{1, 4, 30}}},
     // rank 0 step 8: chunk 7 piece 3 to rank 1; wait entry[1], arrive[31]; r1:dst@7[3/4] = r0:dst@7[3/4]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 7, 3}, {{0, 2, 0, 4, 7, 3}}, {{3, 0, 1, 1}, {4, 0, 31, 64}}, {{1, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 3}, {{0, 2, 0, 4, 7, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 31, 64}}, {{1, 4, 31}}},
     // rank 0 step 9: chunk 6 piece 0 to rank 1; wait entry[1], arrive[24]; r1:dst@6[0/4] = r0:dst@6[0/4]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 6, 0}, {{0, 2, 0, 4, 6, 0}}, {{3, 0, 1, 1}, {4, 0, 24, 64}}, {{1, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 0}, {{0, 2, 0, 4, 6, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 24, 64}}, {{1, 4, 24}}},
     // rank 0 step 10: chunk 6 piece 1 to rank 1; wait entry[1], arrive[25]; r1:dst@6[1/4] = r0:dst@6[1/4]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 6, 1}, {{0, 2, 0, 4, 6, 1}}, {{3, 0, 1, 1}, {4, 0, 25, 64}}, {{1, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 1}, {{0, 2, 0, 4, 6, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 25, 64}}, {{1, 4, 25}}},
     // rank 0 step 11: chunk 6 piece 2 to rank 1; wait entry[1], arrive[26]; r1:dst@6[2/4] = r0:dst@6[2/4]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 6, 2}, {{0, 2, 0, 4, 6, 2}}, {{3, 0, 1, 1}, {4, 0, 26, 64}}, {{1, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 2}, {{0, 2, 0, 4, 6, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 26, 64}}, {{1, 4, 26}}},
     // rank 0 step 12: chunk 6 piece 3 to rank 1; wait entry[1], arrive[27]; r1:dst@6[3/4] = r0:dst@6[3/4]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 6, 3}, {{0, 2, 0, 4, 6, 3}}, {{3, 0, 1, 1}, {4, 0, 27, 64}}, {{1, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 3}, {{0, 2, 0, 4, 6, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 27, 64}}, {{1, 4, 27}}},
     // rank 0 step 13: chunk 5 piece 0 to rank 1; wait entry[1], arrive[20]; r1:dst@5[0/4] = r0:dst@5[0/4]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 5, 0}, {{0, 2, 0, 4, 5, 0}}, {{3, 0, 1, 1}, {4, 0, 20, 64}}, {{1, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 0}, {{0, 2, 0, 4, 5, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 20, 64}}, {{1, 4, 20}}},
     // rank 0 step 14: chunk 5 piece 1 to rank 1; wait entry[1], arrive[21]; r1:dst@5[1/4] = r0:dst@5[1/4]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 5, 1}, {{0, 2, 0, 4, 5, 1}}, {{3, 0, 1, 1}, {4, 0, 21, 64}}, {{1, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 1}, {{0, 2, 0, 4, 5, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 21, 64}}, {{1, 4, 21}}},
     // rank 0 step 15: chunk 5 piece 2 to rank 1; wait entry[1], arrive[22]; r1:dst@5[2/4] = r0:dst@5[2/4]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 5, 2}, {{0, 2, 0, 4, 5, 2}}, {{3, 0, 1, 1}, {4, 0, 22, 64}}, {{1, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 2}, {{0, 2, 0, 4, 5, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 22, 64}}, {{1, 4, 22}}},
     // rank 0 step 16: chunk 5 piece 3 to rank 1; wait entry[1], arrive[23]; r1:dst@5[3/4] = r0:dst@5[3/4]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 5, 3}, {{0, 2, 0, 4, 5, 3}}, {{3, 0, 1, 1}, {4, 0, 23, 64}}, {{1, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 3}, {{0, 2, 0, 4, 5, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 23, 64}}, {{1, 4, 23}}},
     // rank 0 step 17: chunk 4 piece 0 to rank 1; wait entry[1], arrive[16]; r1:dst@4[0/4] = r0:dst@4[0/4]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 4, 0}, {{0, 2, 0, 4, 4, 0}}, {{3, 0, 1, 1}, {4, 0, 16, 64}}, {{1, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 0}, {{0, 2, 0, 4, 4, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 16, 64}}, {{1, 4, 16}}},
     // rank 0 step 18: chunk 4 piece 1 to rank 1; wait entry[1], arrive[17]; r1:dst@4[1/4] = r0:dst@4[1/4]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 4, 1}, {{0, 2, 0, 4, 4, 1}}, {{3, 0, 1, 1}, {4, 0, 17, 64}}, {{1, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 1}, {{0, 2, 0, 4, 4, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 17, 64}}, {{1, 4, 17}}},
     // rank 0 step 19: chunk 4 piece 2 to rank 1; wait entry[1], arrive[18]; r1:dst@4[2/4] = r0:dst@4[2/4]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 4, 2}, {{0, 2, 0, 4, 4, 2}}, {{3, 0, 1, 1}, {4, 0, 18, 64}}, {{1, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 2}, {{0, 2, 0, 4, 4, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 18, 64}}, {{1, 4, 18}}},
     // rank 0 step 20: chunk 4 piece 3 to rank 1; wait entry[1], arrive[19]; r1:dst@4[3/4] = r0:dst@4[3/4]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 4, 3}, {{0, 2, 0, 4, 4, 3}}, {{3, 0, 1, 1}, {4, 0, 19, 64}}, {{1, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 3}, {{0, 2, 0, 4, 4, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 19, 64}}, {{1, 4, 19}}},
     // rank 0 step 21: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
     // rank 0 step 22: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
     // rank 0 step 23: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
     // rank 0 step 24: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
     // rank 0 step 25: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
     // rank 0 step 26: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
     // rank 0 step 27: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
     // rank 0 step 28: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
     // rank 0 step 29: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 0 step 30: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 0 step 31: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 0 step 32: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 0 step 33: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 0 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
     // rank 0 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 0 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
     // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
     // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
     // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
     // rank 1 step 9: chunk 7 piece 0 to rank 2; wait entry[2], arrive[28]; r2:dst@7[0/4] = r1:dst@7[0/4]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 7, 0}, {{1, 2, 0, 4, 7, 0}}, {{3, 0, 2, 1}, {4, 0, 28, 64}}, {{2, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 0}, {{1, 2, 0, 4, 7, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 28, 64}}, {{2, 4, 28}}},
     // rank 1 step 10: chunk 7 piece 1 to rank 2; wait entry[2], arrive[29]; r2:dst@7[1/4] = r1:dst@7[1/4]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 7, 1}, {{1, 2, 0, 4, 7, 1}}, {{3, 0, 2, 1}, {4, 0, 29, 64}}, {{2, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 1}, {{1, 2, 0, 4, 7, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 29, 64}}, {{2, 4, 29}}},
     // rank 1 step 11: chunk 7 piece 2 to rank 2; wait entry[2], arrive[30]; r2:dst@7[2/4] = r1:dst@7[2/4]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 7, 2}, {{1, 2, 0, 4, 7, 2}}, {{3, 0, 2, 1}, {4, 0, 30, 64}}, {{2, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 2}, {{1, 2, 0, 4, 7, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 30, 64}}, {{2, 4, 30}}},
     // rank 1 step 12: chunk 7 piece 3 to rank 2; wait entry[2], arrive[31]; r2:dst@7[3/4] = r1:dst@7[3/4]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 7, 3}, {{1, 2, 0, 4, 7, 3}}, {{3, 0, 2, 1}, {4, 0, 31, 64}}, {{2, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 3}, {{1, 2, 0, 4, 7, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 31, 64}}, {{2, 4, 31}}},
     // rank 1 step 13: chunk 6 piece 0 to rank 2; wait entry[2], arrive[24]; r2:dst@6[0/4] = r1:dst@6[0/4]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 6, 0}, {{1, 2, 0, 4, 6, 0}}, {{3, 0, 2, 1}, {4, 0, 24, 64}}, {{2, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 0}, {{1, 2, 0, 4, 6, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 24, 64}}, {{2, 4, 24}}},
     // rank 1 step 14: chunk 6 piece 1 to rank 2; wait entry[2], arrive[25]; r2:dst@6[1/4] = r1:dst@6[1/4]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 6, 1}, {{1, 2, 0, 4, 6, 1}}, {{3, 0, 2, 1}, {4, 0, 25, 64}}, {{2, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 1}, {{1, 2, 0, 4, 6, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 25, 64}}, {{2, 4, 25}}},
     // rank 1 step 15: chunk 6 piece 2 to rank 2; wait entry[2], arrive[26]; r2:dst@6[2/4] = r1:dst@6[2/4]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 6, 2}, {{1, 2, 0, 4, 6, 2}}, {{3, 0, 2, 1}, {4, 0, 26, 64}}, {{2, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 2}, {{1, 2, 0, 4, 6, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 26, 64}}, {{2, 4, 26}}},
     // rank 1 step 16: chunk 6 piece 3 to rank 2; wait entry[2], arrive[27]; r2:dst@6[3/4] = r1:dst@6[3/4]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 6, 3}, {{1, 2, 0, 4, 6, 3}}, {{3, 0, 2, 1}, {4, 0, 27, 64}}, {{2, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 3}, {{1, 2, 0, 4, 6, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 27, 64}}, {{2, 4, 27}}},
     // rank 1 step 17: chunk 5 piece 0 to rank 2; wait entry[2], arrive[20]; r2:dst@5[0/4] = r1:dst@5[0/4]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 5, 0}, {{1, 2, 0, 4, 5, 0}}, {{3, 0, 2, 1}, {4, 0, 20, 64}}, {{2, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 0}, {{1, 2, 0, 4, 5, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 20, 64}}, {{2, 4, 20}}},
     // rank 1 step 18: chunk 5 piece 1 to rank 2; wait entry[2], arrive[21]; r2:dst@5[1/4] = r1:dst@5[1/4]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 5, 1}, {{1, 2, 0, 4, 5, 1}}, {{3, 0, 2, 1}, {4, 0, 21, 64}}, {{2, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 1}, {{1, 2, 0, 4, 5, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 21, 64}}, {{2, 4, 21}}},
     // rank 1 step 19: chunk 5 piece 2 to rank 2; wait entry[2], arrive[22]; r2:dst@5[2/4] = r1:dst@5[2/4]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 5, 2}, {{1, 2, 0, 4, 5, 2}}, {{3, 0, 2, 1}, {4, 0, 22, 64}}, {{2, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 2}, {{1, 2, 0, 4, 5, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 22, 64}}, {{2, 4, 22}}},
     // rank 1 step 20: chunk 5 piece 3 to rank 2; wait entry[2], arrive[23]; r2:dst@5[3/4] = r1:dst@5[3/4]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 5, 3}, {{1, 2, 0, 4, 5, 3}}, {{3, 0, 2, 1}, {4, 0, 23, 64}}, {{2, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 3}, {{1, 2, 0, 4, 5, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 23, 64}}, {{2, 4, 23}}},
     // rank 1 step 21: chunk 4 piece 0 to rank 2; wait entry[2], arrive[16]; r2:dst@4[0/4] = r1:dst@4[0/4]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 4, 0}, {{1, 2, 0, 4, 4, 0}}, {{3, 0, 2, 1}, {4, 0, 16, 64}}, {{2, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 0}, {{1, 2, 0, 4, 4, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 16, 64}}, {{2, 4, 16}}},
     // rank 1 step 22: chunk 4 piece 1 to rank 2; wait entry[2], arrive[17]; r2:dst@4[1/4] = r1:dst@4[1/4]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 4, 1}, {{1, 2, 0, 4, 4, 1}}, {{3, 0, 2, 1}, {4, 0, 17, 64}}, {{2, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 1}, {{1, 2, 0, 4, 4, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 17, 64}}, {{2, 4, 17}}},
     // rank 1 step 23: chunk 4 piece 2 to rank 2; wait entry[2], arrive[18]; r2:dst@4[2/4] = r1:dst@4[2/4]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 4, 2}, {{1, 2, 0, 4, 4, 2}}, {{3, 0, 2, 1}, {4, 0, 18, 64}}, {{2, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 2}, {{1, 2, 0, 4, 4, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 18, 64}}, {{2, 4, 18}}},
     // rank 1 step 24: chunk 4 piece 3 to rank 2; wait entry[2], arrive[19]; r2:dst@4[3/4] = r1:dst@4[3/4]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 4, 3}, {{1, 2, 0, 4, 4, 3}}, {{3, 0, 2, 1}, {4, 0, 19, 64}}, {{2, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 3}, {{1, 2, 0, 4, 4, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 19, 64}}, {{2, 4, 19}}},
     // rank 1 step 25: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
     // rank 1 step 26: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
     // rank 1 step 27: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
     // rank 1 step 28: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
     // rank 1 step 29: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 1 step 30: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 1 step 31: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 1 step 32: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 1 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
     // rank 1 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
     // rank 1 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 1 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
     // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
     // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
     // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
     // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
     // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
     // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
     // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
     // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
     // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
     // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
     // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
     // rank 2 step 13: chunk 7 piece 0 to rank 3; wait entry[3], arrive[28]; r3:dst@7[0/4] = r2:dst@7[0/4]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 7, 0}, {{2, 2, 0, 4, 7, 0}}, {{3, 0, 3, 1}, {4, 0, 28, 64}}, {{3, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 0}, {{2, 2, 0, 4, 7, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 28, 64}}, {{3, 4, 28}}},
     // rank 2 step 14: chunk 7 piece 1 to rank 3; wait entry[3], arrive[29]; r3:dst@7[1/4] = r2:dst@7[1/4]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 7, 1}, {{2, 2, 0, 4, 7, 1}}, {{3, 0, 3, 1}, {4, 0, 29, 64}}, {{3, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 1}, {{2, 2, 0, 4, 7, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 29, 64}}, {{3, 4, 29}}},
     // rank 2 step 15: chunk 7 piece 2 to rank 3; wait entry[3], arrive[30]; r3:dst@7[2/4] = r2:dst@7[2/4]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 7, 2}, {{2, 2, 0, 4, 7, 2}}, {{3, 0, 3, 1}, {4, 0, 30, 64}}, {{3, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 2}, {{2, 2, 0, 4, 7, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 30, 64}}, {{3, 4, 30}}},
     // rank 2 step 16: chunk 7 piece 3 to rank 3; wait entry[3], arrive[31]; r3:dst@7[3/4] = r2:dst@7[3/4]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 7, 3}, {{2, 2, 0, 4, 7, 3}}, {{3, 0, 3, 1}, {4, 0, 31, 64}}, {{3, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 3}, {{2, 2, 0, 4, 7, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 31, 64}}, {{3, 4, 31}}},
     // rank 2 step 17: chunk 6 piece 0 to rank 3; wait entry[3], arrive[24]; r3:dst@6[0/4] = r2:dst@6[0/4]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 6, 0}, {{2, 2, 0, 4, 6, 0}}, {{3, 0, 3, 1}, {4, 0, 24, 64}}, {{3, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 0}, {{2, 2, 0, 4, 6, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 24, 64}}, {{3, 4, 24}}},
     // rank 2 step 18: chunk 6 piece 1 to rank 3; wait entry[3], arrive[25]; r3:dst@6[1/4] = r2:dst@6[1/4]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 6, 1}, {{2, 2, 0, 4, 6, 1}}, {{3, 0, 3, 1}, {4, 0, 25, 64}}, {{3, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 1}, {{2, 2, 0, 4, 6, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 25, 64}}, {{3, 4, 25}}},
     // rank 2 step 19: chunk 6 piece 2 to rank 3; wait entry[3], arrive[26]; r3:dst@6[2/4] = r2:dst@6[2/4]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 6, 2}, {{2, 2, 0, 4, 6, 2}}, {{3, 0, 3, 1}, {4, 0, 26, 64}}, {{3, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 2}, {{2, 2, 0, 4, 6, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 26, 64}}, {{3, 4, 26}}},
     // rank 2 step 20: chunk 6 piece 3 to rank 3; wait entry[3], arrive[27]; r3:dst@6[3/4] = r2:dst@6[3/4]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 6, 3}, {{2, 2, 0, 4, 6, 3}}, {{3, 0, 3, 1}, {4, 0, 27, 64}}, {{3, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 3}, {{2, 2, 0, 4, 6, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 27, 64}}, {{3, 4, 27}}},
     // rank 2 step 21: chunk 5 piece 0 to rank 3; wait entry[3], arrive[20]; r3:dst@5[0/4] = r2:dst@5[0/4]; signal r3:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 5, 0}, {{2, 2, 0, 4, 5, 0}}, {{3, 0, 3, 1}, {4, 0, 20, 64}}, {{3, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 0}, {{2, 2, 0, 4, 5, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 20, 64}}, {{3, 4, 20}}},
     // rank 2 step 22: chunk 5 piece 1 to rank 3; wait entry[3], arrive[21]; r3:dst@5[1/4] = r2:dst@5[1/4]; signal r3:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 5, 1}, {{2, 2, 0, 4, 5, 1}}, {{3, 0, 3, 1}, {4, 0, 21, 64}}, {{3, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 1}, {{2, 2, 0, 4, 5, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 21, 64}}, {{3, 4, 21}}},
     // rank 2 step 23: chunk 5 piece 2 to rank 3; wait entry[3], arrive[22]; r3:dst@5[2/4] = r2:dst@5[2/4]; signal r3:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 5, 2}, {{2, 2, 0, 4, 5, 2}}, {{3, 0, 3, 1}, {4, 0, 22, 64}}, {{3, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 2}, {{2, 2, 0, 4, 5, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 22, 64}}, {{3, 4, 22}}},
     // rank 2 step 24: chunk 5 piece 3 to rank 3; wait entry[3], arrive[23]; r3:dst@5[3/4] = r2:dst@5[3/4]; signal r3:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 5, 3}, {{2, 2, 0, 4, 5, 3}}, {{3, 0, 3, 1}, {4, 0, 23, 64}}, {{3, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 3}, {{2, 2, 0, 4, 5, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 23, 64}}, {{3, 4, 23}}},
     // rank 2 step 25: chunk 4 piece 0 to rank 3; wait entry[3], arrive[16]; r3:dst@4[0/4] = r2:dst@4[0/4]; signal r3:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 4, 0}, {{2, 2, 0, 4, 4, 0}}, {{3, 0, 3, 1}, {4, 0, 16, 64}}, {{3, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 0}, {{2, 2, 0, 4, 4, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 16, 64}}, {{3, 4, 16}}},
     // rank 2 step 26: chunk 4 piece 1 to rank 3; wait entry[3], arrive[17]; r3:dst@4[1/4] = r2:dst@4[1/4]; signal r3:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 4, 1}, {{2, 2, 0, 4, 4, 1}}, {{3, 0, 3, 1}, {4, 0, 17, 64}}, {{3, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 1}, {{2, 2, 0, 4, 4, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 17, 64}}, {{3, 4, 17}}},
     // rank 2 step 27: chunk 4 piece 2 to rank 3; wait entry[3], arrive[18]; r3:dst@4[2/4] = r2:dst@4[2/4]; signal r3:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 4, 2}, {{2, 2, 0, 4, 4, 2}}, {{3, 0, 3, 1}, {4, 0, 18, 64}}, {{3, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 2}, {{2, 2, 0, 4, 4, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 18, 64}}, {{3, 4, 18}}},
     // rank 2 step 28: chunk 4 piece 3 to rank 3; wait entry[3], arrive[19]; r3:dst@4[3/4] = r2:dst@4[3/4]; signal r3:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 4, 4, 3}, {{2, 2, 0, 4, 4, 3}}, {{3, 0, 3, 1}, {4, 0, 19, 64}}, {{3, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 3}, {{2, 2, 0, 4, 4, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 19, 64}}, {{3, 4, 19}}},
     // rank 2 step 29: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 2 step 30: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 2 step 31: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 2 step 32: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 2 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 2 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
     // rank 2 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 2 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
     // rank 3 step 1: chunk 3 piece 0 to rank 4; wait entry[4]; r4:dst@3[0/4] = r3:src@0[0/4]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
     // rank 3 step 2: chunk 3 piece 1 to rank 4; wait entry[4]; r4:dst@3[1/4] = r3:src@0[1/4]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
     // rank 3 step 3: chunk 3 piece 2 to rank 4; wait entry[4]; r4:dst@3[2/4] = r3:src@0[2/4]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
     // rank 3 step 4: chunk 3 piece 3 to rank 4; wait entry[4]; r4:dst@3[3/4] = r3:src@0[3/4]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
     // rank 3 step 5: chunk 2 piece 0 to rank 4; wait entry[4], arrive[8]; r4:dst@2[0/4] = r3:dst@2[0/4]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
     // rank 3 step 6: chunk 2 piece 1 to rank 4; wait entry[4], arrive[9]; r4:dst@2[1/4] = r3:dst@2[1/4]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
     // rank 3 step 7: chunk 2 piece 2 to rank 4; wait entry[4], arrive[10]; r4:dst@2[2/4] = r3:dst@2[2/4]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
     // rank 3 step 8: chunk 2 piece 3 to rank 4; wait entry[4], arrive[11]; r4:dst@2[3/4] = r3:dst@2[3/4]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
     // rank 3 step 9: chunk 1 piece 0 to rank 4; wait entry[4], arrive[4]; r4:dst@1[0/4] = r3:dst@1[0/4]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
     // rank 3 step 10: chunk 1 piece 1 to rank 4; wait entry[4], arrive[5]; r4:dst@1[1/4] = r3:dst@1[1/4]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
     // rank 3 step 11: chunk 1 piece 2 to rank 4; wait entry[4], arrive[6]; r4:dst@1[2/4] = r3:dst@1[2/4]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
     // rank 3 step 12: chunk 1 piece 3 to rank 4; wait entry[4], arrive[7]; r4:dst@1[3/4] = r3:dst@1[3/4]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
     // rank 3 step 13: chunk 0 piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/4] = r3:dst@0[0/4]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 0, 0}, {{3, 2, 0, 4, 0, 0}}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 0}, {{3, 2, 0, 4, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
     // rank 3 step 14: chunk 0 piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/4] = r3:dst@0[1/4]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 0, 1}, {{3, 2, 0, 4, 0, 1}}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 1}, {{3, 2, 0, 4, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
     // rank 3 step 15: chunk 0 piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/4] = r3:dst@0[2/4]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 0, 2}, {{3, 2, 0, 4, 0, 2}}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 2}, {{3, 2, 0, 4, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
     // rank 3 step 16: chunk 0 piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/4] = r3:dst@0[3/4]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
     // rank 3 step 17: chunk 7 piece 0 to rank 4; wait entry[4], arrive[28]; r4:dst@7[0/4] = r3:dst@7[0/4]; signal r4:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 7, 0}, {{3, 2, 0, 4, 7, 0}}, {{3, 0, 4, 1}, {4, 0, 28, 64}}, {{4, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 0}, {{3, 2, 0, 4, 7, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 28, 64}}, {{4, 4, 28}}},
     // rank 3 step 18: chunk 7 piece 1 to rank 4; wait entry[4], arrive[29]; r4:dst@7[1/4] = r3:dst@7[1/4]; signal r4:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 7, 1}, {{3, 2, 0, 4, 7, 1}}, {{3, 0, 4, 1}, {4, 0, 29, 64}}, {{4, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 1}, {{3, 2, 0, 4, 7, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 29, 64}}, {{4, 4, 29}}},
     // rank 3 step 19: chunk 7 piece 2 to rank 4; wait entry[4], arrive[30]; r4:dst@7[2/4] = r3:dst@7[2/4]; signal r4:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 7, 2}, {{3, 2, 0, 4, 7, 2}}, {{3, 0, 4, 1}, {4, 0, 30, 64}}, {{4, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 2}, {{3, 2, 0, 4, 7, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 30, 64}}, {{4, 4, 30}}},
     // rank 3 step 20: chunk 7 piece 3 to rank 4; wait entry[4], arrive[31]; r4:dst@7[3/4] = r3:dst@7[3/4]; signal r4:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 7, 3}, {{3, 2, 0, 4, 7, 3}}, {{3, 0, 4, 1}, {4, 0, 31, 64}}, {{4, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 3}, {{3, 2, 0, 4, 7, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 31, 64}}, {{4, 4, 31}}},
     // rank 3 step 21: chunk 6 piece 0 to rank 4; wait entry[4], arrive[24]; r4:dst@6[0/4] = r3:dst@6[0/4]; signal r4:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 6, 0}, {{3, 2, 0, 4, 6, 0}}, {{3, 0, 4, 1}, {4, 0, 24, 64}}, {{4, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 0}, {{3, 2, 0, 4, 6, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 24, 64}}, {{4, 4, 24}}},
     // rank 3 step 22: chunk 6 piece 1 to rank 4; wait entry[4], arrive[25]; r4:dst@6[1/4] = r3:dst@6[1/4]; signal r4:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 6, 1}, {{3, 2, 0, 4, 6, 1}}, {{3, 0, 4, 1}, {4, 0, 25, 64}}, {{4, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 1}, {{3, 2, 0, 4, 6, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 25, 64}}, {{4, 4, 25}}},
     // rank 3 step 23: chunk 6 piece 2 to rank 4; wait entry[4], arrive[26]; r4:dst@6[2/4] = r3:dst@6[2/4]; signal r4:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 6, 2}, {{3, 2, 0, 4, 6, 2}}, {{3, 0, 4, 1}, {4, 0, 26, 64}}, {{4, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 2}, {{3, 2, 0, 4, 6, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 26, 64}}, {{4, 4, 26}}},
     // rank 3 step 24: chunk 6 piece 3 to rank 4; wait entry[4], arrive[27]; r4:dst@6[3/4] = r3:dst@6[3/4]; signal r4:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 6, 3}, {{3, 2, 0, 4, 6, 3}}, {{3, 0, 4, 1}, {4, 0, 27, 64}}, {{4, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 3}, {{3, 2, 0, 4, 6, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 27, 64}}, {{4, 4, 27}}},
     // rank 3 step 25: chunk 5 piece 0 to rank 4; wait entry[4], arrive[20]; r4:dst@5[0/4] = r3:dst@5[0/4]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 5, 0}, {{3, 2, 0, 4, 5, 0}}, {{3, 0, 4, 1}, {4, 0, 20, 64}}, {{4, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 0}, {{3, 2, 0, 4, 5, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 20, 64}}, {{4, 4, 20}}},
     // rank 3 step 26: chunk 5 piece 1 to rank 4; wait entry[4], arrive[21]; r4:dst@5[1/4] = r3:dst@5[1/4]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 5, 1}, {{3, 2, 0, 4, 5, 1}}, {{3, 0, 4, 1}, {4, 0, 21, 64}}, {{4, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 1}, {{3, 2, 0, 4, 5, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 21, 64}}, {{4, 4, 21}}},
     // rank 3 step 27: chunk 5 piece 2 to rank 4; wait entry[4], arrive[22]; r4:dst@5[2/4] = r3:dst@5[2/4]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 5, 2}, {{3, 2, 0, 4, 5, 2}}, {{3, 0, 4, 1}, {4, 0, 22, 64}}, {{4, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 2}, {{3, 2, 0, 4, 5, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 22, 64}}, {{4, 4, 22}}},
     // rank 3 step 28: chunk 5 piece 3 to rank 4; wait entry[4], arrive[23]; r4:dst@5[3/4] = r3:dst@5[3/4]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 4, 5, 3}, {{3, 2, 0, 4, 5, 3}}, {{3, 0, 4, 1}, {4, 0, 23, 64}}, {{4, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 3}, {{3, 2, 0, 4, 5, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 23, 64}}, {{4, 4, 23}}},
     // rank 3 step 29: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 3 step 30: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 3 step 31: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 3 step 32: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 3 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 3 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
     // rank 3 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 3 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 3, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},
     // rank 4 step 1: chunk 4 piece 0 to rank 5; wait entry[5]; r5:dst@4[0/4] = r4:src@0[0/4]; signal r5:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {{3, 0, 5, 1}}, {{5, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 16}}},
     // rank 4 step 2: chunk 4 piece 1 to rank 5; wait entry[5]; r5:dst@4[1/4] = r4:src@0[1/4]; signal r5:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {{3, 0, 5, 1}}, {{5, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 17}}},
     // rank 4 step 3: chunk 4 piece 2 to rank 5; wait entry[5]; r5:dst@4[2/4] = r4:src@0[2/4]; signal r5:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {{3, 0, 5, 1}}, {{5, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {{3, 0, 5, 1}}, {{5, 4, 18}}},
     // rank 4 step 4: chunk 4 piece 3 to rank 5; wait entry[5]; r5:dst@4[3/4] = r4:src@0[3/4]; signal r5:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {{3, 0, 5, 1}}, {{5, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {{3, 0, 5, 1}}, {{5, 4, 19}}},
     // rank 4 step 5: chunk 3 piece 0 to rank 5; wait entry[5], arrive[12]; r5:dst@3[0/4] = r4:dst@3[0/4]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 3, 0}, {{4, 2, 0, 4, 3, 0}}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 0}, {{4, 2, 0, 4, 3, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
     // rank 4 step 6: chunk 3 piece 1 to rank 5; wait entry[5], arrive[13]; r5:dst@3[1/4] = r4:dst@3[1/4]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 3, 1}, {{4, 2, 0, 4, 3, 1}}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 1}, {{4, 2, 0, 4, 3, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
     // rank 4 step 7: chunk 3 piece 2 to rank 5; wait entry[5], arrive[14]; r5:dst@3[2/4] = r4:dst@3[2/4]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 3, 2}, {{4, 2, 0, 4, 3, 2}}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 2}, {{4, 2, 0, 4, 3, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
     // rank 4 step 8: chunk 3 piece 3 to rank 5; wait entry[5], arrive[15]; r5:dst@3[3/4] = r4:dst@3[3/4]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 3, 3}, {{4, 2, 0, 4, 3, 3}}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 3}, {{4, 2, 0, 4, 3, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
     // rank 4 step 9: chunk 2 piece 0 to rank 5; wait entry[5], arrive[8]; r5:dst@2[0/4] = r4:dst@2[0/4]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 2, 0}, {{4, 2, 0, 4, 2, 0}}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 0}, {{4, 2, 0, 4, 2, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
     // rank 4 step 10: chunk 2 piece 1 to rank 5; wait entry[5], arrive[9]; r5:dst@2[1/4] = r4:dst@2[1/4]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 2, 1}, {{4, 2, 0, 4, 2, 1}}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 1}, {{4, 2, 0, 4, 2, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
     // rank 4 step 11: chunk 2 piece 2 to rank 5; wait entry[5], arrive[10]; r5:dst@2[2/4] = r4:dst@2[2/4]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 2, 2}, {{4, 2, 0, 4, 2, 2}}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 2}, {{4, 2, 0, 4, 2, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
     // rank 4 step 12: chunk 2 piece 3 to rank 5; wait entry[5], arrive[11]; r5:dst@2[3/4] = r4:dst@2[3/4]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 2, 3}, {{4, 2, 0, 4, 2, 3}}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 3}, {{4, 2, 0, 4, 2, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
     // rank 4 step 13: chunk 1 piece 0 to rank 5; wait entry[5], arrive[4]; r5:dst@1[0/4] = r4:dst@1[0/4]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 1, 0}, {{4, 2, 0, 4, 1, 0}}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 0}, {{4, 2, 0, 4, 1, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
     // rank 4 step 14: chunk 1 piece 1 to rank 5; wait entry[5], arrive[5]; r5:dst@1[1/4] = r4:dst@1[1/4]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 1, 1}, {{4, 2, 0, 4, 1, 1}}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 1}, {{4, 2, 0, 4, 1, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
     // rank 4 step 15: chunk 1 piece 2 to rank 5; wait entry[5], arrive[6]; r5:dst@1[2/4] = r4:dst@1[2/4]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 1, 2}, {{4, 2, 0, 4, 1, 2}}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 2}, {{4, 2, 0, 4, 1, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
     // rank 4 step 16: chunk 1 piece 3 to rank 5; wait entry[5], arrive[7]; r5:dst@1[3/4] = r4:dst@1[3/4]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 1, 3}, {{4, 2, 0, 4, 1, 3}}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 3}, {{4, 2, 0, 4, 1, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
     // rank 4 step 17: chunk 0 piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/4] = r4:dst@0[0/4]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 0, 0}, {{4, 2, 0, 4, 0, 0}}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 0}, {{4, 2, 0, 4, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
     // rank 4 step 18: chunk 0 piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/4] = r4:dst@0[1/4]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 0, 1}, {{4, 2, 0, 4, 0, 1}}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 1}, {{4, 2, 0, 4, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
     // rank 4 step 19: chunk 0 piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/4] = r4:dst@0[2/4]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 0, 2}, {{4, 2, 0, 4, 0, 2}}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 2}, {{4, 2, 0, 4, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
     // rank 4 step 20: chunk 0 piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/4] = r4:dst@0[3/4]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 0, 3}, {{4, 2, 0, 4, 0, 3}}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 3}, {{4, 2, 0, 4, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
     // rank 4 step 21: chunk 7 piece 0 to rank 5; wait entry[5], arrive[28]; r5:dst@7[0/4] = r4:dst@7[0/4]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 7, 0}, {{4, 2, 0, 4, 7, 0}}, {{3, 0, 5, 1}, {4, 0, 28, 64}}, {{5, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 0}, {{4, 2, 0, 4, 7, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 28, 64}}, {{5, 4, 28}}},
     // rank 4 step 22: chunk 7 piece 1 to rank 5; wait entry[5], arrive[29]; r5:dst@7[1/4] = r4:dst@7[1/4]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 7, 1}, {{4, 2, 0, 4, 7, 1}}, {{3, 0, 5, 1}, {4, 0, 29, 64}}, {{5, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 1}, {{4, 2, 0, 4, 7, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 29, 64}}, {{5, 4, 29}}},
     // rank 4 step 23: chunk 7 piece 2 to rank 5; wait entry[5], arrive[30]; r5:dst@7[2/4] = r4:dst@7[2/4]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 7, 2}, {{4, 2, 0, 4, 7, 2}}, {{3, 0, 5, 1}, {4, 0, 30, 64}}, {{5, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 2}, {{4, 2, 0, 4, 7, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 30, 64}}, {{5, 4, 30}}},
     // rank 4 step 24: chunk 7 piece 3 to rank 5; wait entry[5], arrive[31]; r5:dst@7[3/4] = r4:dst@7[3/4]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 7, 3}, {{4, 2, 0, 4, 7, 3}}, {{3, 0, 5, 1}, {4, 0, 31, 64}}, {{5, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 3}, {{4, 2, 0, 4, 7, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 31, 64}}, {{5, 4, 31}}},
     // rank 4 step 25: chunk 6 piece 0 to rank 5; wait entry[5], arrive[24]; r5:dst@6[0/4] = r4:dst@6[0/4]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 6, 0}, {{4, 2, 0, 4, 6, 0}}, {{3, 0, 5, 1}, {4, 0, 24, 64}}, {{5, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 0}, {{4, 2, 0, 4, 6, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 24, 64}}, {{5, 4, 24}}},
     // rank 4 step 26: chunk 6 piece 1 to rank 5; wait entry[5], arrive[25]; r5:dst@6[1/4] = r4:dst@6[1/4]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 6, 1}, {{4, 2, 0, 4, 6, 1}}, {{3, 0, 5, 1}, {4, 0, 25, 64}}, {{5, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 1}, {{4, 2, 0, 4, 6, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 25, 64}}, {{5, 4, 25}}},
     // rank 4 step 27: chunk 6 piece 2 to rank 5; wait entry[5], arrive[26]; r5:dst@6[2/4] = r4:dst@6[2/4]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 6, 2}, {{4, 2, 0, 4, 6, 2}}, {{3, 0, 5, 1}, {4, 0, 26, 64}}, {{5, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 2}, {{4, 2, 0, 4, 6, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 26, 64}}, {{5, 4, 26}}},
     // rank 4 step 28: chunk 6 piece 3 to rank 5; wait entry[5], arrive[27]; r5:dst@6[3/4] = r4:dst@6[3/4]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 4, 6, 3}, {{4, 2, 0, 4, 6, 3}}, {{3, 0, 5, 1}, {4, 0, 27, 64}}, {{5, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 3}, {{4, 2, 0, 4, 6, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 27, 64}}, {{5, 4, 27}}},
     // rank 4 step 29: local copy, piece 0; r4:dst@4[0/4] = r4:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 4 step 30: local copy, piece 1; r4:dst@4[1/4] = r4:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 4 step 31: local copy, piece 2; r4:dst@4[2/4] = r4:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 4 step 32: local copy, piece 3; r4:dst@4[3/4] = r4:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {4, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 4 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 4 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 4 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 4 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 3, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},
     // rank 5 step 1: chunk 5 piece 0 to rank 6; wait entry[6]; r6:dst@5[0/4] = r5:src@0[0/4]; signal r6:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {{3, 0, 6, 1}}, {{6, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 20}}},
     // rank 5 step 2: chunk 5 piece 1 to rank 6; wait entry[6]; r6:dst@5[1/4] = r5:src@0[1/4]; signal r6:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {{3, 0, 6, 1}}, {{6, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 21}}},
     // rank 5 step 3: chunk 5 piece 2 to rank 6; wait entry[6]; r6:dst@5[2/4] = r5:src@0[2/4]; signal r6:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {{3, 0, 6, 1}}, {{6, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {{3, 0, 6, 1}}, {{6, 4, 22}}},
     // rank 5 step 4: chunk 5 piece 3 to rank 6; wait entry[6]; r6:dst@5[3/4] = r5:src@0[3/4]; signal r6:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {{3, 0, 6, 1}}, {{6, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {{3, 0, 6, 1}}, {{6, 4, 23}}},
     // rank 5 step 5: chunk 4 piece 0 to rank 6; wait entry[6], arrive[16]; r6:dst@4[0/4] = r5:dst@4[0/4]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 4, 0}, {{5, 2, 0, 4, 4, 0}}, {{3, 0, 6, 1}, {4, 0, 16, 64}}, {{6, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 0}, {{5, 2, 0, 4, 4, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 16, 64}}, {{6, 4, 16}}},
     // rank 5 step 6: chunk 4 piece 1 to rank 6; wait entry[6], arrive[17]; r6:dst@4[1/4] = r5:dst@4[1/4]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 4, 1}, {{5, 2, 0, 4, 4, 1}}, {{3, 0, 6, 1}, {4, 0, 17, 64}}, {{6, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 1}, {{5, 2, 0, 4, 4, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 17, 64}}, {{6, 4, 17}}},
     // rank 5 step 7: chunk 4 piece 2 to rank 6; wait entry[6], arrive[18]; r6:dst@4[2/4] = r5:dst@4[2/4]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 4, 2}, {{5, 2, 0, 4, 4, 2}}, {{3, 0, 6, 1}, {4, 0, 18, 64}}, {{6, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 2}, {{5, 2, 0, 4, 4, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 18, 64}}, {{6, 4, 18}}},
     // rank 5 step 8: chunk 4 piece 3 to rank 6; wait entry[6], arrive[19]; r6:dst@4[3/4] = r5:dst@4[3/4]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 4, 3}, {{5, 2, 0, 4, 4, 3}}, {{3, 0, 6, 1}, {4, 0, 19, 64}}, {{6, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 3}, {{5, 2, 0, 4, 4, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 19, 64}}, {{6, 4, 19}}},
     // rank 5 step 9: chunk 3 piece 0 to rank 6; wait entry[6], arrive[12]; r6:dst@3[0/4] = r5:dst@3[0/4]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 3, 0}, {{5, 2, 0, 4, 3, 0}}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 0}, {{5, 2, 0, 4, 3, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
     // rank 5 step 10: chunk 3 piece 1 to rank 6; wait entry[6], arrive[13]; r6:dst@3[1/4] = r5:dst@3[1/4]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 3, 1}, {{5, 2, 0, 4, 3, 1}}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 1}, {{5, 2, 0, 4, 3, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
     // rank 5 step 11: chunk 3 piece 2 to rank 6; wait entry[6], arrive[14]; r6:dst@3[2/4] = r5:dst@3[2/4]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 3, 2}, {{5, 2, 0, 4, 3, 2}}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 2}, {{5, 2, 0, 4, 3, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
     // rank 5 step 12: chunk 3 piece 3 to rank 6; wait entry[6], arrive[15]; r6:dst@3[3/4] = r5:dst@3[3/4]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 3, 3}, {{5, 2, 0, 4, 3, 3}}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 3}, {{5, 2, 0, 4, 3, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
     // rank 5 step 13: chunk 2 piece 0 to rank 6; wait entry[6], arrive[8]; r6:dst@2[0/4] = r5:dst@2[0/4]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 2, 0}, {{5, 2, 0, 4, 2, 0}}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 0}, {{5, 2, 0, 4, 2, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
     // rank 5 step 14: chunk 2 piece 1 to rank 6; wait entry[6], arrive[9]; r6:dst@2[1/4] = r5:dst@2[1/4]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 2, 1}, {{5, 2, 0, 4, 2, 1}}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 1}, {{5, 2, 0, 4, 2, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
     // rank 5 step 15: chunk 2 piece 2 to rank 6; wait entry[6], arrive[10]; r6:dst@2[2/4] = r5:dst@2[2/4]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 2, 2}, {{5, 2, 0, 4, 2, 2}}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 2}, {{5, 2, 0, 4, 2, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
     // rank 5 step 16: chunk 2 piece 3 to rank 6; wait entry[6], arrive[11]; r6:dst@2[3/4] = r5:dst@2[3/4]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 2, 3}, {{5, 2, 0, 4, 2, 3}}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 3}, {{5, 2, 0, 4, 2, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
     // rank 5 step 17: chunk 1 piece 0 to rank 6; wait entry[6], arrive[4]; r6:dst@1[0/4] = r5:dst@1[0/4]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 1, 0}, {{5, 2, 0, 4, 1, 0}}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 0}, {{5, 2, 0, 4, 1, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
     // rank 5 step 18: chunk 1 piece 1 to rank 6; wait entry[6], arrive[5]; r6:dst@1[1/4] = r5:dst@1[1/4]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 1, 1}, {{5, 2, 0, 4, 1, 1}}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 1}, {{5, 2, 0, 4, 1, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
     // rank 5 step 19: chunk 1 piece 2 to rank 6; wait entry[6], arrive[6]; r6:dst@1[2/4] = r5:dst@1[2/4]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 1, 2}, {{5, 2, 0, 4, 1, 2}}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 2}, {{5, 2, 0, 4, 1, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
     // rank 5 step 20: chunk 1 piece 3 to rank 6; wait entry[6], arrive[7]; r6:dst@1[3/4] = r5:dst@1[3/4]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 1, 3}, {{5, 2, 0, 4, 1, 3}}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 3}, {{5, 2, 0, 4, 1, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
     // rank 5 step 21: chunk 0 piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/4] = r5:dst@0[0/4]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 0, 0}, {{5, 2, 0, 4, 0, 0}}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 0}, {{5, 2, 0, 4, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
     // rank 5 step 22: chunk 0 piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/4] = r5:dst@0[1/4]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 0, 1}, {{5, 2, 0, 4, 0, 1}}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 1}, {{5, 2, 0, 4, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
     // rank 5 step 23: chunk 0 piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/4] = r5:dst@0[2/4]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 0, 2}, {{5, 2, 0, 4, 0, 2}}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 2}, {{5, 2, 0, 4, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
     // rank 5 step 24: chunk 0 piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/4] = r5:dst@0[3/4]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 0, 3}, {{5, 2, 0, 4, 0, 3}}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 3}, {{5, 2, 0, 4, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
     // rank 5 step 25: chunk 7 piece 0 to rank 6; wait entry[6], arrive[28]; r6:dst@7[0/4] = r5:dst@7[0/4]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 7, 0}, {{5, 2, 0, 4, 7, 0}}, {{3, 0, 6, 1}, {4, 0, 28, 64}}, {{6, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 0}, {{5, 2, 0, 4, 7, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 28, 64}}, {{6, 4, 28}}},
     // rank 5 step 26: chunk 7 piece 1 to rank 6; wait entry[6], arrive[29]; r6:dst@7[1/4] = r5:dst@7[1/4]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 7, 1}, {{5, 2, 0, 4, 7, 1}}, {{3, 0, 6, 1}, {4, 0, 29, 64}}, {{6, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 1}, {{5, 2, 0, 4, 7, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 29, 64}}, {{6, 4, 29}}},
     // rank 5 step 27: chunk 7 piece 2 to rank 6; wait entry[6], arrive[30]; r6:dst@7[2/4] = r5:dst@7[2/4]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 7, 2}, {{5, 2, 0, 4, 7, 2}}, {{3, 0, 6, 1}, {4, 0, 30, 64}}, {{6, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 2}, {{5, 2, 0, 4, 7, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 30, 64}}, {{6, 4, 30}}},
     // rank 5 step 28: chunk 7 piece 3 to rank 6; wait entry[6], arrive[31]; r6:dst@7[3/4] = r5:dst@7[3/4]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 4, 7, 3}, {{5, 2, 0, 4, 7, 3}}, {{3, 0, 6, 1}, {4, 0, 31, 64}}, {{6, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 3}, {{5, 2, 0, 4, 7, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 31, 64}}, {{6, 4, 31}}},
     // rank 5 step 29: local copy, piece 0; r5:dst@5[0/4] = r5:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 5 step 30: local copy, piece 1; r5:dst@5[1/4] = r5:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 5 step 31: local copy, piece 2; r5:dst@5[2/4] = r5:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 5 step 32: local copy, piece 3; r5:dst@5[3/4] = r5:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {5, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 5 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 5 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 5 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
     // rank 5 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{5, 3, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},
     // rank 6 step 1: chunk 6 piece 0 to rank 7; wait entry[7]; r7:dst@6[0/4] = r6:src@0[0/4]; signal r7:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {{3, 0, 7, 1}}, {{7, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 24}}},
     // rank 6 step 2: chunk 6 piece 1 to rank 7; wait entry[7]; r7:dst@6[1/4] = r6:src@0[1/4]; signal r7:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {{3, 0, 7, 1}}, {{7, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 25}}},
     // rank 6 step 3: chunk 6 piece 2 to rank 7; wait entry[7]; r7:dst@6[2/4] = r6:src@0[2/4]; signal r7:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {{3, 0, 7, 1}}, {{7, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {{3, 0, 7, 1}}, {{7, 4, 26}}},
     // rank 6 step 4: chunk 6 piece 3 to rank 7; wait entry[7]; r7:dst@6[3/4] = r6:src@0[3/4]; signal r7:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {{3, 0, 7, 1}}, {{7, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {{3, 0, 7, 1}}, {{7, 4, 27}}},
     // rank 6 step 5: chunk 5 piece 0 to rank 7; wait entry[7], arrive[20]; r7:dst@5[0/4] = r6:dst@5[0/4]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 5, 0}, {{6, 2, 0, 4, 5, 0}}, {{3, 0, 7, 1}, {4, 0, 20, 64}}, {{7, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 0}, {{6, 2, 0, 4, 5, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 20, 64}}, {{7, 4, 20}}},
     // rank 6 step 6: chunk 5 piece 1 to rank 7; wait entry[7], arrive[21]; r7:dst@5[1/4] = r6:dst@5[1/4]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 5, 1}, {{6, 2, 0, 4, 5, 1}}, {{3, 0, 7, 1}, {4, 0, 21, 64}}, {{7, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 1}, {{6, 2, 0, 4, 5, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 21, 64}}, {{7, 4, 21}}},
     // rank 6 step 7: chunk 5 piece 2 to rank 7; wait entry[7], arrive[22]; r7:dst@5[2/4] = r6:dst@5[2/4]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 5, 2}, {{6, 2, 0, 4, 5, 2}}, {{3, 0, 7, 1}, {4, 0, 22, 64}}, {{7, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 2}, {{6, 2, 0, 4, 5, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 22, 64}}, {{7, 4, 22}}},
     // rank 6 step 8: chunk 5 piece 3 to rank 7; wait entry[7], arrive[23]; r7:dst@5[3/4] = r6:dst@5[3/4]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 5, 3}, {{6, 2, 0, 4, 5, 3}}, {{3, 0, 7, 1}, {4, 0, 23, 64}}, {{7, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 3}, {{6, 2, 0, 4, 5, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 23, 64}}, {{7, 4, 23}}},
     // rank 6 step 9: chunk 4 piece 0 to rank 7; wait entry[7], arrive[16]; r7:dst@4[0/4] = r6:dst@4[0/4]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 4, 0}, {{6, 2, 0, 4, 4, 0}}, {{3, 0, 7, 1}, {4, 0, 16, 64}}, {{7, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 0}, {{6, 2, 0, 4, 4, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 16, 64}}, {{7, 4, 16}}},
     // rank 6 step 10: chunk 4 piece 1 to rank 7; wait entry[7], arrive[17]; r7:dst@4[1/4] = r6:dst@4[1/4]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 4, 1}, {{6, 2, 0, 4, 4, 1}}, {{3, 0, 7, 1}, {4, 0, 17, 64}}, {{7, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 1}, {{6, 2, 0, 4, 4, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 17, 64}}, {{7, 4, 17}}},
     // rank 6 step 11: chunk 4 piece 2 to rank 7; wait entry[7], arrive[18]; r7:dst@4[2/4] = r6:dst@4[2/4]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 4, 2}, {{6, 2, 0, 4, 4, 2}}, {{3, 0, 7, 1}, {4, 0, 18, 64}}, {{7, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 2}, {{6, 2, 0, 4, 4, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 18, 64}}, {{7, 4, 18}}},
     // rank 6 step 12: chunk 4 piece 3 to rank 7; wait entry[7], arrive[19]; r7:dst@4[3/4] = r6:dst@4[3/4]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 4, 3}, {{6, 2, 0, 4, 4, 3}}, {{3, 0, 7, 1}, {4, 0, 19, 64}}, {{7, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 3}, {{6, 2, 0, 4, 4, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 19, 64}}, {{7, 4, 19}}},
     // rank 6 step 13: chunk 3 piece 0 to rank 7; wait entry[7], arrive[12]; r7:dst@3[0/4] = r6:dst@3[0/4]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 3, 0}, {{6, 2, 0, 4, 3, 0}}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 0}, {{6, 2, 0, 4, 3, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
     // rank 6 step 14: chunk 3 piece 1 to rank 7; wait entry[7], arrive[13]; r7:dst@3[1/4] = r6:dst@3[1/4]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 3, 1}, {{6, 2, 0, 4, 3, 1}}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 1}, {{6, 2, 0, 4, 3, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
     // rank 6 step 15: chunk 3 piece 2 to rank 7; wait entry[7], arrive[14]; r7:dst@3[2/4] = r6:dst@3[2/4]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 3, 2}, {{6, 2, 0, 4, 3, 2}}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 2}, {{6, 2, 0, 4, 3, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
     // rank 6 step 16: chunk 3 piece 3 to rank 7; wait entry[7], arrive[15]; r7:dst@3[3/4] = r6:dst@3[3/4]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 3, 3}, {{6, 2, 0, 4, 3, 3}}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 3}, {{6, 2, 0, 4, 3, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
     // rank 6 step 17: chunk 2 piece 0 to rank 7; wait entry[7], arrive[8]; r7:dst@2[0/4] = r6:dst@2[0/4]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 2, 0}, {{6, 2, 0, 4, 2, 0}}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 0}, {{6, 2, 0, 4, 2, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
     // rank 6 step 18: chunk 2 piece 1 to rank 7; wait entry[7], arrive[9]; r7:dst@2[1/4] = r6:dst@2[1/4]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 2, 1}, {{6, 2, 0, 4, 2, 1}}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 1}, {{6, 2, 0, 4, 2, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
     // rank 6 step 19: chunk 2 piece 2 to rank 7; wait entry[7], arrive[10]; r7:dst@2[2/4] = r6:dst@2[2/4]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 2, 2}, {{6, 2, 0, 4, 2, 2}}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 2}, {{6, 2, 0, 4, 2, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
     // rank 6 step 20: chunk 2 piece 3 to rank 7; wait entry[7], arrive[11]; r7:dst@2[3/4] = r6:dst@2[3/4]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 2, 3}, {{6, 2, 0, 4, 2, 3}}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 3}, {{6, 2, 0, 4, 2, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
     // rank 6 step 21: chunk 1 piece 0 to rank 7; wait entry[7], arrive[4]; r7:dst@1[0/4] = r6:dst@1[0/4]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 1, 0}, {{6, 2, 0, 4, 1, 0}}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 0}, {{6, 2, 0, 4, 1, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
     // rank 6 step 22: chunk 1 piece 1 to rank 7; wait entry[7], arrive[5]; r7:dst@1[1/4] = r6:dst@1[1/4]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 1, 1}, {{6, 2, 0, 4, 1, 1}}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 1}, {{6, 2, 0, 4, 1, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
     // rank 6 step 23: chunk 1 piece 2 to rank 7; wait entry[7], arrive[6]; r7:dst@1[2/4] = r6:dst@1[2/4]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 1, 2}, {{6, 2, 0, 4, 1, 2}}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 2}, {{6, 2, 0, 4, 1, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
     // rank 6 step 24: chunk 1 piece 3 to rank 7; wait entry[7], arrive[7]; r7:dst@1[3/4] = r6:dst@1[3/4]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 1, 3}, {{6, 2, 0, 4, 1, 3}}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 3}, {{6, 2, 0, 4, 1, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
     // rank 6 step 25: chunk 0 piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/4] = r6:dst@0[0/4]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 0, 0}, {{6, 2, 0, 4, 0, 0}}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 0}, {{6, 2, 0, 4, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
     // rank 6 step 26: chunk 0 piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/4] = r6:dst@0[1/4]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 0, 1}, {{6, 2, 0, 4, 0, 1}}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 1}, {{6, 2, 0, 4, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
     // rank 6 step 27: chunk 0 piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/4] = r6:dst@0[2/4]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 0, 2}, {{6, 2, 0, 4, 0, 2}}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 2}, {{6, 2, 0, 4, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
     // rank 6 step 28: chunk 0 piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/4] = r6:dst@0[3/4]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 4, 0, 3}, {{6, 2, 0, 4, 0, 3}}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 3}, {{6, 2, 0, 4, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
     // rank 6 step 29: local copy, piece 0; r6:dst@6[0/4] = r6:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 6 step 30: local copy, piece 1; r6:dst@6[1/4] = r6:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 6 step 31: local copy, piece 2; r6:dst@6[2/4] = r6:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 6 step 32: local copy, piece 3; r6:dst@6[3/4] = r6:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {6, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 6 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 6 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 6 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
     // rank 6 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 3, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},
     // rank 7 step 1: chunk 7 piece 0 to rank 0; wait entry[0]; r0:dst@7[0/4] = r7:src@0[0/4]; signal r0:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 28}}},
     // rank 7 step 2: chunk 7 piece 1 to rank 0; wait entry[0]; r0:dst@7[1/4] = r7:src@0[1/4]; signal r0:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 29}}},
     // rank 7 step 3: chunk 7 piece 2 to rank 0; wait entry[0]; r0:dst@7[2/4] = r7:src@0[2/4]; signal r0:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {{3, 0, 0, 1}}, {{0, 4, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 30}}},
     // rank 7 step 4: chunk 7 piece 3 to rank 0; wait entry[0]; r0:dst@7[3/4] = r7:src@0[3/4]; signal r0:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {{3, 0, 0, 1}}, {{0, 4, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 31}}},
     // rank 7 step 5: chunk 6 piece 0 to rank 0; wait entry[0], arrive[24]; r0:dst@6[0/4] = r7:dst@6[0/4]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 6, 0}, {{7, 2, 0, 4, 6, 0}}, {{3, 0, 0, 1}, {4, 0, 24, 64}}, {{0, 4, 24}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 0}, {{7, 2, 0, 4, 6, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 24, 64}}, {{0, 4, 24}}},
     // rank 7 step 6: chunk 6 piece 1 to rank 0; wait entry[0], arrive[25]; r0:dst@6[1/4] = r7:dst@6[1/4]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 6, 1}, {{7, 2, 0, 4, 6, 1}}, {{3, 0, 0, 1}, {4, 0, 25, 64}}, {{0, 4, 25}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 1}, {{7, 2, 0, 4, 6, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 25, 64}}, {{0, 4, 25}}},
     // rank 7 step 7: chunk 6 piece 2 to rank 0; wait entry[0], arrive[26]; r0:dst@6[2/4] = r7:dst@6[2/4]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 6, 2}, {{7, 2, 0, 4, 6, 2}}, {{3, 0, 0, 1}, {4, 0, 26, 64}}, {{0, 4, 26}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 2}, {{7, 2, 0, 4, 6, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 26, 64}}, {{0, 4, 26}}},
     // rank 7 step 8: chunk 6 piece 3 to rank 0; wait entry[0], arrive[27]; r0:dst@6[3/4] = r7:dst@6[3/4]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 6, 3}, {{7, 2, 0, 4, 6, 3}}, {{3, 0, 0, 1}, {4, 0, 27, 64}}, {{0, 4, 27}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 3}, {{7, 2, 0, 4, 6, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 27, 64}}, {{0, 4, 27}}},
     // rank 7 step 9: chunk 5 piece 0 to rank 0; wait entry[0], arrive[20]; r0:dst@5[0/4] = r7:dst@5[0/4]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 5, 0}, {{7, 2, 0, 4, 5, 0}}, {{3, 0, 0, 1}, {4, 0, 20, 64}}, {{0, 4, 20}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 0}, {{7, 2, 0, 4, 5, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 20, 64}}, {{0, 4, 20}}},
     // rank 7 step 10: chunk 5 piece 1 to rank 0; wait entry[0], arrive[21]; r0:dst@5[1/4] = r7:dst@5[1/4]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 5, 1}, {{7, 2, 0, 4, 5, 1}}, {{3, 0, 0, 1}, {4, 0, 21, 64}}, {{0, 4, 21}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 1}, {{7, 2, 0, 4, 5, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 21, 64}}, {{0, 4, 21}}},
     // rank 7 step 11: chunk 5 piece 2 to rank 0; wait entry[0], arrive[22]; r0:dst@5[2/4] = r7:dst@5[2/4]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 5, 2}, {{7, 2, 0, 4, 5, 2}}, {{3, 0, 0, 1}, {4, 0, 22, 64}}, {{0, 4, 22}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 2}, {{7, 2, 0, 4, 5, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 22, 64}}, {{0, 4, 22}}},
     // rank 7 step 12: chunk 5 piece 3 to rank 0; wait entry[0], arrive[23]; r0:dst@5[3/4] = r7:dst@5[3/4]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 5, 3}, {{7, 2, 0, 4, 5, 3}}, {{3, 0, 0, 1}, {4, 0, 23, 64}}, {{0, 4, 23}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 3}, {{7, 2, 0, 4, 5, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 23, 64}}, {{0, 4, 23}}},
     // rank 7 step 13: chunk 4 piece 0 to rank 0; wait entry[0], arrive[16]; r0:dst@4[0/4] = r7:dst@4[0/4]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 4, 0}, {{7, 2, 0, 4, 4, 0}}, {{3, 0, 0, 1}, {4, 0, 16, 64}}, {{0, 4, 16}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 0}, {{7, 2, 0, 4, 4, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 16, 64}}, {{0, 4, 16}}},
     // rank 7 step 14: chunk 4 piece 1 to rank 0; wait entry[0], arrive[17]; r0:dst@4[1/4] = r7:dst@4[1/4]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 4, 1}, {{7, 2, 0, 4, 4, 1}}, {{3, 0, 0, 1}, {4, 0, 17, 64}}, {{0, 4, 17}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 1}, {{7, 2, 0, 4, 4, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 17, 64}}, {{0, 4, 17}}},
     // rank 7 step 15: chunk 4 piece 2 to rank 0; wait entry[0], arrive[18]; r0:dst@4[2/4] = r7:dst@4[2/4]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 4, 2}, {{7, 2, 0, 4, 4, 2}}, {{3, 0, 0, 1}, {4, 0, 18, 64}}, {{0, 4, 18}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 2}, {{7, 2, 0, 4, 4, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 18, 64}}, {{0, 4, 18}}},
     // rank 7 step 16: chunk 4 piece 3 to rank 0; wait entry[0], arrive[19]; r0:dst@4[3/4] = r7:dst@4[3/4]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 4, 3}, {{7, 2, 0, 4, 4, 3}}, {{3, 0, 0, 1}, {4, 0, 19, 64}}, {{0, 4, 19}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 3}, {{7, 2, 0, 4, 4, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 19, 64}}, {{0, 4, 19}}},
     // rank 7 step 17: chunk 3 piece 0 to rank 0; wait entry[0], arrive[12]; r0:dst@3[0/4] = r7:dst@3[0/4]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 3, 0}, {{7, 2, 0, 4, 3, 0}}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 0}, {{7, 2, 0, 4, 3, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
     // rank 7 step 18: chunk 3 piece 1 to rank 0; wait entry[0], arrive[13]; r0:dst@3[1/4] = r7:dst@3[1/4]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 3, 1}, {{7, 2, 0, 4, 3, 1}}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 1}, {{7, 2, 0, 4, 3, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
     // rank 7 step 19: chunk 3 piece 2 to rank 0; wait entry[0], arrive[14]; r0:dst@3[2/4] = r7:dst@3[2/4]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 3, 2}, {{7, 2, 0, 4, 3, 2}}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 2}, {{7, 2, 0, 4, 3, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
     // rank 7 step 20: chunk 3 piece 3 to rank 0; wait entry[0], arrive[15]; r0:dst@3[3/4] = r7:dst@3[3/4]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 3, 3}, {{7, 2, 0, 4, 3, 3}}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 3}, {{7, 2, 0, 4, 3, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
     // rank 7 step 21: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r7:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 0}, {{7, 2, 0, 4, 2, 0}}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{7, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
     // rank 7 step 22: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r7:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 1}, {{7, 2, 0, 4, 2, 1}}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{7, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
     // rank 7 step 23: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r7:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 2}, {{7, 2, 0, 4, 2, 2}}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{7, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
     // rank 7 step 24: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r7:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 2, 3}, {{7, 2, 0, 4, 2, 3}}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{7, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
     // rank 7 step 25: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r7:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 0}, {{7, 2, 0, 4, 1, 0}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{7, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 7 step 26: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r7:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 1}, {{7, 2, 0, 4, 1, 1}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{7, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 7 step 27: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r7:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 2}, {{7, 2, 0, 4, 1, 2}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{7, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 7 step 28: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r7:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 4, 1, 3}, {{7, 2, 0, 4, 1, 3}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{7, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 7 step 29: local copy, piece 0; r7:dst@7[0/4] = r7:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {}, {}},
     // rank 7 step 30: local copy, piece 1; r7:dst@7[1/4] = r7:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {}, {}},
     // rank 7 step 31: local copy, piece 2; r7:dst@7[2/4] = r7:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {}, {}},
     // rank 7 step 32: local copy, piece 3; r7:dst@7[3/4] = r7:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {7, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {}, {}},
     // rank 7 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 7 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 7 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
     // rank 7 step 36: wait for every chunk; wait arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 4, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 37, 74, 111, 148, 185, 222, 259 };
 static __device__ const tsgen_share shares_w8[] = {

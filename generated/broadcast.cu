@@ -867,6 +867,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -895,9 +896,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1075,6 +1077,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1109,6 +1129,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1116,6 +1146,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1124,7 +1155,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1165,13 +1200,13 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "e
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 1 step 0: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
     // rank 1 step 1: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 2 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1254,19 +1289,19 @@ static __device__ const uint16_t first_w2[2][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
     // rank 1 step 2: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 2, 5 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -1384,25 +1419,25 @@ static __device__ const uint16_t first_w3[3][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
     // rank 1 step 3: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},
     // rank 3 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 2, 6, 8 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -1555,49 +1590,49 @@ static __device__ const uint16_t first_w4[4][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 1 step 2: put to rank 4; wait entry[4]; r4:dst@0 = r1:src@0; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
     // rank 1 step 3: put to rank 5; wait entry[5]; r5:dst@0 = r1:src@0; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
     // rank 1 step 4: put to rank 6; wait entry[6]; r6:dst@0 = r1:src@0; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
     // rank 1 step 5: put to rank 7; wait entry[7]; r7:dst@0 = r1:src@0; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
     // rank 1 step 6: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
     // rank 1 step 7: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},
     // rank 3 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r1:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 4}}},
     // rank 4 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r1:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 5}}},
     // rank 5 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r1:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 6}}},
     // rank 6 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r1:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 7}}},
     // rank 7 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 2, 10, 12, 14, 16, 18, 20 };
 static __device__ const tsgen_share shares_w8[] = {

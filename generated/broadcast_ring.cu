@@ -872,6 +872,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -900,9 +901,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1080,6 +1082,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1114,6 +1134,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1121,6 +1151,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1129,7 +1160,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1170,75 +1205,75 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "e
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 1 step 0: piece 0 to rank 0; wait entry[0]; r0:dst@0[0/16] = r1:src@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
     // rank 1 step 1: piece 1 to rank 0; wait entry[0]; r0:dst@0[1/16] = r1:src@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
     // rank 1 step 2: piece 2 to rank 0; wait entry[0]; r0:dst@0[2/16] = r1:src@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 3: piece 3 to rank 0; wait entry[0]; r0:dst@0[3/16] = r1:src@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 4: piece 4 to rank 0; wait entry[0]; r0:dst@0[4/16] = r1:src@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 1 step 5: piece 5 to rank 0; wait entry[0]; r0:dst@0[5/16] = r1:src@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 1 step 6: piece 6 to rank 0; wait entry[0]; r0:dst@0[6/16] = r1:src@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 1 step 7: piece 7 to rank 0; wait entry[0]; r0:dst@0[7/16] = r1:src@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 1 step 8: piece 8 to rank 0; wait entry[0]; r0:dst@0[8/16] = r1:src@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
     // rank 1 step 9: piece 9 to rank 0; wait entry[0]; r0:dst@0[9/16] = r1:src@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
     // rank 1 step 10: piece 10 to rank 0; wait entry[0]; r0:dst@0[10/16] = r1:src@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
     // rank 1 step 11: piece 11 to rank 0; wait entry[0]; r0:dst@0[11/16] = r1:src@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
     // rank 1 step 12: piece 12 to rank 0; wait entry[0]; r0:dst@0[12/16] = r1:src@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
     // rank 1 step 13: piece 13 to rank 0; wait entry[0]; r0:dst@0[13/16] = r1:src@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
     // rank 1 step 14: piece 14 to rank 0; wait entry[0]; r0:dst@0[14/16] = r1:src@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
     // rank 1 step 15: piece 15 to rank 0; wait entry[0]; r0:dst@0[15/16] = r1:src@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
     // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
     // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
     // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
     // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
     // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
     // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
     // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
     // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
     // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
     // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
     // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
     // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
     // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
     // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
     // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
     // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1643,109 +1678,109 @@ static __device__ const uint16_t first_w2[2][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},
     // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
     // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
     // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
     // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
     // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
     // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
     // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
     // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
     // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
     // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
     // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
     // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
     // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
     // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
     // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
     // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
     // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
     // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
     // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
     // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
     // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
     // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
     // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
     // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r2:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
     // rank 2 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r2:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
     // rank 2 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r2:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
     // rank 2 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r2:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
     // rank 2 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 2 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 2 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r2:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 2 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r2:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 2 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r2:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
     // rank 2 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r2:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
     // rank 2 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r2:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
     // rank 2 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r2:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
     // rank 2 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r2:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
     // rank 2 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r2:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
     // rank 2 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r2:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
     // rank 2 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r2:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
 };
 static __device__ const int step_base_w3[3] = { 0, 3, 35 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2343,143 +2378,143 @@ static __device__ const uint16_t first_w3[3][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},
     // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
     // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
     // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
     // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
     // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
     // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
     // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
     // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
     // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
     // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
     // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
     // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
     // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
     // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
     // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
     // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
     // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
     // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
     // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
     // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
     // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
     // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
     // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
     // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
     // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
     // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
     // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
     // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
     // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
     // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
     // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
     // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
     // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
     // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
     // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
     // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
     // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
     // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
     // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
     // rank 3 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r3:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
     // rank 3 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r3:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
     // rank 3 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r3:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
     // rank 3 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r3:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
     // rank 3 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 3 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 3 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 3 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 3 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
     // rank 3 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
     // rank 3 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
     // rank 3 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
     // rank 3 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
     // rank 3 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
     // rank 3 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
     // rank 3 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
 };
 static __device__ const int step_base_w4[4] = { 0, 3, 35, 52 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -3270,279 +3305,279 @@ static __device__ const uint16_t first_w4[4][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},
     // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
     // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, {0, 0, 0, 1, 0, 0}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
     // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
     // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
     // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
     // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
     // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
     // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
     // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
     // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
     // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
     // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
     // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
     // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
     // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
     // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
     // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
     // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
     // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
     // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
     // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
     // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
     // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
     // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
     // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
     // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
     // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
     // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}},
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
     // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
     // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
     // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
     // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
     // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
     // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
     // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
     // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
     // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
     // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
     // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
     // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
     // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
     // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
     // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
     // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
     // rank 3 step 1: piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/16] = r3:dst@0[0/16]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
     // rank 3 step 2: piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/16] = r3:dst@0[1/16]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
     // rank 3 step 3: piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/16] = r3:dst@0[2/16]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
     // rank 3 step 4: piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/16] = r3:dst@0[3/16]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
     // rank 3 step 5: piece 4 to rank 4; wait entry[4], arrive[4]; r4:dst@0[4/16] = r3:dst@0[4/16]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
     // rank 3 step 6: piece 5 to rank 4; wait entry[4], arrive[5]; r4:dst@0[5/16] = r3:dst@0[5/16]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
     // rank 3 step 7: piece 6 to rank 4; wait entry[4], arrive[6]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
     // rank 3 step 8: piece 7 to rank 4; wait entry[4], arrive[7]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
     // rank 3 step 9: piece 8 to rank 4; wait entry[4], arrive[8]; r4:dst@0[8/16] = r3:dst@0[8/16]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
     // rank 3 step 10: piece 9 to rank 4; wait entry[4], arrive[9]; r4:dst@0[9/16] = r3:dst@0[9/16]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
     // rank 3 step 11: piece 10 to rank 4; wait entry[4], arrive[10]; r4:dst@0[10/16] = r3:dst@0[10/16]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
     // rank 3 step 12: piece 11 to rank 4; wait entry[4], arrive[11]; r4:dst@0[11/16] = r3:dst@0[11/16]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
     // rank 3 step 13: piece 12 to rank 4; wait entry[4], arrive[12]; r4:dst@0[12/16] = r3:dst@0[12/16]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {{3, 0, 4, 1}, {4, 0, 12, 64}}, {{4, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 4, 1}, {4, 0, 12, 64}}, {{4, 4, 12}}},
     // rank 3 step 14: piece 13 to rank 4; wait entry[4], arrive[13]; r4:dst@0[13/16] = r3:dst@0[13/16]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {{3, 0, 4, 1}, {4, 0, 13, 64}}, {{4, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 4, 1}, {4, 0, 13, 64}}, {{4, 4, 13}}},
     // rank 3 step 15: piece 14 to rank 4; wait entry[4], arrive[14]; r4:dst@0[14/16] = r3:dst@0[14/16]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {{3, 0, 4, 1}, {4, 0, 14, 64}}, {{4, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 4, 1}, {4, 0, 14, 64}}, {{4, 4, 14}}},
     // rank 3 step 16: piece 15 to rank 4; wait entry[4], arrive[15]; r4:dst@0[15/16] = r3:dst@0[15/16]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {4, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {{3, 0, 4, 1}, {4, 0, 15, 64}}, {{4, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 4, 1}, {4, 0, 15, 64}}, {{4, 4, 15}}},
     // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 3, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},
     // rank 4 step 1: piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/16] = r4:dst@0[0/16]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 0}, {{4, 2, 0, 16, 0, 0}}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 0}, {{4, 2, 0, 16, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
     // rank 4 step 2: piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/16] = r4:dst@0[1/16]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 1}, {{4, 2, 0, 16, 0, 1}}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 1}, {{4, 2, 0, 16, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
     // rank 4 step 3: piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/16] = r4:dst@0[2/16]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 2}, {{4, 2, 0, 16, 0, 2}}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 2}, {{4, 2, 0, 16, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
     // rank 4 step 4: piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/16] = r4:dst@0[3/16]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 3}, {{4, 2, 0, 16, 0, 3}}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 3}, {{4, 2, 0, 16, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
     // rank 4 step 5: piece 4 to rank 5; wait entry[5], arrive[4]; r5:dst@0[4/16] = r4:dst@0[4/16]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 4}, {{4, 2, 0, 16, 0, 4}}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 4}, {{4, 2, 0, 16, 0, 4}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
     // rank 4 step 6: piece 5 to rank 5; wait entry[5], arrive[5]; r5:dst@0[5/16] = r4:dst@0[5/16]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 5}, {{4, 2, 0, 16, 0, 5}}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 5}, {{4, 2, 0, 16, 0, 5}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
     // rank 4 step 7: piece 6 to rank 5; wait entry[5], arrive[6]; r5:dst@0[6/16] = r4:dst@0[6/16]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 6}, {{4, 2, 0, 16, 0, 6}}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 6}, {{4, 2, 0, 16, 0, 6}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
     // rank 4 step 8: piece 7 to rank 5; wait entry[5], arrive[7]; r5:dst@0[7/16] = r4:dst@0[7/16]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 7}, {{4, 2, 0, 16, 0, 7}}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 7}, {{4, 2, 0, 16, 0, 7}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
     // rank 4 step 9: piece 8 to rank 5; wait entry[5], arrive[8]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
     // rank 4 step 10: piece 9 to rank 5; wait entry[5], arrive[9]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
     // rank 4 step 11: piece 10 to rank 5; wait entry[5], arrive[10]; r5:dst@0[10/16] = r4:dst@0[10/16]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 10}, {{4, 2, 0, 16, 0, 10}}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 10}, {{4, 2, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
     // rank 4 step 12: piece 11 to rank 5; wait entry[5], arrive[11]; r5:dst@0[11/16] = r4:dst@0[11/16]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 11}, {{4, 2, 0, 16, 0, 11}}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 11}, {{4, 2, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
     // rank 4 step 13: piece 12 to rank 5; wait entry[5], arrive[12]; r5:dst@0[12/16] = r4:dst@0[12/16]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 12}, {{4, 2, 0, 16, 0, 12}}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 12}, {{4, 2, 0, 16, 0, 12}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
     // rank 4 step 14: piece 13 to rank 5; wait entry[5], arrive[13]; r5:dst@0[13/16] = r4:dst@0[13/16]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 13}, {{4, 2, 0, 16, 0, 13}}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 13}, {{4, 2, 0, 16, 0, 13}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
     // rank 4 step 15: piece 14 to rank 5; wait entry[5], arrive[14]; r5:dst@0[14/16] = r4:dst@0[14/16]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 14}, {{4, 2, 0, 16, 0, 14}}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 14}, {{4, 2, 0, 16, 0, 14}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
     // rank 4 step 16: piece 15 to rank 5; wait entry[5], arrive[15]; r5:dst@0[15/16] = r4:dst@0[15/16]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {5, 2, 0, 16, 0, 15}, {{4, 2, 0, 16, 0, 15}}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 15}, {{4, 2, 0, 16, 0, 15}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
     // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 3, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},
     // rank 5 step 1: piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/16] = r5:dst@0[0/16]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 0}, {{5, 2, 0, 16, 0, 0}}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 0}, {{5, 2, 0, 16, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
     // rank 5 step 2: piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/16] = r5:dst@0[1/16]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 1}, {{5, 2, 0, 16, 0, 1}}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 1}, {{5, 2, 0, 16, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
     // rank 5 step 3: piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/16] = r5:dst@0[2/16]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 2}, {{5, 2, 0, 16, 0, 2}}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 2}, {{5, 2, 0, 16, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
     // rank 5 step 4: piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/16] = r5:dst@0[3/16]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 3}, {{5, 2, 0, 16, 0, 3}}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 3}, {{5, 2, 0, 16, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
     // rank 5 step 5: piece 4 to rank 6; wait entry[6], arrive[4]; r6:dst@0[4/16] = r5:dst@0[4/16]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 4}, {{5, 2, 0, 16, 0, 4}}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 4}, {{5, 2, 0, 16, 0, 4}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
     // rank 5 step 6: piece 5 to rank 6; wait entry[6], arrive[5]; r6:dst@0[5/16] = r5:dst@0[5/16]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 5}, {{5, 2, 0, 16, 0, 5}}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 5}, {{5, 2, 0, 16, 0, 5}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
     // rank 5 step 7: piece 6 to rank 6; wait entry[6], arrive[6]; r6:dst@0[6/16] = r5:dst@0[6/16]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 6}, {{5, 2, 0, 16, 0, 6}}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 6}, {{5, 2, 0, 16, 0, 6}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
     // rank 5 step 8: piece 7 to rank 6; wait entry[6], arrive[7]; r6:dst@0[7/16] = r5:dst@0[7/16]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 7}, {{5, 2, 0, 16, 0, 7}}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 7}, {{5, 2, 0, 16, 0, 7}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
     // rank 5 step 9: piece 8 to rank 6; wait entry[6], arrive[8]; r6:dst@0[8/16] = r5:dst@0[8/16]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 8}, {{5, 2, 0, 16, 0, 8}}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 8}, {{5, 2, 0, 16, 0, 8}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
     // rank 5 step 10: piece 9 to rank 6; wait entry[6], arrive[9]; r6:dst@0[9/16] = r5:dst@0[9/16]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 9}, {{5, 2, 0, 16, 0, 9}}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 9}, {{5, 2, 0, 16, 0, 9}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
     // rank 5 step 11: piece 10 to rank 6; wait entry[6], arrive[10]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
     // rank 5 step 12: piece 11 to rank 6; wait entry[6], arrive[11]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
     // rank 5 step 13: piece 12 to rank 6; wait entry[6], arrive[12]; r6:dst@0[12/16] = r5:dst@0[12/16]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 12}, {{5, 2, 0, 16, 0, 12}}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 12}, {{5, 2, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
     // rank 5 step 14: piece 13 to rank 6; wait entry[6], arrive[13]; r6:dst@0[13/16] = r5:dst@0[13/16]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 13}, {{5, 2, 0, 16, 0, 13}}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 13}, {{5, 2, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
     // rank 5 step 15: piece 14 to rank 6; wait entry[6], arrive[14]; r6:dst@0[14/16] = r5:dst@0[14/16]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 14}, {{5, 2, 0, 16, 0, 14}}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 14}, {{5, 2, 0, 16, 0, 14}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
     // rank 5 step 16: piece 15 to rank 6; wait entry[6], arrive[15]; r6:dst@0[15/16] = r5:dst@0[15/16]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {6, 2, 0, 16, 0, 15}, {{5, 2, 0, 16, 0, 15}}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 15}, {{5, 2, 0, 16, 0, 15}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
     // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{5, 3, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},
     // rank 6 step 1: piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/16] = r6:dst@0[0/16]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 0}, {{6, 2, 0, 16, 0, 0}}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 0}, {{6, 2, 0, 16, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
     // rank 6 step 2: piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/16] = r6:dst@0[1/16]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 1}, {{6, 2, 0, 16, 0, 1}}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 1}, {{6, 2, 0, 16, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
     // rank 6 step 3: piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/16] = r6:dst@0[2/16]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 2}, {{6, 2, 0, 16, 0, 2}}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 2}, {{6, 2, 0, 16, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
     // rank 6 step 4: piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/16] = r6:dst@0[3/16]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 3}, {{6, 2, 0, 16, 0, 3}}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 3}, {{6, 2, 0, 16, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
     // rank 6 step 5: piece 4 to rank 7; wait entry[7], arrive[4]; r7:dst@0[4/16] = r6:dst@0[4/16]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 4}, {{6, 2, 0, 16, 0, 4}}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 4}, {{6, 2, 0, 16, 0, 4}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
     // rank 6 step 6: piece 5 to rank 7; wait entry[7], arrive[5]; r7:dst@0[5/16] = r6:dst@0[5/16]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 5}, {{6, 2, 0, 16, 0, 5}}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 5}, {{6, 2, 0, 16, 0, 5}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
     // rank 6 step 7: piece 6 to rank 7; wait entry[7], arrive[6]; r7:dst@0[6/16] = r6:dst@0[6/16]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 6}, {{6, 2, 0, 16, 0, 6}}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 6}, {{6, 2, 0, 16, 0, 6}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
     // rank 6 step 8: piece 7 to rank 7; wait entry[7], arrive[7]; r7:dst@0[7/16] = r6:dst@0[7/16]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 7}, {{6, 2, 0, 16, 0, 7}}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 7}, {{6, 2, 0, 16, 0, 7}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
     // rank 6 step 9: piece 8 to rank 7; wait entry[7], arrive[8]; r7:dst@0[8/16] = r6:dst@0[8/16]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 8}, {{6, 2, 0, 16, 0, 8}}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 8}, {{6, 2, 0, 16, 0, 8}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
     // rank 6 step 10: piece 9 to rank 7; wait entry[7], arrive[9]; r7:dst@0[9/16] = r6:dst@0[9/16]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 9}, {{6, 2, 0, 16, 0, 9}}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 9}, {{6, 2, 0, 16, 0, 9}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
     // rank 6 step 11: piece 10 to rank 7; wait entry[7], arrive[10]; r7:dst@0[10/16] = r6:dst@0[10/16]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 10}, {{6, 2, 0, 16, 0, 10}}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 10}, {{6, 2, 0, 16, 0, 10}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
     // rank 6 step 12: piece 11 to rank 7; wait entry[7], arrive[11]; r7:dst@0[11/16] = r6:dst@0[11/16]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 11}, {{6, 2, 0, 16, 0, 11}}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 11}, {{6, 2, 0, 16, 0, 11}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
     // rank 6 step 13: piece 12 to rank 7; wait entry[7], arrive[12]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
     // rank 6 step 14: piece 13 to rank 7; wait entry[7], arrive[13]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
     // rank 6 step 15: piece 14 to rank 7; wait entry[7], arrive[14]; r7:dst@0[14/16] = r6:dst@0[14/16]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 14}, {{6, 2, 0, 16, 0, 14}}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 14}, {{6, 2, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
     // rank 6 step 16: piece 15 to rank 7; wait entry[7], arrive[15]; r7:dst@0[15/16] = r6:dst@0[15/16]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {7, 2, 0, 16, 0, 15}, {{6, 2, 0, 16, 0, 15}}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 15}, {{6, 2, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
     // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 3, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},
     // rank 7 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r7:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 0}, {{7, 2, 0, 16, 0, 0}}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{7, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
     // rank 7 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r7:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 1}, {{7, 2, 0, 16, 0, 1}}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{7, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
     // rank 7 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r7:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 2}, {{7, 2, 0, 16, 0, 2}}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{7, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
     // rank 7 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r7:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 3}, {{7, 2, 0, 16, 0, 3}}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{7, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
     // rank 7 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r7:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 4}, {{7, 2, 0, 16, 0, 4}}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{7, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
     // rank 7 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r7:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 5}, {{7, 2, 0, 16, 0, 5}}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{7, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
     // rank 7 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r7:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 6}, {{7, 2, 0, 16, 0, 6}}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{7, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
     // rank 7 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r7:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 7}, {{7, 2, 0, 16, 0, 7}}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{7, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
     // rank 7 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r7:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 8}, {{7, 2, 0, 16, 0, 8}}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{7, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
     // rank 7 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r7:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 9}, {{7, 2, 0, 16, 0, 9}}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{7, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
     // rank 7 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r7:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 10}, {{7, 2, 0, 16, 0, 10}}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{7, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
     // rank 7 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r7:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 11}, {{7, 2, 0, 16, 0, 11}}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{7, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
     // rank 7 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r7:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 12}, {{7, 2, 0, 16, 0, 12}}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{7, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
     // rank 7 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r7:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 13}, {{7, 2, 0, 16, 0, 13}}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{7, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
     // rank 7 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
     // rank 7 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
 };
 static __device__ const int step_base_w8[8] = { 0, 3, 35, 52, 69, 86, 103, 120 };
 static __device__ const tsgen_share shares_w8[] = {

@@ -867,6 +867,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -895,9 +896,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1075,6 +1077,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1109,6 +1129,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1116,6 +1146,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1124,7 +1155,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1165,25 +1200,25 @@ static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", 
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: reduce piece 0; wait arrive[2]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}}, {{4, 0, 2, 16}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}}, {}, {{4, 0, 2, 16}}, {}},
     // rank 0 step 4: reduce piece 1; wait arrive[3]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}}, {{4, 0, 3, 16}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}}, {}, {{4, 0, 3, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
     // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 3: reduce piece 0; wait arrive[0]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}}, {}, {{4, 0, 0, 16}}, {}},
     // rank 1 step 4: reduce piece 1; wait arrive[1]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}}, {{4, 0, 1, 16}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}}, {}, {{4, 0, 1, 16}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1328,47 +1363,47 @@ static __device__ const uint16_t first_w2[2][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: reduce piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
     // rank 0 step 6: reduce piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 5: reduce piece 0; wait arrive[0], arrive[4]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {}},
     // rank 1 step 6: reduce piece 1; wait arrive[1], arrive[5]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
     // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 5: reduce piece 0; wait arrive[0], arrive[2]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},
     // rank 2 step 6: reduce piece 1; wait arrive[1], arrive[3]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -1674,77 +1709,77 @@ static __device__ const uint16_t first_w3[3][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
     // rank 0 step 7: reduce piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
     // rank 0 step 8: reduce piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
     // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
     // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 7: reduce piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
     // rank 1 step 8: reduce piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
     // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
     // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
     // rank 2 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {}},
     // rank 2 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
     // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 3 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
     // rank 3 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
     // rank 3 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 3 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
     // rank 3 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -2275,277 +2310,277 @@ static __device__ const uint16_t first_w4[4][65] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
     // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
     // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
     // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
     // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
     // rank 0 step 7: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/2] = r0:dst@4[0/2]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
     // rank 0 step 8: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/2] = r0:dst@4[1/2]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
     // rank 0 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/2] = r0:dst@5[0/2]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
     // rank 0 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/2] = r0:dst@5[1/2]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
     // rank 0 step 11: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/2] = r0:dst@6[0/2]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
     // rank 0 step 12: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/2] = r0:dst@6[1/2]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
     // rank 0 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/2] = r0:dst@7[0/2]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
     // rank 0 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/2] = r0:dst@7[1/2]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
     // rank 0 step 15: reduce piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2] + r0:inbox@4[0/2] + r0:inbox@5[0/2] + r0:inbox@6[0/2] + r0:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}, {0, 2, 0, 2, 4, 0}, {0, 2, 0, 2, 5, 0}, {0, 2, 0, 2, 6, 0}, {0, 2, 0, 2, 7, 0}}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}, {0, 2, 0, 2, 4, 0}, {0, 2, 0, 2, 5, 0}, {0, 2, 0, 2, 6, 0}, {0, 2, 0, 2, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 0 step 16: reduce piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2] + r0:inbox@4[1/2] + r0:inbox@5[1/2] + r0:inbox@6[1/2] + r0:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}, {0, 2, 0, 2, 4, 1}, {0, 2, 0, 2, 5, 1}, {0, 2, 0, 2, 6, 1}, {0, 2, 0, 2, 7, 1}}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}, {0, 2, 0, 2, 4, 1}, {0, 2, 0, 2, 5, 1}, {0, 2, 0, 2, 6, 1}, {0, 2, 0, 2, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
     // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
     // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
     // rank 1 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/2] = r1:dst@4[0/2]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
     // rank 1 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/2] = r1:dst@4[1/2]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
     // rank 1 step 7: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/2] = r1:dst@5[0/2]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
     // rank 1 step 8: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/2] = r1:dst@5[1/2]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
     // rank 1 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/2] = r1:dst@6[0/2]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
     // rank 1 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/2] = r1:dst@6[1/2]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
     // rank 1 step 11: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/2] = r1:dst@7[0/2]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
     // rank 1 step 12: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/2] = r1:dst@7[1/2]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
     // rank 1 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
     // rank 1 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
     // rank 1 step 15: reduce piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2] + r1:inbox@4[0/2] + r1:inbox@5[0/2] + r1:inbox@6[0/2] + r1:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}, {1, 2, 0, 2, 4, 0}, {1, 2, 0, 2, 5, 0}, {1, 2, 0, 2, 6, 0}, {1, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}, {1, 2, 0, 2, 4, 0}, {1, 2, 0, 2, 5, 0}, {1, 2, 0, 2, 6, 0}, {1, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 1 step 16: reduce piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2] + r1:inbox@4[1/2] + r1:inbox@5[1/2] + r1:inbox@6[1/2] + r1:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}, {1, 2, 0, 2, 4, 1}, {1, 2, 0, 2, 5, 1}, {1, 2, 0, 2, 6, 1}, {1, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}, {1, 2, 0, 2, 4, 1}, {1, 2, 0, 2, 5, 1}, {1, 2, 0, 2, 6, 1}, {1, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
     // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
     // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
     // rank 2 step 3: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/2] = r2:dst@4[0/2]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
     // rank 2 step 4: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/2] = r2:dst@4[1/2]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
     // rank 2 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/2] = r2:dst@5[0/2]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
     // rank 2 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/2] = r2:dst@5[1/2]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
     // rank 2 step 7: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/2] = r2:dst@6[0/2]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
     // rank 2 step 8: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/2] = r2:dst@6[1/2]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
     // rank 2 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/2] = r2:dst@7[0/2]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
     // rank 2 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/2] = r2:dst@7[1/2]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
     // rank 2 step 11: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
     // rank 2 step 12: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
     // rank 2 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
     // rank 2 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
     // rank 2 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2] + r2:inbox@4[0/2] + r2:inbox@5[0/2] + r2:inbox@6[0/2] + r2:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}, {2, 2, 0, 2, 4, 0}, {2, 2, 0, 2, 5, 0}, {2, 2, 0, 2, 6, 0}, {2, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}, {2, 2, 0, 2, 4, 0}, {2, 2, 0, 2, 5, 0}, {2, 2, 0, 2, 6, 0}, {2, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 2 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2] + r2:inbox@4[1/2] + r2:inbox@5[1/2] + r2:inbox@6[1/2] + r2:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}, {2, 2, 0, 2, 4, 1}, {2, 2, 0, 2, 5, 1}, {2, 2, 0, 2, 6, 1}, {2, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}, {2, 2, 0, 2, 4, 1}, {2, 2, 0, 2, 5, 1}, {2, 2, 0, 2, 6, 1}, {2, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
     // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/2] = r3:dst@4[0/2]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
     // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/2] = r3:dst@4[1/2]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
     // rank 3 step 3: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/2] = r3:dst@5[0/2]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
     // rank 3 step 4: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/2] = r3:dst@5[1/2]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
     // rank 3 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/2] = r3:dst@6[0/2]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
     // rank 3 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/2] = r3:dst@6[1/2]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
     // rank 3 step 7: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/2] = r3:dst@7[0/2]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
     // rank 3 step 8: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/2] = r3:dst@7[1/2]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
     // rank 3 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
     // rank 3 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
     // rank 3 step 11: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
     // rank 3 step 12: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
     // rank 3 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
     // rank 3 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
     // rank 3 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2] + r3:inbox@4[0/2] + r3:inbox@5[0/2] + r3:inbox@6[0/2] + r3:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}, {3, 2, 0, 2, 4, 0}, {3, 2, 0, 2, 5, 0}, {3, 2, 0, 2, 6, 0}, {3, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}, {3, 2, 0, 2, 4, 0}, {3, 2, 0, 2, 5, 0}, {3, 2, 0, 2, 6, 0}, {3, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 3 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2] + r3:inbox@4[1/2] + r3:inbox@5[1/2] + r3:inbox@6[1/2] + r3:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}, {3, 2, 0, 2, 4, 1}, {3, 2, 0, 2, 5, 1}, {3, 2, 0, 2, 6, 1}, {3, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}, {3, 2, 0, 2, 4, 1}, {3, 2, 0, 2, 5, 1}, {3, 2, 0, 2, 6, 1}, {3, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
     // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/2] = r4:dst@5[0/2]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
     // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/2] = r4:dst@5[1/2]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
     // rank 4 step 3: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/2] = r4:dst@6[0/2]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
     // rank 4 step 4: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/2] = r4:dst@6[1/2]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
     // rank 4 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/2] = r4:dst@7[0/2]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
     // rank 4 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/2] = r4:dst@7[1/2]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
     // rank 4 step 7: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/2] = r4:dst@0[0/2]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
     // rank 4 step 8: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/2] = r4:dst@0[1/2]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
     // rank 4 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/2] = r4:dst@1[0/2]; signal r1:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
     // rank 4 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/2] = r4:dst@1[1/2]; signal r1:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
     // rank 4 step 11: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/2] = r4:dst@2[0/2]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
     // rank 4 step 12: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/2] = r4:dst@2[1/2]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
     // rank 4 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/2] = r4:dst@3[0/2]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
     // rank 4 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/2] = r4:dst@3[1/2]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
     // rank 4 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@4[0/2] = r4:dst@4[0/2] + r4:inbox@0[0/2] + r4:inbox@1[0/2] + r4:inbox@2[0/2] + r4:inbox@3[0/2] + r4:inbox@5[0/2] + r4:inbox@6[0/2] + r4:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 1, 0, 2, 4, 0}, {{4, 1, 0, 2, 4, 0}, {4, 2, 0, 2, 0, 0}, {4, 2, 0, 2, 1, 0}, {4, 2, 0, 2, 2, 0}, {4, 2, 0, 2, 3, 0}, {4, 2, 0, 2, 5, 0}, {4, 2, 0, 2, 6, 0}, {4, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 0}, {{4, 1, 0, 2, 4, 0}, {4, 2, 0, 2, 0, 0}, {4, 2, 0, 2, 1, 0}, {4, 2, 0, 2, 2, 0}, {4, 2, 0, 2, 3, 0}, {4, 2, 0, 2, 5, 0}, {4, 2, 0, 2, 6, 0}, {4, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 4 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@4[1/2] = r4:dst@4[1/2] + r4:inbox@0[1/2] + r4:inbox@1[1/2] + r4:inbox@2[1/2] + r4:inbox@3[1/2] + r4:inbox@5[1/2] + r4:inbox@6[1/2] + r4:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 1, 0, 2, 4, 1}, {{4, 1, 0, 2, 4, 1}, {4, 2, 0, 2, 0, 1}, {4, 2, 0, 2, 1, 1}, {4, 2, 0, 2, 2, 1}, {4, 2, 0, 2, 3, 1}, {4, 2, 0, 2, 5, 1}, {4, 2, 0, 2, 6, 1}, {4, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 1}, {{4, 1, 0, 2, 4, 1}, {4, 2, 0, 2, 0, 1}, {4, 2, 0, 2, 1, 1}, {4, 2, 0, 2, 2, 1}, {4, 2, 0, 2, 3, 1}, {4, 2, 0, 2, 5, 1}, {4, 2, 0, 2, 6, 1}, {4, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
     // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/2] = r5:dst@6[0/2]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
     // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/2] = r5:dst@6[1/2]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
     // rank 5 step 3: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/2] = r5:dst@7[0/2]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
     // rank 5 step 4: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/2] = r5:dst@7[1/2]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
     // rank 5 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/2] = r5:dst@0[0/2]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
     // rank 5 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/2] = r5:dst@0[1/2]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
     // rank 5 step 7: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/2] = r5:dst@1[0/2]; signal r1:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
     // rank 5 step 8: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/2] = r5:dst@1[1/2]; signal r1:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
     // rank 5 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/2] = r5:dst@2[0/2]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
     // rank 5 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/2] = r5:dst@2[1/2]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
     // rank 5 step 11: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/2] = r5:dst@3[0/2]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
     // rank 5 step 12: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/2] = r5:dst@3[1/2]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
     // rank 5 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/2] = r5:dst@4[0/2]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
     // rank 5 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/2] = r5:dst@4[1/2]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
     // rank 5 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@5[0/2] = r5:dst@5[0/2] + r5:inbox@0[0/2] + r5:inbox@1[0/2] + r5:inbox@2[0/2] + r5:inbox@3[0/2] + r5:inbox@4[0/2] + r5:inbox@6[0/2] + r5:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 1, 0, 2, 5, 0}, {{5, 1, 0, 2, 5, 0}, {5, 2, 0, 2, 0, 0}, {5, 2, 0, 2, 1, 0}, {5, 2, 0, 2, 2, 0}, {5, 2, 0, 2, 3, 0}, {5, 2, 0, 2, 4, 0}, {5, 2, 0, 2, 6, 0}, {5, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 0}, {{5, 1, 0, 2, 5, 0}, {5, 2, 0, 2, 0, 0}, {5, 2, 0, 2, 1, 0}, {5, 2, 0, 2, 2, 0}, {5, 2, 0, 2, 3, 0}, {5, 2, 0, 2, 4, 0}, {5, 2, 0, 2, 6, 0}, {5, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
     // rank 5 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@5[1/2] = r5:dst@5[1/2] + r5:inbox@0[1/2] + r5:inbox@1[1/2] + r5:inbox@2[1/2] + r5:inbox@3[1/2] + r5:inbox@4[1/2] + r5:inbox@6[1/2] + r5:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 1, 0, 2, 5, 1}, {{5, 1, 0, 2, 5, 1}, {5, 2, 0, 2, 0, 1}, {5, 2, 0, 2, 1, 1}, {5, 2, 0, 2, 2, 1}, {5, 2, 0, 2, 3, 1}, {5, 2, 0, 2, 4, 1}, {5, 2, 0, 2, 6, 1}, {5, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 1}, {{5, 1, 0, 2, 5, 1}, {5, 2, 0, 2, 0, 1}, {5, 2, 0, 2, 1, 1}, {5, 2, 0, 2, 2, 1}, {5, 2, 0, 2, 3, 1}, {5, 2, 0, 2, 4, 1}, {5, 2, 0, 2, 6, 1}, {5, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
     // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/2] = r6:dst@7[0/2]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 7, 0}}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
     // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/2] = r6:dst@7[1/2]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 7, 1}}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
     // rank 6 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/2] = r6:dst@0[0/2]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
     // rank 6 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/2] = r6:dst@0[1/2]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
     // rank 6 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/2] = r6:dst@1[0/2]; signal r1:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
     // rank 6 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/2] = r6:dst@1[1/2]; signal r1:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
     // rank 6 step 7: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/2] = r6:dst@2[0/2]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
     // rank 6 step 8: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/2] = r6:dst@2[1/2]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
     // rank 6 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/2] = r6:dst@3[0/2]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
     // rank 6 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/2] = r6:dst@3[1/2]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
     // rank 6 step 11: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/2] = r6:dst@4[0/2]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
     // rank 6 step 12: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/2] = r6:dst@4[1/2]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
     // rank 6 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/2] = r6:dst@5[0/2]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
     // rank 6 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/2] = r6:dst@5[1/2]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
     // rank 6 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@6[0/2] = r6:dst@6[0/2] + r6:inbox@0[0/2] + r6:inbox@1[0/2] + r6:inbox@2[0/2] + r6:inbox@3[0/2] + r6:inbox@4[0/2] + r6:inbox@5[0/2] + r6:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 1, 0, 2, 6, 0}, {{6, 1, 0, 2, 6, 0}, {6, 2, 0, 2, 0, 0}, {6, 2, 0, 2, 1, 0}, {6, 2, 0, 2, 2, 0}, {6, 2, 0, 2, 3, 0}, {6, 2, 0, 2, 4, 0}, {6, 2, 0, 2, 5, 0}, {6, 2, 0, 2, 7, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 0}, {{6, 1, 0, 2, 6, 0}, {6, 2, 0, 2, 0, 0}, {6, 2, 0, 2, 1, 0}, {6, 2, 0, 2, 2, 0}, {6, 2, 0, 2, 3, 0}, {6, 2, 0, 2, 4, 0}, {6, 2, 0, 2, 5, 0}, {6, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {}},
     // rank 6 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@6[1/2] = r6:dst@6[1/2] + r6:inbox@0[1/2] + r6:inbox@1[1/2] + r6:inbox@2[1/2] + r6:inbox@3[1/2] + r6:inbox@4[1/2] + r6:inbox@5[1/2] + r6:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 1, 0, 2, 6, 1}, {{6, 1, 0, 2, 6, 1}, {6, 2, 0, 2, 0, 1}, {6, 2, 0, 2, 1, 1}, {6, 2, 0, 2, 2, 1}, {6, 2, 0, 2, 3, 1}, {6, 2, 0, 2, 4, 1}, {6, 2, 0, 2, 5, 1}, {6, 2, 0, 2, 7, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 1}, {{6, 1, 0, 2, 6, 1}, {6, 2, 0, 2, 0, 1}, {6, 2, 0, 2, 1, 1}, {6, 2, 0, 2, 2, 1}, {6, 2, 0, 2, 3, 1}, {6, 2, 0, 2, 4, 1}, {6, 2, 0, 2, 5, 1}, {6, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
     // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/2] = r7:dst@0[0/2]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 0, 0}}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
     // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/2] = r7:dst@0[1/2]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 0, 1}}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
     // rank 7 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/2] = r7:dst@1[0/2]; signal r1:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 1, 0}}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
     // rank 7 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/2] = r7:dst@1[1/2]; signal r1:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 1, 1}}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
     // rank 7 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/2] = r7:dst@2[0/2]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 2, 0}}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
     // rank 7 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/2] = r7:dst@2[1/2]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 2, 1}}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
     // rank 7 step 7: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/2] = r7:dst@3[0/2]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 3, 0}}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
     // rank 7 step 8: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/2] = r7:dst@3[1/2]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 3, 1}}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
     // rank 7 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/2] = r7:dst@4[0/2]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 4, 0}}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
     // rank 7 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/2] = r7:dst@4[1/2]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 4, 1}}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
     // rank 7 step 11: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/2] = r7:dst@5[0/2]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 5, 0}}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
     // rank 7 step 12: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/2] = r7:dst@5[1/2]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 5, 1}}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
     // rank 7 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/2] = r7:dst@6[0/2]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 6, 0}}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
     // rank 7 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/2] = r7:dst@6[1/2]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 6, 1}}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
     // rank 7 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@7[0/2] = r7:dst@7[0/2] + r7:inbox@0[0/2] + r7:inbox@1[0/2] + r7:inbox@2[0/2] + r7:inbox@3[0/2] + r7:inbox@4[0/2] + r7:inbox@5[0/2] + r7:inbox@6[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 1, 0, 2, 7, 0}, {{7, 1, 0, 2, 7, 0}, {7, 2, 0, 2, 0, 0}, {7, 2, 0, 2, 1, 0}, {7, 2, 0, 2, 2, 0}, {7, 2, 0, 2, 3, 0}, {7, 2, 0, 2, 4, 0}, {7, 2, 0, 2, 5, 0}, {7, 2, 0, 2, 6, 0}}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 0}, {{7, 1, 0, 2, 7, 0}, {7, 2, 0, 2, 0, 0}, {7, 2, 0, 2, 1, 0}, {7, 2, 0, 2, 2, 0}, {7, 2, 0, 2, 3, 0}, {7, 2, 0, 2, 4, 0}, {7, 2, 0, 2, 5, 0}, {7, 2, 0, 2, 6, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {}},
     // rank 7 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@7[1/2] = r7:dst@7[1/2] + r7:inbox@0[1/2] + r7:inbox@1[1/2] + r7:inbox@2[1/2] + r7:inbox@3[1/2] + r7:inbox@4[1/2] + r7:inbox@5[1/2] + r7:inbox@6[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 1, 0, 2, 7, 1}, {{7, 1, 0, 2, 7, 1}, {7, 2, 0, 2, 0, 1}, {7, 2, 0, 2, 1, 1}, {7, 2, 0, 2, 2, 1}, {7, 2, 0, 2, 3, 1}, {7, 2, 0, 2, 4, 1}, {7, 2, 0, 2, 5, 1}, {7, 2, 0, 2, 6, 1}}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 1}, {{7, 1, 0, 2, 7, 1}, {7, 2, 0, 2, 0, 1}, {7, 2, 0, 2, 1, 1}, {7, 2, 0, 2, 2, 1}, {7, 2, 0, 2, 3, 1}, {7, 2, 0, 2, 4, 1}, {7, 2, 0, 2, 5, 1}, {7, 2, 0, 2, 6, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
 static __device__ const tsgen_share shares_w8[] = {

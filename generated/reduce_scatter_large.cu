@@ -870,6 +870,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -898,9 +899,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1078,6 +1080,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1112,6 +1132,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1119,6 +1149,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1127,7 +1158,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1169,73 +1204,73 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "i
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: reduce piece 0; wait arrive[8]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {{5, 0, 8, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {}, {{5, 0, 8, 32}}, {}},
     // rank 0 step 10: reduce piece 1; wait arrive[9]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {{5, 0, 9, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {}, {{5, 0, 9, 32}}, {}},
     // rank 0 step 11: reduce piece 2; wait arrive[10]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {{5, 0, 10, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {}, {{5, 0, 10, 32}}, {}},
     // rank 0 step 12: reduce piece 3; wait arrive[11]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {{5, 0, 11, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {}, {{5, 0, 11, 32}}, {}},
     // rank 0 step 13: reduce piece 4; wait arrive[12]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}}, {{5, 0, 12, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}}, {}, {{5, 0, 12, 32}}, {}},
     // rank 0 step 14: reduce piece 5; wait arrive[13]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}}, {{5, 0, 13, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}}, {}, {{5, 0, 13, 32}}, {}},
     // rank 0 step 15: reduce piece 6; wait arrive[14]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}}, {{5, 0, 14, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}}, {}, {{5, 0, 14, 32}}, {}},
     // rank 0 step 16: reduce piece 7; wait arrive[15]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}}, {{5, 0, 15, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}}, {}, {{5, 0, 15, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 9: reduce piece 0; wait arrive[0]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}}, {{5, 0, 0, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}}, {}, {{5, 0, 0, 32}}, {}},
     // rank 1 step 10: reduce piece 1; wait arrive[1]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}}, {{5, 0, 1, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}}, {}, {{5, 0, 1, 32}}, {}},
     // rank 1 step 11: reduce piece 2; wait arrive[2]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}}, {{5, 0, 2, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}}, {}, {{5, 0, 2, 32}}, {}},
     // rank 1 step 12: reduce piece 3; wait arrive[3]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}}, {{5, 0, 3, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}}, {}, {{5, 0, 3, 32}}, {}},
     // rank 1 step 13: reduce piece 4; wait arrive[4]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}}, {{5, 0, 4, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}}, {}, {{5, 0, 4, 32}}, {}},
     // rank 1 step 14: reduce piece 5; wait arrive[5]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}}, {{5, 0, 5, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}}, {}, {{5, 0, 5, 32}}, {}},
     // rank 1 step 15: reduce piece 6; wait arrive[6]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}}, {{5, 0, 6, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}}, {}, {{5, 0, 6, 32}}, {}},
     // rank 1 step 16: reduce piece 7; wait arrive[7]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}}, {{5, 0, 7, 32}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}}, {}, {{5, 0, 7, 32}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 17 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1508,155 +1543,155 @@ static __device__ const uint16_t first_w2[2][130] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: reduce piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}}, {{5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
     // rank 0 step 18: reduce piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}}, {{5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
     // rank 0 step 19: reduce piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}}, {{5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
     // rank 0 step 20: reduce piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}}, {{5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
     // rank 0 step 21: reduce piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}}, {{5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
     // rank 0 step 22: reduce piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}}, {{5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
     // rank 0 step 23: reduce piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}}, {{5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
     // rank 0 step 24: reduce piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}}, {{5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 17: reduce piece 0; wait arrive[0], arrive[16]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}}, {{5, 0, 0, 32}, {5, 0, 16, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}}, {}},
     // rank 1 step 18: reduce piece 1; wait arrive[1], arrive[17]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}}, {{5, 0, 1, 32}, {5, 0, 17, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}}, {}},
     // rank 1 step 19: reduce piece 2; wait arrive[2], arrive[18]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}}, {{5, 0, 2, 32}, {5, 0, 18, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}}, {}},
     // rank 1 step 20: reduce piece 3; wait arrive[3], arrive[19]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}}, {{5, 0, 3, 32}, {5, 0, 19, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}}, {}},
     // rank 1 step 21: reduce piece 4; wait arrive[4], arrive[20]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}}, {{5, 0, 4, 32}, {5, 0, 20, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}}, {}},
     // rank 1 step 22: reduce piece 5; wait arrive[5], arrive[21]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}}, {{5, 0, 5, 32}, {5, 0, 21, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}}, {}},
     // rank 1 step 23: reduce piece 6; wait arrive[6], arrive[22]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}}, {{5, 0, 6, 32}, {5, 0, 22, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}}, {}},
     // rank 1 step 24: reduce piece 7; wait arrive[7], arrive[23]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}}, {{5, 0, 7, 32}, {5, 0, 23, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
     // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 17: reduce piece 0; wait arrive[0], arrive[8]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}}, {}},
     // rank 2 step 18: reduce piece 1; wait arrive[1], arrive[9]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}}, {}},
     // rank 2 step 19: reduce piece 2; wait arrive[2], arrive[10]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}}, {}},
     // rank 2 step 20: reduce piece 3; wait arrive[3], arrive[11]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}}, {}},
     // rank 2 step 21: reduce piece 4; wait arrive[4], arrive[12]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}}, {}},
     // rank 2 step 22: reduce piece 5; wait arrive[5], arrive[13]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}}, {}},
     // rank 2 step 23: reduce piece 6; wait arrive[6], arrive[14]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}}, {}},
     // rank 2 step 24: reduce piece 7; wait arrive[7], arrive[15]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}}, {}},
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 25, 50 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2250,269 +2285,269 @@ static __device__ const uint16_t first_w3[3][130] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 0 step 25: reduce piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
     // rank 0 step 26: reduce piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
     // rank 0 step 27: reduce piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
     // rank 0 step 28: reduce piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
     // rank 0 step 29: reduce piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
     // rank 0 step 30: reduce piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
     // rank 0 step 31: reduce piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
     // rank 0 step 32: reduce piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 1 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 25: reduce piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
     // rank 1 step 26: reduce piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
     // rank 1 step 27: reduce piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
     // rank 1 step 28: reduce piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
     // rank 1 step 29: reduce piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
     // rank 1 step 30: reduce piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
     // rank 1 step 31: reduce piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
     // rank 1 step 32: reduce piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
     // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
     // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
     // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
     // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
     // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
     // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
     // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
     // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
     // rank 2 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}}, {}},
     // rank 2 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}}, {}},
     // rank 2 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}}, {}},
     // rank 2 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}}, {}},
     // rank 2 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}}, {}},
     // rank 2 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}}, {}},
     // rank 2 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}}, {}},
     // rank 2 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
     // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 3 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 3 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 3 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
     // rank 3 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
     // rank 3 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
     // rank 3 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
     // rank 3 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 3 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 3 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 3 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 3 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 3 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 3 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 3 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 3 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 3 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 3 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 3 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 3 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 3 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 3 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 3 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 3 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
     // rank 3 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
     // rank 3 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
     // rank 3 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
     // rank 3 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
     // rank 3 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
     // rank 3 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
     // rank 3 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 33, 66, 99 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -3555,1045 +3590,1045 @@ static __device__ const uint16_t first_w4[4][130] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
     // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
     // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
     // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
     // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
     // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
     // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
     // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
     // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
     // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 0 step 25: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/8] = r0:src@4[0/8]; signal r4:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
     // rank 0 step 26: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/8] = r0:src@4[1/8]; signal r4:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
     // rank 0 step 27: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[2/8] = r0:src@4[2/8]; signal r4:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
     // rank 0 step 28: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[3/8] = r0:src@4[3/8]; signal r4:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
     // rank 0 step 29: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[4/8] = r0:src@4[4/8]; signal r4:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
     // rank 0 step 30: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[5/8] = r0:src@4[5/8]; signal r4:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
     // rank 0 step 31: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[6/8] = r0:src@4[6/8]; signal r4:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
     // rank 0 step 32: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[7/8] = r0:src@4[7/8]; signal r4:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
     // rank 0 step 33: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/8] = r0:src@5[0/8]; signal r5:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
     // rank 0 step 34: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/8] = r0:src@5[1/8]; signal r5:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
     // rank 0 step 35: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[2/8] = r0:src@5[2/8]; signal r5:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
     // rank 0 step 36: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[3/8] = r0:src@5[3/8]; signal r5:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
     // rank 0 step 37: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[4/8] = r0:src@5[4/8]; signal r5:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
     // rank 0 step 38: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[5/8] = r0:src@5[5/8]; signal r5:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
     // rank 0 step 39: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[6/8] = r0:src@5[6/8]; signal r5:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
     // rank 0 step 40: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[7/8] = r0:src@5[7/8]; signal r5:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
     // rank 0 step 41: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/8] = r0:src@6[0/8]; signal r6:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
     // rank 0 step 42: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/8] = r0:src@6[1/8]; signal r6:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
     // rank 0 step 43: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[2/8] = r0:src@6[2/8]; signal r6:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
     // rank 0 step 44: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[3/8] = r0:src@6[3/8]; signal r6:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
     // rank 0 step 45: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[4/8] = r0:src@6[4/8]; signal r6:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
     // rank 0 step 46: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[5/8] = r0:src@6[5/8]; signal r6:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
     // rank 0 step 47: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[6/8] = r0:src@6[6/8]; signal r6:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
     // rank 0 step 48: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[7/8] = r0:src@6[7/8]; signal r6:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
     // rank 0 step 49: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/8] = r0:src@7[0/8]; signal r7:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
     // rank 0 step 50: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/8] = r0:src@7[1/8]; signal r7:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
     // rank 0 step 51: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[2/8] = r0:src@7[2/8]; signal r7:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
     // rank 0 step 52: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[3/8] = r0:src@7[3/8]; signal r7:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
     // rank 0 step 53: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[4/8] = r0:src@7[4/8]; signal r7:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
     // rank 0 step 54: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[5/8] = r0:src@7[5/8]; signal r7:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
     // rank 0 step 55: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[6/8] = r0:src@7[6/8]; signal r7:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
     // rank 0 step 56: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[7/8] = r0:src@7[7/8]; signal r7:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
     // rank 0 step 57: reduce piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8] + r0:inbox@4[0/8] + r0:inbox@5[0/8] + r0:inbox@6[0/8] + r0:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}, {0, 3, 0, 8, 4, 0}, {0, 3, 0, 8, 5, 0}, {0, 3, 0, 8, 6, 0}, {0, 3, 0, 8, 7, 0}}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}, {0, 3, 0, 8, 4, 0}, {0, 3, 0, 8, 5, 0}, {0, 3, 0, 8, 6, 0}, {0, 3, 0, 8, 7, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 0 step 58: reduce piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8] + r0:inbox@4[1/8] + r0:inbox@5[1/8] + r0:inbox@6[1/8] + r0:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}, {0, 3, 0, 8, 4, 1}, {0, 3, 0, 8, 5, 1}, {0, 3, 0, 8, 6, 1}, {0, 3, 0, 8, 7, 1}}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}, {0, 3, 0, 8, 4, 1}, {0, 3, 0, 8, 5, 1}, {0, 3, 0, 8, 6, 1}, {0, 3, 0, 8, 7, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 0 step 59: reduce piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8] + r0:inbox@4[2/8] + r0:inbox@5[2/8] + r0:inbox@6[2/8] + r0:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}, {0, 3, 0, 8, 4, 2}, {0, 3, 0, 8, 5, 2}, {0, 3, 0, 8, 6, 2}, {0, 3, 0, 8, 7, 2}}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}, {0, 3, 0, 8, 4, 2}, {0, 3, 0, 8, 5, 2}, {0, 3, 0, 8, 6, 2}, {0, 3, 0, 8, 7, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 0 step 60: reduce piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8] + r0:inbox@4[3/8] + r0:inbox@5[3/8] + r0:inbox@6[3/8] + r0:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}, {0, 3, 0, 8, 4, 3}, {0, 3, 0, 8, 5, 3}, {0, 3, 0, 8, 6, 3}, {0, 3, 0, 8, 7, 3}}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}, {0, 3, 0, 8, 4, 3}, {0, 3, 0, 8, 5, 3}, {0, 3, 0, 8, 6, 3}, {0, 3, 0, 8, 7, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 0 step 61: reduce piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8] + r0:inbox@4[4/8] + r0:inbox@5[4/8] + r0:inbox@6[4/8] + r0:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}, {0, 3, 0, 8, 4, 4}, {0, 3, 0, 8, 5, 4}, {0, 3, 0, 8, 6, 4}, {0, 3, 0, 8, 7, 4}}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}, {0, 3, 0, 8, 4, 4}, {0, 3, 0, 8, 5, 4}, {0, 3, 0, 8, 6, 4}, {0, 3, 0, 8, 7, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 0 step 62: reduce piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8] + r0:inbox@4[5/8] + r0:inbox@5[5/8] + r0:inbox@6[5/8] + r0:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}, {0, 3, 0, 8, 4, 5}, {0, 3, 0, 8, 5, 5}, {0, 3, 0, 8, 6, 5}, {0, 3, 0, 8, 7, 5}}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}, {0, 3, 0, 8, 4, 5}, {0, 3, 0, 8, 5, 5}, {0, 3, 0, 8, 6, 5}, {0, 3, 0, 8, 7, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 0 step 63: reduce piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8] + r0:inbox@4[6/8] + r0:inbox@5[6/8] + r0:inbox@6[6/8] + r0:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}, {0, 3, 0, 8, 4, 6}, {0, 3, 0, 8, 5, 6}, {0, 3, 0, 8, 6, 6}, {0, 3, 0, 8, 7, 6}}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}, {0, 3, 0, 8, 4, 6}, {0, 3, 0, 8, 5, 6}, {0, 3, 0, 8, 6, 6}, {0, 3, 0, 8, 7, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 0 step 64: reduce piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8] + r0:inbox@4[7/8] + r0:inbox@5[7/8] + r0:inbox@6[7/8] + r0:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}, {0, 3, 0, 8, 4, 7}, {0, 3, 0, 8, 5, 7}, {0, 3, 0, 8, 6, 7}, {0, 3, 0, 8, 7, 7}}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}, {0, 3, 0, 8, 4, 7}, {0, 3, 0, 8, 5, 7}, {0, 3, 0, 8, 6, 7}, {0, 3, 0, 8, 7, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
     // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
     // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
     // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
     // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
     // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
     // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
     // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
     // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
     // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 1 step 17: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/8] = r1:src@4[0/8]; signal r4:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
     // rank 1 step 18: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/8] = r1:src@4[1/8]; signal r4:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
     // rank 1 step 19: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[2/8] = r1:src@4[2/8]; signal r4:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
     // rank 1 step 20: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[3/8] = r1:src@4[3/8]; signal r4:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
     // rank 1 step 21: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[4/8] = r1:src@4[4/8]; signal r4:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
     // rank 1 step 22: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[5/8] = r1:src@4[5/8]; signal r4:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
     // rank 1 step 23: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[6/8] = r1:src@4[6/8]; signal r4:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
     // rank 1 step 24: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[7/8] = r1:src@4[7/8]; signal r4:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
     // rank 1 step 25: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/8] = r1:src@5[0/8]; signal r5:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
     // rank 1 step 26: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/8] = r1:src@5[1/8]; signal r5:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
     // rank 1 step 27: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[2/8] = r1:src@5[2/8]; signal r5:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
     // rank 1 step 28: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[3/8] = r1:src@5[3/8]; signal r5:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
     // rank 1 step 29: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[4/8] = r1:src@5[4/8]; signal r5:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
     // rank 1 step 30: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[5/8] = r1:src@5[5/8]; signal r5:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
     // rank 1 step 31: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[6/8] = r1:src@5[6/8]; signal r5:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
     // rank 1 step 32: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[7/8] = r1:src@5[7/8]; signal r5:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
     // rank 1 step 33: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/8] = r1:src@6[0/8]; signal r6:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
     // rank 1 step 34: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/8] = r1:src@6[1/8]; signal r6:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
     // rank 1 step 35: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[2/8] = r1:src@6[2/8]; signal r6:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
     // rank 1 step 36: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[3/8] = r1:src@6[3/8]; signal r6:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
     // rank 1 step 37: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[4/8] = r1:src@6[4/8]; signal r6:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
     // rank 1 step 38: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[5/8] = r1:src@6[5/8]; signal r6:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
     // rank 1 step 39: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[6/8] = r1:src@6[6/8]; signal r6:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
     // rank 1 step 40: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[7/8] = r1:src@6[7/8]; signal r6:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
     // rank 1 step 41: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/8] = r1:src@7[0/8]; signal r7:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
     // rank 1 step 42: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/8] = r1:src@7[1/8]; signal r7:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
     // rank 1 step 43: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[2/8] = r1:src@7[2/8]; signal r7:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
     // rank 1 step 44: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[3/8] = r1:src@7[3/8]; signal r7:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
     // rank 1 step 45: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[4/8] = r1:src@7[4/8]; signal r7:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
     // rank 1 step 46: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[5/8] = r1:src@7[5/8]; signal r7:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
     // rank 1 step 47: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[6/8] = r1:src@7[6/8]; signal r7:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
     // rank 1 step 48: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[7/8] = r1:src@7[7/8]; signal r7:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
     // rank 1 step 49: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 1 step 50: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 1 step 51: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 1 step 52: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 1 step 53: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 1 step 54: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 1 step 55: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 1 step 56: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 1 step 57: reduce piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8] + r1:inbox@4[0/8] + r1:inbox@5[0/8] + r1:inbox@6[0/8] + r1:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}, {1, 3, 0, 8, 4, 0}, {1, 3, 0, 8, 5, 0}, {1, 3, 0, 8, 6, 0}, {1, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}, {1, 3, 0, 8, 4, 0}, {1, 3, 0, 8, 5, 0}, {1, 3, 0, 8, 6, 0}, {1, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 1 step 58: reduce piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8] + r1:inbox@4[1/8] + r1:inbox@5[1/8] + r1:inbox@6[1/8] + r1:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}, {1, 3, 0, 8, 4, 1}, {1, 3, 0, 8, 5, 1}, {1, 3, 0, 8, 6, 1}, {1, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}, {1, 3, 0, 8, 4, 1}, {1, 3, 0, 8, 5, 1}, {1, 3, 0, 8, 6, 1}, {1, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 1 step 59: reduce piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8] + r1:inbox@4[2/8] + r1:inbox@5[2/8] + r1:inbox@6[2/8] + r1:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}, {1, 3, 0, 8, 4, 2}, {1, 3, 0, 8, 5, 2}, {1, 3, 0, 8, 6, 2}, {1, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}, {1, 3, 0, 8, 4, 2}, {1, 3, 0, 8, 5, 2}, {1, 3, 0, 8, 6, 2}, {1, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 1 step 60: reduce piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8] + r1:inbox@4[3/8] + r1:inbox@5[3/8] + r1:inbox@6[3/8] + r1:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}, {1, 3, 0, 8, 4, 3}, {1, 3, 0, 8, 5, 3}, {1, 3, 0, 8, 6, 3}, {1, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}, {1, 3, 0, 8, 4, 3}, {1, 3, 0, 8, 5, 3}, {1, 3, 0, 8, 6, 3}, {1, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 1 step 61: reduce piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8] + r1:inbox@4[4/8] + r1:inbox@5[4/8] + r1:inbox@6[4/8] + r1:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}, {1, 3, 0, 8, 4, 4}, {1, 3, 0, 8, 5, 4}, {1, 3, 0, 8, 6, 4}, {1, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}, {1, 3, 0, 8, 4, 4}, {1, 3, 0, 8, 5, 4}, {1, 3, 0, 8, 6, 4}, {1, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 1 step 62: reduce piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8] + r1:inbox@4[5/8] + r1:inbox@5[5/8] + r1:inbox@6[5/8] + r1:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}, {1, 3, 0, 8, 4, 5}, {1, 3, 0, 8, 5, 5}, {1, 3, 0, 8, 6, 5}, {1, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}, {1, 3, 0, 8, 4, 5}, {1, 3, 0, 8, 5, 5}, {1, 3, 0, 8, 6, 5}, {1, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 1 step 63: reduce piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8] + r1:inbox@4[6/8] + r1:inbox@5[6/8] + r1:inbox@6[6/8] + r1:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}, {1, 3, 0, 8, 4, 6}, {1, 3, 0, 8, 5, 6}, {1, 3, 0, 8, 6, 6}, {1, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}, {1, 3, 0, 8, 4, 6}, {1, 3, 0, 8, 5, 6}, {1, 3, 0, 8, 6, 6}, {1, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 1 step 64: reduce piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8] + r1:inbox@4[7/8] + r1:inbox@5[7/8] + r1:inbox@6[7/8] + r1:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}, {1, 3, 0, 8, 4, 7}, {1, 3, 0, 8, 5, 7}, {1, 3, 0, 8, 6, 7}, {1, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}, {1, 3, 0, 8, 4, 7}, {1, 3, 0, 8, 5, 7}, {1, 3, 0, 8, 6, 7}, {1, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
     // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
     // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
     // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
     // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
     // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
     // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
     // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
     // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
     // rank 2 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/8] = r2:src@4[0/8]; signal r4:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
     // rank 2 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/8] = r2:src@4[1/8]; signal r4:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
     // rank 2 step 11: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[2/8] = r2:src@4[2/8]; signal r4:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
     // rank 2 step 12: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[3/8] = r2:src@4[3/8]; signal r4:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
     // rank 2 step 13: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[4/8] = r2:src@4[4/8]; signal r4:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
     // rank 2 step 14: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[5/8] = r2:src@4[5/8]; signal r4:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
     // rank 2 step 15: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[6/8] = r2:src@4[6/8]; signal r4:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
     // rank 2 step 16: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[7/8] = r2:src@4[7/8]; signal r4:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
     // rank 2 step 17: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/8] = r2:src@5[0/8]; signal r5:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
     // rank 2 step 18: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/8] = r2:src@5[1/8]; signal r5:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
     // rank 2 step 19: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[2/8] = r2:src@5[2/8]; signal r5:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
     // rank 2 step 20: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[3/8] = r2:src@5[3/8]; signal r5:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
     // rank 2 step 21: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[4/8] = r2:src@5[4/8]; signal r5:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
     // rank 2 step 22: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[5/8] = r2:src@5[5/8]; signal r5:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
     // rank 2 step 23: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[6/8] = r2:src@5[6/8]; signal r5:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
     // rank 2 step 24: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[7/8] = r2:src@5[7/8]; signal r5:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
     // rank 2 step 25: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/8] = r2:src@6[0/8]; signal r6:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
     // rank 2 step 26: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/8] = r2:src@6[1/8]; signal r6:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
     // rank 2 step 27: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[2/8] = r2:src@6[2/8]; signal r6:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
     // rank 2 step 28: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[3/8] = r2:src@6[3/8]; signal r6:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
     // rank 2 step 29: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[4/8] = r2:src@6[4/8]; signal r6:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
     // rank 2 step 30: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[5/8] = r2:src@6[5/8]; signal r6:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
     // rank 2 step 31: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[6/8] = r2:src@6[6/8]; signal r6:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
     // rank 2 step 32: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[7/8] = r2:src@6[7/8]; signal r6:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
     // rank 2 step 33: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/8] = r2:src@7[0/8]; signal r7:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
     // rank 2 step 34: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/8] = r2:src@7[1/8]; signal r7:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
     // rank 2 step 35: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[2/8] = r2:src@7[2/8]; signal r7:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
     // rank 2 step 36: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[3/8] = r2:src@7[3/8]; signal r7:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
     // rank 2 step 37: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[4/8] = r2:src@7[4/8]; signal r7:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
     // rank 2 step 38: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[5/8] = r2:src@7[5/8]; signal r7:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
     // rank 2 step 39: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[6/8] = r2:src@7[6/8]; signal r7:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
     // rank 2 step 40: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[7/8] = r2:src@7[7/8]; signal r7:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
     // rank 2 step 41: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 2 step 42: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 2 step 43: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 2 step 44: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 2 step 45: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 2 step 46: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 2 step 47: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 2 step 48: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 2 step 49: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 2 step 50: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 2 step 51: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 2 step 52: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 2 step 53: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 2 step 54: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 2 step 55: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 2 step 56: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 2 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8] + r2:inbox@4[0/8] + r2:inbox@5[0/8] + r2:inbox@6[0/8] + r2:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}, {2, 3, 0, 8, 4, 0}, {2, 3, 0, 8, 5, 0}, {2, 3, 0, 8, 6, 0}, {2, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}, {2, 3, 0, 8, 4, 0}, {2, 3, 0, 8, 5, 0}, {2, 3, 0, 8, 6, 0}, {2, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 2 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8] + r2:inbox@4[1/8] + r2:inbox@5[1/8] + r2:inbox@6[1/8] + r2:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}, {2, 3, 0, 8, 4, 1}, {2, 3, 0, 8, 5, 1}, {2, 3, 0, 8, 6, 1}, {2, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}, {2, 3, 0, 8, 4, 1}, {2, 3, 0, 8, 5, 1}, {2, 3, 0, 8, 6, 1}, {2, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 2 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8] + r2:inbox@4[2/8] + r2:inbox@5[2/8] + r2:inbox@6[2/8] + r2:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}, {2, 3, 0, 8, 4, 2}, {2, 3, 0, 8, 5, 2}, {2, 3, 0, 8, 6, 2}, {2, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}, {2, 3, 0, 8, 4, 2}, {2, 3, 0, 8, 5, 2}, {2, 3, 0, 8, 6, 2}, {2, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 2 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8] + r2:inbox@4[3/8] + r2:inbox@5[3/8] + r2:inbox@6[3/8] + r2:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}, {2, 3, 0, 8, 4, 3}, {2, 3, 0, 8, 5, 3}, {2, 3, 0, 8, 6, 3}, {2, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}, {2, 3, 0, 8, 4, 3}, {2, 3, 0, 8, 5, 3}, {2, 3, 0, 8, 6, 3}, {2, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 2 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8] + r2:inbox@4[4/8] + r2:inbox@5[4/8] + r2:inbox@6[4/8] + r2:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}, {2, 3, 0, 8, 4, 4}, {2, 3, 0, 8, 5, 4}, {2, 3, 0, 8, 6, 4}, {2, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}, {2, 3, 0, 8, 4, 4}, {2, 3, 0, 8, 5, 4}, {2, 3, 0, 8, 6, 4}, {2, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 2 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8] + r2:inbox@4[5/8] + r2:inbox@5[5/8] + r2:inbox@6[5/8] + r2:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}, {2, 3, 0, 8, 4, 5}, {2, 3, 0, 8, 5, 5}, {2, 3, 0, 8, 6, 5}, {2, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}, {2, 3, 0, 8, 4, 5}, {2, 3, 0, 8, 5, 5}, {2, 3, 0, 8, 6, 5}, {2, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 2 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8] + r2:inbox@4[6/8] + r2:inbox@5[6/8] + r2:inbox@6[6/8] + r2:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}, {2, 3, 0, 8, 4, 6}, {2, 3, 0, 8, 5, 6}, {2, 3, 0, 8, 6, 6}, {2, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}, {2, 3, 0, 8, 4, 6}, {2, 3, 0, 8, 5, 6}, {2, 3, 0, 8, 6, 6}, {2, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 2 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8] + r2:inbox@4[7/8] + r2:inbox@5[7/8] + r2:inbox@6[7/8] + r2:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}, {2, 3, 0, 8, 4, 7}, {2, 3, 0, 8, 5, 7}, {2, 3, 0, 8, 6, 7}, {2, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}, {2, 3, 0, 8, 4, 7}, {2, 3, 0, 8, 5, 7}, {2, 3, 0, 8, 6, 7}, {2, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
     // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/8] = r3:src@4[0/8]; signal r4:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
     // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/8] = r3:src@4[1/8]; signal r4:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
     // rank 3 step 3: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[2/8] = r3:src@4[2/8]; signal r4:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
     // rank 3 step 4: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[3/8] = r3:src@4[3/8]; signal r4:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
     // rank 3 step 5: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[4/8] = r3:src@4[4/8]; signal r4:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
     // rank 3 step 6: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[5/8] = r3:src@4[5/8]; signal r4:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
     // rank 3 step 7: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[6/8] = r3:src@4[6/8]; signal r4:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
     // rank 3 step 8: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[7/8] = r3:src@4[7/8]; signal r4:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
     // rank 3 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/8] = r3:src@5[0/8]; signal r5:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
     // rank 3 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/8] = r3:src@5[1/8]; signal r5:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
     // rank 3 step 11: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[2/8] = r3:src@5[2/8]; signal r5:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
     // rank 3 step 12: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[3/8] = r3:src@5[3/8]; signal r5:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
     // rank 3 step 13: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[4/8] = r3:src@5[4/8]; signal r5:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
     // rank 3 step 14: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[5/8] = r3:src@5[5/8]; signal r5:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
     // rank 3 step 15: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[6/8] = r3:src@5[6/8]; signal r5:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
     // rank 3 step 16: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[7/8] = r3:src@5[7/8]; signal r5:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
     // rank 3 step 17: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/8] = r3:src@6[0/8]; signal r6:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
     // rank 3 step 18: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/8] = r3:src@6[1/8]; signal r6:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
     // rank 3 step 19: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[2/8] = r3:src@6[2/8]; signal r6:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
     // rank 3 step 20: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[3/8] = r3:src@6[3/8]; signal r6:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
     // rank 3 step 21: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[4/8] = r3:src@6[4/8]; signal r6:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
     // rank 3 step 22: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[5/8] = r3:src@6[5/8]; signal r6:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
     // rank 3 step 23: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[6/8] = r3:src@6[6/8]; signal r6:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
     // rank 3 step 24: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[7/8] = r3:src@6[7/8]; signal r6:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
     // rank 3 step 25: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/8] = r3:src@7[0/8]; signal r7:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
     // rank 3 step 26: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/8] = r3:src@7[1/8]; signal r7:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
     // rank 3 step 27: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[2/8] = r3:src@7[2/8]; signal r7:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
     // rank 3 step 28: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[3/8] = r3:src@7[3/8]; signal r7:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
     // rank 3 step 29: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[4/8] = r3:src@7[4/8]; signal r7:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
     // rank 3 step 30: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[5/8] = r3:src@7[5/8]; signal r7:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
     // rank 3 step 31: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[6/8] = r3:src@7[6/8]; signal r7:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
     // rank 3 step 32: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[7/8] = r3:src@7[7/8]; signal r7:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
     // rank 3 step 33: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 3 step 34: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 3 step 35: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 3 step 36: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 3 step 37: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
     // rank 3 step 38: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
     // rank 3 step 39: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
     // rank 3 step 40: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
     // rank 3 step 41: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 3 step 42: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 3 step 43: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 3 step 44: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 3 step 45: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 3 step 46: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 3 step 47: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 3 step 48: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 3 step 49: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 3 step 50: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 3 step 51: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 3 step 52: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 3 step 53: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 3 step 54: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 3 step 55: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 3 step 56: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 3 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8] + r3:inbox@4[0/8] + r3:inbox@5[0/8] + r3:inbox@6[0/8] + r3:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}, {3, 3, 0, 8, 4, 0}, {3, 3, 0, 8, 5, 0}, {3, 3, 0, 8, 6, 0}, {3, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}, {3, 3, 0, 8, 4, 0}, {3, 3, 0, 8, 5, 0}, {3, 3, 0, 8, 6, 0}, {3, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 3 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8] + r3:inbox@4[1/8] + r3:inbox@5[1/8] + r3:inbox@6[1/8] + r3:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}, {3, 3, 0, 8, 4, 1}, {3, 3, 0, 8, 5, 1}, {3, 3, 0, 8, 6, 1}, {3, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}, {3, 3, 0, 8, 4, 1}, {3, 3, 0, 8, 5, 1}, {3, 3, 0, 8, 6, 1}, {3, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 3 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8] + r3:inbox@4[2/8] + r3:inbox@5[2/8] + r3:inbox@6[2/8] + r3:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}, {3, 3, 0, 8, 4, 2}, {3, 3, 0, 8, 5, 2}, {3, 3, 0, 8, 6, 2}, {3, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}, {3, 3, 0, 8, 4, 2}, {3, 3, 0, 8, 5, 2}, {3, 3, 0, 8, 6, 2}, {3, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 3 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8] + r3:inbox@4[3/8] + r3:inbox@5[3/8] + r3:inbox@6[3/8] + r3:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}, {3, 3, 0, 8, 4, 3}, {3, 3, 0, 8, 5, 3}, {3, 3, 0, 8, 6, 3}, {3, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}, {3, 3, 0, 8, 4, 3}, {3, 3, 0, 8, 5, 3}, {3, 3, 0, 8, 6, 3}, {3, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 3 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8] + r3:inbox@4[4/8] + r3:inbox@5[4/8] + r3:inbox@6[4/8] + r3:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}, {3, 3, 0, 8, 4, 4}, {3, 3, 0, 8, 5, 4}, {3, 3, 0, 8, 6, 4}, {3, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}, {3, 3, 0, 8, 4, 4}, {3, 3, 0, 8, 5, 4}, {3, 3, 0, 8, 6, 4}, {3, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 3 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8] + r3:inbox@4[5/8] + r3:inbox@5[5/8] + r3:inbox@6[5/8] + r3:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}, {3, 3, 0, 8, 4, 5}, {3, 3, 0, 8, 5, 5}, {3, 3, 0, 8, 6, 5}, {3, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}, {3, 3, 0, 8, 4, 5}, {3, 3, 0, 8, 5, 5}, {3, 3, 0, 8, 6, 5}, {3, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 3 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8] + r3:inbox@4[6/8] + r3:inbox@5[6/8] + r3:inbox@6[6/8] + r3:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}, {3, 3, 0, 8, 4, 6}, {3, 3, 0, 8, 5, 6}, {3, 3, 0, 8, 6, 6}, {3, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}, {3, 3, 0, 8, 4, 6}, {3, 3, 0, 8, 5, 6}, {3, 3, 0, 8, 6, 6}, {3, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 3 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8] + r3:inbox@4[7/8] + r3:inbox@5[7/8] + r3:inbox@6[7/8] + r3:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}, {3, 3, 0, 8, 4, 7}, {3, 3, 0, 8, 5, 7}, {3, 3, 0, 8, 6, 7}, {3, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}, {3, 3, 0, 8, 4, 7}, {3, 3, 0, 8, 5, 7}, {3, 3, 0, 8, 6, 7}, {3, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
     // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/8] = r4:src@5[0/8]; signal r5:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
     // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/8] = r4:src@5[1/8]; signal r5:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
     // rank 4 step 3: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[2/8] = r4:src@5[2/8]; signal r5:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
     // rank 4 step 4: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[3/8] = r4:src@5[3/8]; signal r5:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
     // rank 4 step 5: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[4/8] = r4:src@5[4/8]; signal r5:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
     // rank 4 step 6: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[5/8] = r4:src@5[5/8]; signal r5:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
     // rank 4 step 7: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[6/8] = r4:src@5[6/8]; signal r5:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
     // rank 4 step 8: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[7/8] = r4:src@5[7/8]; signal r5:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
     // rank 4 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/8] = r4:src@6[0/8]; signal r6:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
     // rank 4 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/8] = r4:src@6[1/8]; signal r6:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
     // rank 4 step 11: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[2/8] = r4:src@6[2/8]; signal r6:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
     // rank 4 step 12: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[3/8] = r4:src@6[3/8]; signal r6:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
     // rank 4 step 13: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[4/8] = r4:src@6[4/8]; signal r6:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
     // rank 4 step 14: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[5/8] = r4:src@6[5/8]; signal r6:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
     // rank 4 step 15: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[6/8] = r4:src@6[6/8]; signal r6:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
     // rank 4 step 16: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[7/8] = r4:src@6[7/8]; signal r6:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
     // rank 4 step 17: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/8] = r4:src@7[0/8]; signal r7:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
     // rank 4 step 18: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/8] = r4:src@7[1/8]; signal r7:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
     // rank 4 step 19: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[2/8] = r4:src@7[2/8]; signal r7:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
     // rank 4 step 20: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[3/8] = r4:src@7[3/8]; signal r7:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
     // rank 4 step 21: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[4/8] = r4:src@7[4/8]; signal r7:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
     // rank 4 step 22: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[5/8] = r4:src@7[5/8]; signal r7:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
     // rank 4 step 23: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[6/8] = r4:src@7[6/8]; signal r7:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
     // rank 4 step 24: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[7/8] = r4:src@7[7/8]; signal r7:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
     // rank 4 step 25: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/8] = r4:src@0[0/8]; signal r0:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
     // rank 4 step 26: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/8] = r4:src@0[1/8]; signal r0:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
     // rank 4 step 27: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[2/8] = r4:src@0[2/8]; signal r0:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
     // rank 4 step 28: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[3/8] = r4:src@0[3/8]; signal r0:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
     // rank 4 step 29: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[4/8] = r4:src@0[4/8]; signal r0:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
     // rank 4 step 30: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[5/8] = r4:src@0[5/8]; signal r0:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
     // rank 4 step 31: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[6/8] = r4:src@0[6/8]; signal r0:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
     // rank 4 step 32: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[7/8] = r4:src@0[7/8]; signal r0:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
     // rank 4 step 33: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/8] = r4:src@1[0/8]; signal r1:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
     // rank 4 step 34: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/8] = r4:src@1[1/8]; signal r1:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
     // rank 4 step 35: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[2/8] = r4:src@1[2/8]; signal r1:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
     // rank 4 step 36: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[3/8] = r4:src@1[3/8]; signal r1:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
     // rank 4 step 37: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[4/8] = r4:src@1[4/8]; signal r1:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
     // rank 4 step 38: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[5/8] = r4:src@1[5/8]; signal r1:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
     // rank 4 step 39: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[6/8] = r4:src@1[6/8]; signal r1:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
     // rank 4 step 40: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[7/8] = r4:src@1[7/8]; signal r1:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
     // rank 4 step 41: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/8] = r4:src@2[0/8]; signal r2:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
     // rank 4 step 42: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/8] = r4:src@2[1/8]; signal r2:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
     // rank 4 step 43: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[2/8] = r4:src@2[2/8]; signal r2:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
     // rank 4 step 44: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[3/8] = r4:src@2[3/8]; signal r2:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
     // rank 4 step 45: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[4/8] = r4:src@2[4/8]; signal r2:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
     // rank 4 step 46: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[5/8] = r4:src@2[5/8]; signal r2:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
     // rank 4 step 47: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[6/8] = r4:src@2[6/8]; signal r2:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
     // rank 4 step 48: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[7/8] = r4:src@2[7/8]; signal r2:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
     // rank 4 step 49: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/8] = r4:src@3[0/8]; signal r3:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
     // rank 4 step 50: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/8] = r4:src@3[1/8]; signal r3:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
     // rank 4 step 51: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[2/8] = r4:src@3[2/8]; signal r3:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
     // rank 4 step 52: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[3/8] = r4:src@3[3/8]; signal r3:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
     // rank 4 step 53: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[4/8] = r4:src@3[4/8]; signal r3:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
     // rank 4 step 54: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[5/8] = r4:src@3[5/8]; signal r3:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
     // rank 4 step 55: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[6/8] = r4:src@3[6/8]; signal r3:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
     // rank 4 step 56: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[7/8] = r4:src@3[7/8]; signal r3:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
     // rank 4 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[0/8] = r4:src@4[0/8] + r4:inbox@0[0/8] + r4:inbox@1[0/8] + r4:inbox@2[0/8] + r4:inbox@3[0/8] + r4:inbox@5[0/8] + r4:inbox@6[0/8] + r4:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 0}, {{4, 1, 1, 8, 4, 0}, {4, 3, 0, 8, 0, 0}, {4, 3, 0, 8, 1, 0}, {4, 3, 0, 8, 2, 0}, {4, 3, 0, 8, 3, 0}, {4, 3, 0, 8, 5, 0}, {4, 3, 0, 8, 6, 0}, {4, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 1, 1, 8, 4, 0}, {4, 3, 0, 8, 0, 0}, {4, 3, 0, 8, 1, 0}, {4, 3, 0, 8, 2, 0}, {4, 3, 0, 8, 3, 0}, {4, 3, 0, 8, 5, 0}, {4, 3, 0, 8, 6, 0}, {4, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 4 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[1/8] = r4:src@4[1/8] + r4:inbox@0[1/8] + r4:inbox@1[1/8] + r4:inbox@2[1/8] + r4:inbox@3[1/8] + r4:inbox@5[1/8] + r4:inbox@6[1/8] + r4:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 1}, {{4, 1, 1, 8, 4, 1}, {4, 3, 0, 8, 0, 1}, {4, 3, 0, 8, 1, 1}, {4, 3, 0, 8, 2, 1}, {4, 3, 0, 8, 3, 1}, {4, 3, 0, 8, 5, 1}, {4, 3, 0, 8, 6, 1}, {4, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 1, 1, 8, 4, 1}, {4, 3, 0, 8, 0, 1}, {4, 3, 0, 8, 1, 1}, {4, 3, 0, 8, 2, 1}, {4, 3, 0, 8, 3, 1}, {4, 3, 0, 8, 5, 1}, {4, 3, 0, 8, 6, 1}, {4, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 4 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[2/8] = r4:src@4[2/8] + r4:inbox@0[2/8] + r4:inbox@1[2/8] + r4:inbox@2[2/8] + r4:inbox@3[2/8] + r4:inbox@5[2/8] + r4:inbox@6[2/8] + r4:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 2}, {{4, 1, 1, 8, 4, 2}, {4, 3, 0, 8, 0, 2}, {4, 3, 0, 8, 1, 2}, {4, 3, 0, 8, 2, 2}, {4, 3, 0, 8, 3, 2}, {4, 3, 0, 8, 5, 2}, {4, 3, 0, 8, 6, 2}, {4, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 1, 1, 8, 4, 2}, {4, 3, 0, 8, 0, 2}, {4, 3, 0, 8, 1, 2}, {4, 3, 0, 8, 2, 2}, {4, 3, 0, 8, 3, 2}, {4, 3, 0, 8, 5, 2}, {4, 3, 0, 8, 6, 2}, {4, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 4 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[3/8] = r4:src@4[3/8] + r4:inbox@0[3/8] + r4:inbox@1[3/8] + r4:inbox@2[3/8] + r4:inbox@3[3/8] + r4:inbox@5[3/8] + r4:inbox@6[3/8] + r4:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 3}, {{4, 1, 1, 8, 4, 3}, {4, 3, 0, 8, 0, 3}, {4, 3, 0, 8, 1, 3}, {4, 3, 0, 8, 2, 3}, {4, 3, 0, 8, 3, 3}, {4, 3, 0, 8, 5, 3}, {4, 3, 0, 8, 6, 3}, {4, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 1, 1, 8, 4, 3}, {4, 3, 0, 8, 0, 3}, {4, 3, 0, 8, 1, 3}, {4, 3, 0, 8, 2, 3}, {4, 3, 0, 8, 3, 3}, {4, 3, 0, 8, 5, 3}, {4, 3, 0, 8, 6, 3}, {4, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 4 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[4/8] = r4:src@4[4/8] + r4:inbox@0[4/8] + r4:inbox@1[4/8] + r4:inbox@2[4/8] + r4:inbox@3[4/8] + r4:inbox@5[4/8] + r4:inbox@6[4/8] + r4:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 4, 4}, {4, 3, 0, 8, 0, 4}, {4, 3, 0, 8, 1, 4}, {4, 3, 0, 8, 2, 4}, {4, 3, 0, 8, 3, 4}, {4, 3, 0, 8, 5, 4}, {4, 3, 0, 8, 6, 4}, {4, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 4, 4}, {4, 3, 0, 8, 0, 4}, {4, 3, 0, 8, 1, 4}, {4, 3, 0, 8, 2, 4}, {4, 3, 0, 8, 3, 4}, {4, 3, 0, 8, 5, 4}, {4, 3, 0, 8, 6, 4}, {4, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 4 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[5/8] = r4:src@4[5/8] + r4:inbox@0[5/8] + r4:inbox@1[5/8] + r4:inbox@2[5/8] + r4:inbox@3[5/8] + r4:inbox@5[5/8] + r4:inbox@6[5/8] + r4:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 5}, {{4, 1, 1, 8, 4, 5}, {4, 3, 0, 8, 0, 5}, {4, 3, 0, 8, 1, 5}, {4, 3, 0, 8, 2, 5}, {4, 3, 0, 8, 3, 5}, {4, 3, 0, 8, 5, 5}, {4, 3, 0, 8, 6, 5}, {4, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 1, 1, 8, 4, 5}, {4, 3, 0, 8, 0, 5}, {4, 3, 0, 8, 1, 5}, {4, 3, 0, 8, 2, 5}, {4, 3, 0, 8, 3, 5}, {4, 3, 0, 8, 5, 5}, {4, 3, 0, 8, 6, 5}, {4, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 4 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[6/8] = r4:src@4[6/8] + r4:inbox@0[6/8] + r4:inbox@1[6/8] + r4:inbox@2[6/8] + r4:inbox@3[6/8] + r4:inbox@5[6/8] + r4:inbox@6[6/8] + r4:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 6}, {{4, 1, 1, 8, 4, 6}, {4, 3, 0, 8, 0, 6}, {4, 3, 0, 8, 1, 6}, {4, 3, 0, 8, 2, 6}, {4, 3, 0, 8, 3, 6}, {4, 3, 0, 8, 5, 6}, {4, 3, 0, 8, 6, 6}, {4, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 1, 1, 8, 4, 6}, {4, 3, 0, 8, 0, 6}, {4, 3, 0, 8, 1, 6}, {4, 3, 0, 8, 2, 6}, {4, 3, 0, 8, 3, 6}, {4, 3, 0, 8, 5, 6}, {4, 3, 0, 8, 6, 6}, {4, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 4 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[7/8] = r4:src@4[7/8] + r4:inbox@0[7/8] + r4:inbox@1[7/8] + r4:inbox@2[7/8] + r4:inbox@3[7/8] + r4:inbox@5[7/8] + r4:inbox@6[7/8] + r4:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {4, 2, 0, 8, 0, 7}, {{4, 1, 1, 8, 4, 7}, {4, 3, 0, 8, 0, 7}, {4, 3, 0, 8, 1, 7}, {4, 3, 0, 8, 2, 7}, {4, 3, 0, 8, 3, 7}, {4, 3, 0, 8, 5, 7}, {4, 3, 0, 8, 6, 7}, {4, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 1, 1, 8, 4, 7}, {4, 3, 0, 8, 0, 7}, {4, 3, 0, 8, 1, 7}, {4, 3, 0, 8, 2, 7}, {4, 3, 0, 8, 3, 7}, {4, 3, 0, 8, 5, 7}, {4, 3, 0, 8, 6, 7}, {4, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
     // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/8] = r5:src@6[0/8]; signal r6:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
     // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/8] = r5:src@6[1/8]; signal r6:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
     // rank 5 step 3: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[2/8] = r5:src@6[2/8]; signal r6:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
     // rank 5 step 4: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[3/8] = r5:src@6[3/8]; signal r6:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
     // rank 5 step 5: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[4/8] = r5:src@6[4/8]; signal r6:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
     // rank 5 step 6: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[5/8] = r5:src@6[5/8]; signal r6:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
     // rank 5 step 7: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[6/8] = r5:src@6[6/8]; signal r6:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
     // rank 5 step 8: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[7/8] = r5:src@6[7/8]; signal r6:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
     // rank 5 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/8] = r5:src@7[0/8]; signal r7:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
     // rank 5 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/8] = r5:src@7[1/8]; signal r7:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
     // rank 5 step 11: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[2/8] = r5:src@7[2/8]; signal r7:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
     // rank 5 step 12: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[3/8] = r5:src@7[3/8]; signal r7:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
     // rank 5 step 13: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[4/8] = r5:src@7[4/8]; signal r7:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
     // rank 5 step 14: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[5/8] = r5:src@7[5/8]; signal r7:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
     // rank 5 step 15: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[6/8] = r5:src@7[6/8]; signal r7:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
     // rank 5 step 16: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[7/8] = r5:src@7[7/8]; signal r7:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
     // rank 5 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/8] = r5:src@0[0/8]; signal r0:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
     // rank 5 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/8] = r5:src@0[1/8]; signal r0:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
     // rank 5 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[2/8] = r5:src@0[2/8]; signal r0:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
     // rank 5 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[3/8] = r5:src@0[3/8]; signal r0:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
     // rank 5 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[4/8] = r5:src@0[4/8]; signal r0:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
     // rank 5 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[5/8] = r5:src@0[5/8]; signal r0:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
     // rank 5 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[6/8] = r5:src@0[6/8]; signal r0:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
     // rank 5 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[7/8] = r5:src@0[7/8]; signal r0:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
     // rank 5 step 25: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/8] = r5:src@1[0/8]; signal r1:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
     // rank 5 step 26: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/8] = r5:src@1[1/8]; signal r1:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
     // rank 5 step 27: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[2/8] = r5:src@1[2/8]; signal r1:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
     // rank 5 step 28: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[3/8] = r5:src@1[3/8]; signal r1:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
     // rank 5 step 29: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[4/8] = r5:src@1[4/8]; signal r1:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
     // rank 5 step 30: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[5/8] = r5:src@1[5/8]; signal r1:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
     // rank 5 step 31: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[6/8] = r5:src@1[6/8]; signal r1:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
     // rank 5 step 32: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[7/8] = r5:src@1[7/8]; signal r1:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
     // rank 5 step 33: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/8] = r5:src@2[0/8]; signal r2:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
     // rank 5 step 34: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/8] = r5:src@2[1/8]; signal r2:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
     // rank 5 step 35: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[2/8] = r5:src@2[2/8]; signal r2:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
     // rank 5 step 36: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[3/8] = r5:src@2[3/8]; signal r2:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
     // rank 5 step 37: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[4/8] = r5:src@2[4/8]; signal r2:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
     // rank 5 step 38: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[5/8] = r5:src@2[5/8]; signal r2:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
     // rank 5 step 39: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[6/8] = r5:src@2[6/8]; signal r2:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
     // rank 5 step 40: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[7/8] = r5:src@2[7/8]; signal r2:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
     // rank 5 step 41: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/8] = r5:src@3[0/8]; signal r3:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
     // rank 5 step 42: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/8] = r5:src@3[1/8]; signal r3:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
     // rank 5 step 43: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[2/8] = r5:src@3[2/8]; signal r3:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
     // rank 5 step 44: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[3/8] = r5:src@3[3/8]; signal r3:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
     // rank 5 step 45: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[4/8] = r5:src@3[4/8]; signal r3:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
     // rank 5 step 46: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[5/8] = r5:src@3[5/8]; signal r3:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
     // rank 5 step 47: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[6/8] = r5:src@3[6/8]; signal r3:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
     // rank 5 step 48: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[7/8] = r5:src@3[7/8]; signal r3:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
     // rank 5 step 49: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/8] = r5:src@4[0/8]; signal r4:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
     // rank 5 step 50: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/8] = r5:src@4[1/8]; signal r4:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
     // rank 5 step 51: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[2/8] = r5:src@4[2/8]; signal r4:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
     // rank 5 step 52: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[3/8] = r5:src@4[3/8]; signal r4:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
     // rank 5 step 53: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[4/8] = r5:src@4[4/8]; signal r4:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
     // rank 5 step 54: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[5/8] = r5:src@4[5/8]; signal r4:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
     // rank 5 step 55: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[6/8] = r5:src@4[6/8]; signal r4:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
     // rank 5 step 56: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[7/8] = r5:src@4[7/8]; signal r4:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
     // rank 5 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[0/8] = r5:src@5[0/8] + r5:inbox@0[0/8] + r5:inbox@1[0/8] + r5:inbox@2[0/8] + r5:inbox@3[0/8] + r5:inbox@4[0/8] + r5:inbox@6[0/8] + r5:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 0}, {{5, 1, 1, 8, 5, 0}, {5, 3, 0, 8, 0, 0}, {5, 3, 0, 8, 1, 0}, {5, 3, 0, 8, 2, 0}, {5, 3, 0, 8, 3, 0}, {5, 3, 0, 8, 4, 0}, {5, 3, 0, 8, 6, 0}, {5, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 1, 1, 8, 5, 0}, {5, 3, 0, 8, 0, 0}, {5, 3, 0, 8, 1, 0}, {5, 3, 0, 8, 2, 0}, {5, 3, 0, 8, 3, 0}, {5, 3, 0, 8, 4, 0}, {5, 3, 0, 8, 6, 0}, {5, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
     // rank 5 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[1/8] = r5:src@5[1/8] + r5:inbox@0[1/8] + r5:inbox@1[1/8] + r5:inbox@2[1/8] + r5:inbox@3[1/8] + r5:inbox@4[1/8] + r5:inbox@6[1/8] + r5:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 1}, {{5, 1, 1, 8, 5, 1}, {5, 3, 0, 8, 0, 1}, {5, 3, 0, 8, 1, 1}, {5, 3, 0, 8, 2, 1}, {5, 3, 0, 8, 3, 1}, {5, 3, 0, 8, 4, 1}, {5, 3, 0, 8, 6, 1}, {5, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 1, 1, 8, 5, 1}, {5, 3, 0, 8, 0, 1}, {5, 3, 0, 8, 1, 1}, {5, 3, 0, 8, 2, 1}, {5, 3, 0, 8, 3, 1}, {5, 3, 0, 8, 4, 1}, {5, 3, 0, 8, 6, 1}, {5, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
     // rank 5 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[2/8] = r5:src@5[2/8] + r5:inbox@0[2/8] + r5:inbox@1[2/8] + r5:inbox@2[2/8] + r5:inbox@3[2/8] + r5:inbox@4[2/8] + r5:inbox@6[2/8] + r5:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 2}, {{5, 1, 1, 8, 5, 2}, {5, 3, 0, 8, 0, 2}, {5, 3, 0, 8, 1, 2}, {5, 3, 0, 8, 2, 2}, {5, 3, 0, 8, 3, 2}, {5, 3, 0, 8, 4, 2}, {5, 3, 0, 8, 6, 2}, {5, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 1, 1, 8, 5, 2}, {5, 3, 0, 8, 0, 2}, {5, 3, 0, 8, 1, 2}, {5, 3, 0, 8, 2, 2}, {5, 3, 0, 8, 3, 2}, {5, 3, 0, 8, 4, 2}, {5, 3, 0, 8, 6, 2}, {5, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
     // rank 5 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[3/8] = r5:src@5[3/8] + r5:inbox@0[3/8] + r5:inbox@1[3/8] + r5:inbox@2[3/8] + r5:inbox@3[3/8] + r5:inbox@4[3/8] + r5:inbox@6[3/8] + r5:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 3}, {{5, 1, 1, 8, 5, 3}, {5, 3, 0, 8, 0, 3}, {5, 3, 0, 8, 1, 3}, {5, 3, 0, 8, 2, 3}, {5, 3, 0, 8, 3, 3}, {5, 3, 0, 8, 4, 3}, {5, 3, 0, 8, 6, 3}, {5, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 1, 1, 8, 5, 3}, {5, 3, 0, 8, 0, 3}, {5, 3, 0, 8, 1, 3}, {5, 3, 0, 8, 2, 3}, {5, 3, 0, 8, 3, 3}, {5, 3, 0, 8, 4, 3}, {5, 3, 0, 8, 6, 3}, {5, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
     // rank 5 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[4/8] = r5:src@5[4/8] + r5:inbox@0[4/8] + r5:inbox@1[4/8] + r5:inbox@2[4/8] + r5:inbox@3[4/8] + r5:inbox@4[4/8] + r5:inbox@6[4/8] + r5:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 4}, {{5, 1, 1, 8, 5, 4}, {5, 3, 0, 8, 0, 4}, {5, 3, 0, 8, 1, 4}, {5, 3, 0, 8, 2, 4}, {5, 3, 0, 8, 3, 4}, {5, 3, 0, 8, 4, 4}, {5, 3, 0, 8, 6, 4}, {5, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 1, 1, 8, 5, 4}, {5, 3, 0, 8, 0, 4}, {5, 3, 0, 8, 1, 4}, {5, 3, 0, 8, 2, 4}, {5, 3, 0, 8, 3, 4}, {5, 3, 0, 8, 4, 4}, {5, 3, 0, 8, 6, 4}, {5, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
     // rank 5 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[5/8] = r5:src@5[5/8] + r5:inbox@0[5/8] + r5:inbox@1[5/8] + r5:inbox@2[5/8] + r5:inbox@3[5/8] + r5:inbox@4[5/8] + r5:inbox@6[5/8] + r5:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 5, 5}, {5, 3, 0, 8, 0, 5}, {5, 3, 0, 8, 1, 5}, {5, 3, 0, 8, 2, 5}, {5, 3, 0, 8, 3, 5}, {5, 3, 0, 8, 4, 5}, {5, 3, 0, 8, 6, 5}, {5, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 5, 5}, {5, 3, 0, 8, 0, 5}, {5, 3, 0, 8, 1, 5}, {5, 3, 0, 8, 2, 5}, {5, 3, 0, 8, 3, 5}, {5, 3, 0, 8, 4, 5}, {5, 3, 0, 8, 6, 5}, {5, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
     // rank 5 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[6/8] = r5:src@5[6/8] + r5:inbox@0[6/8] + r5:inbox@1[6/8] + r5:inbox@2[6/8] + r5:inbox@3[6/8] + r5:inbox@4[6/8] + r5:inbox@6[6/8] + r5:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 6}, {{5, 1, 1, 8, 5, 6}, {5, 3, 0, 8, 0, 6}, {5, 3, 0, 8, 1, 6}, {5, 3, 0, 8, 2, 6}, {5, 3, 0, 8, 3, 6}, {5, 3, 0, 8, 4, 6}, {5, 3, 0, 8, 6, 6}, {5, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 1, 1, 8, 5, 6}, {5, 3, 0, 8, 0, 6}, {5, 3, 0, 8, 1, 6}, {5, 3, 0, 8, 2, 6}, {5, 3, 0, 8, 3, 6}, {5, 3, 0, 8, 4, 6}, {5, 3, 0, 8, 6, 6}, {5, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
     // rank 5 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[7/8] = r5:src@5[7/8] + r5:inbox@0[7/8] + r5:inbox@1[7/8] + r5:inbox@2[7/8] + r5:inbox@3[7/8] + r5:inbox@4[7/8] + r5:inbox@6[7/8] + r5:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {5, 2, 0, 8, 0, 7}, {{5, 1, 1, 8, 5, 7}, {5, 3, 0, 8, 0, 7}, {5, 3, 0, 8, 1, 7}, {5, 3, 0, 8, 2, 7}, {5, 3, 0, 8, 3, 7}, {5, 3, 0, 8, 4, 7}, {5, 3, 0, 8, 6, 7}, {5, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 1, 1, 8, 5, 7}, {5, 3, 0, 8, 0, 7}, {5, 3, 0, 8, 1, 7}, {5, 3, 0, 8, 2, 7}, {5, 3, 0, 8, 3, 7}, {5, 3, 0, 8, 4, 7}, {5, 3, 0, 8, 6, 7}, {5, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
     // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/8] = r6:src@7[0/8]; signal r7:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 7, 0}}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
     // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/8] = r6:src@7[1/8]; signal r7:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 7, 1}}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
     // rank 6 step 3: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[2/8] = r6:src@7[2/8]; signal r7:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 7, 2}}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
     // rank 6 step 4: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[3/8] = r6:src@7[3/8]; signal r7:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 7, 3}}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
     // rank 6 step 5: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[4/8] = r6:src@7[4/8]; signal r7:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 7, 4}}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
     // rank 6 step 6: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[5/8] = r6:src@7[5/8]; signal r7:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 7, 5}}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
     // rank 6 step 7: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[6/8] = r6:src@7[6/8]; signal r7:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 7, 6}}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
     // rank 6 step 8: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[7/8] = r6:src@7[7/8]; signal r7:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 7, 7}}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
     // rank 6 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/8] = r6:src@0[0/8]; signal r0:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
     // rank 6 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/8] = r6:src@0[1/8]; signal r0:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
     // rank 6 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[2/8] = r6:src@0[2/8]; signal r0:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
     // rank 6 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[3/8] = r6:src@0[3/8]; signal r0:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
     // rank 6 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[4/8] = r6:src@0[4/8]; signal r0:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
     // rank 6 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[5/8] = r6:src@0[5/8]; signal r0:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
     // rank 6 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[6/8] = r6:src@0[6/8]; signal r0:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
     // rank 6 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[7/8] = r6:src@0[7/8]; signal r0:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
     // rank 6 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/8] = r6:src@1[0/8]; signal r1:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
     // rank 6 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/8] = r6:src@1[1/8]; signal r1:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
     // rank 6 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[2/8] = r6:src@1[2/8]; signal r1:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
     // rank 6 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[3/8] = r6:src@1[3/8]; signal r1:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
     // rank 6 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[4/8] = r6:src@1[4/8]; signal r1:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
     // rank 6 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[5/8] = r6:src@1[5/8]; signal r1:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
     // rank 6 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[6/8] = r6:src@1[6/8]; signal r1:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
     // rank 6 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[7/8] = r6:src@1[7/8]; signal r1:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
     // rank 6 step 25: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/8] = r6:src@2[0/8]; signal r2:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
     // rank 6 step 26: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/8] = r6:src@2[1/8]; signal r2:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
     // rank 6 step 27: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[2/8] = r6:src@2[2/8]; signal r2:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
     // rank 6 step 28: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[3/8] = r6:src@2[3/8]; signal r2:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
     // rank 6 step 29: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[4/8] = r6:src@2[4/8]; signal r2:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
     // rank 6 step 30: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[5/8] = r6:src@2[5/8]; signal r2:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
     // rank 6 step 31: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[6/8] = r6:src@2[6/8]; signal r2:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
     // rank 6 step 32: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[7/8] = r6:src@2[7/8]; signal r2:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
     // rank 6 step 33: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/8] = r6:src@3[0/8]; signal r3:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
     // rank 6 step 34: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/8] = r6:src@3[1/8]; signal r3:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
     // rank 6 step 35: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[2/8] = r6:src@3[2/8]; signal r3:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
     // rank 6 step 36: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[3/8] = r6:src@3[3/8]; signal r3:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
     // rank 6 step 37: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[4/8] = r6:src@3[4/8]; signal r3:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
     // rank 6 step 38: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[5/8] = r6:src@3[5/8]; signal r3:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
     // rank 6 step 39: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[6/8] = r6:src@3[6/8]; signal r3:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
     // rank 6 step 40: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[7/8] = r6:src@3[7/8]; signal r3:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
     // rank 6 step 41: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/8] = r6:src@4[0/8]; signal r4:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
     // rank 6 step 42: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/8] = r6:src@4[1/8]; signal r4:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
     // rank 6 step 43: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[2/8] = r6:src@4[2/8]; signal r4:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
     // rank 6 step 44: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[3/8] = r6:src@4[3/8]; signal r4:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
     // rank 6 step 45: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[4/8] = r6:src@4[4/8]; signal r4:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
     // rank 6 step 46: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[5/8] = r6:src@4[5/8]; signal r4:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
     // rank 6 step 47: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[6/8] = r6:src@4[6/8]; signal r4:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
     // rank 6 step 48: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[7/8] = r6:src@4[7/8]; signal r4:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
     // rank 6 step 49: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/8] = r6:src@5[0/8]; signal r5:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
     // rank 6 step 50: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/8] = r6:src@5[1/8]; signal r5:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
     // rank 6 step 51: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[2/8] = r6:src@5[2/8]; signal r5:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
     // rank 6 step 52: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[3/8] = r6:src@5[3/8]; signal r5:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
     // rank 6 step 53: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[4/8] = r6:src@5[4/8]; signal r5:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
     // rank 6 step 54: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[5/8] = r6:src@5[5/8]; signal r5:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
     // rank 6 step 55: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[6/8] = r6:src@5[6/8]; signal r5:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
     // rank 6 step 56: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[7/8] = r6:src@5[7/8]; signal r5:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
     // rank 6 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[0/8] = r6:src@6[0/8] + r6:inbox@0[0/8] + r6:inbox@1[0/8] + r6:inbox@2[0/8] + r6:inbox@3[0/8] + r6:inbox@4[0/8] + r6:inbox@5[0/8] + r6:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 0}, {{6, 1, 1, 8, 6, 0}, {6, 3, 0, 8, 0, 0}, {6, 3, 0, 8, 1, 0}, {6, 3, 0, 8, 2, 0}, {6, 3, 0, 8, 3, 0}, {6, 3, 0, 8, 4, 0}, {6, 3, 0, 8, 5, 0}, {6, 3, 0, 8, 7, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 56, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 1, 1, 8, 6, 0}, {6, 3, 0, 8, 0, 0}, {6, 3, 0, 8, 1, 0}, {6, 3, 0, 8, 2, 0}, {6, 3, 0, 8, 3, 0}, {6, 3, 0, 8, 4, 0}, {6, 3, 0, 8, 5, 0}, {6, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 56, 32}}, {}},
     // rank 6 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[1/8] = r6:src@6[1/8] + r6:inbox@0[1/8] + r6:inbox@1[1/8] + r6:inbox@2[1/8] + r6:inbox@3[1/8] + r6:inbox@4[1/8] + r6:inbox@5[1/8] + r6:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 1}, {{6, 1, 1, 8, 6, 1}, {6, 3, 0, 8, 0, 1}, {6, 3, 0, 8, 1, 1}, {6, 3, 0, 8, 2, 1}, {6, 3, 0, 8, 3, 1}, {6, 3, 0, 8, 4, 1}, {6, 3, 0, 8, 5, 1}, {6, 3, 0, 8, 7, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 57, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 1, 1, 8, 6, 1}, {6, 3, 0, 8, 0, 1}, {6, 3, 0, 8, 1, 1}, {6, 3, 0, 8, 2, 1}, {6, 3, 0, 8, 3, 1}, {6, 3, 0, 8, 4, 1}, {6, 3, 0, 8, 5, 1}, {6, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 57, 32}}, {}},
     // rank 6 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[2/8] = r6:src@6[2/8] + r6:inbox@0[2/8] + r6:inbox@1[2/8] + r6:inbox@2[2/8] + r6:inbox@3[2/8] + r6:inbox@4[2/8] + r6:inbox@5[2/8] + r6:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 2}, {{6, 1, 1, 8, 6, 2}, {6, 3, 0, 8, 0, 2}, {6, 3, 0, 8, 1, 2}, {6, 3, 0, 8, 2, 2}, {6, 3, 0, 8, 3, 2}, {6, 3, 0, 8, 4, 2}, {6, 3, 0, 8, 5, 2}, {6, 3, 0, 8, 7, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 58, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 1, 1, 8, 6, 2}, {6, 3, 0, 8, 0, 2}, {6, 3, 0, 8, 1, 2}, {6, 3, 0, 8, 2, 2}, {6, 3, 0, 8, 3, 2}, {6, 3, 0, 8, 4, 2}, {6, 3, 0, 8, 5, 2}, {6, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 58, 32}}, {}},
     // rank 6 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[3/8] = r6:src@6[3/8] + r6:inbox@0[3/8] + r6:inbox@1[3/8] + r6:inbox@2[3/8] + r6:inbox@3[3/8] + r6:inbox@4[3/8] + r6:inbox@5[3/8] + r6:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 3}, {{6, 1, 1, 8, 6, 3}, {6, 3, 0, 8, 0, 3}, {6, 3, 0, 8, 1, 3}, {6, 3, 0, 8, 2, 3}, {6, 3, 0, 8, 3, 3}, {6, 3, 0, 8, 4, 3}, {6, 3, 0, 8, 5, 3}, {6, 3, 0, 8, 7, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 59, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 1, 1, 8, 6, 3}, {6, 3, 0, 8, 0, 3}, {6, 3, 0, 8, 1, 3}, {6, 3, 0, 8, 2, 3}, {6, 3, 0, 8, 3, 3}, {6, 3, 0, 8, 4, 3}, {6, 3, 0, 8, 5, 3}, {6, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 59, 32}}, {}},
     // rank 6 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[4/8] = r6:src@6[4/8] + r6:inbox@0[4/8] + r6:inbox@1[4/8] + r6:inbox@2[4/8] + r6:inbox@3[4/8] + r6:inbox@4[4/8] + r6:inbox@5[4/8] + r6:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 4}, {{6, 1, 1, 8, 6, 4}, {6, 3, 0, 8, 0, 4}, {6, 3, 0, 8, 1, 4}, {6, 3, 0, 8, 2, 4}, {6, 3, 0, 8, 3, 4}, {6, 3, 0, 8, 4, 4}, {6, 3, 0, 8, 5, 4}, {6, 3, 0, 8, 7, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 60, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 1, 1, 8, 6, 4}, {6, 3, 0, 8, 0, 4}, {6, 3, 0, 8, 1, 4}, {6, 3, 0, 8, 2, 4}, {6, 3, 0, 8, 3, 4}, {6, 3, 0, 8, 4, 4}, {6, 3, 0, 8, 5, 4}, {6, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 60, 32}}, {}},
     // rank 6 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[5/8] = r6:src@6[5/8] + r6:inbox@0[5/8] + r6:inbox@1[5/8] + r6:inbox@2[5/8] + r6:inbox@3[5/8] + r6:inbox@4[5/8] + r6:inbox@5[5/8] + r6:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 5}, {{6, 1, 1, 8, 6, 5}, {6, 3, 0, 8, 0, 5}, {6, 3, 0, 8, 1, 5}, {6, 3, 0, 8, 2, 5}, {6, 3, 0, 8, 3, 5}, {6, 3, 0, 8, 4, 5}, {6, 3, 0, 8, 5, 5}, {6, 3, 0, 8, 7, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 61, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 1, 1, 8, 6, 5}, {6, 3, 0, 8, 0, 5}, {6, 3, 0, 8, 1, 5}, {6, 3, 0, 8, 2, 5}, {6, 3, 0, 8, 3, 5}, {6, 3, 0, 8, 4, 5}, {6, 3, 0, 8, 5, 5}, {6, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 61, 32}}, {}},
     // rank 6 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[6/8] = r6:src@6[6/8] + r6:inbox@0[6/8] + r6:inbox@1[6/8] + r6:inbox@2[6/8] + r6:inbox@3[6/8] + r6:inbox@4[6/8] + r6:inbox@5[6/8] + r6:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 6, 6}, {6, 3, 0, 8, 0, 6}, {6, 3, 0, 8, 1, 6}, {6, 3, 0, 8, 2, 6}, {6, 3, 0, 8, 3, 6}, {6, 3, 0, 8, 4, 6}, {6, 3, 0, 8, 5, 6}, {6, 3, 0, 8, 7, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 62, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 6, 6}, {6, 3, 0, 8, 0, 6}, {6, 3, 0, 8, 1, 6}, {6, 3, 0, 8, 2, 6}, {6, 3, 0, 8, 3, 6}, {6, 3, 0, 8, 4, 6}, {6, 3, 0, 8, 5, 6}, {6, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 62, 32}}, {}},
     // rank 6 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[7/8] = r6:src@6[7/8] + r6:inbox@0[7/8] + r6:inbox@1[7/8] + r6:inbox@2[7/8] + r6:inbox@3[7/8] + r6:inbox@4[7/8] + r6:inbox@5[7/8] + r6:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {6, 2, 0, 8, 0, 7}, {{6, 1, 1, 8, 6, 7}, {6, 3, 0, 8, 0, 7}, {6, 3, 0, 8, 1, 7}, {6, 3, 0, 8, 2, 7}, {6, 3, 0, 8, 3, 7}, {6, 3, 0, 8, 4, 7}, {6, 3, 0, 8, 5, 7}, {6, 3, 0, 8, 7, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 63, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 1, 1, 8, 6, 7}, {6, 3, 0, 8, 0, 7}, {6, 3, 0, 8, 1, 7}, {6, 3, 0, 8, 2, 7}, {6, 3, 0, 8, 3, 7}, {6, 3, 0, 8, 4, 7}, {6, 3, 0, 8, 5, 7}, {6, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 63, 32}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
     // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/8] = r7:src@0[0/8]; signal r0:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
     // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/8] = r7:src@0[1/8]; signal r0:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
     // rank 7 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[2/8] = r7:src@0[2/8]; signal r0:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
     // rank 7 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[3/8] = r7:src@0[3/8]; signal r0:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
     // rank 7 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[4/8] = r7:src@0[4/8]; signal r0:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
     // rank 7 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[5/8] = r7:src@0[5/8]; signal r0:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
     // rank 7 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[6/8] = r7:src@0[6/8]; signal r0:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
     // rank 7 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[7/8] = r7:src@0[7/8]; signal r0:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
     // rank 7 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/8] = r7:src@1[0/8]; signal r1:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
     // rank 7 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/8] = r7:src@1[1/8]; signal r1:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
     // rank 7 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[2/8] = r7:src@1[2/8]; signal r1:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
     // rank 7 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[3/8] = r7:src@1[3/8]; signal r1:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
     // rank 7 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[4/8] = r7:src@1[4/8]; signal r1:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
     // rank 7 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[5/8] = r7:src@1[5/8]; signal r1:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
     // rank 7 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[6/8] = r7:src@1[6/8]; signal r1:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
     // rank 7 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[7/8] = r7:src@1[7/8]; signal r1:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
     // rank 7 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/8] = r7:src@2[0/8]; signal r2:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 2, 0}}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
     // rank 7 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/8] = r7:src@2[1/8]; signal r2:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 2, 1}}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
     // rank 7 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[2/8] = r7:src@2[2/8]; signal r2:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 2, 2}}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
     // rank 7 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[3/8] = r7:src@2[3/8]; signal r2:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 2, 3}}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
     // rank 7 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[4/8] = r7:src@2[4/8]; signal r2:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 2, 4}}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
     // rank 7 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[5/8] = r7:src@2[5/8]; signal r2:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 2, 5}}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
     // rank 7 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[6/8] = r7:src@2[6/8]; signal r2:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 2, 6}}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
     // rank 7 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[7/8] = r7:src@2[7/8]; signal r2:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 2, 7}}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
     // rank 7 step 25: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/8] = r7:src@3[0/8]; signal r3:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 3, 0}}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
     // rank 7 step 26: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/8] = r7:src@3[1/8]; signal r3:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 3, 1}}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
     // rank 7 step 27: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[2/8] = r7:src@3[2/8]; signal r3:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 3, 2}}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
     // rank 7 step 28: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[3/8] = r7:src@3[3/8]; signal r3:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 3, 3}}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
     // rank 7 step 29: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[4/8] = r7:src@3[4/8]; signal r3:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 3, 4}}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
     // rank 7 step 30: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[5/8] = r7:src@3[5/8]; signal r3:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 3, 5}}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
     // rank 7 step 31: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[6/8] = r7:src@3[6/8]; signal r3:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 3, 6}}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
     // rank 7 step 32: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[7/8] = r7:src@3[7/8]; signal r3:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 3, 7}}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
     // rank 7 step 33: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/8] = r7:src@4[0/8]; signal r4:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 4, 0}}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
     // rank 7 step 34: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/8] = r7:src@4[1/8]; signal r4:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 4, 1}}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
     // rank 7 step 35: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[2/8] = r7:src@4[2/8]; signal r4:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 4, 2}}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
     // rank 7 step 36: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[3/8] = r7:src@4[3/8]; signal r4:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 4, 3}}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
     // rank 7 step 37: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[4/8] = r7:src@4[4/8]; signal r4:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 4, 4}}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
     // rank 7 step 38: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[5/8] = r7:src@4[5/8]; signal r4:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 4, 5}}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
     // rank 7 step 39: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[6/8] = r7:src@4[6/8]; signal r4:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 4, 6}}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
     // rank 7 step 40: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[7/8] = r7:src@4[7/8]; signal r4:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 4, 7}}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
     // rank 7 step 41: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/8] = r7:src@5[0/8]; signal r5:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 5, 0}}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
     // rank 7 step 42: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/8] = r7:src@5[1/8]; signal r5:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 5, 1}}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
     // rank 7 step 43: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[2/8] = r7:src@5[2/8]; signal r5:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 5, 2}}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
     // rank 7 step 44: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[3/8] = r7:src@5[3/8]; signal r5:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 5, 3}}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
     // rank 7 step 45: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[4/8] = r7:src@5[4/8]; signal r5:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 5, 4}}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
     // rank 7 step 46: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[5/8] = r7:src@5[5/8]; signal r5:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 5, 5}}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
     // rank 7 step 47: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[6/8] = r7:src@5[6/8]; signal r5:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 5, 6}}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
     // rank 7 step 48: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[7/8] = r7:src@5[7/8]; signal r5:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 5, 7}}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
     // rank 7 step 49: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/8] = r7:src@6[0/8]; signal r6:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 6, 0}}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
     // rank 7 step 50: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/8] = r7:src@6[1/8]; signal r6:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 6, 1}}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
     // rank 7 step 51: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[2/8] = r7:src@6[2/8]; signal r6:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 6, 2}}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
     // rank 7 step 52: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[3/8] = r7:src@6[3/8]; signal r6:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 6, 3}}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
     // rank 7 step 53: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[4/8] = r7:src@6[4/8]; signal r6:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 6, 4}}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
     // rank 7 step 54: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[5/8] = r7:src@6[5/8]; signal r6:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 6, 5}}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
     // rank 7 step 55: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[6/8] = r7:src@6[6/8]; signal r6:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 6, 6}}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
     // rank 7 step 56: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[7/8] = r7:src@6[7/8]; signal r6:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 6, 7}}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
     // rank 7 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[0/8] = r7:src@7[0/8] + r7:inbox@0[0/8] + r7:inbox@1[0/8] + r7:inbox@2[0/8] + r7:inbox@3[0/8] + r7:inbox@4[0/8] + r7:inbox@5[0/8] + r7:inbox@6[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 0}, {{7, 1, 1, 8, 7, 0}, {7, 3, 0, 8, 0, 0}, {7, 3, 0, 8, 1, 0}, {7, 3, 0, 8, 2, 0}, {7, 3, 0, 8, 3, 0}, {7, 3, 0, 8, 4, 0}, {7, 3, 0, 8, 5, 0}, {7, 3, 0, 8, 6, 0}}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 1, 1, 8, 7, 0}, {7, 3, 0, 8, 0, 0}, {7, 3, 0, 8, 1, 0}, {7, 3, 0, 8, 2, 0}, {7, 3, 0, 8, 3, 0}, {7, 3, 0, 8, 4, 0}, {7, 3, 0, 8, 5, 0}, {7, 3, 0, 8, 6, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}}, {}},
     // rank 7 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[1/8] = r7:src@7[1/8] + r7:inbox@0[1/8] + r7:inbox@1[1/8] + r7:inbox@2[1/8] + r7:inbox@3[1/8] + r7:inbox@4[1/8] + r7:inbox@5[1/8] + r7:inbox@6[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 1}, {{7, 1, 1, 8, 7, 1}, {7, 3, 0, 8, 0, 1}, {7, 3, 0, 8, 1, 1}, {7, 3, 0, 8, 2, 1}, {7, 3, 0, 8, 3, 1}, {7, 3, 0, 8, 4, 1}, {7, 3, 0, 8, 5, 1}, {7, 3, 0, 8, 6, 1}}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 1, 1, 8, 7, 1}, {7, 3, 0, 8, 0, 1}, {7, 3, 0, 8, 1, 1}, {7, 3, 0, 8, 2, 1}, {7, 3, 0, 8, 3, 1}, {7, 3, 0, 8, 4, 1}, {7, 3, 0, 8, 5, 1}, {7, 3, 0, 8, 6, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}}, {}},
     // rank 7 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[2/8] = r7:src@7[2/8] + r7:inbox@0[2/8] + r7:inbox@1[2/8] + r7:inbox@2[2/8] + r7:inbox@3[2/8] + r7:inbox@4[2/8] + r7:inbox@5[2/8] + r7:inbox@6[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 2}, {{7, 1, 1, 8, 7, 2}, {7, 3, 0, 8, 0, 2}, {7, 3, 0, 8, 1, 2}, {7, 3, 0, 8, 2, 2}, {7, 3, 0, 8, 3, 2}, {7, 3, 0, 8, 4, 2}, {7, 3, 0, 8, 5, 2}, {7, 3, 0, 8, 6, 2}}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 1, 1, 8, 7, 2}, {7, 3, 0, 8, 0, 2}, {7, 3, 0, 8, 1, 2}, {7, 3, 0, 8, 2, 2}, {7, 3, 0, 8, 3, 2}, {7, 3, 0, 8, 4, 2}, {7, 3, 0, 8, 5, 2}, {7, 3, 0, 8, 6, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}}, {}},
     // rank 7 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[3/8] = r7:src@7[3/8] + r7:inbox@0[3/8] + r7:inbox@1[3/8] + r7:inbox@2[3/8] + r7:inbox@3[3/8] + r7:inbox@4[3/8] + r7:inbox@5[3/8] + r7:inbox@6[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 3}, {{7, 1, 1, 8, 7, 3}, {7, 3, 0, 8, 0, 3}, {7, 3, 0, 8, 1, 3}, {7, 3, 0, 8, 2, 3}, {7, 3, 0, 8, 3, 3}, {7, 3, 0, 8, 4, 3}, {7, 3, 0, 8, 5, 3}, {7, 3, 0, 8, 6, 3}}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 1, 1, 8, 7, 3}, {7, 3, 0, 8, 0, 3}, {7, 3, 0, 8, 1, 3}, {7, 3, 0, 8, 2, 3}, {7, 3, 0, 8, 3, 3}, {7, 3, 0, 8, 4, 3}, {7, 3, 0, 8, 5, 3}, {7, 3, 0, 8, 6, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}}, {}},
     // rank 7 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[4/8] = r7:src@7[4/8] + r7:inbox@0[4/8] + r7:inbox@1[4/8] + r7:inbox@2[4/8] + r7:inbox@3[4/8] + r7:inbox@4[4/8] + r7:inbox@5[4/8] + r7:inbox@6[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 4}, {{7, 1, 1, 8, 7, 4}, {7, 3, 0, 8, 0, 4}, {7, 3, 0, 8, 1, 4}, {7, 3, 0, 8, 2, 4}, {7, 3, 0, 8, 3, 4}, {7, 3, 0, 8, 4, 4}, {7, 3, 0, 8, 5, 4}, {7, 3, 0, 8, 6, 4}}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 1, 1, 8, 7, 4}, {7, 3, 0, 8, 0, 4}, {7, 3, 0, 8, 1, 4}, {7, 3, 0, 8, 2, 4}, {7, 3, 0, 8, 3, 4}, {7, 3, 0, 8, 4, 4}, {7, 3, 0, 8, 5, 4}, {7, 3, 0, 8, 6, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}}, {}},
     // rank 7 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[5/8] = r7:src@7[5/8] + r7:inbox@0[5/8] + r7:inbox@1[5/8] + r7:inbox@2[5/8] + r7:inbox@3[5/8] + r7:inbox@4[5/8] + r7:inbox@5[5/8] + r7:inbox@6[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 5}, {{7, 1, 1, 8, 7, 5}, {7, 3, 0, 8, 0, 5}, {7, 3, 0, 8, 1, 5}, {7, 3, 0, 8, 2, 5}, {7, 3, 0, 8, 3, 5}, {7, 3, 0, 8, 4, 5}, {7, 3, 0, 8, 5, 5}, {7, 3, 0, 8, 6, 5}}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 1, 1, 8, 7, 5}, {7, 3, 0, 8, 0, 5}, {7, 3, 0, 8, 1, 5}, {7, 3, 0, 8, 2, 5}, {7, 3, 0, 8, 3, 5}, {7, 3, 0, 8, 4, 5}, {7, 3, 0, 8, 5, 5}, {7, 3, 0, 8, 6, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}}, {}},
     // rank 7 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[6/8] = r7:src@7[6/8] + r7:inbox@0[6/8] + r7:inbox@1[6/8] + r7:inbox@2[6/8] + r7:inbox@3[6/8] + r7:inbox@4[6/8] + r7:inbox@5[6/8] + r7:inbox@6[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 6}, {{7, 1, 1, 8, 7, 6}, {7, 3, 0, 8, 0, 6}, {7, 3, 0, 8, 1, 6}, {7, 3, 0, 8, 2, 6}, {7, 3, 0, 8, 3, 6}, {7, 3, 0, 8, 4, 6}, {7, 3, 0, 8, 5, 6}, {7, 3, 0, 8, 6, 6}}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 1, 1, 8, 7, 6}, {7, 3, 0, 8, 0, 6}, {7, 3, 0, 8, 1, 6}, {7, 3, 0, 8, 2, 6}, {7, 3, 0, 8, 3, 6}, {7, 3, 0, 8, 4, 6}, {7, 3, 0, 8, 5, 6}, {7, 3, 0, 8, 6, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}}, {}},
     // rank 7 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[7/8] = r7:src@7[7/8] + r7:inbox@0[7/8] + r7:inbox@1[7/8] + r7:inbox@2[7/8] + r7:inbox@3[7/8] + r7:inbox@4[7/8] + r7:inbox@5[7/8] + r7:inbox@6[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 7, 7}, {7, 3, 0, 8, 0, 7}, {7, 3, 0, 8, 1, 7}, {7, 3, 0, 8, 2, 7}, {7, 3, 0, 8, 3, 7}, {7, 3, 0, 8, 4, 7}, {7, 3, 0, 8, 5, 7}, {7, 3, 0, 8, 6, 7}}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}}, {}},
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 7, 7}, {7, 3, 0, 8, 0, 7}, {7, 3, 0, 8, 1, 7}, {7, 3, 0, 8, 2, 7}, {7, 3, 0, 8, 3, 7}, {7, 3, 0, 8, 4, 7}, {7, 3, 0, 8, 5, 7}, {7, 3, 0, 8, 6, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {

@@ -874,6 +874,7 @@ static __device__ __forceinline__ void tsgen_get_block(void* dst_local, const vo
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
 #define TSGEN_MAX_SIGNALS 8
+#define TSGEN_MAX_ALSO 7
 
 enum { TSGEN_OP_NONE = 0, TSGEN_OP_COPY = 1, TSGEN_OP_REDUCE = 2 };
 
@@ -902,9 +903,10 @@ struct tsgen_signal {
 };
 
 struct tsgen_step {
-  uint8_t op, nsrc, nwait, nsignal;
+  uint8_t op, nsrc, nwait, nsignal, nalso;
   tsgen_slice dst;
   tsgen_slice src[TSGEN_MAX_SRCS];
+  tsgen_slice also[TSGEN_MAX_ALSO];  // more destinations, written with dst's values
   tsgen_wait wait[TSGEN_MAX_WAITS];
   tsgen_signal signal[TSGEN_MAX_SIGNALS];
 };
@@ -1082,6 +1084,24 @@ static __device__ __forceinline__ void tsgen_reduce_elems(T* dst, T* const* srcs
   }
 }
 
+// to[m][i] = src[i] for i < n and every m < nto (one load, nto stores: a step's extra
+// destinations; `to` points to shared memory).
+template <typename T>
+static __device__ __forceinline__ void tsgen_copy_multi(T* const* to, int nto, const T* src, uint64_t n,
+                                                        uint32_t tid, uint32_t nthreads) {
+  uintptr_t any = (uintptr_t)src;
+  for (int m = 0; m < nto; ++m) any |= (uintptr_t)to[m];
+  const uint64_t nvec = (any & 15) == 0 ? n * sizeof(T) / 16 : 0;  // misaligned: all scalar
+  for (uint64_t i = tid; i < nvec; i += nthreads) {
+    const uint4 v = ld_weak_global_v4((const uint4*)src + i);
+    for (int m = 0; m < nto; ++m) st_weak_global_v4((uint4*)to[m] + i, v);
+  }
+  for (uint64_t e = nvec * 16 / sizeof(T) + tid; e < n; e += nthreads) {
+    const T v = src[e];
+    for (int m = 0; m < nto; ++m) to[m][e] = v;
+  }
+}
+
 // A plan's opening signal (its entry step, rendered as code): block 0 raises counter
 // `index` of signal buffer `sig` at every peer q with bit q of `peer_mask`, before
 // anything else. Relaxed: no write of this kernel precedes it, and what it stands for --
@@ -1116,6 +1136,16 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
       uint64_t lo, hi;
       tsgen_share_range<T>(st.dst, count, sh.share, sh.shares, &lo, &hi);
       T* dst = tsgen_slice_ptr<T>(st.dst, bufs, peers, rank);
+      const int nalso = st.nalso;
+      __shared__ T* more[TSGEN_MAX_ALSO];  // the extra destinations' pointers (same range as dst)
+      if (nalso) {  // the same for the whole block
+        if (threadIdx.x < (unsigned)nalso) {
+          uint64_t alo, ahi;
+          tsgen_share_range<T>(st.also[threadIdx.x], count, sh.share, sh.shares, &alo, &ahi);
+          more[threadIdx.x] = tsgen_slice_ptr<T>(st.also[threadIdx.x], bufs, peers, rank) + alo;
+        }
+        __syncthreads();
+      }
       if (hi > lo) {
         if (st.op == TSGEN_OP_COPY) {
           uint64_t slo, shi;
@@ -1123,6 +1153,7 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
           const T* src = tsgen_slice_ptr<T>(st.src[0], bufs, peers, rank);
           tsgen_copy_elems<T, UNROLL>(dst + lo, src + slo, hi - lo, st.src[0].read_only,
                                       threadIdx.x, blockDim.x);
+          if (nalso) tsgen_copy_multi<T>(more, nalso, src + slo, hi - lo, threadIdx.x, blockDim.x);
         } else {
           T* srcs[TSGEN_MAX_SRCS];
           TSGEN_FOR_SRC(j, st.nsrc) {
@@ -1131,7 +1162,11 @@ static __device__ __forceinline__ void tsgen_run_plan(const tsgen_step* steps,
             srcs[j] = tsgen_slice_ptr<T>(st.src[j], bufs, peers, rank) + slo;
           }
           tsgen_reduce_elems<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(dst + lo, srcs, st.nsrc, hi - lo, threadIdx.x,
-                                        blockDim.x);
+                                                              blockDim.x);
+          if (nalso) {  // the sums, as this block wrote them, to the extra destinations
+            __syncthreads();
+            tsgen_copy_multi<T>(more, nalso, dst + lo, hi - lo, threadIdx.x, blockDim.x);
+          }
         }
       }
     }
@@ -1173,73 +1208,73 @@ static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "i
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w2[] = {
     // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
     // rank 0 step 1: chunk 1 piece 0: our part to rank 1; wait entry[1]; r1:inbox@1[0/8] = r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 0}, {{0, 1, 1, 8, 1, 0}}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 2: chunk 1 piece 1: our part to rank 1; wait entry[1]; r1:inbox@1[1/8] = r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 1}, {{0, 1, 1, 8, 1, 1}}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 3: chunk 1 piece 2: our part to rank 1; wait entry[1]; r1:inbox@1[2/8] = r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 2}, {{0, 1, 1, 8, 1, 2}}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 4: chunk 1 piece 3: our part to rank 1; wait entry[1]; r1:inbox@1[3/8] = r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 3}, {{0, 1, 1, 8, 1, 3}}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 5: chunk 1 piece 4: our part to rank 1; wait entry[1]; r1:inbox@1[4/8] = r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 4}, {{0, 1, 1, 8, 1, 4}}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 6: chunk 1 piece 5: our part to rank 1; wait entry[1]; r1:inbox@1[5/8] = r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 5}, {{0, 1, 1, 8, 1, 5}}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 7: chunk 1 piece 6: our part to rank 1; wait entry[1]; r1:inbox@1[6/8] = r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 6}, {{0, 1, 1, 8, 1, 6}}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 8: chunk 1 piece 7: our part to rank 1; wait entry[1]; r1:inbox@1[7/8] = r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 1, 7}, {{0, 1, 1, 8, 1, 7}}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 0 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 0 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 0 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: chunk 0 piece 0: our part to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 1 step 2: chunk 0 piece 1: our part to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 1 step 3: chunk 0 piece 2: our part to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 1 step 4: chunk 0 piece 3: our part to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 1 step 5: chunk 0 piece 4: our part to rank 0; wait entry[0]; r0:inbox@0[4/8] = r1:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 1 step 6: chunk 0 piece 5: our part to rank 0; wait entry[0]; r0:inbox@0[5/8] = r1:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 1 step 7: chunk 0 piece 6: our part to rank 0; wait entry[0]; r0:inbox@0[6/8] = r1:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 1 step 8: chunk 0 piece 7: our part to rank 0; wait entry[0]; r0:inbox@0[7/8] = r1:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 1 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 1 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 1 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 1 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 1 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 1 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 1 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 1 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
 };
 static __device__ const int step_base_w2[2] = { 0, 17 };
 static __device__ const tsgen_share shares_w2[] = {
@@ -1768,155 +1803,155 @@ static __device__ const uint16_t first_w2[2][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w3[] = {
     // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},
     // rank 0 step 1: chunk 2 piece 0: our part to rank 1; wait entry[1]; r1:inbox@2[0/8] = r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 0}, {{0, 1, 1, 8, 2, 0}}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 0 step 2: chunk 2 piece 1: our part to rank 1; wait entry[1]; r1:inbox@2[1/8] = r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 1}, {{0, 1, 1, 8, 2, 1}}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 0 step 3: chunk 2 piece 2: our part to rank 1; wait entry[1]; r1:inbox@2[2/8] = r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 2}, {{0, 1, 1, 8, 2, 2}}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 0 step 4: chunk 2 piece 3: our part to rank 1; wait entry[1]; r1:inbox@2[3/8] = r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 3}, {{0, 1, 1, 8, 2, 3}}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 0 step 5: chunk 2 piece 4: our part to rank 1; wait entry[1]; r1:inbox@2[4/8] = r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 4}, {{0, 1, 1, 8, 2, 4}}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 0 step 6: chunk 2 piece 5: our part to rank 1; wait entry[1]; r1:inbox@2[5/8] = r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 5}, {{0, 1, 1, 8, 2, 5}}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 0 step 7: chunk 2 piece 6: our part to rank 1; wait entry[1]; r1:inbox@2[6/8] = r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 6}, {{0, 1, 1, 8, 2, 6}}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 0 step 8: chunk 2 piece 7: our part to rank 1; wait entry[1]; r1:inbox@2[7/8] = r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 2, 7}, {{0, 1, 1, 8, 2, 7}}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 0 step 9: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 10: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 11: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 12: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 13: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 14: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 15: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 16: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 0 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 0 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 0 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 1 step 9: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
     // rank 1 step 10: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
     // rank 1 step 11: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
     // rank 1 step 12: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
     // rank 1 step 13: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
     // rank 1 step 14: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
     // rank 1 step 15: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
     // rank 1 step 16: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
     // rank 1 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 1 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 1 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 1 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 1 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 1 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 1 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 1 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: chunk 1 piece 0: our part to rank 0; wait entry[0]; r0:inbox@1[0/8] = r2:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 2 step 2: chunk 1 piece 1: our part to rank 0; wait entry[0]; r0:inbox@1[1/8] = r2:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 2 step 3: chunk 1 piece 2: our part to rank 0; wait entry[0]; r0:inbox@1[2/8] = r2:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 2 step 4: chunk 1 piece 3: our part to rank 0; wait entry[0]; r0:inbox@1[3/8] = r2:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 2 step 5: chunk 1 piece 4: our part to rank 0; wait entry[0]; r0:inbox@1[4/8] = r2:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 2 step 6: chunk 1 piece 5: our part to rank 0; wait entry[0]; r0:inbox@1[5/8] = r2:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 2 step 7: chunk 1 piece 6: our part to rank 0; wait entry[0]; r0:inbox@1[6/8] = r2:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 2 step 8: chunk 1 piece 7: our part to rank 0; wait entry[0]; r0:inbox@1[7/8] = r2:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 2 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
     // rank 2 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
     // rank 2 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
     // rank 2 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
     // rank 2 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
     // rank 2 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
     // rank 2 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
     // rank 2 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
 };
 static __device__ const int step_base_w3[3] = { 0, 25, 50 };
 static __device__ const tsgen_share shares_w3[] = {
@@ -2894,269 +2929,269 @@ static __device__ const uint16_t first_w3[3][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w4[] = {
     // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},
     // rank 0 step 1: chunk 3 piece 0: our part to rank 1; wait entry[1]; r1:inbox@3[0/8] = r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 0}, {{0, 1, 1, 8, 3, 0}}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 0 step 2: chunk 3 piece 1: our part to rank 1; wait entry[1]; r1:inbox@3[1/8] = r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 1}, {{0, 1, 1, 8, 3, 1}}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 0 step 3: chunk 3 piece 2: our part to rank 1; wait entry[1]; r1:inbox@3[2/8] = r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 2}, {{0, 1, 1, 8, 3, 2}}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 0 step 4: chunk 3 piece 3: our part to rank 1; wait entry[1]; r1:inbox@3[3/8] = r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 3}, {{0, 1, 1, 8, 3, 3}}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 0 step 5: chunk 3 piece 4: our part to rank 1; wait entry[1]; r1:inbox@3[4/8] = r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 4}, {{0, 1, 1, 8, 3, 4}}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 0 step 6: chunk 3 piece 5: our part to rank 1; wait entry[1]; r1:inbox@3[5/8] = r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 5}, {{0, 1, 1, 8, 3, 5}}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 0 step 7: chunk 3 piece 6: our part to rank 1; wait entry[1]; r1:inbox@3[6/8] = r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 6}, {{0, 1, 1, 8, 3, 6}}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 0 step 8: chunk 3 piece 7: our part to rank 1; wait entry[1]; r1:inbox@3[7/8] = r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 3, 7}, {{0, 1, 1, 8, 3, 7}}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 0 step 9: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 0 step 10: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 0 step 11: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 0 step 12: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 0 step 13: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 0 step 14: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 0 step 15: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 0 step 16: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 0 step 17: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 18: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 19: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 20: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 21: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 22: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 23: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 24: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 0 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 0 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 0 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 1 step 9: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 1 step 10: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 1 step 11: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 1 step 12: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 1 step 13: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 1 step 14: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 1 step 15: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 1 step 16: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 1 step 17: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
     // rank 1 step 18: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
     // rank 1 step 19: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
     // rank 1 step 20: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
     // rank 1 step 21: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
     // rank 1 step 22: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
     // rank 1 step 23: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
     // rank 1 step 24: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
     // rank 1 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 1 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 1 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 1 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 1 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 1 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 1 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 1 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 2 step 17: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
     // rank 2 step 18: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
     // rank 2 step 19: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
     // rank 2 step 20: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
     // rank 2 step 21: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
     // rank 2 step 22: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
     // rank 2 step 23: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
     // rank 2 step 24: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
     // rank 2 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
     // rank 2 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
     // rank 2 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
     // rank 2 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
     // rank 2 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
     // rank 2 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
     // rank 2 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
     // rank 2 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
     // rank 3 step 1: chunk 2 piece 0: our part to rank 0; wait entry[0]; r0:inbox@2[0/8] = r3:src@2[0/8]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 3 step 2: chunk 2 piece 1: our part to rank 0; wait entry[0]; r0:inbox@2[1/8] = r3:src@2[1/8]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 3 step 3: chunk 2 piece 2: our part to rank 0; wait entry[0]; r0:inbox@2[2/8] = r3:src@2[2/8]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 3 step 4: chunk 2 piece 3: our part to rank 0; wait entry[0]; r0:inbox@2[3/8] = r3:src@2[3/8]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 3 step 5: chunk 2 piece 4: our part to rank 0; wait entry[0]; r0:inbox@2[4/8] = r3:src@2[4/8]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 3 step 6: chunk 2 piece 5: our part to rank 0; wait entry[0]; r0:inbox@2[5/8] = r3:src@2[5/8]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 3 step 7: chunk 2 piece 6: our part to rank 0; wait entry[0]; r0:inbox@2[6/8] = r3:src@2[6/8]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 3 step 8: chunk 2 piece 7: our part to rank 0; wait entry[0]; r0:inbox@2[7/8] = r3:src@2[7/8]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 3 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},
     // rank 3 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},
     // rank 3 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},
     // rank 3 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},
     // rank 3 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},
     // rank 3 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},
     // rank 3 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},
     // rank 3 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},
 };
 static __device__ const int step_base_w4[4] = { 0, 33, 66, 99 };
 static __device__ const tsgen_share shares_w4[] = {
@@ -4711,1045 +4746,1045 @@ static __device__ const uint16_t first_w4[4][129] = {
 // ---------------------------------------------------------------------------
 static __device__ const tsgen_step steps_w8[] = {
     // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 4, 0}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},
     // rank 0 step 1: chunk 7 piece 0: our part to rank 1; wait entry[1]; r1:inbox@7[0/8] = r0:src@7[0/8]; signal r1:arrive[56]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 0}, {{0, 1, 1, 8, 7, 0}}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
     // rank 0 step 2: chunk 7 piece 1: our part to rank 1; wait entry[1]; r1:inbox@7[1/8] = r0:src@7[1/8]; signal r1:arrive[57]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 1}, {{0, 1, 1, 8, 7, 1}}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
     // rank 0 step 3: chunk 7 piece 2: our part to rank 1; wait entry[1]; r1:inbox@7[2/8] = r0:src@7[2/8]; signal r1:arrive[58]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 2}, {{0, 1, 1, 8, 7, 2}}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
     // rank 0 step 4: chunk 7 piece 3: our part to rank 1; wait entry[1]; r1:inbox@7[3/8] = r0:src@7[3/8]; signal r1:arrive[59]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 3}, {{0, 1, 1, 8, 7, 3}}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
     // rank 0 step 5: chunk 7 piece 4: our part to rank 1; wait entry[1]; r1:inbox@7[4/8] = r0:src@7[4/8]; signal r1:arrive[60]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 4}, {{0, 1, 1, 8, 7, 4}}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
     // rank 0 step 6: chunk 7 piece 5: our part to rank 1; wait entry[1]; r1:inbox@7[5/8] = r0:src@7[5/8]; signal r1:arrive[61]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 5}, {{0, 1, 1, 8, 7, 5}}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
     // rank 0 step 7: chunk 7 piece 6: our part to rank 1; wait entry[1]; r1:inbox@7[6/8] = r0:src@7[6/8]; signal r1:arrive[62]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 6}, {{0, 1, 1, 8, 7, 6}}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
     // rank 0 step 8: chunk 7 piece 7: our part to rank 1; wait entry[1]; r1:inbox@7[7/8] = r0:src@7[7/8]; signal r1:arrive[63]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {1, 3, 0, 8, 7, 7}, {{0, 1, 1, 8, 7, 7}}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
     // rank 0 step 9: chunk 6 piece 0: partial sum + our part to rank 1; wait arrive[48], entry[1]; r1:inbox@6[0/8] = r0:inbox@6[0/8] + r0:src@6[0/8]; signal r1:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 0}, {{0, 3, 0, 8, 6, 0}, {0, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 1, 1}}, {{1, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 0}, {{0, 3, 0, 8, 6, 0}, {0, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 1, 1}}, {{1, 5, 48}}},
     // rank 0 step 10: chunk 6 piece 1: partial sum + our part to rank 1; wait arrive[49], entry[1]; r1:inbox@6[1/8] = r0:inbox@6[1/8] + r0:src@6[1/8]; signal r1:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 1}, {{0, 3, 0, 8, 6, 1}, {0, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 1, 1}}, {{1, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 1}, {{0, 3, 0, 8, 6, 1}, {0, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 1, 1}}, {{1, 5, 49}}},
     // rank 0 step 11: chunk 6 piece 2: partial sum + our part to rank 1; wait arrive[50], entry[1]; r1:inbox@6[2/8] = r0:inbox@6[2/8] + r0:src@6[2/8]; signal r1:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 2}, {{0, 3, 0, 8, 6, 2}, {0, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 1, 1}}, {{1, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 2}, {{0, 3, 0, 8, 6, 2}, {0, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 1, 1}}, {{1, 5, 50}}},
     // rank 0 step 12: chunk 6 piece 3: partial sum + our part to rank 1; wait arrive[51], entry[1]; r1:inbox@6[3/8] = r0:inbox@6[3/8] + r0:src@6[3/8]; signal r1:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 3}, {{0, 3, 0, 8, 6, 3}, {0, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 1, 1}}, {{1, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 3}, {{0, 3, 0, 8, 6, 3}, {0, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 1, 1}}, {{1, 5, 51}}},
     // rank 0 step 13: chunk 6 piece 4: partial sum + our part to rank 1; wait arrive[52], entry[1]; r1:inbox@6[4/8] = r0:inbox@6[4/8] + r0:src@6[4/8]; signal r1:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 4}, {{0, 3, 0, 8, 6, 4}, {0, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 1, 1}}, {{1, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 4}, {{0, 3, 0, 8, 6, 4}, {0, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 1, 1}}, {{1, 5, 52}}},
     // rank 0 step 14: chunk 6 piece 5: partial sum + our part to rank 1; wait arrive[53], entry[1]; r1:inbox@6[5/8] = r0:inbox@6[5/8] + r0:src@6[5/8]; signal r1:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 5}, {{0, 3, 0, 8, 6, 5}, {0, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 1, 1}}, {{1, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 5}, {{0, 3, 0, 8, 6, 5}, {0, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 1, 1}}, {{1, 5, 53}}},
     // rank 0 step 15: chunk 6 piece 6: partial sum + our part to rank 1; wait arrive[54], entry[1]; r1:inbox@6[6/8] = r0:inbox@6[6/8] + r0:src@6[6/8]; signal r1:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 6}, {{0, 3, 0, 8, 6, 6}, {0, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 1, 1}}, {{1, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 6}, {{0, 3, 0, 8, 6, 6}, {0, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 1, 1}}, {{1, 5, 54}}},
     // rank 0 step 16: chunk 6 piece 7: partial sum + our part to rank 1; wait arrive[55], entry[1]; r1:inbox@6[7/8] = r0:inbox@6[7/8] + r0:src@6[7/8]; signal r1:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 6, 7}, {{0, 3, 0, 8, 6, 7}, {0, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 1, 1}}, {{1, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 7}, {{0, 3, 0, 8, 6, 7}, {0, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 1, 1}}, {{1, 5, 55}}},
     // rank 0 step 17: chunk 5 piece 0: partial sum + our part to rank 1; wait arrive[40], entry[1]; r1:inbox@5[0/8] = r0:inbox@5[0/8] + r0:src@5[0/8]; signal r1:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 0}, {{0, 3, 0, 8, 5, 0}, {0, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 1, 1}}, {{1, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 0}, {{0, 3, 0, 8, 5, 0}, {0, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 1, 1}}, {{1, 5, 40}}},
     // rank 0 step 18: chunk 5 piece 1: partial sum + our part to rank 1; wait arrive[41], entry[1]; r1:inbox@5[1/8] = r0:inbox@5[1/8] + r0:src@5[1/8]; signal r1:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 1}, {{0, 3, 0, 8, 5, 1}, {0, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 1, 1}}, {{1, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 1}, {{0, 3, 0, 8, 5, 1}, {0, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 1, 1}}, {{1, 5, 41}}},
     // rank 0 step 19: chunk 5 piece 2: partial sum + our part to rank 1; wait arrive[42], entry[1]; r1:inbox@5[2/8] = r0:inbox@5[2/8] + r0:src@5[2/8]; signal r1:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 2}, {{0, 3, 0, 8, 5, 2}, {0, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 1, 1}}, {{1, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 2}, {{0, 3, 0, 8, 5, 2}, {0, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 1, 1}}, {{1, 5, 42}}},
     // rank 0 step 20: chunk 5 piece 3: partial sum + our part to rank 1; wait arrive[43], entry[1]; r1:inbox@5[3/8] = r0:inbox@5[3/8] + r0:src@5[3/8]; signal r1:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 3}, {{0, 3, 0, 8, 5, 3}, {0, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 1, 1}}, {{1, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 3}, {{0, 3, 0, 8, 5, 3}, {0, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 1, 1}}, {{1, 5, 43}}},
     // rank 0 step 21: chunk 5 piece 4: partial sum + our part to rank 1; wait arrive[44], entry[1]; r1:inbox@5[4/8] = r0:inbox@5[4/8] + r0:src@5[4/8]; signal r1:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 4}, {{0, 3, 0, 8, 5, 4}, {0, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 1, 1}}, {{1, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 4}, {{0, 3, 0, 8, 5, 4}, {0, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 1, 1}}, {{1, 5, 44}}},
     // rank 0 step 22: chunk 5 piece 5: partial sum + our part to rank 1; wait arrive[45], entry[1]; r1:inbox@5[5/8] = r0:inbox@5[5/8] + r0:src@5[5/8]; signal r1:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 5}, {{0, 3, 0, 8, 5, 5}, {0, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 1, 1}}, {{1, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 5}, {{0, 3, 0, 8, 5, 5}, {0, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 1, 1}}, {{1, 5, 45}}},
     // rank 0 step 23: chunk 5 piece 6: partial sum + our part to rank 1; wait arrive[46], entry[1]; r1:inbox@5[6/8] = r0:inbox@5[6/8] + r0:src@5[6/8]; signal r1:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 6}, {{0, 3, 0, 8, 5, 6}, {0, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 1, 1}}, {{1, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 6}, {{0, 3, 0, 8, 5, 6}, {0, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 1, 1}}, {{1, 5, 46}}},
     // rank 0 step 24: chunk 5 piece 7: partial sum + our part to rank 1; wait arrive[47], entry[1]; r1:inbox@5[7/8] = r0:inbox@5[7/8] + r0:src@5[7/8]; signal r1:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 5, 7}, {{0, 3, 0, 8, 5, 7}, {0, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 1, 1}}, {{1, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 7}, {{0, 3, 0, 8, 5, 7}, {0, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 1, 1}}, {{1, 5, 47}}},
     // rank 0 step 25: chunk 4 piece 0: partial sum + our part to rank 1; wait arrive[32], entry[1]; r1:inbox@4[0/8] = r0:inbox@4[0/8] + r0:src@4[0/8]; signal r1:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 0}, {{0, 3, 0, 8, 4, 0}, {0, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 1, 1}}, {{1, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 0}, {{0, 3, 0, 8, 4, 0}, {0, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 1, 1}}, {{1, 5, 32}}},
     // rank 0 step 26: chunk 4 piece 1: partial sum + our part to rank 1; wait arrive[33], entry[1]; r1:inbox@4[1/8] = r0:inbox@4[1/8] + r0:src@4[1/8]; signal r1:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 1}, {{0, 3, 0, 8, 4, 1}, {0, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 1, 1}}, {{1, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 1}, {{0, 3, 0, 8, 4, 1}, {0, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 1, 1}}, {{1, 5, 33}}},
     // rank 0 step 27: chunk 4 piece 2: partial sum + our part to rank 1; wait arrive[34], entry[1]; r1:inbox@4[2/8] = r0:inbox@4[2/8] + r0:src@4[2/8]; signal r1:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 2}, {{0, 3, 0, 8, 4, 2}, {0, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 1, 1}}, {{1, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 2}, {{0, 3, 0, 8, 4, 2}, {0, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 1, 1}}, {{1, 5, 34}}},
     // rank 0 step 28: chunk 4 piece 3: partial sum + our part to rank 1; wait arrive[35], entry[1]; r1:inbox@4[3/8] = r0:inbox@4[3/8] + r0:src@4[3/8]; signal r1:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 3}, {{0, 3, 0, 8, 4, 3}, {0, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 1, 1}}, {{1, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 3}, {{0, 3, 0, 8, 4, 3}, {0, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 1, 1}}, {{1, 5, 35}}},
     // rank 0 step 29: chunk 4 piece 4: partial sum + our part to rank 1; wait arrive[36], entry[1]; r1:inbox@4[4/8] = r0:inbox@4[4/8] + r0:src@4[4/8]; signal r1:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 4}, {{0, 3, 0, 8, 4, 4}, {0, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 1, 1}}, {{1, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 4}, {{0, 3, 0, 8, 4, 4}, {0, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 1, 1}}, {{1, 5, 36}}},
     // rank 0 step 30: chunk 4 piece 5: partial sum + our part to rank 1; wait arrive[37], entry[1]; r1:inbox@4[5/8] = r0:inbox@4[5/8] + r0:src@4[5/8]; signal r1:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 5}, {{0, 3, 0, 8, 4, 5}, {0, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 1, 1}}, {{1, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 5}, {{0, 3, 0, 8, 4, 5}, {0, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 1, 1}}, {{1, 5, 37}}},
     // rank 0 step 31: chunk 4 piece 6: partial sum + our part to rank 1; wait arrive[38], entry[1]; r1:inbox@4[6/8] = r0:inbox@4[6/8] + r0:src@4[6/8]; signal r1:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 6}, {{0, 3, 0, 8, 4, 6}, {0, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 1, 1}}, {{1, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 6}, {{0, 3, 0, 8, 4, 6}, {0, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 1, 1}}, {{1, 5, 38}}},
     // rank 0 step 32: chunk 4 piece 7: partial sum + our part to rank 1; wait arrive[39], entry[1]; r1:inbox@4[7/8] = r0:inbox@4[7/8] + r0:src@4[7/8]; signal r1:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 4, 7}, {{0, 3, 0, 8, 4, 7}, {0, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 1, 1}}, {{1, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 7}, {{0, 3, 0, 8, 4, 7}, {0, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 1, 1}}, {{1, 5, 39}}},
     // rank 0 step 33: chunk 3 piece 0: partial sum + our part to rank 1; wait arrive[24], entry[1]; r1:inbox@3[0/8] = r0:inbox@3[0/8] + r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 0}, {{0, 3, 0, 8, 3, 0}, {0, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 3, 0, 8, 3, 0}, {0, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
     // rank 0 step 34: chunk 3 piece 1: partial sum + our part to rank 1; wait arrive[25], entry[1]; r1:inbox@3[1/8] = r0:inbox@3[1/8] + r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 1}, {{0, 3, 0, 8, 3, 1}, {0, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 3, 0, 8, 3, 1}, {0, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
     // rank 0 step 35: chunk 3 piece 2: partial sum + our part to rank 1; wait arrive[26], entry[1]; r1:inbox@3[2/8] = r0:inbox@3[2/8] + r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 2}, {{0, 3, 0, 8, 3, 2}, {0, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 3, 0, 8, 3, 2}, {0, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
     // rank 0 step 36: chunk 3 piece 3: partial sum + our part to rank 1; wait arrive[27], entry[1]; r1:inbox@3[3/8] = r0:inbox@3[3/8] + r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 3}, {{0, 3, 0, 8, 3, 3}, {0, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 3, 0, 8, 3, 3}, {0, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
     // rank 0 step 37: chunk 3 piece 4: partial sum + our part to rank 1; wait arrive[28], entry[1]; r1:inbox@3[4/8] = r0:inbox@3[4/8] + r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 4}, {{0, 3, 0, 8, 3, 4}, {0, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 1, 1}}, {{1, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 3, 0, 8, 3, 4}, {0, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 1, 1}}, {{1, 5, 28}}},
     // rank 0 step 38: chunk 3 piece 5: partial sum + our part to rank 1; wait arrive[29], entry[1]; r1:inbox@3[5/8] = r0:inbox@3[5/8] + r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 5}, {{0, 3, 0, 8, 3, 5}, {0, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 1, 1}}, {{1, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 3, 0, 8, 3, 5}, {0, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 1, 1}}, {{1, 5, 29}}},
     // rank 0 step 39: chunk 3 piece 6: partial sum + our part to rank 1; wait arrive[30], entry[1]; r1:inbox@3[6/8] = r0:inbox@3[6/8] + r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 6}, {{0, 3, 0, 8, 3, 6}, {0, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 1, 1}}, {{1, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 3, 0, 8, 3, 6}, {0, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 1, 1}}, {{1, 5, 30}}},
     // rank 0 step 40: chunk 3 piece 7: partial sum + our part to rank 1; wait arrive[31], entry[1]; r1:inbox@3[7/8] = r0:inbox@3[7/8] + r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 3, 7}, {{0, 3, 0, 8, 3, 7}, {0, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 1, 1}}, {{1, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 3, 0, 8, 3, 7}, {0, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 1, 1}}, {{1, 5, 31}}},
     // rank 0 step 41: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
     // rank 0 step 42: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
     // rank 0 step 43: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
     // rank 0 step 44: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
     // rank 0 step 45: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
     // rank 0 step 46: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
     // rank 0 step 47: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
     // rank 0 step 48: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
     // rank 0 step 49: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
     // rank 0 step 50: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
     // rank 0 step 51: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
     // rank 0 step 52: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
     // rank 0 step 53: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
     // rank 0 step 54: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
     // rank 0 step 55: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
     // rank 0 step 56: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
     // rank 0 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
     // rank 0 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
     // rank 0 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
     // rank 0 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
     // rank 0 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
     // rank 0 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
     // rank 0 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
     // rank 0 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
     // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{0, 4, 1}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
     // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
     // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
     // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
     // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
     // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
     // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
     // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
     // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
     // rank 1 step 9: chunk 7 piece 0: partial sum + our part to rank 2; wait arrive[56], entry[2]; r2:inbox@7[0/8] = r1:inbox@7[0/8] + r1:src@7[0/8]; signal r2:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 0}, {{1, 3, 0, 8, 7, 0}, {1, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 2, 1}}, {{2, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 0}, {{1, 3, 0, 8, 7, 0}, {1, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 2, 1}}, {{2, 5, 56}}},
     // rank 1 step 10: chunk 7 piece 1: partial sum + our part to rank 2; wait arrive[57], entry[2]; r2:inbox@7[1/8] = r1:inbox@7[1/8] + r1:src@7[1/8]; signal r2:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 1}, {{1, 3, 0, 8, 7, 1}, {1, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 2, 1}}, {{2, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 1}, {{1, 3, 0, 8, 7, 1}, {1, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 2, 1}}, {{2, 5, 57}}},
     // rank 1 step 11: chunk 7 piece 2: partial sum + our part to rank 2; wait arrive[58], entry[2]; r2:inbox@7[2/8] = r1:inbox@7[2/8] + r1:src@7[2/8]; signal r2:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 2}, {{1, 3, 0, 8, 7, 2}, {1, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 2, 1}}, {{2, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 2}, {{1, 3, 0, 8, 7, 2}, {1, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 2, 1}}, {{2, 5, 58}}},
     // rank 1 step 12: chunk 7 piece 3: partial sum + our part to rank 2; wait arrive[59], entry[2]; r2:inbox@7[3/8] = r1:inbox@7[3/8] + r1:src@7[3/8]; signal r2:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 3}, {{1, 3, 0, 8, 7, 3}, {1, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 2, 1}}, {{2, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 3}, {{1, 3, 0, 8, 7, 3}, {1, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 2, 1}}, {{2, 5, 59}}},
     // rank 1 step 13: chunk 7 piece 4: partial sum + our part to rank 2; wait arrive[60], entry[2]; r2:inbox@7[4/8] = r1:inbox@7[4/8] + r1:src@7[4/8]; signal r2:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 4}, {{1, 3, 0, 8, 7, 4}, {1, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 2, 1}}, {{2, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 4}, {{1, 3, 0, 8, 7, 4}, {1, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 2, 1}}, {{2, 5, 60}}},
     // rank 1 step 14: chunk 7 piece 5: partial sum + our part to rank 2; wait arrive[61], entry[2]; r2:inbox@7[5/8] = r1:inbox@7[5/8] + r1:src@7[5/8]; signal r2:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 5}, {{1, 3, 0, 8, 7, 5}, {1, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 2, 1}}, {{2, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 5}, {{1, 3, 0, 8, 7, 5}, {1, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 2, 1}}, {{2, 5, 61}}},
     // rank 1 step 15: chunk 7 piece 6: partial sum + our part to rank 2; wait arrive[62], entry[2]; r2:inbox@7[6/8] = r1:inbox@7[6/8] + r1:src@7[6/8]; signal r2:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 6}, {{1, 3, 0, 8, 7, 6}, {1, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 2, 1}}, {{2, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 6}, {{1, 3, 0, 8, 7, 6}, {1, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 2, 1}}, {{2, 5, 62}}},
     // rank 1 step 16: chunk 7 piece 7: partial sum + our part to rank 2; wait arrive[63], entry[2]; r2:inbox@7[7/8] = r1:inbox@7[7/8] + r1:src@7[7/8]; signal r2:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 7, 7}, {{1, 3, 0, 8, 7, 7}, {1, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 2, 1}}, {{2, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 7}, {{1, 3, 0, 8, 7, 7}, {1, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 2, 1}}, {{2, 5, 63}}},
     // rank 1 step 17: chunk 6 piece 0: partial sum + our part to rank 2; wait arrive[48], entry[2]; r2:inbox@6[0/8] = r1:inbox@6[0/8] + r1:src@6[0/8]; signal r2:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 0}, {{1, 3, 0, 8, 6, 0}, {1, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 2, 1}}, {{2, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 0}, {{1, 3, 0, 8, 6, 0}, {1, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 2, 1}}, {{2, 5, 48}}},
     // rank 1 step 18: chunk 6 piece 1: partial sum + our part to rank 2; wait arrive[49], entry[2]; r2:inbox@6[1/8] = r1:inbox@6[1/8] + r1:src@6[1/8]; signal r2:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 1}, {{1, 3, 0, 8, 6, 1}, {1, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 2, 1}}, {{2, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 1}, {{1, 3, 0, 8, 6, 1}, {1, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 2, 1}}, {{2, 5, 49}}},
     // rank 1 step 19: chunk 6 piece 2: partial sum + our part to rank 2; wait arrive[50], entry[2]; r2:inbox@6[2/8] = r1:inbox@6[2/8] + r1:src@6[2/8]; signal r2:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 2}, {{1, 3, 0, 8, 6, 2}, {1, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 2, 1}}, {{2, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 2}, {{1, 3, 0, 8, 6, 2}, {1, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 2, 1}}, {{2, 5, 50}}},
     // rank 1 step 20: chunk 6 piece 3: partial sum + our part to rank 2; wait arrive[51], entry[2]; r2:inbox@6[3/8] = r1:inbox@6[3/8] + r1:src@6[3/8]; signal r2:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 3}, {{1, 3, 0, 8, 6, 3}, {1, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 2, 1}}, {{2, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 3}, {{1, 3, 0, 8, 6, 3}, {1, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 2, 1}}, {{2, 5, 51}}},
     // rank 1 step 21: chunk 6 piece 4: partial sum + our part to rank 2; wait arrive[52], entry[2]; r2:inbox@6[4/8] = r1:inbox@6[4/8] + r1:src@6[4/8]; signal r2:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 4}, {{1, 3, 0, 8, 6, 4}, {1, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 2, 1}}, {{2, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 4}, {{1, 3, 0, 8, 6, 4}, {1, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 2, 1}}, {{2, 5, 52}}},
     // rank 1 step 22: chunk 6 piece 5: partial sum + our part to rank 2; wait arrive[53], entry[2]; r2:inbox@6[5/8] = r1:inbox@6[5/8] + r1:src@6[5/8]; signal r2:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 5}, {{1, 3, 0, 8, 6, 5}, {1, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 2, 1}}, {{2, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 5}, {{1, 3, 0, 8, 6, 5}, {1, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 2, 1}}, {{2, 5, 53}}},
     // rank 1 step 23: chunk 6 piece 6: partial sum + our part to rank 2; wait arrive[54], entry[2]; r2:inbox@6[6/8] = r1:inbox@6[6/8] + r1:src@6[6/8]; signal r2:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 6}, {{1, 3, 0, 8, 6, 6}, {1, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 2, 1}}, {{2, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 6}, {{1, 3, 0, 8, 6, 6}, {1, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 2, 1}}, {{2, 5, 54}}},
     // rank 1 step 24: chunk 6 piece 7: partial sum + our part to rank 2; wait arrive[55], entry[2]; r2:inbox@6[7/8] = r1:inbox@6[7/8] + r1:src@6[7/8]; signal r2:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 6, 7}, {{1, 3, 0, 8, 6, 7}, {1, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 2, 1}}, {{2, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 7}, {{1, 3, 0, 8, 6, 7}, {1, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 2, 1}}, {{2, 5, 55}}},
     // rank 1 step 25: chunk 5 piece 0: partial sum + our part to rank 2; wait arrive[40], entry[2]; r2:inbox@5[0/8] = r1:inbox@5[0/8] + r1:src@5[0/8]; signal r2:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 0}, {{1, 3, 0, 8, 5, 0}, {1, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 2, 1}}, {{2, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 0}, {{1, 3, 0, 8, 5, 0}, {1, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 2, 1}}, {{2, 5, 40}}},
     // rank 1 step 26: chunk 5 piece 1: partial sum + our part to rank 2; wait arrive[41], entry[2]; r2:inbox@5[1/8] = r1:inbox@5[1/8] + r1:src@5[1/8]; signal r2:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 1}, {{1, 3, 0, 8, 5, 1}, {1, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 2, 1}}, {{2, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 1}, {{1, 3, 0, 8, 5, 1}, {1, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 2, 1}}, {{2, 5, 41}}},
     // rank 1 step 27: chunk 5 piece 2: partial sum + our part to rank 2; wait arrive[42], entry[2]; r2:inbox@5[2/8] = r1:inbox@5[2/8] + r1:src@5[2/8]; signal r2:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 2}, {{1, 3, 0, 8, 5, 2}, {1, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 2, 1}}, {{2, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 2}, {{1, 3, 0, 8, 5, 2}, {1, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 2, 1}}, {{2, 5, 42}}},
     // rank 1 step 28: chunk 5 piece 3: partial sum + our part to rank 2; wait arrive[43], entry[2]; r2:inbox@5[3/8] = r1:inbox@5[3/8] + r1:src@5[3/8]; signal r2:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 3}, {{1, 3, 0, 8, 5, 3}, {1, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 2, 1}}, {{2, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 3}, {{1, 3, 0, 8, 5, 3}, {1, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 2, 1}}, {{2, 5, 43}}},
     // rank 1 step 29: chunk 5 piece 4: partial sum + our part to rank 2; wait arrive[44], entry[2]; r2:inbox@5[4/8] = r1:inbox@5[4/8] + r1:src@5[4/8]; signal r2:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 4}, {{1, 3, 0, 8, 5, 4}, {1, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 2, 1}}, {{2, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 4}, {{1, 3, 0, 8, 5, 4}, {1, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 2, 1}}, {{2, 5, 44}}},
     // rank 1 step 30: chunk 5 piece 5: partial sum + our part to rank 2; wait arrive[45], entry[2]; r2:inbox@5[5/8] = r1:inbox@5[5/8] + r1:src@5[5/8]; signal r2:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 5}, {{1, 3, 0, 8, 5, 5}, {1, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 2, 1}}, {{2, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 5}, {{1, 3, 0, 8, 5, 5}, {1, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 2, 1}}, {{2, 5, 45}}},
     // rank 1 step 31: chunk 5 piece 6: partial sum + our part to rank 2; wait arrive[46], entry[2]; r2:inbox@5[6/8] = r1:inbox@5[6/8] + r1:src@5[6/8]; signal r2:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 6}, {{1, 3, 0, 8, 5, 6}, {1, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 2, 1}}, {{2, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 6}, {{1, 3, 0, 8, 5, 6}, {1, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 2, 1}}, {{2, 5, 46}}},
     // rank 1 step 32: chunk 5 piece 7: partial sum + our part to rank 2; wait arrive[47], entry[2]; r2:inbox@5[7/8] = r1:inbox@5[7/8] + r1:src@5[7/8]; signal r2:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 5, 7}, {{1, 3, 0, 8, 5, 7}, {1, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 2, 1}}, {{2, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 7}, {{1, 3, 0, 8, 5, 7}, {1, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 2, 1}}, {{2, 5, 47}}},
     // rank 1 step 33: chunk 4 piece 0: partial sum + our part to rank 2; wait arrive[32], entry[2]; r2:inbox@4[0/8] = r1:inbox@4[0/8] + r1:src@4[0/8]; signal r2:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 0}, {{1, 3, 0, 8, 4, 0}, {1, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 2, 1}}, {{2, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 0}, {{1, 3, 0, 8, 4, 0}, {1, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 2, 1}}, {{2, 5, 32}}},
     // rank 1 step 34: chunk 4 piece 1: partial sum + our part to rank 2; wait arrive[33], entry[2]; r2:inbox@4[1/8] = r1:inbox@4[1/8] + r1:src@4[1/8]; signal r2:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 1}, {{1, 3, 0, 8, 4, 1}, {1, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 2, 1}}, {{2, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 1}, {{1, 3, 0, 8, 4, 1}, {1, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 2, 1}}, {{2, 5, 33}}},
     // rank 1 step 35: chunk 4 piece 2: partial sum + our part to rank 2; wait arrive[34], entry[2]; r2:inbox@4[2/8] = r1:inbox@4[2/8] + r1:src@4[2/8]; signal r2:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 2}, {{1, 3, 0, 8, 4, 2}, {1, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 2, 1}}, {{2, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 2}, {{1, 3, 0, 8, 4, 2}, {1, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 2, 1}}, {{2, 5, 34}}},
     // rank 1 step 36: chunk 4 piece 3: partial sum + our part to rank 2; wait arrive[35], entry[2]; r2:inbox@4[3/8] = r1:inbox@4[3/8] + r1:src@4[3/8]; signal r2:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 3}, {{1, 3, 0, 8, 4, 3}, {1, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 2, 1}}, {{2, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 3}, {{1, 3, 0, 8, 4, 3}, {1, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 2, 1}}, {{2, 5, 35}}},
     // rank 1 step 37: chunk 4 piece 4: partial sum + our part to rank 2; wait arrive[36], entry[2]; r2:inbox@4[4/8] = r1:inbox@4[4/8] + r1:src@4[4/8]; signal r2:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 4}, {{1, 3, 0, 8, 4, 4}, {1, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 2, 1}}, {{2, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 4}, {{1, 3, 0, 8, 4, 4}, {1, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 2, 1}}, {{2, 5, 36}}},
     // rank 1 step 38: chunk 4 piece 5: partial sum + our part to rank 2; wait arrive[37], entry[2]; r2:inbox@4[5/8] = r1:inbox@4[5/8] + r1:src@4[5/8]; signal r2:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 5}, {{1, 3, 0, 8, 4, 5}, {1, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 2, 1}}, {{2, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 5}, {{1, 3, 0, 8, 4, 5}, {1, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 2, 1}}, {{2, 5, 37}}},
     // rank 1 step 39: chunk 4 piece 6: partial sum + our part to rank 2; wait arrive[38], entry[2]; r2:inbox@4[6/8] = r1:inbox@4[6/8] + r1:src@4[6/8]; signal r2:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 6}, {{1, 3, 0, 8, 4, 6}, {1, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 2, 1}}, {{2, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 6}, {{1, 3, 0, 8, 4, 6}, {1, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 2, 1}}, {{2, 5, 38}}},
     // rank 1 step 40: chunk 4 piece 7: partial sum + our part to rank 2; wait arrive[39], entry[2]; r2:inbox@4[7/8] = r1:inbox@4[7/8] + r1:src@4[7/8]; signal r2:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 4, 7}, {{1, 3, 0, 8, 4, 7}, {1, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 2, 1}}, {{2, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 7}, {{1, 3, 0, 8, 4, 7}, {1, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 2, 1}}, {{2, 5, 39}}},
     // rank 1 step 41: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
     // rank 1 step 42: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
     // rank 1 step 43: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
     // rank 1 step 44: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
     // rank 1 step 45: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
     // rank 1 step 46: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
     // rank 1 step 47: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
     // rank 1 step 48: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
     // rank 1 step 49: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
     // rank 1 step 50: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
     // rank 1 step 51: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
     // rank 1 step 52: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
     // rank 1 step 53: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
     // rank 1 step 54: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
     // rank 1 step 55: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
     // rank 1 step 56: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
     // rank 1 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
     // rank 1 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
     // rank 1 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
     // rank 1 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
     // rank 1 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
     // rank 1 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
     // rank 1 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
     // rank 1 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
     // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{1, 4, 2}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
     // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
     // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
     // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
     // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
     // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
     // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
     // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
     // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
     // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
     // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
     // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
     // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
     // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
     // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
     // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
     // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
     // rank 2 step 17: chunk 7 piece 0: partial sum + our part to rank 3; wait arrive[56], entry[3]; r3:inbox@7[0/8] = r2:inbox@7[0/8] + r2:src@7[0/8]; signal r3:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 0}, {{2, 3, 0, 8, 7, 0}, {2, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 3, 1}}, {{3, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 0}, {{2, 3, 0, 8, 7, 0}, {2, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 3, 1}}, {{3, 5, 56}}},
     // rank 2 step 18: chunk 7 piece 1: partial sum + our part to rank 3; wait arrive[57], entry[3]; r3:inbox@7[1/8] = r2:inbox@7[1/8] + r2:src@7[1/8]; signal r3:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 1}, {{2, 3, 0, 8, 7, 1}, {2, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 3, 1}}, {{3, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 1}, {{2, 3, 0, 8, 7, 1}, {2, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 3, 1}}, {{3, 5, 57}}},
     // rank 2 step 19: chunk 7 piece 2: partial sum + our part to rank 3; wait arrive[58], entry[3]; r3:inbox@7[2/8] = r2:inbox@7[2/8] + r2:src@7[2/8]; signal r3:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 2}, {{2, 3, 0, 8, 7, 2}, {2, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 3, 1}}, {{3, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 2}, {{2, 3, 0, 8, 7, 2}, {2, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 3, 1}}, {{3, 5, 58}}},
     // rank 2 step 20: chunk 7 piece 3: partial sum + our part to rank 3; wait arrive[59], entry[3]; r3:inbox@7[3/8] = r2:inbox@7[3/8] + r2:src@7[3/8]; signal r3:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 3}, {{2, 3, 0, 8, 7, 3}, {2, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 3, 1}}, {{3, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 3}, {{2, 3, 0, 8, 7, 3}, {2, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 3, 1}}, {{3, 5, 59}}},
     // rank 2 step 21: chunk 7 piece 4: partial sum + our part to rank 3; wait arrive[60], entry[3]; r3:inbox@7[4/8] = r2:inbox@7[4/8] + r2:src@7[4/8]; signal r3:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 4}, {{2, 3, 0, 8, 7, 4}, {2, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 3, 1}}, {{3, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 4}, {{2, 3, 0, 8, 7, 4}, {2, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 3, 1}}, {{3, 5, 60}}},
     // rank 2 step 22: chunk 7 piece 5: partial sum + our part to rank 3; wait arrive[61], entry[3]; r3:inbox@7[5/8] = r2:inbox@7[5/8] + r2:src@7[5/8]; signal r3:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 5}, {{2, 3, 0, 8, 7, 5}, {2, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 3, 1}}, {{3, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 5}, {{2, 3, 0, 8, 7, 5}, {2, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 3, 1}}, {{3, 5, 61}}},
     // rank 2 step 23: chunk 7 piece 6: partial sum + our part to rank 3; wait arrive[62], entry[3]; r3:inbox@7[6/8] = r2:inbox@7[6/8] + r2:src@7[6/8]; signal r3:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 6}, {{2, 3, 0, 8, 7, 6}, {2, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 3, 1}}, {{3, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 6}, {{2, 3, 0, 8, 7, 6}, {2, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 3, 1}}, {{3, 5, 62}}},
     // rank 2 step 24: chunk 7 piece 7: partial sum + our part to rank 3; wait arrive[63], entry[3]; r3:inbox@7[7/8] = r2:inbox@7[7/8] + r2:src@7[7/8]; signal r3:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 7, 7}, {{2, 3, 0, 8, 7, 7}, {2, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 3, 1}}, {{3, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 7}, {{2, 3, 0, 8, 7, 7}, {2, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 3, 1}}, {{3, 5, 63}}},
     // rank 2 step 25: chunk 6 piece 0: partial sum + our part to rank 3; wait arrive[48], entry[3]; r3:inbox@6[0/8] = r2:inbox@6[0/8] + r2:src@6[0/8]; signal r3:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 0}, {{2, 3, 0, 8, 6, 0}, {2, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 3, 1}}, {{3, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 0}, {{2, 3, 0, 8, 6, 0}, {2, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 3, 1}}, {{3, 5, 48}}},
     // rank 2 step 26: chunk 6 piece 1: partial sum + our part to rank 3; wait arrive[49], entry[3]; r3:inbox@6[1/8] = r2:inbox@6[1/8] + r2:src@6[1/8]; signal r3:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 1}, {{2, 3, 0, 8, 6, 1}, {2, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 3, 1}}, {{3, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 1}, {{2, 3, 0, 8, 6, 1}, {2, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 3, 1}}, {{3, 5, 49}}},
     // rank 2 step 27: chunk 6 piece 2: partial sum + our part to rank 3; wait arrive[50], entry[3]; r3:inbox@6[2/8] = r2:inbox@6[2/8] + r2:src@6[2/8]; signal r3:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 2}, {{2, 3, 0, 8, 6, 2}, {2, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 3, 1}}, {{3, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 2}, {{2, 3, 0, 8, 6, 2}, {2, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 3, 1}}, {{3, 5, 50}}},
     // rank 2 step 28: chunk 6 piece 3: partial sum + our part to rank 3; wait arrive[51], entry[3]; r3:inbox@6[3/8] = r2:inbox@6[3/8] + r2:src@6[3/8]; signal r3:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 3}, {{2, 3, 0, 8, 6, 3}, {2, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 3, 1}}, {{3, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 3}, {{2, 3, 0, 8, 6, 3}, {2, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 3, 1}}, {{3, 5, 51}}},
     // rank 2 step 29: chunk 6 piece 4: partial sum + our part to rank 3; wait arrive[52], entry[3]; r3:inbox@6[4/8] = r2:inbox@6[4/8] + r2:src@6[4/8]; signal r3:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 4}, {{2, 3, 0, 8, 6, 4}, {2, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 3, 1}}, {{3, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 4}, {{2, 3, 0, 8, 6, 4}, {2, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 3, 1}}, {{3, 5, 52}}},
     // rank 2 step 30: chunk 6 piece 5: partial sum + our part to rank 3; wait arrive[53], entry[3]; r3:inbox@6[5/8] = r2:inbox@6[5/8] + r2:src@6[5/8]; signal r3:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 5}, {{2, 3, 0, 8, 6, 5}, {2, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 3, 1}}, {{3, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 5}, {{2, 3, 0, 8, 6, 5}, {2, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 3, 1}}, {{3, 5, 53}}},
     // rank 2 step 31: chunk 6 piece 6: partial sum + our part to rank 3; wait arrive[54], entry[3]; r3:inbox@6[6/8] = r2:inbox@6[6/8] + r2:src@6[6/8]; signal r3:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 6}, {{2, 3, 0, 8, 6, 6}, {2, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 3, 1}}, {{3, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 6}, {{2, 3, 0, 8, 6, 6}, {2, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 3, 1}}, {{3, 5, 54}}},
     // rank 2 step 32: chunk 6 piece 7: partial sum + our part to rank 3; wait arrive[55], entry[3]; r3:inbox@6[7/8] = r2:inbox@6[7/8] + r2:src@6[7/8]; signal r3:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 6, 7}, {{2, 3, 0, 8, 6, 7}, {2, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 3, 1}}, {{3, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 7}, {{2, 3, 0, 8, 6, 7}, {2, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 3, 1}}, {{3, 5, 55}}},
     // rank 2 step 33: chunk 5 piece 0: partial sum + our part to rank 3; wait arrive[40], entry[3]; r3:inbox@5[0/8] = r2:inbox@5[0/8] + r2:src@5[0/8]; signal r3:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 0}, {{2, 3, 0, 8, 5, 0}, {2, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 3, 1}}, {{3, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 0}, {{2, 3, 0, 8, 5, 0}, {2, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 3, 1}}, {{3, 5, 40}}},
     // rank 2 step 34: chunk 5 piece 1: partial sum + our part to rank 3; wait arrive[41], entry[3]; r3:inbox@5[1/8] = r2:inbox@5[1/8] + r2:src@5[1/8]; signal r3:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 1}, {{2, 3, 0, 8, 5, 1}, {2, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 3, 1}}, {{3, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 1}, {{2, 3, 0, 8, 5, 1}, {2, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 3, 1}}, {{3, 5, 41}}},
     // rank 2 step 35: chunk 5 piece 2: partial sum + our part to rank 3; wait arrive[42], entry[3]; r3:inbox@5[2/8] = r2:inbox@5[2/8] + r2:src@5[2/8]; signal r3:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 2}, {{2, 3, 0, 8, 5, 2}, {2, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 3, 1}}, {{3, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 2}, {{2, 3, 0, 8, 5, 2}, {2, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 3, 1}}, {{3, 5, 42}}},
     // rank 2 step 36: chunk 5 piece 3: partial sum + our part to rank 3; wait arrive[43], entry[3]; r3:inbox@5[3/8] = r2:inbox@5[3/8] + r2:src@5[3/8]; signal r3:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 3}, {{2, 3, 0, 8, 5, 3}, {2, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 3, 1}}, {{3, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 3}, {{2, 3, 0, 8, 5, 3}, {2, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 3, 1}}, {{3, 5, 43}}},
     // rank 2 step 37: chunk 5 piece 4: partial sum + our part to rank 3; wait arrive[44], entry[3]; r3:inbox@5[4/8] = r2:inbox@5[4/8] + r2:src@5[4/8]; signal r3:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 4}, {{2, 3, 0, 8, 5, 4}, {2, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 3, 1}}, {{3, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 4}, {{2, 3, 0, 8, 5, 4}, {2, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 3, 1}}, {{3, 5, 44}}},
     // rank 2 step 38: chunk 5 piece 5: partial sum + our part to rank 3; wait arrive[45], entry[3]; r3:inbox@5[5/8] = r2:inbox@5[5/8] + r2:src@5[5/8]; signal r3:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 5}, {{2, 3, 0, 8, 5, 5}, {2, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 3, 1}}, {{3, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 5}, {{2, 3, 0, 8, 5, 5}, {2, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 3, 1}}, {{3, 5, 45}}},
     // rank 2 step 39: chunk 5 piece 6: partial sum + our part to rank 3; wait arrive[46], entry[3]; r3:inbox@5[6/8] = r2:inbox@5[6/8] + r2:src@5[6/8]; signal r3:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 6}, {{2, 3, 0, 8, 5, 6}, {2, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 3, 1}}, {{3, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 6}, {{2, 3, 0, 8, 5, 6}, {2, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 3, 1}}, {{3, 5, 46}}},
     // rank 2 step 40: chunk 5 piece 7: partial sum + our part to rank 3; wait arrive[47], entry[3]; r3:inbox@5[7/8] = r2:inbox@5[7/8] + r2:src@5[7/8]; signal r3:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 5, 7}, {{2, 3, 0, 8, 5, 7}, {2, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 3, 1}}, {{3, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 7}, {{2, 3, 0, 8, 5, 7}, {2, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 3, 1}}, {{3, 5, 47}}},
     // rank 2 step 41: chunk 4 piece 0: partial sum + our part to rank 3; wait arrive[32], entry[3]; r3:inbox@4[0/8] = r2:inbox@4[0/8] + r2:src@4[0/8]; signal r3:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 0}, {{2, 3, 0, 8, 4, 0}, {2, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 3, 1}}, {{3, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 0}, {{2, 3, 0, 8, 4, 0}, {2, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 3, 1}}, {{3, 5, 32}}},
     // rank 2 step 42: chunk 4 piece 1: partial sum + our part to rank 3; wait arrive[33], entry[3]; r3:inbox@4[1/8] = r2:inbox@4[1/8] + r2:src@4[1/8]; signal r3:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 1}, {{2, 3, 0, 8, 4, 1}, {2, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 3, 1}}, {{3, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 1}, {{2, 3, 0, 8, 4, 1}, {2, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 3, 1}}, {{3, 5, 33}}},
     // rank 2 step 43: chunk 4 piece 2: partial sum + our part to rank 3; wait arrive[34], entry[3]; r3:inbox@4[2/8] = r2:inbox@4[2/8] + r2:src@4[2/8]; signal r3:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 2}, {{2, 3, 0, 8, 4, 2}, {2, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 3, 1}}, {{3, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 2}, {{2, 3, 0, 8, 4, 2}, {2, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 3, 1}}, {{3, 5, 34}}},
     // rank 2 step 44: chunk 4 piece 3: partial sum + our part to rank 3; wait arrive[35], entry[3]; r3:inbox@4[3/8] = r2:inbox@4[3/8] + r2:src@4[3/8]; signal r3:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 3}, {{2, 3, 0, 8, 4, 3}, {2, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 3, 1}}, {{3, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 3}, {{2, 3, 0, 8, 4, 3}, {2, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 3, 1}}, {{3, 5, 35}}},
     // rank 2 step 45: chunk 4 piece 4: partial sum + our part to rank 3; wait arrive[36], entry[3]; r3:inbox@4[4/8] = r2:inbox@4[4/8] + r2:src@4[4/8]; signal r3:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 4}, {{2, 3, 0, 8, 4, 4}, {2, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 3, 1}}, {{3, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 4}, {{2, 3, 0, 8, 4, 4}, {2, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 3, 1}}, {{3, 5, 36}}},
     // rank 2 step 46: chunk 4 piece 5: partial sum + our part to rank 3; wait arrive[37], entry[3]; r3:inbox@4[5/8] = r2:inbox@4[5/8] + r2:src@4[5/8]; signal r3:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 5}, {{2, 3, 0, 8, 4, 5}, {2, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 3, 1}}, {{3, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 5}, {{2, 3, 0, 8, 4, 5}, {2, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 3, 1}}, {{3, 5, 37}}},
     // rank 2 step 47: chunk 4 piece 6: partial sum + our part to rank 3; wait arrive[38], entry[3]; r3:inbox@4[6/8] = r2:inbox@4[6/8] + r2:src@4[6/8]; signal r3:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 6}, {{2, 3, 0, 8, 4, 6}, {2, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 3, 1}}, {{3, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 6}, {{2, 3, 0, 8, 4, 6}, {2, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 3, 1}}, {{3, 5, 38}}},
     // rank 2 step 48: chunk 4 piece 7: partial sum + our part to rank 3; wait arrive[39], entry[3]; r3:inbox@4[7/8] = r2:inbox@4[7/8] + r2:src@4[7/8]; signal r3:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 4, 7}, {{2, 3, 0, 8, 4, 7}, {2, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 3, 1}}, {{3, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 7}, {{2, 3, 0, 8, 4, 7}, {2, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 3, 1}}, {{3, 5, 39}}},
     // rank 2 step 49: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
     // rank 2 step 50: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
     // rank 2 step 51: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
     // rank 2 step 52: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
     // rank 2 step 53: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
     // rank 2 step 54: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
     // rank 2 step 55: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
     // rank 2 step 56: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
     // rank 2 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
     // rank 2 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
     // rank 2 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
     // rank 2 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
     // rank 2 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
     // rank 2 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
     // rank 2 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
     // rank 2 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
     // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{2, 4, 3}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
     // rank 3 step 1: chunk 2 piece 0: our part to rank 4; wait entry[4]; r4:inbox@2[0/8] = r3:src@2[0/8]; signal r4:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
     // rank 3 step 2: chunk 2 piece 1: our part to rank 4; wait entry[4]; r4:inbox@2[1/8] = r3:src@2[1/8]; signal r4:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
     // rank 3 step 3: chunk 2 piece 2: our part to rank 4; wait entry[4]; r4:inbox@2[2/8] = r3:src@2[2/8]; signal r4:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
     // rank 3 step 4: chunk 2 piece 3: our part to rank 4; wait entry[4]; r4:inbox@2[3/8] = r3:src@2[3/8]; signal r4:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
     // rank 3 step 5: chunk 2 piece 4: our part to rank 4; wait entry[4]; r4:inbox@2[4/8] = r3:src@2[4/8]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
     // rank 3 step 6: chunk 2 piece 5: our part to rank 4; wait entry[4]; r4:inbox@2[5/8] = r3:src@2[5/8]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
     // rank 3 step 7: chunk 2 piece 6: our part to rank 4; wait entry[4]; r4:inbox@2[6/8] = r3:src@2[6/8]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
     // rank 3 step 8: chunk 2 piece 7: our part to rank 4; wait entry[4]; r4:inbox@2[7/8] = r3:src@2[7/8]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {4, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
     // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 4; wait arrive[8], entry[4]; r4:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 4, 1}}, {{4, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 4, 1}}, {{4, 5, 8}}},
     // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 4; wait arrive[9], entry[4]; r4:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 4, 1}}, {{4, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 4, 1}}, {{4, 5, 9}}},
     // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 4; wait arrive[10], entry[4]; r4:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 4, 1}}, {{4, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 4, 1}}, {{4, 5, 10}}},
     // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 4; wait arrive[11], entry[4]; r4:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 4, 1}}, {{4, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 4, 1}}, {{4, 5, 11}}},
     // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 4; wait arrive[12], entry[4]; r4:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 4, 1}}, {{4, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 4, 1}}, {{4, 5, 12}}},
     // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 4; wait arrive[13], entry[4]; r4:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 4, 1}}, {{4, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 4, 1}}, {{4, 5, 13}}},
     // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 4; wait arrive[14], entry[4]; r4:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 4, 1}}, {{4, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 4, 1}}, {{4, 5, 14}}},
     // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 4; wait arrive[15], entry[4]; r4:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 4, 1}}, {{4, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 4, 1}}, {{4, 5, 15}}},
     // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
     // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
     // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
     // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
     // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
     // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
     // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
     // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
     // rank 3 step 25: chunk 7 piece 0: partial sum + our part to rank 4; wait arrive[56], entry[4]; r4:inbox@7[0/8] = r3:inbox@7[0/8] + r3:src@7[0/8]; signal r4:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 0}, {{3, 3, 0, 8, 7, 0}, {3, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 4, 1}}, {{4, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 0}, {{3, 3, 0, 8, 7, 0}, {3, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 4, 1}}, {{4, 5, 56}}},
     // rank 3 step 26: chunk 7 piece 1: partial sum + our part to rank 4; wait arrive[57], entry[4]; r4:inbox@7[1/8] = r3:inbox@7[1/8] + r3:src@7[1/8]; signal r4:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 1}, {{3, 3, 0, 8, 7, 1}, {3, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 4, 1}}, {{4, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 1}, {{3, 3, 0, 8, 7, 1}, {3, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 4, 1}}, {{4, 5, 57}}},
     // rank 3 step 27: chunk 7 piece 2: partial sum + our part to rank 4; wait arrive[58], entry[4]; r4:inbox@7[2/8] = r3:inbox@7[2/8] + r3:src@7[2/8]; signal r4:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 2}, {{3, 3, 0, 8, 7, 2}, {3, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 4, 1}}, {{4, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 2}, {{3, 3, 0, 8, 7, 2}, {3, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 4, 1}}, {{4, 5, 58}}},
     // rank 3 step 28: chunk 7 piece 3: partial sum + our part to rank 4; wait arrive[59], entry[4]; r4:inbox@7[3/8] = r3:inbox@7[3/8] + r3:src@7[3/8]; signal r4:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 3}, {{3, 3, 0, 8, 7, 3}, {3, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 4, 1}}, {{4, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 3}, {{3, 3, 0, 8, 7, 3}, {3, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 4, 1}}, {{4, 5, 59}}},
     // rank 3 step 29: chunk 7 piece 4: partial sum + our part to rank 4; wait arrive[60], entry[4]; r4:inbox@7[4/8] = r3:inbox@7[4/8] + r3:src@7[4/8]; signal r4:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 4}, {{3, 3, 0, 8, 7, 4}, {3, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 4, 1}}, {{4, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 4}, {{3, 3, 0, 8, 7, 4}, {3, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 4, 1}}, {{4, 5, 60}}},
     // rank 3 step 30: chunk 7 piece 5: partial sum + our part to rank 4; wait arrive[61], entry[4]; r4:inbox@7[5/8] = r3:inbox@7[5/8] + r3:src@7[5/8]; signal r4:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 5}, {{3, 3, 0, 8, 7, 5}, {3, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 4, 1}}, {{4, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 5}, {{3, 3, 0, 8, 7, 5}, {3, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 4, 1}}, {{4, 5, 61}}},
     // rank 3 step 31: chunk 7 piece 6: partial sum + our part to rank 4; wait arrive[62], entry[4]; r4:inbox@7[6/8] = r3:inbox@7[6/8] + r3:src@7[6/8]; signal r4:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 6}, {{3, 3, 0, 8, 7, 6}, {3, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 4, 1}}, {{4, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 6}, {{3, 3, 0, 8, 7, 6}, {3, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 4, 1}}, {{4, 5, 62}}},
     // rank 3 step 32: chunk 7 piece 7: partial sum + our part to rank 4; wait arrive[63], entry[4]; r4:inbox@7[7/8] = r3:inbox@7[7/8] + r3:src@7[7/8]; signal r4:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 7, 7}, {{3, 3, 0, 8, 7, 7}, {3, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 4, 1}}, {{4, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 7}, {{3, 3, 0, 8, 7, 7}, {3, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 4, 1}}, {{4, 5, 63}}},
     // rank 3 step 33: chunk 6 piece 0: partial sum + our part to rank 4; wait arrive[48], entry[4]; r4:inbox@6[0/8] = r3:inbox@6[0/8] + r3:src@6[0/8]; signal r4:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 0}, {{3, 3, 0, 8, 6, 0}, {3, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 4, 1}}, {{4, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 0}, {{3, 3, 0, 8, 6, 0}, {3, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 4, 1}}, {{4, 5, 48}}},
     // rank 3 step 34: chunk 6 piece 1: partial sum + our part to rank 4; wait arrive[49], entry[4]; r4:inbox@6[1/8] = r3:inbox@6[1/8] + r3:src@6[1/8]; signal r4:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 1}, {{3, 3, 0, 8, 6, 1}, {3, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 4, 1}}, {{4, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 1}, {{3, 3, 0, 8, 6, 1}, {3, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 4, 1}}, {{4, 5, 49}}},
     // rank 3 step 35: chunk 6 piece 2: partial sum + our part to rank 4; wait arrive[50], entry[4]; r4:inbox@6[2/8] = r3:inbox@6[2/8] + r3:src@6[2/8]; signal r4:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 2}, {{3, 3, 0, 8, 6, 2}, {3, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 4, 1}}, {{4, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 2}, {{3, 3, 0, 8, 6, 2}, {3, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 4, 1}}, {{4, 5, 50}}},
     // rank 3 step 36: chunk 6 piece 3: partial sum + our part to rank 4; wait arrive[51], entry[4]; r4:inbox@6[3/8] = r3:inbox@6[3/8] + r3:src@6[3/8]; signal r4:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 3}, {{3, 3, 0, 8, 6, 3}, {3, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 4, 1}}, {{4, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 3}, {{3, 3, 0, 8, 6, 3}, {3, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 4, 1}}, {{4, 5, 51}}},
     // rank 3 step 37: chunk 6 piece 4: partial sum + our part to rank 4; wait arrive[52], entry[4]; r4:inbox@6[4/8] = r3:inbox@6[4/8] + r3:src@6[4/8]; signal r4:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 4}, {{3, 3, 0, 8, 6, 4}, {3, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 4, 1}}, {{4, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 4}, {{3, 3, 0, 8, 6, 4}, {3, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 4, 1}}, {{4, 5, 52}}},
     // rank 3 step 38: chunk 6 piece 5: partial sum + our part to rank 4; wait arrive[53], entry[4]; r4:inbox@6[5/8] = r3:inbox@6[5/8] + r3:src@6[5/8]; signal r4:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 5}, {{3, 3, 0, 8, 6, 5}, {3, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 4, 1}}, {{4, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 5}, {{3, 3, 0, 8, 6, 5}, {3, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 4, 1}}, {{4, 5, 53}}},
     // rank 3 step 39: chunk 6 piece 6: partial sum + our part to rank 4; wait arrive[54], entry[4]; r4:inbox@6[6/8] = r3:inbox@6[6/8] + r3:src@6[6/8]; signal r4:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 6}, {{3, 3, 0, 8, 6, 6}, {3, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 4, 1}}, {{4, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 6}, {{3, 3, 0, 8, 6, 6}, {3, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 4, 1}}, {{4, 5, 54}}},
     // rank 3 step 40: chunk 6 piece 7: partial sum + our part to rank 4; wait arrive[55], entry[4]; r4:inbox@6[7/8] = r3:inbox@6[7/8] + r3:src@6[7/8]; signal r4:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 6, 7}, {{3, 3, 0, 8, 6, 7}, {3, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 4, 1}}, {{4, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 7}, {{3, 3, 0, 8, 6, 7}, {3, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 4, 1}}, {{4, 5, 55}}},
     // rank 3 step 41: chunk 5 piece 0: partial sum + our part to rank 4; wait arrive[40], entry[4]; r4:inbox@5[0/8] = r3:inbox@5[0/8] + r3:src@5[0/8]; signal r4:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 0}, {{3, 3, 0, 8, 5, 0}, {3, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 4, 1}}, {{4, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 0}, {{3, 3, 0, 8, 5, 0}, {3, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 4, 1}}, {{4, 5, 40}}},
     // rank 3 step 42: chunk 5 piece 1: partial sum + our part to rank 4; wait arrive[41], entry[4]; r4:inbox@5[1/8] = r3:inbox@5[1/8] + r3:src@5[1/8]; signal r4:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 1}, {{3, 3, 0, 8, 5, 1}, {3, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 4, 1}}, {{4, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 1}, {{3, 3, 0, 8, 5, 1}, {3, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 4, 1}}, {{4, 5, 41}}},
     // rank 3 step 43: chunk 5 piece 2: partial sum + our part to rank 4; wait arrive[42], entry[4]; r4:inbox@5[2/8] = r3:inbox@5[2/8] + r3:src@5[2/8]; signal r4:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 2}, {{3, 3, 0, 8, 5, 2}, {3, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 4, 1}}, {{4, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 2}, {{3, 3, 0, 8, 5, 2}, {3, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 4, 1}}, {{4, 5, 42}}},
     // rank 3 step 44: chunk 5 piece 3: partial sum + our part to rank 4; wait arrive[43], entry[4]; r4:inbox@5[3/8] = r3:inbox@5[3/8] + r3:src@5[3/8]; signal r4:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 3}, {{3, 3, 0, 8, 5, 3}, {3, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 4, 1}}, {{4, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 3}, {{3, 3, 0, 8, 5, 3}, {3, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 4, 1}}, {{4, 5, 43}}},
     // rank 3 step 45: chunk 5 piece 4: partial sum + our part to rank 4; wait arrive[44], entry[4]; r4:inbox@5[4/8] = r3:inbox@5[4/8] + r3:src@5[4/8]; signal r4:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 4}, {{3, 3, 0, 8, 5, 4}, {3, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 4, 1}}, {{4, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 4}, {{3, 3, 0, 8, 5, 4}, {3, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 4, 1}}, {{4, 5, 44}}},
     // rank 3 step 46: chunk 5 piece 5: partial sum + our part to rank 4; wait arrive[45], entry[4]; r4:inbox@5[5/8] = r3:inbox@5[5/8] + r3:src@5[5/8]; signal r4:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 5}, {{3, 3, 0, 8, 5, 5}, {3, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 4, 1}}, {{4, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 5}, {{3, 3, 0, 8, 5, 5}, {3, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 4, 1}}, {{4, 5, 45}}},
     // rank 3 step 47: chunk 5 piece 6: partial sum + our part to rank 4; wait arrive[46], entry[4]; r4:inbox@5[6/8] = r3:inbox@5[6/8] + r3:src@5[6/8]; signal r4:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 6}, {{3, 3, 0, 8, 5, 6}, {3, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 4, 1}}, {{4, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 6}, {{3, 3, 0, 8, 5, 6}, {3, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 4, 1}}, {{4, 5, 46}}},
     // rank 3 step 48: chunk 5 piece 7: partial sum + our part to rank 4; wait arrive[47], entry[4]; r4:inbox@5[7/8] = r3:inbox@5[7/8] + r3:src@5[7/8]; signal r4:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 5, 7}, {{3, 3, 0, 8, 5, 7}, {3, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 4, 1}}, {{4, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 7}, {{3, 3, 0, 8, 5, 7}, {3, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 4, 1}}, {{4, 5, 47}}},
     // rank 3 step 49: chunk 4 piece 0: partial sum + our part to rank 4; wait arrive[32], entry[4]; r4:inbox@4[0/8] = r3:inbox@4[0/8] + r3:src@4[0/8]; signal r4:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 0}, {{3, 3, 0, 8, 4, 0}, {3, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 4, 1}}, {{4, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 0}, {{3, 3, 0, 8, 4, 0}, {3, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 4, 1}}, {{4, 5, 32}}},
     // rank 3 step 50: chunk 4 piece 1: partial sum + our part to rank 4; wait arrive[33], entry[4]; r4:inbox@4[1/8] = r3:inbox@4[1/8] + r3:src@4[1/8]; signal r4:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 1}, {{3, 3, 0, 8, 4, 1}, {3, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 4, 1}}, {{4, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 1}, {{3, 3, 0, 8, 4, 1}, {3, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 4, 1}}, {{4, 5, 33}}},
     // rank 3 step 51: chunk 4 piece 2: partial sum + our part to rank 4; wait arrive[34], entry[4]; r4:inbox@4[2/8] = r3:inbox@4[2/8] + r3:src@4[2/8]; signal r4:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 2}, {{3, 3, 0, 8, 4, 2}, {3, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 4, 1}}, {{4, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 2}, {{3, 3, 0, 8, 4, 2}, {3, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 4, 1}}, {{4, 5, 34}}},
     // rank 3 step 52: chunk 4 piece 3: partial sum + our part to rank 4; wait arrive[35], entry[4]; r4:inbox@4[3/8] = r3:inbox@4[3/8] + r3:src@4[3/8]; signal r4:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 3}, {{3, 3, 0, 8, 4, 3}, {3, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 4, 1}}, {{4, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 3}, {{3, 3, 0, 8, 4, 3}, {3, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 4, 1}}, {{4, 5, 35}}},
     // rank 3 step 53: chunk 4 piece 4: partial sum + our part to rank 4; wait arrive[36], entry[4]; r4:inbox@4[4/8] = r3:inbox@4[4/8] + r3:src@4[4/8]; signal r4:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 4}, {{3, 3, 0, 8, 4, 4}, {3, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 4, 1}}, {{4, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 4}, {{3, 3, 0, 8, 4, 4}, {3, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 4, 1}}, {{4, 5, 36}}},
     // rank 3 step 54: chunk 4 piece 5: partial sum + our part to rank 4; wait arrive[37], entry[4]; r4:inbox@4[5/8] = r3:inbox@4[5/8] + r3:src@4[5/8]; signal r4:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 5}, {{3, 3, 0, 8, 4, 5}, {3, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 4, 1}}, {{4, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 5}, {{3, 3, 0, 8, 4, 5}, {3, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 4, 1}}, {{4, 5, 37}}},
     // rank 3 step 55: chunk 4 piece 6: partial sum + our part to rank 4; wait arrive[38], entry[4]; r4:inbox@4[6/8] = r3:inbox@4[6/8] + r3:src@4[6/8]; signal r4:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 6}, {{3, 3, 0, 8, 4, 6}, {3, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 4, 1}}, {{4, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 6}, {{3, 3, 0, 8, 4, 6}, {3, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 4, 1}}, {{4, 5, 38}}},
     // rank 3 step 56: chunk 4 piece 7: partial sum + our part to rank 4; wait arrive[39], entry[4]; r4:inbox@4[7/8] = r3:inbox@4[7/8] + r3:src@4[7/8]; signal r4:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {4, 3, 0, 8, 4, 7}, {{3, 3, 0, 8, 4, 7}, {3, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 4, 1}}, {{4, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 7}, {{3, 3, 0, 8, 4, 7}, {3, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 4, 1}}, {{4, 5, 39}}},
     // rank 3 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},
     // rank 3 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},
     // rank 3 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},
     // rank 3 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},
     // rank 3 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},
     // rank 3 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},
     // rank 3 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},
     // rank 3 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},
     // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{3, 4, 4}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},
     // rank 4 step 1: chunk 3 piece 0: our part to rank 5; wait entry[5]; r5:inbox@3[0/8] = r4:src@3[0/8]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 0}, {{4, 1, 1, 8, 3, 0}}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
     // rank 4 step 2: chunk 3 piece 1: our part to rank 5; wait entry[5]; r5:inbox@3[1/8] = r4:src@3[1/8]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 1}, {{4, 1, 1, 8, 3, 1}}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
     // rank 4 step 3: chunk 3 piece 2: our part to rank 5; wait entry[5]; r5:inbox@3[2/8] = r4:src@3[2/8]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 2}, {{4, 1, 1, 8, 3, 2}}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
     // rank 4 step 4: chunk 3 piece 3: our part to rank 5; wait entry[5]; r5:inbox@3[3/8] = r4:src@3[3/8]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 3}, {{4, 1, 1, 8, 3, 3}}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
     // rank 4 step 5: chunk 3 piece 4: our part to rank 5; wait entry[5]; r5:inbox@3[4/8] = r4:src@3[4/8]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 4}, {{4, 1, 1, 8, 3, 4}}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
     // rank 4 step 6: chunk 3 piece 5: our part to rank 5; wait entry[5]; r5:inbox@3[5/8] = r4:src@3[5/8]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 5}, {{4, 1, 1, 8, 3, 5}}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
     // rank 4 step 7: chunk 3 piece 6: our part to rank 5; wait entry[5]; r5:inbox@3[6/8] = r4:src@3[6/8]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 6}, {{4, 1, 1, 8, 3, 6}}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
     // rank 4 step 8: chunk 3 piece 7: our part to rank 5; wait entry[5]; r5:inbox@3[7/8] = r4:src@3[7/8]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {5, 3, 0, 8, 3, 7}, {{4, 1, 1, 8, 3, 7}}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
     // rank 4 step 9: chunk 2 piece 0: partial sum + our part to rank 5; wait arrive[16], entry[5]; r5:inbox@2[0/8] = r4:inbox@2[0/8] + r4:src@2[0/8]; signal r5:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 0}, {{4, 3, 0, 8, 2, 0}, {4, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 5, 1}}, {{5, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 0}, {{4, 3, 0, 8, 2, 0}, {4, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 5, 1}}, {{5, 5, 16}}},
     // rank 4 step 10: chunk 2 piece 1: partial sum + our part to rank 5; wait arrive[17], entry[5]; r5:inbox@2[1/8] = r4:inbox@2[1/8] + r4:src@2[1/8]; signal r5:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 1}, {{4, 3, 0, 8, 2, 1}, {4, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 5, 1}}, {{5, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 1}, {{4, 3, 0, 8, 2, 1}, {4, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 5, 1}}, {{5, 5, 17}}},
     // rank 4 step 11: chunk 2 piece 2: partial sum + our part to rank 5; wait arrive[18], entry[5]; r5:inbox@2[2/8] = r4:inbox@2[2/8] + r4:src@2[2/8]; signal r5:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 2}, {{4, 3, 0, 8, 2, 2}, {4, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 5, 1}}, {{5, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 2}, {{4, 3, 0, 8, 2, 2}, {4, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 5, 1}}, {{5, 5, 18}}},
     // rank 4 step 12: chunk 2 piece 3: partial sum + our part to rank 5; wait arrive[19], entry[5]; r5:inbox@2[3/8] = r4:inbox@2[3/8] + r4:src@2[3/8]; signal r5:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 3}, {{4, 3, 0, 8, 2, 3}, {4, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 5, 1}}, {{5, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 3}, {{4, 3, 0, 8, 2, 3}, {4, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 5, 1}}, {{5, 5, 19}}},
     // rank 4 step 13: chunk 2 piece 4: partial sum + our part to rank 5; wait arrive[20], entry[5]; r5:inbox@2[4/8] = r4:inbox@2[4/8] + r4:src@2[4/8]; signal r5:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 4}, {{4, 3, 0, 8, 2, 4}, {4, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 4}, {{4, 3, 0, 8, 2, 4}, {4, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
     // rank 4 step 14: chunk 2 piece 5: partial sum + our part to rank 5; wait arrive[21], entry[5]; r5:inbox@2[5/8] = r4:inbox@2[5/8] + r4:src@2[5/8]; signal r5:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 5}, {{4, 3, 0, 8, 2, 5}, {4, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 5}, {{4, 3, 0, 8, 2, 5}, {4, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
     // rank 4 step 15: chunk 2 piece 6: partial sum + our part to rank 5; wait arrive[22], entry[5]; r5:inbox@2[6/8] = r4:inbox@2[6/8] + r4:src@2[6/8]; signal r5:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 6}, {{4, 3, 0, 8, 2, 6}, {4, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 6}, {{4, 3, 0, 8, 2, 6}, {4, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
     // rank 4 step 16: chunk 2 piece 7: partial sum + our part to rank 5; wait arrive[23], entry[5]; r5:inbox@2[7/8] = r4:inbox@2[7/8] + r4:src@2[7/8]; signal r5:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 2, 7}, {{4, 3, 0, 8, 2, 7}, {4, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 7}, {{4, 3, 0, 8, 2, 7}, {4, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
     // rank 4 step 17: chunk 1 piece 0: partial sum + our part to rank 5; wait arrive[8], entry[5]; r5:inbox@1[0/8] = r4:inbox@1[0/8] + r4:src@1[0/8]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 0}, {{4, 3, 0, 8, 1, 0}, {4, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 0}, {{4, 3, 0, 8, 1, 0}, {4, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
     // rank 4 step 18: chunk 1 piece 1: partial sum + our part to rank 5; wait arrive[9], entry[5]; r5:inbox@1[1/8] = r4:inbox@1[1/8] + r4:src@1[1/8]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 1}, {{4, 3, 0, 8, 1, 1}, {4, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 1}, {{4, 3, 0, 8, 1, 1}, {4, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
     // rank 4 step 19: chunk 1 piece 2: partial sum + our part to rank 5; wait arrive[10], entry[5]; r5:inbox@1[2/8] = r4:inbox@1[2/8] + r4:src@1[2/8]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 2}, {{4, 3, 0, 8, 1, 2}, {4, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 2}, {{4, 3, 0, 8, 1, 2}, {4, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
     // rank 4 step 20: chunk 1 piece 3: partial sum + our part to rank 5; wait arrive[11], entry[5]; r5:inbox@1[3/8] = r4:inbox@1[3/8] + r4:src@1[3/8]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 3}, {{4, 3, 0, 8, 1, 3}, {4, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 3}, {{4, 3, 0, 8, 1, 3}, {4, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
     // rank 4 step 21: chunk 1 piece 4: partial sum + our part to rank 5; wait arrive[12], entry[5]; r5:inbox@1[4/8] = r4:inbox@1[4/8] + r4:src@1[4/8]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 4}, {{4, 3, 0, 8, 1, 4}, {4, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 5, 1}}, {{5, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 4}, {{4, 3, 0, 8, 1, 4}, {4, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 5, 1}}, {{5, 5, 12}}},
     // rank 4 step 22: chunk 1 piece 5: partial sum + our part to rank 5; wait arrive[13], entry[5]; r5:inbox@1[5/8] = r4:inbox@1[5/8] + r4:src@1[5/8]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 5}, {{4, 3, 0, 8, 1, 5}, {4, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 5, 1}}, {{5, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 5}, {{4, 3, 0, 8, 1, 5}, {4, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 5, 1}}, {{5, 5, 13}}},
     // rank 4 step 23: chunk 1 piece 6: partial sum + our part to rank 5; wait arrive[14], entry[5]; r5:inbox@1[6/8] = r4:inbox@1[6/8] + r4:src@1[6/8]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 6}, {{4, 3, 0, 8, 1, 6}, {4, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 5, 1}}, {{5, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 6}, {{4, 3, 0, 8, 1, 6}, {4, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 5, 1}}, {{5, 5, 14}}},
     // rank 4 step 24: chunk 1 piece 7: partial sum + our part to rank 5; wait arrive[15], entry[5]; r5:inbox@1[7/8] = r4:inbox@1[7/8] + r4:src@1[7/8]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 1, 7}, {{4, 3, 0, 8, 1, 7}, {4, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 5, 1}}, {{5, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 7}, {{4, 3, 0, 8, 1, 7}, {4, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 5, 1}}, {{5, 5, 15}}},
     // rank 4 step 25: chunk 0 piece 0: partial sum + our part to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/8] = r4:inbox@0[0/8] + r4:src@0[0/8]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 0}, {{4, 3, 0, 8, 0, 0}, {4, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 0}, {{4, 3, 0, 8, 0, 0}, {4, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
     // rank 4 step 26: chunk 0 piece 1: partial sum + our part to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/8] = r4:inbox@0[1/8] + r4:src@0[1/8]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 1}, {{4, 3, 0, 8, 0, 1}, {4, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 1}, {{4, 3, 0, 8, 0, 1}, {4, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
     // rank 4 step 27: chunk 0 piece 2: partial sum + our part to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/8] = r4:inbox@0[2/8] + r4:src@0[2/8]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 2}, {{4, 3, 0, 8, 0, 2}, {4, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 2}, {{4, 3, 0, 8, 0, 2}, {4, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
     // rank 4 step 28: chunk 0 piece 3: partial sum + our part to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/8] = r4:inbox@0[3/8] + r4:src@0[3/8]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 3}, {{4, 3, 0, 8, 0, 3}, {4, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 3}, {{4, 3, 0, 8, 0, 3}, {4, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
     // rank 4 step 29: chunk 0 piece 4: partial sum + our part to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/8] = r4:inbox@0[4/8] + r4:src@0[4/8]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 4}, {{4, 3, 0, 8, 0, 4}, {4, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 4}, {{4, 3, 0, 8, 0, 4}, {4, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
     // rank 4 step 30: chunk 0 piece 5: partial sum + our part to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/8] = r4:inbox@0[5/8] + r4:src@0[5/8]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 5}, {{4, 3, 0, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 5}, {{4, 3, 0, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
     // rank 4 step 31: chunk 0 piece 6: partial sum + our part to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/8] = r4:inbox@0[6/8] + r4:src@0[6/8]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 6}, {{4, 3, 0, 8, 0, 6}, {4, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 6}, {{4, 3, 0, 8, 0, 6}, {4, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
     // rank 4 step 32: chunk 0 piece 7: partial sum + our part to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/8] = r4:inbox@0[7/8] + r4:src@0[7/8]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 0, 7}, {{4, 3, 0, 8, 0, 7}, {4, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 7}, {{4, 3, 0, 8, 0, 7}, {4, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
     // rank 4 step 33: chunk 7 piece 0: partial sum + our part to rank 5; wait arrive[56], entry[5]; r5:inbox@7[0/8] = r4:inbox@7[0/8] + r4:src@7[0/8]; signal r5:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 0}, {{4, 3, 0, 8, 7, 0}, {4, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 5, 1}}, {{5, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 0}, {{4, 3, 0, 8, 7, 0}, {4, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 5, 1}}, {{5, 5, 56}}},
     // rank 4 step 34: chunk 7 piece 1: partial sum + our part to rank 5; wait arrive[57], entry[5]; r5:inbox@7[1/8] = r4:inbox@7[1/8] + r4:src@7[1/8]; signal r5:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 1}, {{4, 3, 0, 8, 7, 1}, {4, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 5, 1}}, {{5, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 1}, {{4, 3, 0, 8, 7, 1}, {4, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 5, 1}}, {{5, 5, 57}}},
     // rank 4 step 35: chunk 7 piece 2: partial sum + our part to rank 5; wait arrive[58], entry[5]; r5:inbox@7[2/8] = r4:inbox@7[2/8] + r4:src@7[2/8]; signal r5:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 2}, {{4, 3, 0, 8, 7, 2}, {4, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 5, 1}}, {{5, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 2}, {{4, 3, 0, 8, 7, 2}, {4, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 5, 1}}, {{5, 5, 58}}},
     // rank 4 step 36: chunk 7 piece 3: partial sum + our part to rank 5; wait arrive[59], entry[5]; r5:inbox@7[3/8] = r4:inbox@7[3/8] + r4:src@7[3/8]; signal r5:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 3}, {{4, 3, 0, 8, 7, 3}, {4, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 5, 1}}, {{5, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 3}, {{4, 3, 0, 8, 7, 3}, {4, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 5, 1}}, {{5, 5, 59}}},
     // rank 4 step 37: chunk 7 piece 4: partial sum + our part to rank 5; wait arrive[60], entry[5]; r5:inbox@7[4/8] = r4:inbox@7[4/8] + r4:src@7[4/8]; signal r5:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 4}, {{4, 3, 0, 8, 7, 4}, {4, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 5, 1}}, {{5, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 4}, {{4, 3, 0, 8, 7, 4}, {4, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 5, 1}}, {{5, 5, 60}}},
     // rank 4 step 38: chunk 7 piece 5: partial sum + our part to rank 5; wait arrive[61], entry[5]; r5:inbox@7[5/8] = r4:inbox@7[5/8] + r4:src@7[5/8]; signal r5:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 5}, {{4, 3, 0, 8, 7, 5}, {4, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 5, 1}}, {{5, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 5}, {{4, 3, 0, 8, 7, 5}, {4, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 5, 1}}, {{5, 5, 61}}},
     // rank 4 step 39: chunk 7 piece 6: partial sum + our part to rank 5; wait arrive[62], entry[5]; r5:inbox@7[6/8] = r4:inbox@7[6/8] + r4:src@7[6/8]; signal r5:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 6}, {{4, 3, 0, 8, 7, 6}, {4, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 5, 1}}, {{5, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 6}, {{4, 3, 0, 8, 7, 6}, {4, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 5, 1}}, {{5, 5, 62}}},
     // rank 4 step 40: chunk 7 piece 7: partial sum + our part to rank 5; wait arrive[63], entry[5]; r5:inbox@7[7/8] = r4:inbox@7[7/8] + r4:src@7[7/8]; signal r5:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 7, 7}, {{4, 3, 0, 8, 7, 7}, {4, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 5, 1}}, {{5, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 7}, {{4, 3, 0, 8, 7, 7}, {4, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 5, 1}}, {{5, 5, 63}}},
     // rank 4 step 41: chunk 6 piece 0: partial sum + our part to rank 5; wait arrive[48], entry[5]; r5:inbox@6[0/8] = r4:inbox@6[0/8] + r4:src@6[0/8]; signal r5:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 0}, {{4, 3, 0, 8, 6, 0}, {4, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 5, 1}}, {{5, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 0}, {{4, 3, 0, 8, 6, 0}, {4, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 5, 1}}, {{5, 5, 48}}},
     // rank 4 step 42: chunk 6 piece 1: partial sum + our part to rank 5; wait arrive[49], entry[5]; r5:inbox@6[1/8] = r4:inbox@6[1/8] + r4:src@6[1/8]; signal r5:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 1}, {{4, 3, 0, 8, 6, 1}, {4, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 5, 1}}, {{5, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 1}, {{4, 3, 0, 8, 6, 1}, {4, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 5, 1}}, {{5, 5, 49}}},
     // rank 4 step 43: chunk 6 piece 2: partial sum + our part to rank 5; wait arrive[50], entry[5]; r5:inbox@6[2/8] = r4:inbox@6[2/8] + r4:src@6[2/8]; signal r5:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 2}, {{4, 3, 0, 8, 6, 2}, {4, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 5, 1}}, {{5, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 2}, {{4, 3, 0, 8, 6, 2}, {4, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 5, 1}}, {{5, 5, 50}}},
     // rank 4 step 44: chunk 6 piece 3: partial sum + our part to rank 5; wait arrive[51], entry[5]; r5:inbox@6[3/8] = r4:inbox@6[3/8] + r4:src@6[3/8]; signal r5:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 3}, {{4, 3, 0, 8, 6, 3}, {4, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 5, 1}}, {{5, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 3}, {{4, 3, 0, 8, 6, 3}, {4, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 5, 1}}, {{5, 5, 51}}},
     // rank 4 step 45: chunk 6 piece 4: partial sum + our part to rank 5; wait arrive[52], entry[5]; r5:inbox@6[4/8] = r4:inbox@6[4/8] + r4:src@6[4/8]; signal r5:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 4}, {{4, 3, 0, 8, 6, 4}, {4, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 5, 1}}, {{5, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 4}, {{4, 3, 0, 8, 6, 4}, {4, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 5, 1}}, {{5, 5, 52}}},
     // rank 4 step 46: chunk 6 piece 5: partial sum + our part to rank 5; wait arrive[53], entry[5]; r5:inbox@6[5/8] = r4:inbox@6[5/8] + r4:src@6[5/8]; signal r5:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 5}, {{4, 3, 0, 8, 6, 5}, {4, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 5, 1}}, {{5, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 5}, {{4, 3, 0, 8, 6, 5}, {4, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 5, 1}}, {{5, 5, 53}}},
     // rank 4 step 47: chunk 6 piece 6: partial sum + our part to rank 5; wait arrive[54], entry[5]; r5:inbox@6[6/8] = r4:inbox@6[6/8] + r4:src@6[6/8]; signal r5:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 6}, {{4, 3, 0, 8, 6, 6}, {4, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 5, 1}}, {{5, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 6}, {{4, 3, 0, 8, 6, 6}, {4, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 5, 1}}, {{5, 5, 54}}},
     // rank 4 step 48: chunk 6 piece 7: partial sum + our part to rank 5; wait arrive[55], entry[5]; r5:inbox@6[7/8] = r4:inbox@6[7/8] + r4:src@6[7/8]; signal r5:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 6, 7}, {{4, 3, 0, 8, 6, 7}, {4, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 5, 1}}, {{5, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 7}, {{4, 3, 0, 8, 6, 7}, {4, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 5, 1}}, {{5, 5, 55}}},
     // rank 4 step 49: chunk 5 piece 0: partial sum + our part to rank 5; wait arrive[40], entry[5]; r5:inbox@5[0/8] = r4:inbox@5[0/8] + r4:src@5[0/8]; signal r5:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 0}, {{4, 3, 0, 8, 5, 0}, {4, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 5, 1}}, {{5, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 0}, {{4, 3, 0, 8, 5, 0}, {4, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 5, 1}}, {{5, 5, 40}}},
     // rank 4 step 50: chunk 5 piece 1: partial sum + our part to rank 5; wait arrive[41], entry[5]; r5:inbox@5[1/8] = r4:inbox@5[1/8] + r4:src@5[1/8]; signal r5:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 1}, {{4, 3, 0, 8, 5, 1}, {4, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 5, 1}}, {{5, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 1}, {{4, 3, 0, 8, 5, 1}, {4, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 5, 1}}, {{5, 5, 41}}},
     // rank 4 step 51: chunk 5 piece 2: partial sum + our part to rank 5; wait arrive[42], entry[5]; r5:inbox@5[2/8] = r4:inbox@5[2/8] + r4:src@5[2/8]; signal r5:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 2}, {{4, 3, 0, 8, 5, 2}, {4, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 5, 1}}, {{5, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 2}, {{4, 3, 0, 8, 5, 2}, {4, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 5, 1}}, {{5, 5, 42}}},
     // rank 4 step 52: chunk 5 piece 3: partial sum + our part to rank 5; wait arrive[43], entry[5]; r5:inbox@5[3/8] = r4:inbox@5[3/8] + r4:src@5[3/8]; signal r5:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 3}, {{4, 3, 0, 8, 5, 3}, {4, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 5, 1}}, {{5, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 3}, {{4, 3, 0, 8, 5, 3}, {4, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 5, 1}}, {{5, 5, 43}}},
     // rank 4 step 53: chunk 5 piece 4: partial sum + our part to rank 5; wait arrive[44], entry[5]; r5:inbox@5[4/8] = r4:inbox@5[4/8] + r4:src@5[4/8]; signal r5:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 4}, {{4, 3, 0, 8, 5, 4}, {4, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 5, 1}}, {{5, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 4}, {{4, 3, 0, 8, 5, 4}, {4, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 5, 1}}, {{5, 5, 44}}},
     // rank 4 step 54: chunk 5 piece 5: partial sum + our part to rank 5; wait arrive[45], entry[5]; r5:inbox@5[5/8] = r4:inbox@5[5/8] + r4:src@5[5/8]; signal r5:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 5}, {{4, 3, 0, 8, 5, 5}, {4, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 5, 1}}, {{5, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 5}, {{4, 3, 0, 8, 5, 5}, {4, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 5, 1}}, {{5, 5, 45}}},
     // rank 4 step 55: chunk 5 piece 6: partial sum + our part to rank 5; wait arrive[46], entry[5]; r5:inbox@5[6/8] = r4:inbox@5[6/8] + r4:src@5[6/8]; signal r5:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 6}, {{4, 3, 0, 8, 5, 6}, {4, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 5, 1}}, {{5, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 6}, {{4, 3, 0, 8, 5, 6}, {4, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 5, 1}}, {{5, 5, 46}}},
     // rank 4 step 56: chunk 5 piece 7: partial sum + our part to rank 5; wait arrive[47], entry[5]; r5:inbox@5[7/8] = r4:inbox@5[7/8] + r4:src@5[7/8]; signal r5:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {5, 3, 0, 8, 5, 7}, {{4, 3, 0, 8, 5, 7}, {4, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 5, 1}}, {{5, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 7}, {{4, 3, 0, 8, 5, 7}, {4, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 5, 1}}, {{5, 5, 47}}},
     // rank 4 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[32]; r4:dst@0[0/8] = r4:inbox@4[0/8] + r4:src@4[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 0}, {{4, 3, 0, 8, 4, 0}, {4, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 3, 0, 8, 4, 0}, {4, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}}, {}},
     // rank 4 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[33]; r4:dst@0[1/8] = r4:inbox@4[1/8] + r4:src@4[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 1}, {{4, 3, 0, 8, 4, 1}, {4, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 3, 0, 8, 4, 1}, {4, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}}, {}},
     // rank 4 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[34]; r4:dst@0[2/8] = r4:inbox@4[2/8] + r4:src@4[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 2}, {{4, 3, 0, 8, 4, 2}, {4, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 3, 0, 8, 4, 2}, {4, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}}, {}},
     // rank 4 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[35]; r4:dst@0[3/8] = r4:inbox@4[3/8] + r4:src@4[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 3}, {{4, 3, 0, 8, 4, 3}, {4, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 3, 0, 8, 4, 3}, {4, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}}, {}},
     // rank 4 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[36]; r4:dst@0[4/8] = r4:inbox@4[4/8] + r4:src@4[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 4}, {{4, 3, 0, 8, 4, 4}, {4, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 3, 0, 8, 4, 4}, {4, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}}, {}},
     // rank 4 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[37]; r4:dst@0[5/8] = r4:inbox@4[5/8] + r4:src@4[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 5}, {{4, 3, 0, 8, 4, 5}, {4, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 3, 0, 8, 4, 5}, {4, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}}, {}},
     // rank 4 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[38]; r4:dst@0[6/8] = r4:inbox@4[6/8] + r4:src@4[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 6}, {{4, 3, 0, 8, 4, 6}, {4, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 3, 0, 8, 4, 6}, {4, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}}, {}},
     // rank 4 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[39]; r4:dst@0[7/8] = r4:inbox@4[7/8] + r4:src@4[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {4, 2, 0, 8, 0, 7}, {{4, 3, 0, 8, 4, 7}, {4, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 3, 0, 8, 4, 7}, {4, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}}, {}},
     // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 4, 5}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},
     // rank 5 step 1: chunk 4 piece 0: our part to rank 6; wait entry[6]; r6:inbox@4[0/8] = r5:src@4[0/8]; signal r6:arrive[32]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 0}, {{5, 1, 1, 8, 4, 0}}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
     // rank 5 step 2: chunk 4 piece 1: our part to rank 6; wait entry[6]; r6:inbox@4[1/8] = r5:src@4[1/8]; signal r6:arrive[33]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 1}, {{5, 1, 1, 8, 4, 1}}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
     // rank 5 step 3: chunk 4 piece 2: our part to rank 6; wait entry[6]; r6:inbox@4[2/8] = r5:src@4[2/8]; signal r6:arrive[34]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 2}, {{5, 1, 1, 8, 4, 2}}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
     // rank 5 step 4: chunk 4 piece 3: our part to rank 6; wait entry[6]; r6:inbox@4[3/8] = r5:src@4[3/8]; signal r6:arrive[35]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 3}, {{5, 1, 1, 8, 4, 3}}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
     // rank 5 step 5: chunk 4 piece 4: our part to rank 6; wait entry[6]; r6:inbox@4[4/8] = r5:src@4[4/8]; signal r6:arrive[36]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 4}, {{5, 1, 1, 8, 4, 4}}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
     // rank 5 step 6: chunk 4 piece 5: our part to rank 6; wait entry[6]; r6:inbox@4[5/8] = r5:src@4[5/8]; signal r6:arrive[37]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 5}, {{5, 1, 1, 8, 4, 5}}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
     // rank 5 step 7: chunk 4 piece 6: our part to rank 6; wait entry[6]; r6:inbox@4[6/8] = r5:src@4[6/8]; signal r6:arrive[38]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 6}, {{5, 1, 1, 8, 4, 6}}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
     // rank 5 step 8: chunk 4 piece 7: our part to rank 6; wait entry[6]; r6:inbox@4[7/8] = r5:src@4[7/8]; signal r6:arrive[39]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {6, 3, 0, 8, 4, 7}, {{5, 1, 1, 8, 4, 7}}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
     // rank 5 step 9: chunk 3 piece 0: partial sum + our part to rank 6; wait arrive[24], entry[6]; r6:inbox@3[0/8] = r5:inbox@3[0/8] + r5:src@3[0/8]; signal r6:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 0}, {{5, 3, 0, 8, 3, 0}, {5, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 0}, {{5, 3, 0, 8, 3, 0}, {5, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
     // rank 5 step 10: chunk 3 piece 1: partial sum + our part to rank 6; wait arrive[25], entry[6]; r6:inbox@3[1/8] = r5:inbox@3[1/8] + r5:src@3[1/8]; signal r6:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 1}, {{5, 3, 0, 8, 3, 1}, {5, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 1}, {{5, 3, 0, 8, 3, 1}, {5, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
     // rank 5 step 11: chunk 3 piece 2: partial sum + our part to rank 6; wait arrive[26], entry[6]; r6:inbox@3[2/8] = r5:inbox@3[2/8] + r5:src@3[2/8]; signal r6:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 2}, {{5, 3, 0, 8, 3, 2}, {5, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 2}, {{5, 3, 0, 8, 3, 2}, {5, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
     // rank 5 step 12: chunk 3 piece 3: partial sum + our part to rank 6; wait arrive[27], entry[6]; r6:inbox@3[3/8] = r5:inbox@3[3/8] + r5:src@3[3/8]; signal r6:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 3}, {{5, 3, 0, 8, 3, 3}, {5, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 3}, {{5, 3, 0, 8, 3, 3}, {5, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
     // rank 5 step 13: chunk 3 piece 4: partial sum + our part to rank 6; wait arrive[28], entry[6]; r6:inbox@3[4/8] = r5:inbox@3[4/8] + r5:src@3[4/8]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 4}, {{5, 3, 0, 8, 3, 4}, {5, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 4}, {{5, 3, 0, 8, 3, 4}, {5, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
     // rank 5 step 14: chunk 3 piece 5: partial sum + our part to rank 6; wait arrive[29], entry[6]; r6:inbox@3[5/8] = r5:inbox@3[5/8] + r5:src@3[5/8]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 5}, {{5, 3, 0, 8, 3, 5}, {5, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 5}, {{5, 3, 0, 8, 3, 5}, {5, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
     // rank 5 step 15: chunk 3 piece 6: partial sum + our part to rank 6; wait arrive[30], entry[6]; r6:inbox@3[6/8] = r5:inbox@3[6/8] + r5:src@3[6/8]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 6}, {{5, 3, 0, 8, 3, 6}, {5, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 6}, {{5, 3, 0, 8, 3, 6}, {5, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
     // rank 5 step 16: chunk 3 piece 7: partial sum + our part to rank 6; wait arrive[31], entry[6]; r6:inbox@3[7/8] = r5:inbox@3[7/8] + r5:src@3[7/8]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 3, 7}, {{5, 3, 0, 8, 3, 7}, {5, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 7}, {{5, 3, 0, 8, 3, 7}, {5, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
     // rank 5 step 17: chunk 2 piece 0: partial sum + our part to rank 6; wait arrive[16], entry[6]; r6:inbox@2[0/8] = r5:inbox@2[0/8] + r5:src@2[0/8]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 0}, {{5, 3, 0, 8, 2, 0}, {5, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 6, 1}}, {{6, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 0}, {{5, 3, 0, 8, 2, 0}, {5, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 6, 1}}, {{6, 5, 16}}},
     // rank 5 step 18: chunk 2 piece 1: partial sum + our part to rank 6; wait arrive[17], entry[6]; r6:inbox@2[1/8] = r5:inbox@2[1/8] + r5:src@2[1/8]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 1}, {{5, 3, 0, 8, 2, 1}, {5, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 6, 1}}, {{6, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 1}, {{5, 3, 0, 8, 2, 1}, {5, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 6, 1}}, {{6, 5, 17}}},
     // rank 5 step 19: chunk 2 piece 2: partial sum + our part to rank 6; wait arrive[18], entry[6]; r6:inbox@2[2/8] = r5:inbox@2[2/8] + r5:src@2[2/8]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 2}, {{5, 3, 0, 8, 2, 2}, {5, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 6, 1}}, {{6, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 2}, {{5, 3, 0, 8, 2, 2}, {5, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 6, 1}}, {{6, 5, 18}}},
     // rank 5 step 20: chunk 2 piece 3: partial sum + our part to rank 6; wait arrive[19], entry[6]; r6:inbox@2[3/8] = r5:inbox@2[3/8] + r5:src@2[3/8]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 3}, {{5, 3, 0, 8, 2, 3}, {5, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 6, 1}}, {{6, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 3}, {{5, 3, 0, 8, 2, 3}, {5, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 6, 1}}, {{6, 5, 19}}},
     // rank 5 step 21: chunk 2 piece 4: partial sum + our part to rank 6; wait arrive[20], entry[6]; r6:inbox@2[4/8] = r5:inbox@2[4/8] + r5:src@2[4/8]; signal r6:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 4}, {{5, 3, 0, 8, 2, 4}, {5, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 6, 1}}, {{6, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 4}, {{5, 3, 0, 8, 2, 4}, {5, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 6, 1}}, {{6, 5, 20}}},
     // rank 5 step 22: chunk 2 piece 5: partial sum + our part to rank 6; wait arrive[21], entry[6]; r6:inbox@2[5/8] = r5:inbox@2[5/8] + r5:src@2[5/8]; signal r6:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 5}, {{5, 3, 0, 8, 2, 5}, {5, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 6, 1}}, {{6, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 5}, {{5, 3, 0, 8, 2, 5}, {5, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 6, 1}}, {{6, 5, 21}}},
     // rank 5 step 23: chunk 2 piece 6: partial sum + our part to rank 6; wait arrive[22], entry[6]; r6:inbox@2[6/8] = r5:inbox@2[6/8] + r5:src@2[6/8]; signal r6:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 6}, {{5, 3, 0, 8, 2, 6}, {5, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 6, 1}}, {{6, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 6}, {{5, 3, 0, 8, 2, 6}, {5, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 6, 1}}, {{6, 5, 22}}},
     // rank 5 step 24: chunk 2 piece 7: partial sum + our part to rank 6; wait arrive[23], entry[6]; r6:inbox@2[7/8] = r5:inbox@2[7/8] + r5:src@2[7/8]; signal r6:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 2, 7}, {{5, 3, 0, 8, 2, 7}, {5, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 6, 1}}, {{6, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 7}, {{5, 3, 0, 8, 2, 7}, {5, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 6, 1}}, {{6, 5, 23}}},
     // rank 5 step 25: chunk 1 piece 0: partial sum + our part to rank 6; wait arrive[8], entry[6]; r6:inbox@1[0/8] = r5:inbox@1[0/8] + r5:src@1[0/8]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 0}, {{5, 3, 0, 8, 1, 0}, {5, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 0}, {{5, 3, 0, 8, 1, 0}, {5, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
     // rank 5 step 26: chunk 1 piece 1: partial sum + our part to rank 6; wait arrive[9], entry[6]; r6:inbox@1[1/8] = r5:inbox@1[1/8] + r5:src@1[1/8]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 1}, {{5, 3, 0, 8, 1, 1}, {5, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 1}, {{5, 3, 0, 8, 1, 1}, {5, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
     // rank 5 step 27: chunk 1 piece 2: partial sum + our part to rank 6; wait arrive[10], entry[6]; r6:inbox@1[2/8] = r5:inbox@1[2/8] + r5:src@1[2/8]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 2}, {{5, 3, 0, 8, 1, 2}, {5, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 2}, {{5, 3, 0, 8, 1, 2}, {5, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
     // rank 5 step 28: chunk 1 piece 3: partial sum + our part to rank 6; wait arrive[11], entry[6]; r6:inbox@1[3/8] = r5:inbox@1[3/8] + r5:src@1[3/8]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 3}, {{5, 3, 0, 8, 1, 3}, {5, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 3}, {{5, 3, 0, 8, 1, 3}, {5, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
     // rank 5 step 29: chunk 1 piece 4: partial sum + our part to rank 6; wait arrive[12], entry[6]; r6:inbox@1[4/8] = r5:inbox@1[4/8] + r5:src@1[4/8]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 4}, {{5, 3, 0, 8, 1, 4}, {5, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 4}, {{5, 3, 0, 8, 1, 4}, {5, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
     // rank 5 step 30: chunk 1 piece 5: partial sum + our part to rank 6; wait arrive[13], entry[6]; r6:inbox@1[5/8] = r5:inbox@1[5/8] + r5:src@1[5/8]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 5}, {{5, 3, 0, 8, 1, 5}, {5, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 5}, {{5, 3, 0, 8, 1, 5}, {5, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
     // rank 5 step 31: chunk 1 piece 6: partial sum + our part to rank 6; wait arrive[14], entry[6]; r6:inbox@1[6/8] = r5:inbox@1[6/8] + r5:src@1[6/8]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 6}, {{5, 3, 0, 8, 1, 6}, {5, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 6}, {{5, 3, 0, 8, 1, 6}, {5, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
     // rank 5 step 32: chunk 1 piece 7: partial sum + our part to rank 6; wait arrive[15], entry[6]; r6:inbox@1[7/8] = r5:inbox@1[7/8] + r5:src@1[7/8]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 1, 7}, {{5, 3, 0, 8, 1, 7}, {5, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 7}, {{5, 3, 0, 8, 1, 7}, {5, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
     // rank 5 step 33: chunk 0 piece 0: partial sum + our part to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/8] = r5:inbox@0[0/8] + r5:src@0[0/8]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 0}, {{5, 3, 0, 8, 0, 0}, {5, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 0}, {{5, 3, 0, 8, 0, 0}, {5, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
     // rank 5 step 34: chunk 0 piece 1: partial sum + our part to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/8] = r5:inbox@0[1/8] + r5:src@0[1/8]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 1}, {{5, 3, 0, 8, 0, 1}, {5, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 1}, {{5, 3, 0, 8, 0, 1}, {5, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
     // rank 5 step 35: chunk 0 piece 2: partial sum + our part to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/8] = r5:inbox@0[2/8] + r5:src@0[2/8]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 2}, {{5, 3, 0, 8, 0, 2}, {5, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 2}, {{5, 3, 0, 8, 0, 2}, {5, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
     // rank 5 step 36: chunk 0 piece 3: partial sum + our part to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/8] = r5:inbox@0[3/8] + r5:src@0[3/8]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 3}, {{5, 3, 0, 8, 0, 3}, {5, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 3}, {{5, 3, 0, 8, 0, 3}, {5, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
     // rank 5 step 37: chunk 0 piece 4: partial sum + our part to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/8] = r5:inbox@0[4/8] + r5:src@0[4/8]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 4}, {{5, 3, 0, 8, 0, 4}, {5, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 4}, {{5, 3, 0, 8, 0, 4}, {5, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
     // rank 5 step 38: chunk 0 piece 5: partial sum + our part to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/8] = r5:inbox@0[5/8] + r5:src@0[5/8]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 5}, {{5, 3, 0, 8, 0, 5}, {5, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 5}, {{5, 3, 0, 8, 0, 5}, {5, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
     // rank 5 step 39: chunk 0 piece 6: partial sum + our part to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/8] = r5:inbox@0[6/8] + r5:src@0[6/8]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 6}, {{5, 3, 0, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 6}, {{5, 3, 0, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
     // rank 5 step 40: chunk 0 piece 7: partial sum + our part to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/8] = r5:inbox@0[7/8] + r5:src@0[7/8]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 0, 7}, {{5, 3, 0, 8, 0, 7}, {5, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 7}, {{5, 3, 0, 8, 0, 7}, {5, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
     // rank 5 step 41: chunk 7 piece 0: partial sum + our part to rank 6; wait arrive[56], entry[6]; r6:inbox@7[0/8] = r5:inbox@7[0/8] + r5:src@7[0/8]; signal r6:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 0}, {{5, 3, 0, 8, 7, 0}, {5, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 6, 1}}, {{6, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 0}, {{5, 3, 0, 8, 7, 0}, {5, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 6, 1}}, {{6, 5, 56}}},
     // rank 5 step 42: chunk 7 piece 1: partial sum + our part to rank 6; wait arrive[57], entry[6]; r6:inbox@7[1/8] = r5:inbox@7[1/8] + r5:src@7[1/8]; signal r6:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 1}, {{5, 3, 0, 8, 7, 1}, {5, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 6, 1}}, {{6, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 1}, {{5, 3, 0, 8, 7, 1}, {5, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 6, 1}}, {{6, 5, 57}}},
     // rank 5 step 43: chunk 7 piece 2: partial sum + our part to rank 6; wait arrive[58], entry[6]; r6:inbox@7[2/8] = r5:inbox@7[2/8] + r5:src@7[2/8]; signal r6:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 2}, {{5, 3, 0, 8, 7, 2}, {5, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 6, 1}}, {{6, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 2}, {{5, 3, 0, 8, 7, 2}, {5, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 6, 1}}, {{6, 5, 58}}},
     // rank 5 step 44: chunk 7 piece 3: partial sum + our part to rank 6; wait arrive[59], entry[6]; r6:inbox@7[3/8] = r5:inbox@7[3/8] + r5:src@7[3/8]; signal r6:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 3}, {{5, 3, 0, 8, 7, 3}, {5, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 6, 1}}, {{6, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 3}, {{5, 3, 0, 8, 7, 3}, {5, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 6, 1}}, {{6, 5, 59}}},
     // rank 5 step 45: chunk 7 piece 4: partial sum + our part to rank 6; wait arrive[60], entry[6]; r6:inbox@7[4/8] = r5:inbox@7[4/8] + r5:src@7[4/8]; signal r6:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 4}, {{5, 3, 0, 8, 7, 4}, {5, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 6, 1}}, {{6, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 4}, {{5, 3, 0, 8, 7, 4}, {5, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 6, 1}}, {{6, 5, 60}}},
     // rank 5 step 46: chunk 7 piece 5: partial sum + our part to rank 6; wait arrive[61], entry[6]; r6:inbox@7[5/8] = r5:inbox@7[5/8] + r5:src@7[5/8]; signal r6:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 5}, {{5, 3, 0, 8, 7, 5}, {5, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 6, 1}}, {{6, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 5}, {{5, 3, 0, 8, 7, 5}, {5, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 6, 1}}, {{6, 5, 61}}},
     // rank 5 step 47: chunk 7 piece 6: partial sum + our part to rank 6; wait arrive[62], entry[6]; r6:inbox@7[6/8] = r5:inbox@7[6/8] + r5:src@7[6/8]; signal r6:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 6}, {{5, 3, 0, 8, 7, 6}, {5, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 6, 1}}, {{6, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 6}, {{5, 3, 0, 8, 7, 6}, {5, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 6, 1}}, {{6, 5, 62}}},
     // rank 5 step 48: chunk 7 piece 7: partial sum + our part to rank 6; wait arrive[63], entry[6]; r6:inbox@7[7/8] = r5:inbox@7[7/8] + r5:src@7[7/8]; signal r6:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 7, 7}, {{5, 3, 0, 8, 7, 7}, {5, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 6, 1}}, {{6, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 7}, {{5, 3, 0, 8, 7, 7}, {5, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 6, 1}}, {{6, 5, 63}}},
     // rank 5 step 49: chunk 6 piece 0: partial sum + our part to rank 6; wait arrive[48], entry[6]; r6:inbox@6[0/8] = r5:inbox@6[0/8] + r5:src@6[0/8]; signal r6:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 0}, {{5, 3, 0, 8, 6, 0}, {5, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}, {4, 0, 6, 1}}, {{6, 5, 48}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 0}, {{5, 3, 0, 8, 6, 0}, {5, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 6, 1}}, {{6, 5, 48}}},
     // rank 5 step 50: chunk 6 piece 1: partial sum + our part to rank 6; wait arrive[49], entry[6]; r6:inbox@6[1/8] = r5:inbox@6[1/8] + r5:src@6[1/8]; signal r6:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 1}, {{5, 3, 0, 8, 6, 1}, {5, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}, {4, 0, 6, 1}}, {{6, 5, 49}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 1}, {{5, 3, 0, 8, 6, 1}, {5, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 6, 1}}, {{6, 5, 49}}},
     // rank 5 step 51: chunk 6 piece 2: partial sum + our part to rank 6; wait arrive[50], entry[6]; r6:inbox@6[2/8] = r5:inbox@6[2/8] + r5:src@6[2/8]; signal r6:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 2}, {{5, 3, 0, 8, 6, 2}, {5, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}, {4, 0, 6, 1}}, {{6, 5, 50}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 2}, {{5, 3, 0, 8, 6, 2}, {5, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 6, 1}}, {{6, 5, 50}}},
     // rank 5 step 52: chunk 6 piece 3: partial sum + our part to rank 6; wait arrive[51], entry[6]; r6:inbox@6[3/8] = r5:inbox@6[3/8] + r5:src@6[3/8]; signal r6:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 3}, {{5, 3, 0, 8, 6, 3}, {5, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}, {4, 0, 6, 1}}, {{6, 5, 51}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 3}, {{5, 3, 0, 8, 6, 3}, {5, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 6, 1}}, {{6, 5, 51}}},
     // rank 5 step 53: chunk 6 piece 4: partial sum + our part to rank 6; wait arrive[52], entry[6]; r6:inbox@6[4/8] = r5:inbox@6[4/8] + r5:src@6[4/8]; signal r6:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 4}, {{5, 3, 0, 8, 6, 4}, {5, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}, {4, 0, 6, 1}}, {{6, 5, 52}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 4}, {{5, 3, 0, 8, 6, 4}, {5, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 6, 1}}, {{6, 5, 52}}},
     // rank 5 step 54: chunk 6 piece 5: partial sum + our part to rank 6; wait arrive[53], entry[6]; r6:inbox@6[5/8] = r5:inbox@6[5/8] + r5:src@6[5/8]; signal r6:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 5}, {{5, 3, 0, 8, 6, 5}, {5, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}, {4, 0, 6, 1}}, {{6, 5, 53}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 5}, {{5, 3, 0, 8, 6, 5}, {5, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 6, 1}}, {{6, 5, 53}}},
     // rank 5 step 55: chunk 6 piece 6: partial sum + our part to rank 6; wait arrive[54], entry[6]; r6:inbox@6[6/8] = r5:inbox@6[6/8] + r5:src@6[6/8]; signal r6:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 6}, {{5, 3, 0, 8, 6, 6}, {5, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}, {4, 0, 6, 1}}, {{6, 5, 54}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 6}, {{5, 3, 0, 8, 6, 6}, {5, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 6, 1}}, {{6, 5, 54}}},
     // rank 5 step 56: chunk 6 piece 7: partial sum + our part to rank 6; wait arrive[55], entry[6]; r6:inbox@6[7/8] = r5:inbox@6[7/8] + r5:src@6[7/8]; signal r6:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {6, 3, 0, 8, 6, 7}, {{5, 3, 0, 8, 6, 7}, {5, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}, {4, 0, 6, 1}}, {{6, 5, 55}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 7}, {{5, 3, 0, 8, 6, 7}, {5, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 6, 1}}, {{6, 5, 55}}},
     // rank 5 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[40]; r5:dst@0[0/8] = r5:inbox@5[0/8] + r5:src@5[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 0}, {{5, 3, 0, 8, 5, 0}, {5, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 3, 0, 8, 5, 0}, {5, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}}, {}},
     // rank 5 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[41]; r5:dst@0[1/8] = r5:inbox@5[1/8] + r5:src@5[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 1}, {{5, 3, 0, 8, 5, 1}, {5, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 3, 0, 8, 5, 1}, {5, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}}, {}},
     // rank 5 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[42]; r5:dst@0[2/8] = r5:inbox@5[2/8] + r5:src@5[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 2}, {{5, 3, 0, 8, 5, 2}, {5, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 3, 0, 8, 5, 2}, {5, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}}, {}},
     // rank 5 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[43]; r5:dst@0[3/8] = r5:inbox@5[3/8] + r5:src@5[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 3}, {{5, 3, 0, 8, 5, 3}, {5, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 3, 0, 8, 5, 3}, {5, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}}, {}},
     // rank 5 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[44]; r5:dst@0[4/8] = r5:inbox@5[4/8] + r5:src@5[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 4}, {{5, 3, 0, 8, 5, 4}, {5, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 3, 0, 8, 5, 4}, {5, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}}, {}},
     // rank 5 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[45]; r5:dst@0[5/8] = r5:inbox@5[5/8] + r5:src@5[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 5}, {{5, 3, 0, 8, 5, 5}, {5, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 3, 0, 8, 5, 5}, {5, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}}, {}},
     // rank 5 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[46]; r5:dst@0[6/8] = r5:inbox@5[6/8] + r5:src@5[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 6}, {{5, 3, 0, 8, 5, 6}, {5, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 3, 0, 8, 5, 6}, {5, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}}, {}},
     // rank 5 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[47]; r5:dst@0[7/8] = r5:inbox@5[7/8] + r5:src@5[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {5, 2, 0, 8, 0, 7}, {{5, 3, 0, 8, 5, 7}, {5, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 3, 0, 8, 5, 7}, {5, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}}, {}},
     // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{5, 4, 6}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},
     // rank 6 step 1: chunk 5 piece 0: our part to rank 7; wait entry[7]; r7:inbox@5[0/8] = r6:src@5[0/8]; signal r7:arrive[40]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 0}, {{6, 1, 1, 8, 5, 0}}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
     // rank 6 step 2: chunk 5 piece 1: our part to rank 7; wait entry[7]; r7:inbox@5[1/8] = r6:src@5[1/8]; signal r7:arrive[41]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 1}, {{6, 1, 1, 8, 5, 1}}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
     // rank 6 step 3: chunk 5 piece 2: our part to rank 7; wait entry[7]; r7:inbox@5[2/8] = r6:src@5[2/8]; signal r7:arrive[42]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 2}, {{6, 1, 1, 8, 5, 2}}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
     // rank 6 step 4: chunk 5 piece 3: our part to rank 7; wait entry[7]; r7:inbox@5[3/8] = r6:src@5[3/8]; signal r7:arrive[43]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 3}, {{6, 1, 1, 8, 5, 3}}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
     // rank 6 step 5: chunk 5 piece 4: our part to rank 7; wait entry[7]; r7:inbox@5[4/8] = r6:src@5[4/8]; signal r7:arrive[44]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 4}, {{6, 1, 1, 8, 5, 4}}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
     // rank 6 step 6: chunk 5 piece 5: our part to rank 7; wait entry[7]; r7:inbox@5[5/8] = r6:src@5[5/8]; signal r7:arrive[45]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 5}, {{6, 1, 1, 8, 5, 5}}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
     // rank 6 step 7: chunk 5 piece 6: our part to rank 7; wait entry[7]; r7:inbox@5[6/8] = r6:src@5[6/8]; signal r7:arrive[46]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 6}, {{6, 1, 1, 8, 5, 6}}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
     // rank 6 step 8: chunk 5 piece 7: our part to rank 7; wait entry[7]; r7:inbox@5[7/8] = r6:src@5[7/8]; signal r7:arrive[47]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {7, 3, 0, 8, 5, 7}, {{6, 1, 1, 8, 5, 7}}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
     // rank 6 step 9: chunk 4 piece 0: partial sum + our part to rank 7; wait arrive[32], entry[7]; r7:inbox@4[0/8] = r6:inbox@4[0/8] + r6:src@4[0/8]; signal r7:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 0}, {{6, 3, 0, 8, 4, 0}, {6, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 7, 1}}, {{7, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 0}, {{6, 3, 0, 8, 4, 0}, {6, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 7, 1}}, {{7, 5, 32}}},
     // rank 6 step 10: chunk 4 piece 1: partial sum + our part to rank 7; wait arrive[33], entry[7]; r7:inbox@4[1/8] = r6:inbox@4[1/8] + r6:src@4[1/8]; signal r7:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 1}, {{6, 3, 0, 8, 4, 1}, {6, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 7, 1}}, {{7, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 1}, {{6, 3, 0, 8, 4, 1}, {6, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 7, 1}}, {{7, 5, 33}}},
     // rank 6 step 11: chunk 4 piece 2: partial sum + our part to rank 7; wait arrive[34], entry[7]; r7:inbox@4[2/8] = r6:inbox@4[2/8] + r6:src@4[2/8]; signal r7:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 2}, {{6, 3, 0, 8, 4, 2}, {6, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 7, 1}}, {{7, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 2}, {{6, 3, 0, 8, 4, 2}, {6, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 7, 1}}, {{7, 5, 34}}},
     // rank 6 step 12: chunk 4 piece 3: partial sum + our part to rank 7; wait arrive[35], entry[7]; r7:inbox@4[3/8] = r6:inbox@4[3/8] + r6:src@4[3/8]; signal r7:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 3}, {{6, 3, 0, 8, 4, 3}, {6, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 7, 1}}, {{7, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 3}, {{6, 3, 0, 8, 4, 3}, {6, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 7, 1}}, {{7, 5, 35}}},
     // rank 6 step 13: chunk 4 piece 4: partial sum + our part to rank 7; wait arrive[36], entry[7]; r7:inbox@4[4/8] = r6:inbox@4[4/8] + r6:src@4[4/8]; signal r7:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 4}, {{6, 3, 0, 8, 4, 4}, {6, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 7, 1}}, {{7, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 4}, {{6, 3, 0, 8, 4, 4}, {6, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 7, 1}}, {{7, 5, 36}}},
     // rank 6 step 14: chunk 4 piece 5: partial sum + our part to rank 7; wait arrive[37], entry[7]; r7:inbox@4[5/8] = r6:inbox@4[5/8] + r6:src@4[5/8]; signal r7:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 5}, {{6, 3, 0, 8, 4, 5}, {6, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 7, 1}}, {{7, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 5}, {{6, 3, 0, 8, 4, 5}, {6, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 7, 1}}, {{7, 5, 37}}},
     // rank 6 step 15: chunk 4 piece 6: partial sum + our part to rank 7; wait arrive[38], entry[7]; r7:inbox@4[6/8] = r6:inbox@4[6/8] + r6:src@4[6/8]; signal r7:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 6}, {{6, 3, 0, 8, 4, 6}, {6, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 7, 1}}, {{7, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 6}, {{6, 3, 0, 8, 4, 6}, {6, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 7, 1}}, {{7, 5, 38}}},
     // rank 6 step 16: chunk 4 piece 7: partial sum + our part to rank 7; wait arrive[39], entry[7]; r7:inbox@4[7/8] = r6:inbox@4[7/8] + r6:src@4[7/8]; signal r7:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 4, 7}, {{6, 3, 0, 8, 4, 7}, {6, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 7, 1}}, {{7, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 7}, {{6, 3, 0, 8, 4, 7}, {6, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 7, 1}}, {{7, 5, 39}}},
     // rank 6 step 17: chunk 3 piece 0: partial sum + our part to rank 7; wait arrive[24], entry[7]; r7:inbox@3[0/8] = r6:inbox@3[0/8] + r6:src@3[0/8]; signal r7:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 0}, {{6, 3, 0, 8, 3, 0}, {6, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 7, 1}}, {{7, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 0}, {{6, 3, 0, 8, 3, 0}, {6, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 7, 1}}, {{7, 5, 24}}},
     // rank 6 step 18: chunk 3 piece 1: partial sum + our part to rank 7; wait arrive[25], entry[7]; r7:inbox@3[1/8] = r6:inbox@3[1/8] + r6:src@3[1/8]; signal r7:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 1}, {{6, 3, 0, 8, 3, 1}, {6, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 7, 1}}, {{7, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 1}, {{6, 3, 0, 8, 3, 1}, {6, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 7, 1}}, {{7, 5, 25}}},
     // rank 6 step 19: chunk 3 piece 2: partial sum + our part to rank 7; wait arrive[26], entry[7]; r7:inbox@3[2/8] = r6:inbox@3[2/8] + r6:src@3[2/8]; signal r7:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 2}, {{6, 3, 0, 8, 3, 2}, {6, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 7, 1}}, {{7, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 2}, {{6, 3, 0, 8, 3, 2}, {6, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 7, 1}}, {{7, 5, 26}}},
     // rank 6 step 20: chunk 3 piece 3: partial sum + our part to rank 7; wait arrive[27], entry[7]; r7:inbox@3[3/8] = r6:inbox@3[3/8] + r6:src@3[3/8]; signal r7:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 3}, {{6, 3, 0, 8, 3, 3}, {6, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 7, 1}}, {{7, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 3}, {{6, 3, 0, 8, 3, 3}, {6, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 7, 1}}, {{7, 5, 27}}},
     // rank 6 step 21: chunk 3 piece 4: partial sum + our part to rank 7; wait arrive[28], entry[7]; r7:inbox@3[4/8] = r6:inbox@3[4/8] + r6:src@3[4/8]; signal r7:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 4}, {{6, 3, 0, 8, 3, 4}, {6, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 4}, {{6, 3, 0, 8, 3, 4}, {6, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
     // rank 6 step 22: chunk 3 piece 5: partial sum + our part to rank 7; wait arrive[29], entry[7]; r7:inbox@3[5/8] = r6:inbox@3[5/8] + r6:src@3[5/8]; signal r7:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 5}, {{6, 3, 0, 8, 3, 5}, {6, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 5}, {{6, 3, 0, 8, 3, 5}, {6, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
     // rank 6 step 23: chunk 3 piece 6: partial sum + our part to rank 7; wait arrive[30], entry[7]; r7:inbox@3[6/8] = r6:inbox@3[6/8] + r6:src@3[6/8]; signal r7:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 6}, {{6, 3, 0, 8, 3, 6}, {6, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 6}, {{6, 3, 0, 8, 3, 6}, {6, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
     // rank 6 step 24: chunk 3 piece 7: partial sum + our part to rank 7; wait arrive[31], entry[7]; r7:inbox@3[7/8] = r6:inbox@3[7/8] + r6:src@3[7/8]; signal r7:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 3, 7}, {{6, 3, 0, 8, 3, 7}, {6, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 7}, {{6, 3, 0, 8, 3, 7}, {6, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
     // rank 6 step 25: chunk 2 piece 0: partial sum + our part to rank 7; wait arrive[16], entry[7]; r7:inbox@2[0/8] = r6:inbox@2[0/8] + r6:src@2[0/8]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 0}, {{6, 3, 0, 8, 2, 0}, {6, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 0}, {{6, 3, 0, 8, 2, 0}, {6, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
     // rank 6 step 26: chunk 2 piece 1: partial sum + our part to rank 7; wait arrive[17], entry[7]; r7:inbox@2[1/8] = r6:inbox@2[1/8] + r6:src@2[1/8]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 1}, {{6, 3, 0, 8, 2, 1}, {6, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 1}, {{6, 3, 0, 8, 2, 1}, {6, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
     // rank 6 step 27: chunk 2 piece 2: partial sum + our part to rank 7; wait arrive[18], entry[7]; r7:inbox@2[2/8] = r6:inbox@2[2/8] + r6:src@2[2/8]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 2}, {{6, 3, 0, 8, 2, 2}, {6, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 2}, {{6, 3, 0, 8, 2, 2}, {6, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
     // rank 6 step 28: chunk 2 piece 3: partial sum + our part to rank 7; wait arrive[19], entry[7]; r7:inbox@2[3/8] = r6:inbox@2[3/8] + r6:src@2[3/8]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 3}, {{6, 3, 0, 8, 2, 3}, {6, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 3}, {{6, 3, 0, 8, 2, 3}, {6, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
     // rank 6 step 29: chunk 2 piece 4: partial sum + our part to rank 7; wait arrive[20], entry[7]; r7:inbox@2[4/8] = r6:inbox@2[4/8] + r6:src@2[4/8]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 4}, {{6, 3, 0, 8, 2, 4}, {6, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 7, 1}}, {{7, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 4}, {{6, 3, 0, 8, 2, 4}, {6, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 7, 1}}, {{7, 5, 20}}},
     // rank 6 step 30: chunk 2 piece 5: partial sum + our part to rank 7; wait arrive[21], entry[7]; r7:inbox@2[5/8] = r6:inbox@2[5/8] + r6:src@2[5/8]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 5}, {{6, 3, 0, 8, 2, 5}, {6, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 7, 1}}, {{7, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 5}, {{6, 3, 0, 8, 2, 5}, {6, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 7, 1}}, {{7, 5, 21}}},
     // rank 6 step 31: chunk 2 piece 6: partial sum + our part to rank 7; wait arrive[22], entry[7]; r7:inbox@2[6/8] = r6:inbox@2[6/8] + r6:src@2[6/8]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 6}, {{6, 3, 0, 8, 2, 6}, {6, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 7, 1}}, {{7, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 6}, {{6, 3, 0, 8, 2, 6}, {6, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 7, 1}}, {{7, 5, 22}}},
     // rank 6 step 32: chunk 2 piece 7: partial sum + our part to rank 7; wait arrive[23], entry[7]; r7:inbox@2[7/8] = r6:inbox@2[7/8] + r6:src@2[7/8]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 2, 7}, {{6, 3, 0, 8, 2, 7}, {6, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 7, 1}}, {{7, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 7}, {{6, 3, 0, 8, 2, 7}, {6, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 7, 1}}, {{7, 5, 23}}},
     // rank 6 step 33: chunk 1 piece 0: partial sum + our part to rank 7; wait arrive[8], entry[7]; r7:inbox@1[0/8] = r6:inbox@1[0/8] + r6:src@1[0/8]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 0}, {{6, 3, 0, 8, 1, 0}, {6, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 0}, {{6, 3, 0, 8, 1, 0}, {6, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
     // rank 6 step 34: chunk 1 piece 1: partial sum + our part to rank 7; wait arrive[9], entry[7]; r7:inbox@1[1/8] = r6:inbox@1[1/8] + r6:src@1[1/8]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 1}, {{6, 3, 0, 8, 1, 1}, {6, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 1}, {{6, 3, 0, 8, 1, 1}, {6, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
     // rank 6 step 35: chunk 1 piece 2: partial sum + our part to rank 7; wait arrive[10], entry[7]; r7:inbox@1[2/8] = r6:inbox@1[2/8] + r6:src@1[2/8]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 2}, {{6, 3, 0, 8, 1, 2}, {6, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 2}, {{6, 3, 0, 8, 1, 2}, {6, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
     // rank 6 step 36: chunk 1 piece 3: partial sum + our part to rank 7; wait arrive[11], entry[7]; r7:inbox@1[3/8] = r6:inbox@1[3/8] + r6:src@1[3/8]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 3}, {{6, 3, 0, 8, 1, 3}, {6, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 3}, {{6, 3, 0, 8, 1, 3}, {6, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
     // rank 6 step 37: chunk 1 piece 4: partial sum + our part to rank 7; wait arrive[12], entry[7]; r7:inbox@1[4/8] = r6:inbox@1[4/8] + r6:src@1[4/8]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 4}, {{6, 3, 0, 8, 1, 4}, {6, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 4}, {{6, 3, 0, 8, 1, 4}, {6, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
     // rank 6 step 38: chunk 1 piece 5: partial sum + our part to rank 7; wait arrive[13], entry[7]; r7:inbox@1[5/8] = r6:inbox@1[5/8] + r6:src@1[5/8]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 5}, {{6, 3, 0, 8, 1, 5}, {6, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 5}, {{6, 3, 0, 8, 1, 5}, {6, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
     // rank 6 step 39: chunk 1 piece 6: partial sum + our part to rank 7; wait arrive[14], entry[7]; r7:inbox@1[6/8] = r6:inbox@1[6/8] + r6:src@1[6/8]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 6}, {{6, 3, 0, 8, 1, 6}, {6, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 6}, {{6, 3, 0, 8, 1, 6}, {6, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
     // rank 6 step 40: chunk 1 piece 7: partial sum + our part to rank 7; wait arrive[15], entry[7]; r7:inbox@1[7/8] = r6:inbox@1[7/8] + r6:src@1[7/8]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 1, 7}, {{6, 3, 0, 8, 1, 7}, {6, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 7}, {{6, 3, 0, 8, 1, 7}, {6, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
     // rank 6 step 41: chunk 0 piece 0: partial sum + our part to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/8] = r6:inbox@0[0/8] + r6:src@0[0/8]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 0}, {{6, 3, 0, 8, 0, 0}, {6, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 0}, {{6, 3, 0, 8, 0, 0}, {6, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
     // rank 6 step 42: chunk 0 piece 1: partial sum + our part to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/8] = r6:inbox@0[1/8] + r6:src@0[1/8]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 1}, {{6, 3, 0, 8, 0, 1}, {6, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 1}, {{6, 3, 0, 8, 0, 1}, {6, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
     // rank 6 step 43: chunk 0 piece 2: partial sum + our part to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/8] = r6:inbox@0[2/8] + r6:src@0[2/8]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 2}, {{6, 3, 0, 8, 0, 2}, {6, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 2}, {{6, 3, 0, 8, 0, 2}, {6, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
     // rank 6 step 44: chunk 0 piece 3: partial sum + our part to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/8] = r6:inbox@0[3/8] + r6:src@0[3/8]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 3}, {{6, 3, 0, 8, 0, 3}, {6, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 3}, {{6, 3, 0, 8, 0, 3}, {6, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
     // rank 6 step 45: chunk 0 piece 4: partial sum + our part to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/8] = r6:inbox@0[4/8] + r6:src@0[4/8]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 4}, {{6, 3, 0, 8, 0, 4}, {6, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 4}, {{6, 3, 0, 8, 0, 4}, {6, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
     // rank 6 step 46: chunk 0 piece 5: partial sum + our part to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/8] = r6:inbox@0[5/8] + r6:src@0[5/8]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 5}, {{6, 3, 0, 8, 0, 5}, {6, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 5}, {{6, 3, 0, 8, 0, 5}, {6, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
     // rank 6 step 47: chunk 0 piece 6: partial sum + our part to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/8] = r6:inbox@0[6/8] + r6:src@0[6/8]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 6}, {{6, 3, 0, 8, 0, 6}, {6, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 6}, {{6, 3, 0, 8, 0, 6}, {6, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
     // rank 6 step 48: chunk 0 piece 7: partial sum + our part to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/8] = r6:inbox@0[7/8] + r6:src@0[7/8]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 0, 7}, {{6, 3, 0, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 7}, {{6, 3, 0, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
     // rank 6 step 49: chunk 7 piece 0: partial sum + our part to rank 7; wait arrive[56], entry[7]; r7:inbox@7[0/8] = r6:inbox@7[0/8] + r6:src@7[0/8]; signal r7:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 0}, {{6, 3, 0, 8, 7, 0}, {6, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}, {4, 0, 7, 1}}, {{7, 5, 56}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 0}, {{6, 3, 0, 8, 7, 0}, {6, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 7, 1}}, {{7, 5, 56}}},
     // rank 6 step 50: chunk 7 piece 1: partial sum + our part to rank 7; wait arrive[57], entry[7]; r7:inbox@7[1/8] = r6:inbox@7[1/8] + r6:src@7[1/8]; signal r7:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 1}, {{6, 3, 0, 8, 7, 1}, {6, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}, {4, 0, 7, 1}}, {{7, 5, 57}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 1}, {{6, 3, 0, 8, 7, 1}, {6, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 7, 1}}, {{7, 5, 57}}},
     // rank 6 step 51: chunk 7 piece 2: partial sum + our part to rank 7; wait arrive[58], entry[7]; r7:inbox@7[2/8] = r6:inbox@7[2/8] + r6:src@7[2/8]; signal r7:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 2}, {{6, 3, 0, 8, 7, 2}, {6, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}, {4, 0, 7, 1}}, {{7, 5, 58}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 2}, {{6, 3, 0, 8, 7, 2}, {6, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 7, 1}}, {{7, 5, 58}}},
     // rank 6 step 52: chunk 7 piece 3: partial sum + our part to rank 7; wait arrive[59], entry[7]; r7:inbox@7[3/8] = r6:inbox@7[3/8] + r6:src@7[3/8]; signal r7:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 3}, {{6, 3, 0, 8, 7, 3}, {6, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}, {4, 0, 7, 1}}, {{7, 5, 59}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 3}, {{6, 3, 0, 8, 7, 3}, {6, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 7, 1}}, {{7, 5, 59}}},
     // rank 6 step 53: chunk 7 piece 4: partial sum + our part to rank 7; wait arrive[60], entry[7]; r7:inbox@7[4/8] = r6:inbox@7[4/8] + r6:src@7[4/8]; signal r7:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 4}, {{6, 3, 0, 8, 7, 4}, {6, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}, {4, 0, 7, 1}}, {{7, 5, 60}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 4}, {{6, 3, 0, 8, 7, 4}, {6, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 7, 1}}, {{7, 5, 60}}},
     // rank 6 step 54: chunk 7 piece 5: partial sum + our part to rank 7; wait arrive[61], entry[7]; r7:inbox@7[5/8] = r6:inbox@7[5/8] + r6:src@7[5/8]; signal r7:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 5}, {{6, 3, 0, 8, 7, 5}, {6, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}, {4, 0, 7, 1}}, {{7, 5, 61}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 5}, {{6, 3, 0, 8, 7, 5}, {6, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 7, 1}}, {{7, 5, 61}}},
     // rank 6 step 55: chunk 7 piece 6: partial sum + our part to rank 7; wait arrive[62], entry[7]; r7:inbox@7[6/8] = r6:inbox@7[6/8] + r6:src@7[6/8]; signal r7:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 6}, {{6, 3, 0, 8, 7, 6}, {6, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}, {4, 0, 7, 1}}, {{7, 5, 62}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 6}, {{6, 3, 0, 8, 7, 6}, {6, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 7, 1}}, {{7, 5, 62}}},
     // rank 6 step 56: chunk 7 piece 7: partial sum + our part to rank 7; wait arrive[63], entry[7]; r7:inbox@7[7/8] = r6:inbox@7[7/8] + r6:src@7[7/8]; signal r7:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {7, 3, 0, 8, 7, 7}, {{6, 3, 0, 8, 7, 7}, {6, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}, {4, 0, 7, 1}}, {{7, 5, 63}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 7}, {{6, 3, 0, 8, 7, 7}, {6, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 7, 1}}, {{7, 5, 63}}},
     // rank 6 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[48]; r6:dst@0[0/8] = r6:inbox@6[0/8] + r6:src@6[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 0}, {{6, 3, 0, 8, 6, 0}, {6, 1, 1, 8, 6, 0}}, {{5, 0, 48, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 3, 0, 8, 6, 0}, {6, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}}, {}},
     // rank 6 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[49]; r6:dst@0[1/8] = r6:inbox@6[1/8] + r6:src@6[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 1}, {{6, 3, 0, 8, 6, 1}, {6, 1, 1, 8, 6, 1}}, {{5, 0, 49, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 3, 0, 8, 6, 1}, {6, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}}, {}},
     // rank 6 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[50]; r6:dst@0[2/8] = r6:inbox@6[2/8] + r6:src@6[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 2}, {{6, 3, 0, 8, 6, 2}, {6, 1, 1, 8, 6, 2}}, {{5, 0, 50, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 3, 0, 8, 6, 2}, {6, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}}, {}},
     // rank 6 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[51]; r6:dst@0[3/8] = r6:inbox@6[3/8] + r6:src@6[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 3}, {{6, 3, 0, 8, 6, 3}, {6, 1, 1, 8, 6, 3}}, {{5, 0, 51, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 3, 0, 8, 6, 3}, {6, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}}, {}},
     // rank 6 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[52]; r6:dst@0[4/8] = r6:inbox@6[4/8] + r6:src@6[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 4}, {{6, 3, 0, 8, 6, 4}, {6, 1, 1, 8, 6, 4}}, {{5, 0, 52, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 3, 0, 8, 6, 4}, {6, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}}, {}},
     // rank 6 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[53]; r6:dst@0[5/8] = r6:inbox@6[5/8] + r6:src@6[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 5}, {{6, 3, 0, 8, 6, 5}, {6, 1, 1, 8, 6, 5}}, {{5, 0, 53, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 3, 0, 8, 6, 5}, {6, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}}, {}},
     // rank 6 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[54]; r6:dst@0[6/8] = r6:inbox@6[6/8] + r6:src@6[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 6}, {{6, 3, 0, 8, 6, 6}, {6, 1, 1, 8, 6, 6}}, {{5, 0, 54, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 3, 0, 8, 6, 6}, {6, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}}, {}},
     // rank 6 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[55]; r6:dst@0[7/8] = r6:inbox@6[7/8] + r6:src@6[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {6, 2, 0, 8, 0, 7}, {{6, 3, 0, 8, 6, 7}, {6, 1, 1, 8, 6, 7}}, {{5, 0, 55, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 3, 0, 8, 6, 7}, {6, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}}, {}},
     // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 4, 7}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},
     // rank 7 step 1: chunk 6 piece 0: our part to rank 0; wait entry[0]; r0:inbox@6[0/8] = r7:src@6[0/8]; signal r0:arrive[48]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 0}, {{7, 1, 1, 8, 6, 0}}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
     // rank 7 step 2: chunk 6 piece 1: our part to rank 0; wait entry[0]; r0:inbox@6[1/8] = r7:src@6[1/8]; signal r0:arrive[49]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 1}, {{7, 1, 1, 8, 6, 1}}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
     // rank 7 step 3: chunk 6 piece 2: our part to rank 0; wait entry[0]; r0:inbox@6[2/8] = r7:src@6[2/8]; signal r0:arrive[50]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 2}, {{7, 1, 1, 8, 6, 2}}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
     // rank 7 step 4: chunk 6 piece 3: our part to rank 0; wait entry[0]; r0:inbox@6[3/8] = r7:src@6[3/8]; signal r0:arrive[51]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 3}, {{7, 1, 1, 8, 6, 3}}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
     // rank 7 step 5: chunk 6 piece 4: our part to rank 0; wait entry[0]; r0:inbox@6[4/8] = r7:src@6[4/8]; signal r0:arrive[52]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 4}, {{7, 1, 1, 8, 6, 4}}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
     // rank 7 step 6: chunk 6 piece 5: our part to rank 0; wait entry[0]; r0:inbox@6[5/8] = r7:src@6[5/8]; signal r0:arrive[53]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 5}, {{7, 1, 1, 8, 6, 5}}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
     // rank 7 step 7: chunk 6 piece 6: our part to rank 0; wait entry[0]; r0:inbox@6[6/8] = r7:src@6[6/8]; signal r0:arrive[54]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 6}, {{7, 1, 1, 8, 6, 6}}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
     // rank 7 step 8: chunk 6 piece 7: our part to rank 0; wait entry[0]; r0:inbox@6[7/8] = r7:src@6[7/8]; signal r0:arrive[55]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, {0, 3, 0, 8, 6, 7}, {{7, 1, 1, 8, 6, 7}}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
     // rank 7 step 9: chunk 5 piece 0: partial sum + our part to rank 0; wait arrive[40], entry[0]; r0:inbox@5[0/8] = r7:inbox@5[0/8] + r7:src@5[0/8]; signal r0:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 0}, {{7, 3, 0, 8, 5, 0}, {7, 1, 1, 8, 5, 0}}, {{5, 0, 40, 64}, {4, 0, 0, 1}}, {{0, 5, 40}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 0}, {{7, 3, 0, 8, 5, 0}, {7, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 0, 1}}, {{0, 5, 40}}},
     // rank 7 step 10: chunk 5 piece 1: partial sum + our part to rank 0; wait arrive[41], entry[0]; r0:inbox@5[1/8] = r7:inbox@5[1/8] + r7:src@5[1/8]; signal r0:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 1}, {{7, 3, 0, 8, 5, 1}, {7, 1, 1, 8, 5, 1}}, {{5, 0, 41, 64}, {4, 0, 0, 1}}, {{0, 5, 41}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 1}, {{7, 3, 0, 8, 5, 1}, {7, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 0, 1}}, {{0, 5, 41}}},
     // rank 7 step 11: chunk 5 piece 2: partial sum + our part to rank 0; wait arrive[42], entry[0]; r0:inbox@5[2/8] = r7:inbox@5[2/8] + r7:src@5[2/8]; signal r0:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 2}, {{7, 3, 0, 8, 5, 2}, {7, 1, 1, 8, 5, 2}}, {{5, 0, 42, 64}, {4, 0, 0, 1}}, {{0, 5, 42}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 2}, {{7, 3, 0, 8, 5, 2}, {7, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 0, 1}}, {{0, 5, 42}}},
     // rank 7 step 12: chunk 5 piece 3: partial sum + our part to rank 0; wait arrive[43], entry[0]; r0:inbox@5[3/8] = r7:inbox@5[3/8] + r7:src@5[3/8]; signal r0:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 3}, {{7, 3, 0, 8, 5, 3}, {7, 1, 1, 8, 5, 3}}, {{5, 0, 43, 64}, {4, 0, 0, 1}}, {{0, 5, 43}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 3}, {{7, 3, 0, 8, 5, 3}, {7, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 0, 1}}, {{0, 5, 43}}},
     // rank 7 step 13: chunk 5 piece 4: partial sum + our part to rank 0; wait arrive[44], entry[0]; r0:inbox@5[4/8] = r7:inbox@5[4/8] + r7:src@5[4/8]; signal r0:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 4}, {{7, 3, 0, 8, 5, 4}, {7, 1, 1, 8, 5, 4}}, {{5, 0, 44, 64}, {4, 0, 0, 1}}, {{0, 5, 44}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 4}, {{7, 3, 0, 8, 5, 4}, {7, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 0, 1}}, {{0, 5, 44}}},
     // rank 7 step 14: chunk 5 piece 5: partial sum + our part to rank 0; wait arrive[45], entry[0]; r0:inbox@5[5/8] = r7:inbox@5[5/8] + r7:src@5[5/8]; signal r0:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 5}, {{7, 3, 0, 8, 5, 5}, {7, 1, 1, 8, 5, 5}}, {{5, 0, 45, 64}, {4, 0, 0, 1}}, {{0, 5, 45}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 5}, {{7, 3, 0, 8, 5, 5}, {7, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 0, 1}}, {{0, 5, 45}}},
     // rank 7 step 15: chunk 5 piece 6: partial sum + our part to rank 0; wait arrive[46], entry[0]; r0:inbox@5[6/8] = r7:inbox@5[6/8] + r7:src@5[6/8]; signal r0:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 6}, {{7, 3, 0, 8, 5, 6}, {7, 1, 1, 8, 5, 6}}, {{5, 0, 46, 64}, {4, 0, 0, 1}}, {{0, 5, 46}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 6}, {{7, 3, 0, 8, 5, 6}, {7, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 0, 1}}, {{0, 5, 46}}},
     // rank 7 step 16: chunk 5 piece 7: partial sum + our part to rank 0; wait arrive[47], entry[0]; r0:inbox@5[7/8] = r7:inbox@5[7/8] + r7:src@5[7/8]; signal r0:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 5, 7}, {{7, 3, 0, 8, 5, 7}, {7, 1, 1, 8, 5, 7}}, {{5, 0, 47, 64}, {4, 0, 0, 1}}, {{0, 5, 47}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 7}, {{7, 3, 0, 8, 5, 7}, {7, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 0, 1}}, {{0, 5, 47}}},
     // rank 7 step 17: chunk 4 piece 0: partial sum + our part to rank 0; wait arrive[32], entry[0]; r0:inbox@4[0/8] = r7:inbox@4[0/8] + r7:src@4[0/8]; signal r0:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 0}, {{7, 3, 0, 8, 4, 0}, {7, 1, 1, 8, 4, 0}}, {{5, 0, 32, 64}, {4, 0, 0, 1}}, {{0, 5, 32}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 0}, {{7, 3, 0, 8, 4, 0}, {7, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 0, 1}}, {{0, 5, 32}}},
     // rank 7 step 18: chunk 4 piece 1: partial sum + our part to rank 0; wait arrive[33], entry[0]; r0:inbox@4[1/8] = r7:inbox@4[1/8] + r7:src@4[1/8]; signal r0:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 1}, {{7, 3, 0, 8, 4, 1}, {7, 1, 1, 8, 4, 1}}, {{5, 0, 33, 64}, {4, 0, 0, 1}}, {{0, 5, 33}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 1}, {{7, 3, 0, 8, 4, 1}, {7, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 0, 1}}, {{0, 5, 33}}},
     // rank 7 step 19: chunk 4 piece 2: partial sum + our part to rank 0; wait arrive[34], entry[0]; r0:inbox@4[2/8] = r7:inbox@4[2/8] + r7:src@4[2/8]; signal r0:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 2}, {{7, 3, 0, 8, 4, 2}, {7, 1, 1, 8, 4, 2}}, {{5, 0, 34, 64}, {4, 0, 0, 1}}, {{0, 5, 34}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 2}, {{7, 3, 0, 8, 4, 2}, {7, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 0, 1}}, {{0, 5, 34}}},
     // rank 7 step 20: chunk 4 piece 3: partial sum + our part to rank 0; wait arrive[35], entry[0]; r0:inbox@4[3/8] = r7:inbox@4[3/8] + r7:src@4[3/8]; signal r0:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 3}, {{7, 3, 0, 8, 4, 3}, {7, 1, 1, 8, 4, 3}}, {{5, 0, 35, 64}, {4, 0, 0, 1}}, {{0, 5, 35}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 3}, {{7, 3, 0, 8, 4, 3}, {7, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 0, 1}}, {{0, 5, 35}}},
     // rank 7 step 21: chunk 4 piece 4: partial sum + our part to rank 0; wait arrive[36], entry[0]; r0:inbox@4[4/8] = r7:inbox@4[4/8] + r7:src@4[4/8]; signal r0:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 4}, {{7, 3, 0, 8, 4, 4}, {7, 1, 1, 8, 4, 4}}, {{5, 0, 36, 64}, {4, 0, 0, 1}}, {{0, 5, 36}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 4}, {{7, 3, 0, 8, 4, 4}, {7, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 0, 1}}, {{0, 5, 36}}},
     // rank 7 step 22: chunk 4 piece 5: partial sum + our part to rank 0; wait arrive[37], entry[0]; r0:inbox@4[5/8] = r7:inbox@4[5/8] + r7:src@4[5/8]; signal r0:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 5}, {{7, 3, 0, 8, 4, 5}, {7, 1, 1, 8, 4, 5}}, {{5, 0, 37, 64}, {4, 0, 0, 1}}, {{0, 5, 37}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 5}, {{7, 3, 0, 8, 4, 5}, {7, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 0, 1}}, {{0, 5, 37}}},
     // rank 7 step 23: chunk 4 piece 6: partial sum + our part to rank 0; wait arrive[38], entry[0]; r0:inbox@4[6/8] = r7:inbox@4[6/8] + r7:src@4[6/8]; signal r0:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 6}, {{7, 3, 0, 8, 4, 6}, {7, 1, 1, 8, 4, 6}}, {{5, 0, 38, 64}, {4, 0, 0, 1}}, {{0, 5, 38}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 6}, {{7, 3, 0, 8, 4, 6}, {7, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 0, 1}}, {{0, 5, 38}}},
     // rank 7 step 24: chunk 4 piece 7: partial sum + our part to rank 0; wait arrive[39], entry[0]; r0:inbox@4[7/8] = r7:inbox@4[7/8] + r7:src@4[7/8]; signal r0:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 4, 7}, {{7, 3, 0, 8, 4, 7}, {7, 1, 1, 8, 4, 7}}, {{5, 0, 39, 64}, {4, 0, 0, 1}}, {{0, 5, 39}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 7}, {{7, 3, 0, 8, 4, 7}, {7, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 0, 1}}, {{0, 5, 39}}},
     // rank 7 step 25: chunk 3 piece 0: partial sum + our part to rank 0; wait arrive[24], entry[0]; r0:inbox@3[0/8] = r7:inbox@3[0/8] + r7:src@3[0/8]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 0}, {{7, 3, 0, 8, 3, 0}, {7, 1, 1, 8, 3, 0}}, {{5, 0, 24, 64}, {4, 0, 0, 1}}, {{0, 5, 24}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 0}, {{7, 3, 0, 8, 3, 0}, {7, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 0, 1}}, {{0, 5, 24}}},
     // rank 7 step 26: chunk 3 piece 1: partial sum + our part to rank 0; wait arrive[25], entry[0]; r0:inbox@3[1/8] = r7:inbox@3[1/8] + r7:src@3[1/8]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 1}, {{7, 3, 0, 8, 3, 1}, {7, 1, 1, 8, 3, 1}}, {{5, 0, 25, 64}, {4, 0, 0, 1}}, {{0, 5, 25}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 1}, {{7, 3, 0, 8, 3, 1}, {7, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 0, 1}}, {{0, 5, 25}}},
     // rank 7 step 27: chunk 3 piece 2: partial sum + our part to rank 0; wait arrive[26], entry[0]; r0:inbox@3[2/8] = r7:inbox@3[2/8] + r7:src@3[2/8]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 2}, {{7, 3, 0, 8, 3, 2}, {7, 1, 1, 8, 3, 2}}, {{5, 0, 26, 64}, {4, 0, 0, 1}}, {{0, 5, 26}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 2}, {{7, 3, 0, 8, 3, 2}, {7, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 0, 1}}, {{0, 5, 26}}},
     // rank 7 step 28: chunk 3 piece 3: partial sum + our part to rank 0; wait arrive[27], entry[0]; r0:inbox@3[3/8] = r7:inbox@3[3/8] + r7:src@3[3/8]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 3}, {{7, 3, 0, 8, 3, 3}, {7, 1, 1, 8, 3, 3}}, {{5, 0, 27, 64}, {4, 0, 0, 1}}, {{0, 5, 27}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 3}, {{7, 3, 0, 8, 3, 3}, {7, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 0, 1}}, {{0, 5, 27}}},
     // rank 7 step 29: chunk 3 piece 4: partial sum + our part to rank 0; wait arrive[28], entry[0]; r0:inbox@3[4/8] = r7:inbox@3[4/8] + r7:src@3[4/8]; signal r0:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 4}, {{7, 3, 0, 8, 3, 4}, {7, 1, 1, 8, 3, 4}}, {{5, 0, 28, 64}, {4, 0, 0, 1}}, {{0, 5, 28}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 4}, {{7, 3, 0, 8, 3, 4}, {7, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 0, 1}}, {{0, 5, 28}}},
     // rank 7 step 30: chunk 3 piece 5: partial sum + our part to rank 0; wait arrive[29], entry[0]; r0:inbox@3[5/8] = r7:inbox@3[5/8] + r7:src@3[5/8]; signal r0:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 5}, {{7, 3, 0, 8, 3, 5}, {7, 1, 1, 8, 3, 5}}, {{5, 0, 29, 64}, {4, 0, 0, 1}}, {{0, 5, 29}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 5}, {{7, 3, 0, 8, 3, 5}, {7, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 0, 1}}, {{0, 5, 29}}},
     // rank 7 step 31: chunk 3 piece 6: partial sum + our part to rank 0; wait arrive[30], entry[0]; r0:inbox@3[6/8] = r7:inbox@3[6/8] + r7:src@3[6/8]; signal r0:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 6}, {{7, 3, 0, 8, 3, 6}, {7, 1, 1, 8, 3, 6}}, {{5, 0, 30, 64}, {4, 0, 0, 1}}, {{0, 5, 30}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 6}, {{7, 3, 0, 8, 3, 6}, {7, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 0, 1}}, {{0, 5, 30}}},
     // rank 7 step 32: chunk 3 piece 7: partial sum + our part to rank 0; wait arrive[31], entry[0]; r0:inbox@3[7/8] = r7:inbox@3[7/8] + r7:src@3[7/8]; signal r0:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 3, 7}, {{7, 3, 0, 8, 3, 7}, {7, 1, 1, 8, 3, 7}}, {{5, 0, 31, 64}, {4, 0, 0, 1}}, {{0, 5, 31}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 7}, {{7, 3, 0, 8, 3, 7}, {7, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 0, 1}}, {{0, 5, 31}}},
     // rank 7 step 33: chunk 2 piece 0: partial sum + our part to rank 0; wait arrive[16], entry[0]; r0:inbox@2[0/8] = r7:inbox@2[0/8] + r7:src@2[0/8]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 0}, {{7, 3, 0, 8, 2, 0}, {7, 1, 1, 8, 2, 0}}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 0}, {{7, 3, 0, 8, 2, 0}, {7, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
     // rank 7 step 34: chunk 2 piece 1: partial sum + our part to rank 0; wait arrive[17], entry[0]; r0:inbox@2[1/8] = r7:inbox@2[1/8] + r7:src@2[1/8]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 1}, {{7, 3, 0, 8, 2, 1}, {7, 1, 1, 8, 2, 1}}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 1}, {{7, 3, 0, 8, 2, 1}, {7, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
     // rank 7 step 35: chunk 2 piece 2: partial sum + our part to rank 0; wait arrive[18], entry[0]; r0:inbox@2[2/8] = r7:inbox@2[2/8] + r7:src@2[2/8]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 2}, {{7, 3, 0, 8, 2, 2}, {7, 1, 1, 8, 2, 2}}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 2}, {{7, 3, 0, 8, 2, 2}, {7, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
     // rank 7 step 36: chunk 2 piece 3: partial sum + our part to rank 0; wait arrive[19], entry[0]; r0:inbox@2[3/8] = r7:inbox@2[3/8] + r7:src@2[3/8]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 3}, {{7, 3, 0, 8, 2, 3}, {7, 1, 1, 8, 2, 3}}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 3}, {{7, 3, 0, 8, 2, 3}, {7, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
     // rank 7 step 37: chunk 2 piece 4: partial sum + our part to rank 0; wait arrive[20], entry[0]; r0:inbox@2[4/8] = r7:inbox@2[4/8] + r7:src@2[4/8]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 4}, {{7, 3, 0, 8, 2, 4}, {7, 1, 1, 8, 2, 4}}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 4}, {{7, 3, 0, 8, 2, 4}, {7, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
     // rank 7 step 38: chunk 2 piece 5: partial sum + our part to rank 0; wait arrive[21], entry[0]; r0:inbox@2[5/8] = r7:inbox@2[5/8] + r7:src@2[5/8]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 5}, {{7, 3, 0, 8, 2, 5}, {7, 1, 1, 8, 2, 5}}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 5}, {{7, 3, 0, 8, 2, 5}, {7, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
     // rank 7 step 39: chunk 2 piece 6: partial sum + our part to rank 0; wait arrive[22], entry[0]; r0:inbox@2[6/8] = r7:inbox@2[6/8] + r7:src@2[6/8]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 6}, {{7, 3, 0, 8, 2, 6}, {7, 1, 1, 8, 2, 6}}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 6}, {{7, 3, 0, 8, 2, 6}, {7, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
     // rank 7 step 40: chunk 2 piece 7: partial sum + our part to rank 0; wait arrive[23], entry[0]; r0:inbox@2[7/8] = r7:inbox@2[7/8] + r7:src@2[7/8]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 2, 7}, {{7, 3, 0, 8, 2, 7}, {7, 1, 1, 8, 2, 7}}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 7}, {{7, 3, 0, 8, 2, 7}, {7, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
     // rank 7 step 41: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r7:inbox@1[0/8] + r7:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 0}, {{7, 3, 0, 8, 1, 0}, {7, 1, 1, 8, 1, 0}}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{7, 3, 0, 8, 1, 0}, {7, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
     // rank 7 step 42: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r7:inbox@1[1/8] + r7:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 1}, {{7, 3, 0, 8, 1, 1}, {7, 1, 1, 8, 1, 1}}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{7, 3, 0, 8, 1, 1}, {7, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
     // rank 7 step 43: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r7:inbox@1[2/8] + r7:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 2}, {{7, 3, 0, 8, 1, 2}, {7, 1, 1, 8, 1, 2}}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{7, 3, 0, 8, 1, 2}, {7, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
     // rank 7 step 44: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r7:inbox@1[3/8] + r7:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 3}, {{7, 3, 0, 8, 1, 3}, {7, 1, 1, 8, 1, 3}}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{7, 3, 0, 8, 1, 3}, {7, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
     // rank 7 step 45: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r7:inbox@1[4/8] + r7:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 4}, {{7, 3, 0, 8, 1, 4}, {7, 1, 1, 8, 1, 4}}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{7, 3, 0, 8, 1, 4}, {7, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
     // rank 7 step 46: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r7:inbox@1[5/8] + r7:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 5}, {{7, 3, 0, 8, 1, 5}, {7, 1, 1, 8, 1, 5}}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{7, 3, 0, 8, 1, 5}, {7, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
     // rank 7 step 47: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r7:inbox@1[6/8] + r7:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 6}, {{7, 3, 0, 8, 1, 6}, {7, 1, 1, 8, 1, 6}}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{7, 3, 0, 8, 1, 6}, {7, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
     // rank 7 step 48: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r7:inbox@1[7/8] + r7:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 1, 7}, {{7, 3, 0, 8, 1, 7}, {7, 1, 1, 8, 1, 7}}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{7, 3, 0, 8, 1, 7}, {7, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
     // rank 7 step 49: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r7:inbox@0[0/8] + r7:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 0}, {{7, 3, 0, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{7, 3, 0, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
     // rank 7 step 50: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r7:inbox@0[1/8] + r7:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 1}, {{7, 3, 0, 8, 0, 1}, {7, 1, 1, 8, 0, 1}}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{7, 3, 0, 8, 0, 1}, {7, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
     // rank 7 step 51: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r7:inbox@0[2/8] + r7:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 2}, {{7, 3, 0, 8, 0, 2}, {7, 1, 1, 8, 0, 2}}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{7, 3, 0, 8, 0, 2}, {7, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
     // rank 7 step 52: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r7:inbox@0[3/8] + r7:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 3}, {{7, 3, 0, 8, 0, 3}, {7, 1, 1, 8, 0, 3}}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{7, 3, 0, 8, 0, 3}, {7, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
     // rank 7 step 53: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r7:inbox@0[4/8] + r7:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 4}, {{7, 3, 0, 8, 0, 4}, {7, 1, 1, 8, 0, 4}}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{7, 3, 0, 8, 0, 4}, {7, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
     // rank 7 step 54: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r7:inbox@0[5/8] + r7:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 5}, {{7, 3, 0, 8, 0, 5}, {7, 1, 1, 8, 0, 5}}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{7, 3, 0, 8, 0, 5}, {7, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
     // rank 7 step 55: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r7:inbox@0[6/8] + r7:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 6}, {{7, 3, 0, 8, 0, 6}, {7, 1, 1, 8, 0, 6}}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{7, 3, 0, 8, 0, 6}, {7, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
     // rank 7 step 56: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r7:inbox@0[7/8] + r7:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, {0, 3, 0, 8, 0, 7}, {{7, 3, 0, 8, 0, 7}, {7, 1, 1, 8, 0, 7}}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{7, 3, 0, 8, 0, 7}, {7, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
     // rank 7 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[56]; r7:dst@0[0/8] = r7:inbox@7[0/8] + r7:src@7[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 0}, {{7, 3, 0, 8, 7, 0}, {7, 1, 1, 8, 7, 0}}, {{5, 0, 56, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 3, 0, 8, 7, 0}, {7, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}}, {}},
     // rank 7 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[57]; r7:dst@0[1/8] = r7:inbox@7[1/8] + r7:src@7[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 1}, {{7, 3, 0, 8, 7, 1}, {7, 1, 1, 8, 7, 1}}, {{5, 0, 57, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 3, 0, 8, 7, 1}, {7, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}}, {}},
     // rank 7 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[58]; r7:dst@0[2/8] = r7:inbox@7[2/8] + r7:src@7[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 2}, {{7, 3, 0, 8, 7, 2}, {7, 1, 1, 8, 7, 2}}, {{5, 0, 58, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 3, 0, 8, 7, 2}, {7, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}}, {}},
     // rank 7 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[59]; r7:dst@0[3/8] = r7:inbox@7[3/8] + r7:src@7[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 3}, {{7, 3, 0, 8, 7, 3}, {7, 1, 1, 8, 7, 3}}, {{5, 0, 59, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 3, 0, 8, 7, 3}, {7, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}}, {}},
     // rank 7 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[60]; r7:dst@0[4/8] = r7:inbox@7[4/8] + r7:src@7[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 4}, {{7, 3, 0, 8, 7, 4}, {7, 1, 1, 8, 7, 4}}, {{5, 0, 60, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 3, 0, 8, 7, 4}, {7, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}}, {}},
     // rank 7 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[61]; r7:dst@0[5/8] = r7:inbox@7[5/8] + r7:src@7[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 5}, {{7, 3, 0, 8, 7, 5}, {7, 1, 1, 8, 7, 5}}, {{5, 0, 61, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 3, 0, 8, 7, 5}, {7, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}}, {}},
     // rank 7 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[62]; r7:dst@0[6/8] = r7:inbox@7[6/8] + r7:src@7[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 6}, {{7, 3, 0, 8, 7, 6}, {7, 1, 1, 8, 7, 6}}, {{5, 0, 62, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 3, 0, 8, 7, 6}, {7, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}}, {}},
     // rank 7 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[63]; r7:dst@0[7/8] = r7:inbox@7[7/8] + r7:src@7[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, {7, 2, 0, 8, 0, 7}, {{7, 3, 0, 8, 7, 7}, {7, 1, 1, 8, 7, 7}}, {{5, 0, 63, 64}}, {}},
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 3, 0, 8, 7, 7}, {7, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}}, {}},
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
 static __device__ const tsgen_share shares_w8[] = {

@@ -137,3 +137,14 @@ def test_opening_signal_needs_a_signal_only_first_share():
     st = plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step]
     plan.ranks[0].steps[plan.ranks[0].blocks[0][0].step] = dataclasses.replace(st, waits=(("entry", 1),))
     assert opening_signal(plan, 0) is None and opening_signal(plan, 1) is not None
+
+
+def test_missing_extra_destination_fails():
+    """two_shot_pull stores each reduced share to every rank at once (`also`): drop one
+    destination and a peer's output is never written -- verify must say so."""
+    plan = _plan("specs/all_reduce_two_shot_pull.yaml", 4)
+    i = next(i for i, s in enumerate(plan.ranks[1].steps) if s.also)
+    st = plan.ranks[1].steps[i]
+    plan.ranks[1].steps[i] = dataclasses.replace(st, also=st.also[:-1])
+    problems = verify(plan, schedules=5)
+    assert problems and any("never written" in p for p in problems), problems

@@ -25,6 +25,7 @@ from typing import Iterable
 MAX_SRCS = 8
 MAX_WAITS = 8
 MAX_SIGNALS = 8
+MAX_ALSO = 7
 
 
 @dataclass(frozen=True, order=True)
@@ -53,11 +54,14 @@ class Step:
     op: "copy" (dst = src), "reduce" (dst = sum of srcs, fp32 accumulation)
     or "none" (only waits and signals). Each block doing a share waits for
     `waits` (counters in this rank's memory) first, and raises each of
-    `signals` by one after its share is written.
+    `signals` by one after its share is written. `also`: more destinations
+    that get the same values as dst (a reduced part stored to every rank at
+    once, instead of re-read and copied once per peer).
     """
 
     op: str
     dst: tuple[int, Slice] | None = None  # (rank whose memory is written, slice)
+    also: tuple[tuple[int, Slice], ...] = ()  # further (rank, slice) written with dst's values
     srcs: tuple[tuple[int, Slice], ...] = ()
     waits: tuple[tuple[str, int], ...] = ()
     signals: tuple[SignalRef, ...] = ()
@@ -283,18 +287,18 @@ class _Sim:
                 total.update(self._read(r, rank, sl, what, share))
             # Shares of one step write disjoint parts of the slice: model the slice as
             # written when its last share lands, with what every share read agreeing.
-            dst_rank, dst = step.dst
             key = (r, share.step, self.call[r])
             first = self.partial.setdefault(key, total)
             if first != total:
                 self.errors.append(f"call {self.call[r]}: shares of {what} read different data")
             self.shares_done[key] += 1
-            part = self.share_cells.get((dst_rank, dst))
-            if part is None or part[0] != self.call[r]:
-                part = self.share_cells[(dst_rank, dst)] = (self.call[r], set(), total)
-            part[1].add((share.share, share.shares))
-            if self.shares_done[key] == share.shares:
-                self._write(r, dst_rank, dst, total, what)
+            for dst_rank, dst in (step.dst,) + step.also:
+                part = self.share_cells.get((dst_rank, dst))
+                if part is None or part[0] != self.call[r]:
+                    part = self.share_cells[(dst_rank, dst)] = (self.call[r], set(), total)
+                part[1].add((share.share, share.shares))
+                if self.shares_done[key] == share.shares:
+                    self._write(r, dst_rank, dst, total, what)
         for sig in step.signals:
             self.signals[(sig.rank, sig.name, sig.index)] += 1
         self.phase[r][b] = 0
@@ -335,12 +339,15 @@ def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) 
             problems.append(f"signal {key[1]}[{key[2]}] of rank {key[0]} is raised but never awaited")
     for r, rp in enumerate(plan.ranks):
         for s in rp.steps:
-            if len(s.srcs) > MAX_SRCS or len(s.waits) > MAX_WAITS or len(s.signals) > MAX_SIGNALS:
+            if (len(s.srcs) > MAX_SRCS or len(s.waits) > MAX_WAITS or len(s.signals) > MAX_SIGNALS
+                    or len(s.also) > MAX_ALSO):
                 problems.append(f"rank {r}: step {s.note} exceeds the table limits")
+            if s.also and any((sl.pieces, sl.piece) != (s.dst[1].pieces, s.dst[1].piece) for _, sl in s.also):
+                problems.append(f"rank {r}: step {s.note}: every destination must be the same piece as dst")
     pieces: dict[str, int] = {}
     for rp in plan.ranks:
         for s in rp.steps:
-            for _, sl in ([s.dst] if s.dst else []) + list(s.srcs):
+            for _, sl in ([s.dst] if s.dst else []) + list(s.also) + list(s.srcs):
                 if pieces.setdefault(sl.buffer, sl.pieces) != sl.pieces:
                     problems.append(f"buffer {sl.buffer} is cut into {pieces[sl.buffer]} and {sl.pieces} pieces")
     if problems:
@@ -479,9 +486,11 @@ def c_tables(plan: CommPlan, buffer_index: dict[str, int], hoist_opening: bool =
             srcs = ", ".join(sl(x) for x in st.srcs)
             waits = ", ".join(f"{{{buffer_index[n]}, 0, {idx}, {plan.wait_target(r, n, idx)}}}" for n, idx in st.waits)
             sigs = ", ".join(f"{{{g.rank}, {buffer_index[g.name]}, {g.index}}}" for g in st.signals)
+            also = ", ".join(sl(x) for x in st.also)
             what = _describe(r, st)
-            steps.append((f"{{{_OPS[st.op]}, {len(st.srcs)}, {len(st.waits)}, {len(st.signals)}, {sl(st.dst)}, "
-                          f"{{{srcs}}}, {{{waits}}}, {{{sigs}}}}}", f"rank {r} step {i}: {what}"))
+            steps.append((f"{{{_OPS[st.op]}, {len(st.srcs)}, {len(st.waits)}, {len(st.signals)}, {len(st.also)}, "
+                          f"{sl(st.dst)}, {{{srcs}}}, {{{also}}}, {{{waits}}}, {{{sigs}}}}}",
+                          f"rank {r} step {i}: {what}"))
         row = []
         for b, lst in enumerate(rp.blocks):
             if b == 0 and opens is not None:
@@ -505,7 +514,8 @@ def _describe(r: int, st: Step) -> str:
         parts.append("wait " + ", ".join(f"{n}[{i}]" for n, i in st.waits))
     if st.op != "none":
         srcs = " + ".join(f"r{q}:{s}" for q, s in st.srcs)
-        parts.append(f"r{st.dst[0]}:{st.dst[1]} = {srcs}")
+        dsts = " = ".join(f"r{q}:{sl}" for q, sl in (st.dst,) + st.also)
+        parts.append(f"{dsts} = {srcs}")
     if st.signals:
         parts.append("signal " + ", ".join(f"r{g.rank}:{g.name}[{g.index}]" for g in st.signals))
     if st.blocks > 1:
@@ -546,6 +556,9 @@ def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
         ops: list[StreamOp] = []
         pending = -1  # step whose signals are still to be raised
         for sh in shares:
+            if steps[sh.step].also:
+                raise ValueError(f"rank {rank}: step {sh.step} has several destinations; the copy-engine "
+                                 "transport copies to one")
             if sh.shares != 1:
                 raise ValueError(f"rank {rank}: step {sh.step} is split over {sh.shares} streams; "
                                  "copy-engine steps are one transfer each")

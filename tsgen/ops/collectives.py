@@ -676,10 +676,10 @@ class AllReduceFamily(CollectiveFamily):
         return self._schedule(spec, w, steps, expected)
 
     def _two_shot_pull(self, spec, w):
-        """Entry; reduce our part straight from every rank's input (peer reads); push it
-        to every peer. A peer's `gathered` signal also says it has finished reading our
-        input (it read before it reduced, and reduced before it pushed), so waiting for
-        all of them is the exit barrier too."""
+        """Entry; reduce our part straight from every rank's input (peer reads), storing
+        the sums into every rank's output at once. A peer's `gathered` signal also says it
+        has finished reading our input (it read before it stored), so waiting for all of
+        them is the exit barrier too."""
         p = spec.params
         P, nb = p.pieces, self._bpp(spec)
         n = w * P
@@ -688,20 +688,17 @@ class AllReduceFamily(CollectiveFamily):
         for r in range(w):
             s = [_entry(r, w)]
             for i in range(P):
-                # One lane: each block reduces its share of our part, then pushes that same
-                # share to every peer -- it wrote it itself, so no signal is needed between.
-                # Every peer's signal is raised after the last push: one round of release
-                # fences per share instead of one after each push (fences wait for the stores).
+                # Each block reduces its share of our part and stores the sums to every rank
+                # at once (dst and `also`): nothing is re-read to be pushed. Every peer's
+                # signal is raised after the stores (one round of release fences).
                 mine = r * P + i
                 s.append(Step("reduce", dst=(r, Slice("dst", 0, mine, n)),
+                              also=tuple((q, Slice("dst", 0, mine, n)) for q in _ring(r, w)),
                               srcs=tuple((q, Slice(buf, 0, mine, n)) for q in [r] + _ring(r, w)),
                               waits=tuple(("entry", q) for q in range(w) if q != r),
-                              blocks=nb, lane="part", note=f"reduce our part, piece {i}, reading every rank"))
-                for q in _ring(r, w):
-                    last = q == _ring(r, w)[-1]
-                    s.append(Step("copy", dst=(q, Slice("dst", 0, mine, n)), srcs=((r, Slice("dst", 0, mine, n)),),
-                                  signals=tuple(SignalRef(t, "gathered", mine) for t in _ring(r, w)) if last else (),
-                                  blocks=nb, lane="part", note=f"the same share of piece {i} to rank {q}"))
+                              signals=tuple(SignalRef(q, "gathered", mine) for q in _ring(r, w)),
+                              blocks=nb, lane="part", note=f"reduce our part, piece {i}, reading every rank; "
+                              "the sums to every rank"))
             s += _final([("gathered", q * P + i) for q in range(w) if q != r for i in range(P)],
                         "wait for every peer's reduced parts (and their reads of our input)")
             steps.append(s)
