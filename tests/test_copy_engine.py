@@ -102,6 +102,11 @@ def test_copy_engine_spec_errors(tmp_path):
     bad.write_text("name: bad\nop: allgather\nworld_sizes: [2]\nparams:\n  transport: dma\n")
     with pytest.raises(SpecError, match="transport"):
         load_spec(bad)
+    # two_shot_pull stores each reduced share to every rank in one step: no single memcpy does that
+    bad.write_text("name: bad\nop: all_reduce\nworld_sizes: [2, 4]\nparams:\n  algorithm: two_shot_pull\n"
+                   "  transport: copy_engine\n")
+    with pytest.raises(SpecError, match="several ranks in one step"):
+        load_spec(bad)
 
 
 try:

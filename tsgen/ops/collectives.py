@@ -212,6 +212,11 @@ class CollectiveFamily(OpFamily):
             if self.copy_engine(spec) and cp.nblocks > 32:
                 problems.append((("params", "pieces"), f"the plan at world size {w} needs {cp.nblocks} streams, "
                                  "more than the copy-engine launcher's 32"))
+            if self.copy_engine(spec) and any(st.also for rp in cp.ranks for st in rp.steps):
+                problems.append((("params", "transport"), f"{spec.op} with these params stores one result to "
+                                 "several ranks in one step; the copy engine copies to one destination per copy: "
+                                 "use transport: p2p (or algorithm: two_shot with the copy engine)"))
+                break
         return problems
 
     def _nvshmem_check(self, spec):
@@ -228,6 +233,10 @@ class CollectiveFamily(OpFamily):
                                  f"(world size {w}, rank {r}: {st.note}); the nvshmem transport reduces local memory "
                                  "only (puts into inboxes, then a local sum): use a push algorithm such as "
                                  "all_reduce two_shot or reduce_scatter direct, or transport: p2p")]
+                    if st.also:
+                        return [(("params", "transport"), f"{spec.op} with these params stores one result to several "
+                                 f"ranks in one step (world size {w}, rank {r}: {st.note}); the nvshmem transport "
+                                 "puts to one peer per step: use transport: p2p")]
                     if st.op == "copy" and st.dst[0] != r and st.srcs[0][0] != r:
                         return [(("params", "transport"), f"a copy between two peers (world size {w}, rank {r}: "
                                  f"{st.note}) is neither a put nor a get: not supported by the nvshmem transport")]
