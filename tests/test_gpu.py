@@ -4,6 +4,7 @@ calls each, bit-exact against the NumPy reference; and the timeout path.
 Skipped with a reason on machines without enough GPUs (CI has none).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -19,10 +20,16 @@ from tsgen.harness import run_test
 pytestmark = pytest.mark.gpu
 
 
-def _op(spec_path):
+@functools.lru_cache(maxsize=None)
+def _data(spec_path):
+    """The spec's YAML, read once (the lists below ask several questions of each spec)."""
     import yaml
 
-    return yaml.safe_load(spec_path.read_text())["op"]
+    return yaml.safe_load(spec_path.read_text())
+
+
+def _op(spec_path):
+    return _data(spec_path)["op"]
 
 
 def _is_collective(spec_path):
@@ -36,9 +43,7 @@ def _is_multimem(spec_path):
 def _is_nvshmem(spec_path):
     """Built for the NVSHMEM transport: runs only under `--backend nvshmem` (one process per
     GPU, tools/gpu_nvshmem.sh); here, the single-process runtime must refuse it."""
-    import yaml
-
-    return (yaml.safe_load(spec_path.read_text()).get("params") or {}).get("transport") == "nvshmem"
+    return (_data(spec_path).get("params") or {}).get("transport") == "nvshmem"
 
 
 COLLECTIVE_OPS = {"allgather", "reduce_scatter", "all_to_all", "all_to_all_v", "all_reduce", "broadcast"}
@@ -47,9 +52,7 @@ PRIMITIVE_SPECS = [s for s in SPECS if not _is_collective(s) and _op(s) not in C
 
 
 def _worlds(spec_path):
-    import yaml
-
-    return yaml.safe_load(spec_path.read_text()).get("world_sizes") or [2, 3, 4]
+    return _data(spec_path).get("world_sizes") or [2, 3, 4]
 
 
 # each spec at the world sizes it is built for (cannon / summa: 4 = a 2 x 2 grid; the
