@@ -148,3 +148,11 @@ def test_missing_extra_destination_fails():
     plan.ranks[1].steps[i] = dataclasses.replace(st, also=st.also[:-1])
     problems = verify(plan, schedules=5)
     assert problems and any("never written" in p for p in problems), problems
+
+
+def test_extra_destinations_only_on_reduce_steps():
+    plan = _plan("specs/allgather.yaml", 2)
+    i = _first_copy(plan, 0)
+    st = plan.ranks[0].steps[i]
+    plan.ranks[0].steps[i] = dataclasses.replace(st, also=(st.dst,))
+    assert any("only a reduce stores to extra destinations" in p for p in verify(plan, schedules=2))

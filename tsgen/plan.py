@@ -54,9 +54,9 @@ class Step:
     op: "copy" (dst = src), "reduce" (dst = sum of srcs, fp32 accumulation)
     or "none" (only waits and signals). Each block doing a share waits for
     `waits` (counters in this rank's memory) first, and raises each of
-    `signals` by one after its share is written. `also`: more destinations
-    that get the same values as dst (a reduced part stored to every rank at
-    once, instead of re-read and copied once per peer).
+    `signals` by one after its share is written. `also` (reduce only): more
+    destinations that get the same values as dst (a reduced part stored to
+    every rank at once, instead of re-read and copied once per peer).
     """
 
     op: str
@@ -342,6 +342,8 @@ def verify(plan: CommPlan, schedules: int = 200, calls: int = 2, seed: int = 0) 
             if (len(s.srcs) > MAX_SRCS or len(s.waits) > MAX_WAITS or len(s.signals) > MAX_SIGNALS
                     or len(s.also) > MAX_ALSO):
                 problems.append(f"rank {r}: step {s.note} exceeds the table limits")
+            if s.also and s.op != "reduce":
+                problems.append(f"rank {r}: step {s.note}: only a reduce stores to extra destinations")
             if s.also and any((sl.pieces, sl.piece) != (s.dst[1].pieces, s.dst[1].piece) for _, sl in s.also):
                 problems.append(f"rank {r}: step {s.note}: every destination must be the same piece as dst")
     pieces: dict[str, int] = {}
